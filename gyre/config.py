@@ -1,0 +1,160 @@
+"""Strict loading of typed config dataclasses from YAML / dicts.
+
+Each component owns a `@dataclass(kw_only=True, slots=True) class Config` whose fields carry
+a one-line docstring (as a comment) and whose `__post_init__` validates values. This module
+turns nested dicts into those dataclasses and rejects unknown keys and wrong types with a
+`ConfigError` that names the key path, the value and what is allowed:
+
+    cfg = load(MyConfig, yaml.safe_load(text), path="sim")
+
+Supported field types: bool, int, float, str, Optional[...], list[...], tuple[...],
+dict[str, ...], Literal[...], enums and nested dataclasses.
+
+Validation in `__post_init__` raises `ConfigError("field: value ... ; allowed ...")`, its
+message starting with the field name; `load` prefixes the key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from gyre.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def load(cls: type[T], data: Any, path: str = "") -> T:
+    """Build `cls` (a dataclass) from `data`, rejecting unknown keys and bad types."""
+    return typing.cast(T, _convert(cls, data, path or cls.__name__))
+
+
+def load_yaml(cls: type[T], file: str | Path, section: str | None = None) -> T:
+    """Read a YAML file (optionally one top-level section of it) into `cls`."""
+    p = Path(file)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if section is not None:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a mapping at the top level")
+        data = data.get(section, {})
+    return load(cls, data, path=section or p.stem)
+
+
+def to_dict(obj: Any) -> Any:
+    """The inverse of `load`: plain dicts/lists suitable for YAML or JSON."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, list | tuple):
+        return [to_dict(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _convert_dataclass(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: {value!r} matches none of {_type_name(tp)}")
+    if origin is typing.Literal:
+        if value not in args:
+            allowed = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{path}: {value!r} is not allowed; choose one of {allowed}")
+        return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in tp)
+            raise ConfigError(f"{path}: {value!r} is not allowed; choose one of {allowed}") from None
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
+            return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        item = args[0] if args else Any
+        items = [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        vt = args[1] if args else Any
+        return {str(k): _convert(vt, v, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported config type {_type_name(tp)}")
+
+
+def _convert_dataclass(cls: Any, value: Any, path: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        allowed = ", ".join(sorted(fields))
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r}; allowed keys: {allowed}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, f in fields.items():
+        if name in value:
+            kwargs[name] = _convert(hints[name], value[name], f"{path}.{name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{path}.{name}: required key is missing")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        # __post_init__ messages start with the field name ("phi: ..."); add the path.
+        raise ConfigError(f"{path}.{e}") from None

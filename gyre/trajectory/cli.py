@@ -1,0 +1,119 @@
+"""`gyre trace show`: inspect a run's trace file (live or after a crash).
+
+    gyre trace show runs/x/trace.h5                     # the run's executions
+    gyre trace show runs/x/trace.h5 --execution g0-e3   # one execution's tree
+    gyre trace show runs/x/trace.h5 --json              # the same as plain JSON
+
+Human output uses rich tables; --json prints one JSON document (trees via
+`TrajectoryTree.to_dict`, so token ids and log-probs are included). Open executions (never
+closed, e.g. after a writer crash) are shown with status "open" from the journal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add `gyre trace show` to the `gyre` command."""
+    trace = subparsers.add_parser("trace", help="inspect HDF5 trace files")
+    sub = trace.add_subparsers(dest="trace_command", metavar="ACTION")
+    show = sub.add_parser("show", help="list a run's executions or print one execution's tree")
+    show.add_argument("file", help="trace file written by a run (HDF5)")
+    show.add_argument("--execution", metavar="ID", help="print this execution's tree")
+    show.add_argument("--json", action="store_true", help="print plain JSON")
+    show.set_defaults(func=_show)
+    trace.set_defaults(func=lambda args: (trace.print_help(), 2)[1])
+
+
+def _show(args: argparse.Namespace) -> int:
+    from gyre.trajectory.reader import TraceReader
+
+    with TraceReader(args.file) as reader:
+        if args.execution is None:
+            doc = _run_doc(reader)
+            printer = _print_run
+        else:
+            doc = _execution_doc(reader, args.execution)
+            printer = _print_tree
+    if args.json:
+        json.dump(doc, sys.stdout, indent=1, allow_nan=False)
+        sys.stdout.write("\n")
+    else:
+        printer(doc)
+    return 0
+
+
+def _run_doc(reader: Any) -> dict[str, Any]:
+    return {
+        "file": str(reader.path),
+        "format_version": reader.format_version,
+        "writer_closed": reader.writer_closed,
+        "run_meta": reader.run_meta,
+        "tables": reader.table_sizes(),
+        "executions": [dataclasses.asdict(i) for i in reader.executions()],
+    }
+
+
+def _execution_doc(reader: Any, execution_id: str) -> dict[str, Any]:
+    from gyre.errors import StoreError
+
+    infos = {i.execution_id: i for i in reader.executions()}
+    info = infos.get(execution_id)
+    if info is None:
+        raise StoreError(f"{reader.path}: no execution {execution_id!r}")
+    tree = reader.tree(execution_id) if info.closed else reader.recover()[execution_id]
+    return {
+        "execution": dataclasses.asdict(info),
+        "stats": dataclasses.asdict(tree.stats()),
+        "leaves": tree.leaves(),
+        "tree": tree.to_dict(),
+    }
+
+
+def _print_run(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console(highlight=False)
+    state = "closed cleanly" if doc["writer_closed"] else "being written or writer crashed"
+    console.print(Text(f"{doc['file']}  format {doc['format_version']}  ({state})"))
+    table = Table("execution", "status", "nodes", "leaves", "unique tok", "flat tok", "seconds")
+    for e in doc["executions"]:
+        secs = "" if e["t_close"] is None else f"{e['t_close'] - e['t_open']:.1f}"
+        table.add_row(Text(e["execution_id"]), Text(e["status"]), str(e["num_nodes"]), str(e["num_leaves"]),
+                      str(e["unique_tokens"]), str(e["flat_tokens"]), secs)  # fmt: skip
+    console.print(table)
+    sizes = ", ".join(f"{k}={v}" for k, v in doc["tables"].items())
+    console.print(f"tables: {sizes}")
+
+
+def _print_tree(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console(highlight=False)
+    e, s = doc["execution"], doc["stats"]
+    console.print(
+        Text(
+            f"execution {e['execution_id']}  status {e['status']}  nodes {s['num_nodes']}  "
+            f"leaves {s['num_leaves']}  unique tokens {s['unique_tokens']}  "
+            f"flat tokens {s['flat_tokens']}"
+        )
+    )
+    table = Table("node", "parent", "role", "input tok", "output tok", "policy", "engine",
+                  "finish", "attempts", "leaf")  # fmt: skip
+    leaves = set(doc["leaves"])
+    for n in doc["tree"]["nodes"]:
+        table.add_row(str(n["node_id"]), str(n["parent_id"]), Text(n["role"]),
+                      str(len(n["input_ids"])), str(len(n["output_ids"])),
+                      str(n["policy_version"]), Text(n["engine_id"]), Text(n["finish_reason"]),
+                      str(n["attempts"]),
+                      "yes" if n["node_id"] in leaves else "")  # fmt: skip
+    console.print(table)

@@ -1,0 +1,465 @@
+"""The run's HDF5 trace store: one file per run, one writer, live SWMR readers.
+
+The coordinator owns one `TraceWriter`. For every execution it calls `open_execution`,
+then `record_node` for each model call (a journal: the node's tokens and row are appended
+and flushed at once, so a killed writer loses nothing), and finally `close_execution` with
+the whole `TrajectoryTree`, which writes the tree's node rows contiguously (reusing the
+journaled tokens) and appends the execution's row LAST, after a flush: that row is the
+commit marker. Other parts append rows to declared tables (`append`).
+
+Every dataset is created with the file (HDF5 SWMR allows no new objects afterwards), so
+readers in other processes (`TraceReader`, in gyre/trajectory/reader.py) can follow a
+live run and can read a file whose writer was SIGKILLed: closed executions are intact,
+open ones are listed with status "open" and rebuilt from the journal by `recover`.
+Layout: docs/trace-format.md. The writer is not thread-safe; call it from one thread.
+
+    with TraceWriter("runs/x/trace.h5", run_meta={"config": yaml_text}) as w:
+        w.open_execution("g0-e0", {"task": "t1"})
+        w.record_node("g0-e0", node)
+        w.close_execution("g0-e0", tree, status="completed")
+        w.append("rewards", [{"execution_id": "g0-e0", "group_id": "g0", ...}])
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from gyre.errors import ConfigError, StoreError
+from gyre.trajectory import schema as S
+from gyre.trajectory.reader import ExecutionInfo, TraceReader, recover
+from gyre.trajectory.tree import Node, Provenance, TrajectoryTree
+
+__all__ = [
+    "ExecutionInfo",
+    "StoreConfig",
+    "TraceInputError",
+    "TraceReader",
+    "TraceWriter",
+    "recover",
+]
+
+
+class TraceInputError(StoreError, ValueError):
+    """A write was refused because its input is malformed; nothing was written."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StoreConfig:
+    """How the trace file is created."""
+
+    # replace an existing file at the path (otherwise an existing file is an error)
+    overwrite: bool = False
+    # elements per chunk of the flat token / log-prob / string-byte datasets
+    token_chunk: int = 1 << 16
+    # rows per chunk of the node, execution, journal and table datasets
+    row_chunk: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.token_chunk <= 1 << 24:
+            raise ConfigError(f"token_chunk: {self.token_chunk}; allowed 1..{1 << 24}")
+        if not 1 <= self.row_chunk <= 1 << 20:
+            raise ConfigError(f"row_chunk: {self.row_chunk}; allowed 1..{1 << 20}")
+
+
+@dataclass(slots=True)
+class _Open:
+    """Writer-side state of one open execution: where its journaled nodes' tokens live."""
+
+    t_open: float
+    meta: dict[str, Any] = field(default_factory=dict)  # from open_execution
+    journaled: list[tuple[Node, int, int]] = field(default_factory=list)  # node, tok, lp start
+
+
+def _utf8(what: str, s: Any) -> bytes:
+    if not isinstance(s, str):
+        raise TraceInputError(f"{what}: must be a str, got {type(s).__name__}")
+    try:
+        return s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise TraceInputError(f"{what}: {s!r} is not encodable as UTF-8") from None
+
+
+def _json(what: str, meta: Any) -> str:
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, Mapping):
+        raise TraceInputError(f"{what}: must be a dict, got {type(meta).__name__}")
+    try:
+        text = json.dumps(dict(meta), sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TraceInputError(f"{what}: not JSON-serializable ({e})") from None
+    _utf8(what, text)
+    return text
+
+
+def _check_node(where: str, node: Any) -> None:
+    """Cheap structural checks of a node built outside `TrajectoryTree.add_node`."""
+    if not isinstance(node, Node):
+        raise TraceInputError(f"{where}: expected a Node, got {type(node).__name__}")
+    arrays = (
+        ("input_ids", np.int32, len(node.input_ids)),
+        ("input_provenance", np.uint8, len(node.input_ids)),
+        ("output_ids", np.int32, len(node.output_ids)),
+        ("output_logprobs", np.float32, len(node.output_ids)),
+    )
+    for name, dtype, n in arrays:
+        arr = getattr(node, name)
+        if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.shape != (n,):
+            raise TraceInputError(f"{where}: {name} must be a 1-D {np.dtype(dtype)} of length {n}")
+    for name in ("input_key", "output_key"):
+        key = getattr(node, name)
+        if not isinstance(key, bytes) or len(key) > S.KEY_BYTES:
+            raise TraceInputError(f"{where}: {name} must be bytes of length <= {S.KEY_BYTES}")
+    for name in ("role", "engine_id", "finish_reason"):
+        _utf8(f"{where}: {name}", getattr(node, name))
+
+
+class TraceWriter:
+    """The single writer of a run's trace file (SWMR mode from creation on)."""
+
+    Config = StoreConfig
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        run_meta: Mapping[str, Any],
+        tables: Sequence[S.Table] = (),
+        config: StoreConfig | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = Path(path)
+        self.config = config or StoreConfig()
+        self.tables = S.merge_tables(tables)
+        self._clock = clock
+        meta = _json("run_meta", run_meta).encode()
+        if self.path.exists() and not self.config.overwrite:
+            raise StoreError(f"{self.path}: already exists (set overwrite to replace it)")
+        try:
+            self._f = h5py.File(self.path, "w", libver="latest")
+        except OSError as e:
+            raise StoreError(f"{self.path}: cannot create trace file ({e})") from None
+        try:
+            S.create_layout(
+                self._f,
+                self.tables,
+                meta,
+                token_chunk=self.config.token_chunk,
+                row_chunk=self.config.row_chunk,
+            )
+            self._f.swmr_mode = True
+        except Exception:
+            self._f.close()
+            raise
+        self._ds: dict[str, h5py.Dataset] = {}
+        self._strings: dict[str, int] = {}
+        self._open: dict[str, _Open] = {}
+        self._closed: set[str] = set()
+        self._alive = True
+
+    # -- executions -------------------------------------------------------------------------
+
+    def open_execution(self, execution_id: str, meta: Mapping[str, Any] | None = None) -> None:
+        """Journal that an execution started (its nodes can be journaled from now on)."""
+        self._check_alive()
+        _utf8("execution_id", execution_id)
+        if execution_id in self._open or execution_id in self._closed:
+            state = "open" if execution_id in self._open else "closed"
+            raise TraceInputError(f"execution {execution_id!r}: already {state} in this run")
+        meta_text = _json(f"execution {execution_id!r} meta", meta)
+        t_open = self._clock()
+        with self._writing(f"open execution {execution_id!r}"):
+            eid, mid = self._intern([execution_id, meta_text])
+            self._append_rows(S.JOURNAL_OPENS, np.array([(eid, mid, t_open)], S.OPEN_DTYPE))
+            self._f.flush()
+        self._open[execution_id] = _Open(t_open=t_open, meta=json.loads(meta_text))
+
+    def record_node(self, execution_id: str, node: Node) -> None:
+        """Journal one node of an open execution and flush (~1 ms): a crash loses nothing."""
+        self._check_alive()
+        state = self._open.get(execution_id)
+        if state is None:
+            raise TraceInputError(self._not_open(execution_id))
+        where = f"execution {execution_id!r} node"
+        _check_node(where, node)
+        n = len(state.journaled)
+        if node.node_id != n + 1 or not 0 <= node.parent_id <= n:
+            raise TraceInputError(
+                f"{where} {node.node_id} (parent {node.parent_id}): journal holds nodes 1..{n}; "
+                f"next must be node {n + 1} with parent 0..{n}"
+            )
+        with self._writing(f"journal {where} {node.node_id}"):
+            tok, lp = self._append_tokens([node])
+            row = self._node_rows(execution_id, [node], tok, lp)
+            self._append_rows(S.JOURNAL_NODES, row)
+            self._f.flush()
+        state.journaled.append((node, int(tok[0]), int(lp[0])))
+
+    def close_execution(
+        self,
+        execution_id: str,
+        tree: TrajectoryTree,
+        *,
+        status: str,
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Write the execution's whole tree, then its row (the commit marker); flush both.
+
+        The stored meta is the open meta updated by `meta`. Closing an execution that was
+        never opened is allowed (nothing was journaled for it).
+        """
+        self._check_alive()
+        self._check_close(execution_id, tree, status)
+        state = self._open.get(execution_id) or _Open(t_open=self._clock())
+        meta_text = _json(f"execution {execution_id!r} meta", meta)
+        meta_text = _json("meta", {**state.meta, **json.loads(meta_text)})
+        reuse = self._journal_reuse(state, tree)
+        nodes = tree.nodes
+        fresh = [n for n in nodes if n.node_id not in reuse]
+        with self._writing(f"close execution {execution_id!r}"):
+            tok_new, lp_new = self._append_tokens(fresh)
+            starts = dict(reuse)
+            starts.update(
+                {n.node_id: (int(t), int(lp)) for n, t, lp in zip(fresh, tok_new, lp_new)}
+            )
+            tok = np.array([starts[n.node_id][0] for n in nodes], np.int64)
+            lp = np.array([starts[n.node_id][1] for n in nodes], np.int64)
+            node_start = self._append_rows(S.NODES, self._node_rows(execution_id, nodes, tok, lp))
+            self._f.flush()
+            row = self._execution_row(execution_id, tree, status, meta_text, state, node_start)
+            self._append_rows(S.EXECUTIONS, row)
+            self._f.flush()
+        self._open.pop(execution_id, None)
+        self._closed.add(execution_id)
+
+    def _check_close(self, execution_id: str, tree: Any, status: Any) -> None:
+        _utf8("execution_id", execution_id)
+        if execution_id in self._closed:
+            raise TraceInputError(f"execution {execution_id!r}: already closed (duplicate close)")
+        if not isinstance(tree, TrajectoryTree):
+            raise TraceInputError(f"tree: expected a TrajectoryTree, got {type(tree).__name__}")
+        if tree.execution_id != execution_id:
+            raise TraceInputError(
+                f"tree: belongs to execution {tree.execution_id!r}, not {execution_id!r}"
+            )
+        _utf8("status", status)
+        if not status or status == "open":
+            raise TraceInputError(
+                f"status: {status!r}; a closed execution needs a non-empty "
+                "status other than 'open' (e.g. 'completed', 'timeout')"
+            )
+        for node in tree.nodes:
+            _check_node(f"execution {execution_id!r} node {node.node_id}", node)
+
+    @staticmethod
+    def _journal_reuse(state: _Open, tree: TrajectoryTree) -> dict[int, tuple[int, int]]:
+        """Journaled nodes equal to the tree's: their tokens are already in the file."""
+        out: dict[int, tuple[int, int]] = {}
+        for jn, tok, lp in state.journaled:
+            if jn.node_id > len(tree):
+                break
+            tn = tree.node(jn.node_id)
+            same = tn is jn or all(
+                np.array_equal(getattr(tn, k), getattr(jn, k))
+                for k in ("input_ids", "input_provenance", "output_ids", "output_logprobs")
+            )
+            if same:
+                out[jn.node_id] = (tok, lp)
+        return out
+
+    def _execution_row(
+        self, eid: str, tree: TrajectoryTree, status: str, meta: str, state: _Open, start: int
+    ) -> np.ndarray:
+        st = tree.stats()
+        e, s, m = self._intern([eid, status, meta])
+        values = (e, s, m, start, st.num_nodes, state.t_open, self._clock(), st.num_leaves,
+                  st.unique_tokens, st.flat_tokens, st.unique_policy_tokens,
+                  st.flat_policy_tokens)  # fmt: skip
+        return np.array([values], S.EXECUTION_DTYPE)
+
+    # -- tables -----------------------------------------------------------------------------
+
+    def append(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
+        """Append rows (dicts with exactly the table's columns) to a declared table; flush."""
+        self._check_alive()
+        spec = self.tables.get(table) if isinstance(table, str) else None
+        if spec is None:
+            raise TraceInputError(f"table {table!r}: not declared; declared: {sorted(self.tables)}")
+        if isinstance(rows, Mapping | str | bytes):
+            raise TraceInputError(f"table {table}: rows must be a list of dicts")
+        rows = list(rows)
+        for i, row in enumerate(rows):
+            _check_table_row(spec, i, row)
+        if not rows:
+            return
+        with self._writing(f"append to table {table}"):
+            arr = np.zeros(len(rows), spec.dtype)
+            for col, kind in spec.columns:
+                values = [r[col] for r in rows]
+                arr[col] = self._intern(values) if kind == "str" else values
+            self._append_rows(S.table_path(table), arr)
+            self._f.flush()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def open_executions(self) -> list[str]:
+        """Executions opened and not yet closed, in open order."""
+        return list(self._open)
+
+    def flush(self) -> None:
+        """Push everything written so far to the file (writes already flush themselves)."""
+        self._check_alive()
+        with self._writing("flush"):
+            self._f.flush()
+
+    def close(self) -> None:
+        """Mark the file cleanly closed and close it. Open executions stay journaled."""
+        if not self._alive:
+            return
+        self._alive = False
+        try:
+            self._f[S.RUN_STATE][0] = 1
+            self._f.flush()
+        finally:
+            self._f.close()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- low level --------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if not self._alive:
+            raise StoreError(f"{self.path}: the trace writer is closed")
+
+    def _not_open(self, execution_id: Any) -> str:
+        if execution_id in self._closed:
+            return f"execution {execution_id!r}: already closed; cannot journal more nodes"
+        return f"execution {execution_id!r}: not open (call open_execution first)"
+
+    def _writing(self, what: str) -> _WriteGuard:
+        return _WriteGuard(f"{self.path}: {what}")
+
+    def _dataset(self, path: str) -> h5py.Dataset:
+        ds = self._ds.get(path)
+        if ds is None:
+            ds = self._ds[path] = self._f[path]
+        return ds
+
+    def _append_rows(self, path: str, arr: np.ndarray) -> int:
+        """Extend a 1-D dataset by `arr`; returns the index of its first new element."""
+        ds = self._dataset(path)
+        n = ds.shape[0]
+        if len(arr):
+            ds.resize((n + len(arr),))
+            ds[n:] = arr
+        return n
+
+    def _intern(self, values: Sequence[str]) -> list[int]:
+        """String-pool ids for `values`, appending unseen strings to the pool first."""
+        new = [v for v in dict.fromkeys(values) if v not in self._strings]
+        if new:
+            blobs = [v.encode("utf-8") for v in new]
+            start = self._append_rows(S.STRINGS_DATA, np.frombuffer(b"".join(blobs), np.uint8))
+            ends = start + np.cumsum([len(b) for b in blobs], dtype=np.int64)
+            first = self._append_rows(S.STRINGS_END, ends)
+            self._strings.update({v: first + i for i, v in enumerate(new)})
+        return [self._strings[v] for v in values]
+
+    def _append_tokens(self, nodes: Sequence[Node]) -> tuple[np.ndarray, np.ndarray]:
+        """Write the nodes' tokens back to back; returns per-node token / log-prob starts."""
+        ids, prov, lps, sizes, outs = [], [], [], [], []
+        for n in nodes:
+            ids += [n.input_ids, n.output_ids]
+            prov += [n.input_provenance, np.full(len(n.output_ids), Provenance.POLICY, np.uint8)]
+            lps.append(n.output_logprobs)
+            sizes.append(n.num_tokens)
+            outs.append(len(n.output_ids))
+        if not nodes:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        tok0 = self._append_rows(S.TOKEN_IDS, np.concatenate(ids).astype(np.int32, copy=False))
+        self._append_rows(S.TOKEN_PROVENANCE, np.concatenate(prov).astype(np.uint8, copy=False))
+        lp0 = self._append_rows(S.LOGPROBS, np.concatenate(lps).astype(np.float32, copy=False))
+        tok = tok0 + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        lp = lp0 + np.concatenate([[0], np.cumsum(outs)[:-1]]).astype(np.int64)
+        return tok, lp
+
+    def _node_rows(
+        self, execution_id: str, nodes: Sequence[Node], tok: np.ndarray, lp: np.ndarray
+    ) -> np.ndarray:
+        rows = np.zeros(len(nodes), S.NODE_DTYPE)
+        rows["execution"] = self._intern([execution_id])[0]
+        for col in ("node_id", "parent_id", "policy_version", "t_start", "t_end", "attempts"):
+            rows[col] = [getattr(n, col) for n in nodes]
+        for col in ("role", "engine_id", "finish_reason"):
+            rows[col] = self._intern([getattr(n, col) for n in nodes])
+        rows["token_start"] = tok
+        rows["logprob_start"] = lp
+        rows["n_input"] = [len(n.input_ids) for n in nodes]
+        rows["n_output"] = [len(n.output_ids) for n in nodes]
+        for i, n in enumerate(nodes):
+            for col in ("input_key", "output_key"):
+                key = getattr(n, col)
+                rows[col][i, : len(key)] = np.frombuffer(key, np.uint8)
+                rows[f"{col}_len"][i] = len(key)
+        return rows
+
+
+class _WriteGuard:
+    """Turns low-level HDF5 failures during a write into a StoreError naming the write."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type | None, exc: BaseException | None, tb: object) -> None:
+        if (
+            exc is not None
+            and not isinstance(exc, StoreError)
+            and isinstance(exc, OSError | RuntimeError | ValueError | KeyError)
+        ):
+            raise StoreError(f"{self.what} failed: {exc}") from exc
+
+
+def _check_table_row(spec: S.Table, i: int, row: Any) -> None:
+    where = f"table {spec.name} row {i}"
+    if not isinstance(row, Mapping):
+        raise TraceInputError(f"{where}: must be a dict, got {type(row).__name__}")
+    cols = [c for c, _ in spec.columns]
+    if set(row) != set(cols):
+        extra, missing = sorted(set(row) - set(cols)), [c for c in cols if c not in row]
+        raise TraceInputError(
+            f"{where}: unknown columns {extra}, missing columns {missing}; columns are {cols}"
+        )
+    for col, kind in spec.columns:
+        _check_cell(f"{where} column {col!r}", kind, row[col])
+
+
+def _check_cell(where: str, kind: str, v: Any) -> None:
+    is_bool = isinstance(v, bool | np.bool_)
+    if kind == "str":
+        _utf8(where, v)
+    elif kind == "bool":
+        if not is_bool:
+            raise TraceInputError(f"{where}: expected a bool, got {v!r}")
+    elif kind == "int":
+        if is_bool or not isinstance(v, int | np.integer) or not -(2**63) <= int(v) < 2**63:
+            raise TraceInputError(f"{where}: expected an int64, got {v!r}")
+    elif is_bool or not isinstance(v, int | float | np.integer | np.floating):
+        raise TraceInputError(f"{where}: expected a float, got {v!r}")
+    elif isinstance(v, int) and abs(v) > 2**1023:
+        raise TraceInputError(f"{where}: {v!r} does not fit a float64")

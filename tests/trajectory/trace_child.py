@@ -1,0 +1,71 @@
+"""Child processes for the trace store tests (run as real subprocesses).
+
+    python trace_child.py write PATH   # journal and close executions forever, report progress
+    python trace_child.py read PATH    # SWMR reader: on each stdin line, refresh and report
+
+The writer keeps three executions open at a time, journals one node per step round-robin,
+and prints `journaled EID N`, `closed EID`, `opened EID` after each write returned (so
+every printed fact is flushed to the file). Trees come from `make_tree(i, f"exec-{i}", ...)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from trajectory_strategies import make_tree
+
+from gyre.trajectory.store import TraceReader, TraceWriter
+
+
+def expected_tree(i: int):
+    return make_tree(i, f"exec-{i}", 8 + i % 13)
+
+
+def tree_digest(tree) -> str:
+    return hashlib.sha256(json.dumps(tree.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def write(path: str) -> None:
+    w = TraceWriter(path, run_meta={"config": "child: true\n"})
+    say = lambda *a: print(*a, flush=True)  # noqa: E731
+    next_i, step, live = 0, 0, []
+    while True:
+        step += 1
+        while len(live) < 3:
+            tree = expected_tree(next_i)
+            w.open_execution(tree.execution_id, {"i": next_i})
+            say("opened", tree.execution_id)
+            live.append([tree, 0])
+            next_i += 1
+        slot = live[step % len(live)]
+        tree, k = slot
+        if k < len(tree):
+            w.record_node(tree.execution_id, tree.nodes[k])
+            slot[1] = k + 1
+            say("journaled", tree.execution_id, k + 1)
+        else:
+            w.close_execution(tree.execution_id, tree, status="completed", meta={"n": len(tree)})
+            say("closed", tree.execution_id)
+            live.remove(slot)
+
+
+def read(path: str) -> None:
+    r = TraceReader(path)
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+        doc = {}
+        for info in r.executions():
+            digest = tree_digest(r.tree(info.execution_id)) if info.closed else None
+            doc[info.execution_id] = [info.status, info.num_nodes, digest]
+        print(json.dumps(doc), flush=True)
+    r.close()
+
+
+if __name__ == "__main__":
+    {"write": write, "read": read}[sys.argv[1]](sys.argv[2])

