@@ -1,0 +1,115 @@
+"""Typed configuration of the scheduler: the cluster's cells, the RL batch shape, dispatch.
+
+`Config` holds what every policy shares (cells, standalone pool, N, B, φ, μ, supply and join
+thresholds); `PolicyConfig` picks Elastic, Async or Colocate and the Table 1 knobs that only
+a policy reads (streaming, the Async training split). Both validate in `__post_init__` and
+raise `ConfigError` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from gyre.errors import ConfigError
+
+POLICIES = ("elastic", "async", "colocate")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Cells, standalone pool, batch shape and boundary dispatch of one run."""
+
+    nodes: int = 32
+    """Nodes in the elastic cells (standalone nodes not included)."""
+    cells: int = 8
+    """K: number of cells; cell 0 is the core, the rest are satellites in this order."""
+    train_layout_nodes: int = 4
+    """Nodes one training replica needs (its TP x PP x EP x CP layout); a cell holds a multiple."""
+    concurrency_per_cell: int = 144
+    """Executions one cell-sized rollout engine serves at once."""
+    standalone_nodes: int = 0
+    """Nodes that stay in rollout; grouped into engines of one cell's size and concurrency."""
+    group_size: int = 16
+    """N: executions per rollout group."""
+    batch_groups: int = 32
+    """B: groups per training step."""
+    phi: float = 0.5
+    """φ: extra dispatch in units of B groups (φB is rounded half up to whole groups)."""
+    mu: int = 3
+    """μ: training steps per burst (one weight publication per burst)."""
+    supply_fraction: float = 0.25
+    """Streaming supply check: ready or soon-ready groups needed, as a fraction of B."""
+    join_min_microsteps: int = 16
+    """A satellite joins a batch only if at least this many micro-steps are left for it."""
+
+    def __post_init__(self) -> None:
+        _positive("nodes", self.nodes)
+        _positive("cells", self.cells)
+        if self.cells > self.nodes:
+            raise ConfigError(
+                f"cells: {self.cells} is more than nodes ({self.nodes}); allowed 1..{self.nodes}"
+            )
+        if self.nodes % self.cells:
+            raise ConfigError(
+                f"cells: {self.cells} does not divide nodes ({self.nodes}); "
+                "allowed: a divisor of nodes"
+            )
+        _positive("train_layout_nodes", self.train_layout_nodes)
+        if self.nodes_per_cell % self.train_layout_nodes:
+            raise ConfigError(
+                f"train_layout_nodes: {self.train_layout_nodes} does not fit a cell of "
+                f"{self.nodes_per_cell} nodes; allowed: a divisor of nodes/cells"
+            )
+        _positive("concurrency_per_cell", self.concurrency_per_cell)
+        if self.standalone_nodes < 0 or self.standalone_nodes % self.nodes_per_cell:
+            raise ConfigError(
+                f"standalone_nodes: {self.standalone_nodes}; allowed: a multiple of the "
+                f"cell size ({self.nodes_per_cell}), 0 or more"
+            )
+        _positive("group_size", self.group_size)
+        _positive("batch_groups", self.batch_groups)
+        if not self.phi >= 0:
+            raise ConfigError(f"phi: {self.phi} is negative; allowed φ >= 0")
+        if self.mu < 1:
+            raise ConfigError(f"mu: {self.mu}; allowed μ >= 1 (integer)")
+        if not 0 < self.supply_fraction <= 1:
+            raise ConfigError(f"supply_fraction: {self.supply_fraction}; allowed 0 < x <= 1")
+        if self.join_min_microsteps < 0:
+            raise ConfigError(f"join_min_microsteps: {self.join_min_microsteps}; allowed >= 0")
+
+    @property
+    def nodes_per_cell(self) -> int:
+        return self.nodes // self.cells
+
+    @property
+    def standalone_engines(self) -> int:
+        return self.standalone_nodes // self.nodes_per_cell
+
+    @property
+    def extra_groups(self) -> int:
+        """φB rounded to whole groups."""
+        return math.floor(self.phi * self.batch_groups + 0.5)
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyConfig:
+    """Which placement policy runs over the machine, and its Table 1 knobs."""
+
+    name: Literal["elastic", "async", "colocate"] = "elastic"
+    """elastic (cells switch one by one), async (fixed split), colocate (whole pool switches)."""
+    streaming: bool = True
+    """Start a batch on part of its groups and stream the rest in (else wait for B ready)."""
+    train_cells: int = 1
+    """Async only: cells (core first) fixed in training; the others stay in rollout."""
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ConfigError(f"name: {self.name!r} is unknown; allowed: {', '.join(POLICIES)}")
+        _positive("train_cells", self.train_cells)
+
+
+def _positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}: {value!r}; allowed: an integer >= 1")

@@ -1,0 +1,219 @@
+"""Events the scheduler consumes and actions it emits.
+
+The scheduler (`gyre.schedule.machine.Scheduler`) is a pure state machine: the real
+coordinator and the simulator feed it these small frozen events and carry out the actions it
+returns (starting harnesses, switching cells, moving model calls, training micro-steps,
+publishing weights). Ids are plain integers so the same objects travel over MPI unchanged:
+execution `x` belongs to group `x // N`; engines `0..K-1` are the cells' rollout engines and
+`K..K+S-1` the standalone engines.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Role(enum.Enum):
+    """A cell's role; TO_* are the transitions between the two stable roles."""
+
+    ROLLOUT = "rollout"
+    TO_TRAIN = "to_train"
+    TRAIN = "train"
+    TO_ROLLOUT = "to_rollout"
+
+
+class Outcome(enum.Enum):
+    """How an execution terminated; each one increments f(t) exactly once."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    HARNESS_TIMEOUT = "harness_timeout"
+    CANCELLED = "cancelled"
+
+
+# ---------------------------------------------------------------- events (driver -> scheduler)
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """The job is up: fill the dispatch queue to (φ+μ)B groups and start launching."""
+
+
+@dataclass(frozen=True, slots=True)
+class Launched:
+    """Optional confirmation that a `Launch` started its harness (no counter changes)."""
+
+    execution: int
+
+
+@dataclass(frozen=True, slots=True)
+class Terminated:
+    """An execution ended (completion, failure, timeout or cancellation): f += 1."""
+
+    execution: int
+    outcome: Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class GroupReady:
+    """All N executions of a group are closed with their outcomes settled (scored/discarded)."""
+
+    group: int
+
+
+@dataclass(frozen=True, slots=True)
+class MicroStepsQueued:
+    """The packing buffer materialized an admitted group into `count` micro-steps."""
+
+    batch: int
+    group: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class MicroStepDone:
+    """A training cell finished the micro-step it claimed."""
+
+    cell: int
+    batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDone:
+    """The core applied the optimizer update of `batch`: the policy version advances."""
+
+    batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchDone:
+    """A cell finished its role transition (TO_TRAIN -> TRAIN or TO_ROLLOUT -> ROLLOUT)."""
+
+    cell: int
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsPublished:
+    """The core's weights of `version` reached every rollout engine."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed (seconds); the scheduler re-evaluates its conditions and keeps no clock."""
+
+    time: float
+
+
+Event = (
+    Start
+    | Launched
+    | Terminated
+    | GroupReady
+    | MicroStepsQueued
+    | MicroStepDone
+    | BatchDone
+    | SwitchDone
+    | WeightsPublished
+    | Tick
+)
+
+
+# --------------------------------------------------------------- actions (scheduler -> driver)
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """A new group enters the rollout queue; `version` is the published version at dispatch."""
+
+    group: int
+    executions: tuple[int, ...]
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Start an execution's harness, its model calls routed to `engine`."""
+
+    execution: int
+    engine: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchCell:
+    """Move a cell toward `role` (TRAIN or ROLLOUT); answer with `SwitchDone`."""
+
+    cell: int
+    role: Role
+
+
+@dataclass(frozen=True, slots=True)
+class Reroute:
+    """Cancel the execution's calls on `source` and retry them on `destination` (reserved)."""
+
+    execution: int
+    source: int
+    destination: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpenJoinWindow:
+    """Satellites may join `batch` from now on."""
+
+    batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class CloseJoinWindow:
+    """No satellite joins `batch` any more (always before its optimizer update)."""
+
+    batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitGroup:
+    """The packing buffer takes a ready group into `batch`; d = v_t - v_d is its staleness."""
+
+    group: int
+    batch: int
+    staleness: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimMicroStep:
+    """`cell` claims the next micro-step of `batch`; answer with `MicroStepDone`."""
+
+    cell: int
+    batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerUpdate:
+    """Reduce gradients of `cells` to the core, clip, update once; answer with `BatchDone`."""
+
+    batch: int
+    cells: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """The core publishes `version` to the rollout `engines`; answer with `WeightsPublished`."""
+
+    version: int
+    engines: tuple[int, ...]
+
+
+Action = (
+    Dispatch
+    | Launch
+    | SwitchCell
+    | Reroute
+    | OpenJoinWindow
+    | CloseJoinWindow
+    | AdmitGroup
+    | ClaimMicroStep
+    | OptimizerUpdate
+    | Publish
+)

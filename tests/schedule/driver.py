@@ -1,0 +1,138 @@
+"""A tiny random 'world' that answers the scheduler's actions in arbitrary order (tests only).
+
+It holds every outstanding obligation (running executions, pending group outcomes, packing,
+claimed micro-steps, switches, updates, publications) and fulfils one chosen by `rng` per
+step, checking the scheduler's invariants after each event.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from gyre.schedule import events as ev
+from gyre.schedule.machine import Scheduler
+
+
+class World:
+    def __init__(self, scheduler: Scheduler, rng: random.Random) -> None:
+        self.s = scheduler
+        self.rng = rng
+        self.running: list[int] = []
+        self.closed: dict[int, int] = {}
+        self.ready_pending: list[int] = []
+        self.packing: list[tuple[int, int]] = []
+        self.micro: list[tuple[int, int]] = []
+        self.switching: list[int] = []
+        self.update: list[int] = []
+        self.publish: list[int] = []
+        self.staleness: list[int] = []
+        self.bursts_done = 0
+        self.log: list[ev.Action] = []
+        self.terminated: set[int] = set()
+        self.window_open: dict[int, bool] = {}
+        self.snapshots: list[tuple[int, int]] = []  # (bursts done, Σ v_d of unconsumed groups)
+        self.admitted: set[int] = set()
+        self.versions: dict[int, int] = {}
+        self.publications = 0
+
+    def feed(self, event: ev.Event) -> None:
+        for action in self.s.handle(event):
+            self.apply(action)
+        check_invariants(self.s, self)
+
+    def apply(self, a: ev.Action) -> None:
+        self.log.append(a)
+        if isinstance(a, ev.Dispatch):
+            self.versions[a.group] = a.version
+            assert a.version == self.s.published
+        elif isinstance(a, ev.Launch):
+            self.running.append(a.execution)
+        elif isinstance(a, ev.SwitchCell):
+            self.switching.append(a.cell)
+        elif isinstance(a, ev.AdmitGroup):
+            self.staleness.append(a.staleness)
+            self.admitted.add(a.group)
+            self.packing.append((a.batch, a.group))
+        elif isinstance(a, ev.ClaimMicroStep):
+            self.micro.append((a.cell, a.batch))
+        elif isinstance(a, ev.OpenJoinWindow):
+            self.window_open[a.batch] = True
+        elif isinstance(a, ev.CloseJoinWindow):
+            self.window_open[a.batch] = False
+        elif isinstance(a, ev.OptimizerUpdate):
+            assert self.window_open[a.batch] is False, "join window must close before the update"
+            assert 0 in a.cells, "the core takes part in every update"
+            self.update.append(a.batch)
+        elif isinstance(a, ev.Publish):
+            self.publish.append(a.version)
+
+    def step(self) -> bool:
+        """Fulfil one random obligation; False when nothing is outstanding."""
+        pools: list[list[Any]] = [
+            p
+            for p in (
+                self.running,
+                self.ready_pending,
+                self.packing,
+                self.micro,
+                self.switching,
+                self.update,
+                self.publish,
+            )
+            if p
+        ]
+        if not pools:
+            return False
+        pool = self.rng.choice(pools)
+        item = pool.pop(self.rng.randrange(len(pool)))
+        if pool is self.running:
+            self._terminate(item)
+        elif pool is self.ready_pending:
+            self.feed(ev.GroupReady(item))
+        elif pool is self.packing:
+            batch, group = item
+            self.feed(ev.MicroStepsQueued(batch=batch, group=group, count=self.rng.randrange(4)))
+        elif pool is self.micro:
+            cell, batch = item
+            self.feed(ev.MicroStepDone(cell=cell, batch=batch))
+        elif pool is self.switching:
+            self.feed(ev.SwitchDone(item))
+        elif pool is self.update:
+            self.feed(ev.BatchDone(item))
+            if self.s.step_in_burst == self.s.config.mu or self.s.phase.value == "ending":
+                self.bursts_done += 1
+                unconsumed = [g for g in self.versions if g not in self.admitted]
+                self.snapshots.append((self.bursts_done, sum(self.versions[g] for g in unconsumed)))
+        elif pool is self.publish:
+            self.feed(ev.WeightsPublished(item))
+            self.publications += 1
+        return True
+
+    def _terminate(self, x: int) -> None:
+        outcome = self.rng.choice(list(ev.Outcome))
+        self.terminated.add(x)
+        self.feed(ev.Terminated(x, outcome))
+        g = x // self.s.config.group_size
+        self.closed[g] = self.closed.get(g, 0) + 1
+        if self.closed[g] == self.s.config.group_size:
+            self.ready_pending.append(g)
+
+
+def check_invariants(s: Scheduler, world: World) -> None:
+    """Counter, capacity, routing and ordering invariants of docs/scheduler.md."""
+    assert 0 <= s.f <= s.p <= s.d
+    assert s.p - s.f == len(s.route) == sum(len(e.running) for e in s.engines)
+    assert s.d - s.p == len(s.queue)
+    assert s.f == len(world.terminated)
+    for e in s.engines:
+        assert len(e.running) <= e.capacity
+        if e.running:
+            assert s._accepting(e), f"executions left on non-rollout engine {e.index}"
+    if s.policy.name == "elastic" and s.phase.value == "burst":
+        # during a burst the cells training or joining form a prefix (core first)
+        training = [c for c, r in enumerate(s.roles) if r.value in ("train", "to_train")]
+        assert training == list(range(len(training))), f"not a prefix: {s.roles}"
+    if s.policy.name == "async":
+        for c, r in enumerate(s.roles):
+            assert (r.value == "train") == (c in s.policy.fixed_train)
