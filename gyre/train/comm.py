@@ -1,0 +1,92 @@
+"""Communicators of the training plane, built once at start (DESIGN.md "Processes").
+
+* `world` — every process (coordinator + all cell ranks), used for control messages;
+* `cell`  — `Split` by cell id (the ranks of one cell; the coordinator gets its own);
+* `prefix[m]` for m = 2..K — ranks of cells 0..m-1 holding the same shard position, ordered by
+  cell, so rank 0 of every prefix communicator is the core's rank at that position.
+
+Gradients are summed to the core and parameters broadcast from it over the prefix
+communicator matching the cells taking part in the batch (core + satellites joined in order).
+CUDA tensors are staged through host memory (the `mpich` wheel is not CUDA-aware).
+
+    comms = build_communicators(MPI.COMM_WORLD, cell_of_rank=[None, 0, 1, 2])
+    total = reduce_to_core(comms, cell.flat_grads, participants=2)   # on the core: the sum
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gyre.errors import TrainingError
+
+
+@dataclass(slots=True)
+class Communicators:
+    """This process's view of the world, its cell and the prefix sets it belongs to."""
+
+    world: Any
+    cell: Any
+    cell_id: int | None  # None on the coordinator
+    shard: int  # position within the cell
+    num_cells: int
+    prefix: dict[int, Any] = field(default_factory=dict)  # m -> communicator of cells 0..m-1
+
+
+def build_communicators(world: Any, *, cell_of_rank: Sequence[int | None]) -> Communicators:
+    """Collective over `world`: Split per cell and the K-1 prefix communicators (once)."""
+    from mpi4py import MPI
+
+    if len(cell_of_rank) != world.Get_size():
+        raise TrainingError(
+            f"cell_of_rank: {len(cell_of_rank)} entries for {world.Get_size()} ranks"
+        )
+    rank = world.Get_rank()
+    cid = cell_of_rank[rank]
+    cells = sorted({c for c in cell_of_rank if c is not None})
+    if cells != list(range(len(cells))):
+        raise TrainingError(f"cell_of_rank: cell ids must be 0..K-1, got {cells}")
+    shard = [r for r, c in enumerate(cell_of_rank) if c == cid].index(rank)
+    cell = world.Split(len(cells) if cid is None else cid, rank)
+    comms = Communicators(world=world, cell=cell, cell_id=cid, shard=shard, num_cells=len(cells))
+    for m in range(2, len(cells) + 1):
+        member = cid is not None and cid < m
+        color = shard if member else MPI.UNDEFINED
+        comm = world.Split(color, cid if member else 0)
+        if member:
+            comms.prefix[m] = comm
+    return comms
+
+
+def _host(t: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    h = t if t.device.type == "cpu" else t.detach().to("cpu")
+    return h.detach().numpy(), h
+
+
+def reduce_to_core(comms: Communicators, grads: torch.Tensor, *, participants: int) -> torch.Tensor:
+    """Sum `grads` over cells 0..participants-1; the core gets the sum (others: their input)."""
+    from mpi4py import MPI
+
+    if participants == 1:
+        return grads.clone()
+    comm = comms.prefix[participants]
+    send, _ = _host(grads)
+    recv = send.copy() if comm.Get_rank() == 0 else None
+    comm.Reduce(send, recv, op=MPI.SUM, root=0)
+    if recv is None:
+        return grads
+    return torch.from_numpy(recv).to(grads.device)
+
+
+def broadcast_from_core(comms: Communicators, flat: torch.Tensor, *, participants: int) -> None:
+    """Overwrite `flat` on cells 1..participants-1 with the core's values (in place)."""
+    if participants == 1:
+        return
+    comm = comms.prefix[participants]
+    buf, host = _host(flat)
+    comm.Bcast(buf, root=0)
+    if host is not flat:
+        flat.copy_(host)

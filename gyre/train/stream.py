@@ -1,0 +1,246 @@
+"""The stream packing buffer and the shared micro-step queue (§4.4 "Streaming training").
+
+`StreamPackingBuffer` receives *ready* groups (all N executions closed, outcomes resolved) and
+turns them into micro-steps on demand: `pull()` takes the ready group with the oldest policy
+version, computes its group-relative advantages, runs admission on every execution's tree,
+materializes token rows and packs them. It selects the batch's B groups incrementally and
+closes the stream after the last group's micro-steps are emitted; the batch's execution table
+(advantage and L_i per execution, E) is then final.
+
+`MicroStepQueue` is the shared queue cells claim from; `claim()` is atomic (one lock), so
+cells receive disjoint work and faster cells simply claim more.
+
+    buf = StreamPackingBuffer(StreamConfig(groups_per_batch=2, group_size=4, token_budget=4096))
+    buf.add_ready(group)
+    queue.put(buf.pull())            # repeat while groups arrive; buf.closed ends the stream
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyre.errors import ConfigError, TrainingError
+from gyre.train.admission import AdmissionConfig, AdmissionTree, admit, derive_seed
+from gyre.train.packing import MicroStep, TokenRow, materialize_execution, pack_rows
+from gyre.train.rewards import (
+    AdvantageConfig,
+    ExecutionOutcome,
+    Status,
+    group_advantages,
+    group_ready,
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class StreamConfig:
+    """Batch shape and packing parameters."""
+
+    groups_per_batch: int = 32
+    """B: groups consumed by one optimizer update."""
+    group_size: int = 16
+    """N: executions per rollout group."""
+    token_budget: int = 16384
+    """Most padded tokens (rows x longest row) in one micro-step."""
+    seed: int = 0
+    """Seed of admission sampling (combined with each execution id)."""
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    """The admission rule (J_max, role priority)."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """Advantage normalization."""
+
+    def __post_init__(self) -> None:
+        for name in ("groups_per_batch", "group_size", "token_budget"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}: {v!r}; allowed an int >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class ReadyGroup:
+    """A rollout group whose executions are all closed with resolved outcomes."""
+
+    group_id: str
+    policy_version: int
+    outcomes: list[ExecutionOutcome]
+    trees: Mapping[str, Any]  # execution id -> TrajectoryTree (VALID executions need one)
+
+
+@dataclass(slots=True)
+class BatchInfo:
+    """The closed batch's execution table."""
+
+    executions: dict[str, tuple[float, int]]  # execution id -> (advantage, L_i)
+    group_ids: list[str]
+    policy_versions: list[int]
+
+    @property
+    def num_executions(self) -> int:
+        """E: executions contributing targets to the batch."""
+        return len(self.executions)
+
+
+class StreamPackingBuffer:
+    """Ready groups in, micro-steps out; one batch at a time."""
+
+    def __init__(self, config: StreamConfig) -> None:
+        self.config = config
+        self._ready: list[tuple[int, int, ReadyGroup]] = []
+        self._arrivals = 0
+        self._pending: list[TokenRow] = []
+        self._next_index = 0
+        self._batch = BatchInfo(executions={}, group_ids=[], policy_versions=[])
+        self.closed = False
+
+    def add_ready(self, group: ReadyGroup) -> None:
+        """Accept a ready group (validated now, so a bad group never enters a batch)."""
+        if not group_ready(group.outcomes, self.config.group_size):
+            raise TrainingError(
+                f"group {group.group_id!r}: not ready (missing executions/outcomes)"
+            )
+        group_advantages(
+            group.outcomes, group_size=self.config.group_size, config=self.config.advantage
+        )
+        for o in group.outcomes:
+            if o.status is Status.VALID and o.execution_id not in group.trees:
+                raise TrainingError(f"group {group.group_id!r}: no tree for {o.execution_id!r}")
+        heapq.heappush(self._ready, (group.policy_version, self._arrivals, group))
+        self._arrivals += 1
+
+    @property
+    def ready_groups(self) -> int:
+        """Ready groups waiting for a batch."""
+        return len(self._ready)
+
+    def begin_batch(self) -> None:
+        """Start selecting a new batch (after the previous one was closed and consumed)."""
+        self._pending, self._next_index, self.closed = [], 0, False
+        self._batch = BatchInfo(executions={}, group_ids=[], policy_versions=[])
+
+    def pull(self) -> list[MicroStep]:
+        """Take the oldest-version ready group (if the batch needs one); new micro-steps."""
+        if self.closed:
+            return []
+        if self._ready and len(self._batch.group_ids) < self.config.groups_per_batch:
+            _, _, group = heapq.heappop(self._ready)
+            self._pending += self._group_rows(group)
+        full = len(self._batch.group_ids) == self.config.groups_per_batch
+        steps = pack_rows(
+            self._pending, token_budget=self.config.token_budget, first_index=self._next_index
+        )
+        if full:
+            if not self._batch.executions:
+                raise TrainingError("empty batch: its groups admitted no trainable targets")
+            self.closed, self._pending = True, []
+        else:
+            keep = steps.pop() if steps else None
+            self._pending = list(keep.rows) if keep else []
+        self._next_index += len(steps)
+        return steps
+
+    def batch_info(self) -> BatchInfo:
+        """The batch's execution table; only final once `closed`."""
+        return self._batch
+
+    def _group_rows(self, group: ReadyGroup) -> list[TokenRow]:
+        cfg = self.config
+        adv = group_advantages(group.outcomes, group_size=cfg.group_size, config=cfg.advantage)
+        rows: list[TokenRow] = []
+        for o in group.outcomes:
+            if o.status is not Status.VALID:
+                continue  # placeholders carry no targets; excluded executions are dropped
+            tree = group.trees[o.execution_id]
+            picked = admit(
+                AdmissionTree.from_tree(tree),
+                config=cfg.admission,
+                seed=derive_seed(cfg.seed, o.execution_id),
+            )
+            got = materialize_execution(
+                tree,
+                picked,
+                advantage=adv[o.execution_id],
+                group_id=group.group_id,
+                policy_version=group.policy_version,
+            )
+            if got:
+                self._batch.executions[o.execution_id] = (
+                    adv[o.execution_id],
+                    got[0].execution_targets,
+                )
+            rows += got
+        self._batch.group_ids.append(group.group_id)
+        self._batch.policy_versions.append(group.policy_version)
+        return rows
+
+
+class Claim(enum.Enum):
+    """Claim outcomes other than a micro-step."""
+
+    WAIT = "wait"  # nothing queued yet, stream still open
+    CLOSED = "closed"  # stream closed and queue exhausted
+
+
+class MicroStepQueue:
+    """Shared queue of micro-steps; `claim` hands each step to exactly one claimant."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._steps: deque[MicroStep] = deque()
+        self._closed = False
+        self.handed_out = 0
+
+    def put(self, steps: Sequence[MicroStep]) -> None:
+        """Enqueue micro-steps (not after `close`)."""
+        with self._lock:
+            if self._closed:
+                raise TrainingError("micro-step queue: put after close")
+            self._steps.extend(steps)
+
+    def close(self) -> None:
+        """No more micro-steps for this batch."""
+        with self._lock:
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """True once `close` was called."""
+        return self._closed
+
+    @property
+    def queued(self) -> int:
+        """Micro-steps waiting to be claimed."""
+        with self._lock:
+            return len(self._steps)
+
+    def claim(self) -> MicroStep | Claim:
+        """Atomically take the next micro-step, or say WAIT / CLOSED."""
+        with self._lock:
+            if self._steps:
+                self.handed_out += 1
+                return self._steps.popleft()
+            return Claim.CLOSED if self._closed else Claim.WAIT
+
+
+class FixedStream:
+    """A `StepSource` over prepared micro-steps, released `chunk` at a time (tests, benchmarks)."""
+
+    def __init__(self, steps: Sequence[MicroStep], info: BatchInfo, *, chunk: int = 1) -> None:
+        if chunk < 1:
+            raise TrainingError(f"chunk: {chunk}; allowed >= 1")
+        self._steps, self._info, self._chunk = list(steps), info, chunk
+        self.closed = not self._steps
+
+    def pull(self) -> list[MicroStep]:
+        """The next chunk; closes the stream with the last one."""
+        out, self._steps = self._steps[: self._chunk], self._steps[self._chunk :]
+        self.closed = not self._steps
+        return out
+
+    def batch_info(self) -> BatchInfo:
+        """The batch's execution table."""
+        return self._info

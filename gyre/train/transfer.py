@@ -1,0 +1,156 @@
+"""Weight snapshots from the core to joining satellites: Mooncake Transfer Engine or MPI.
+
+The core exposes one flat host buffer holding its authoritative weights (for a CPU model the
+parameter buffer itself; for a CUDA model a host mirror refreshed by `expose()` after every
+update). A satellite *pulls* it one-sidedly, without interrupting the core's training:
+
+* ``mooncake`` — every cell rank runs a `mooncake.engine.TransferEngine` (TCP on one machine,
+  RDMA on clusters; P2P handshake, no metadata server); the core registers its buffer and
+  broadcasts (session, address, size) at start; `pull` is `transfer_sync_read`.
+  Needs `pip install mooncake-transfer-engine-non-cuda` and Debian `libibverbs1`.
+* ``mpi`` — an MPI window over the core's buffer (collective `Win.Create` at start); `pull` is
+  a passive-target `Lock(SHARED) / Get / Unlock`.
+
+Both are created collectively over `world` by every process (coordinator included):
+
+    snap = make_transport("mooncake", comms.world, core_rank=1, flat=cell.flat_params)
+    snap.pull(cell.flat_params)      # on a satellite
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import torch
+
+from gyre.errors import ConfigError, TrainingError
+
+TransportKind = Literal["mooncake", "mpi"]
+
+
+class SnapshotTransport(Protocol):
+    """What a cell needs from a snapshot transport."""
+
+    def expose(self, flat: torch.Tensor) -> None: ...
+    def pull(self, into: torch.Tensor) -> float: ...
+    def close(self) -> None: ...
+
+
+def _host_buffer(flat: torch.Tensor | None) -> np.ndarray:
+    if flat is None:
+        return np.zeros(0, np.uint8)
+    if flat.device.type == "cpu":
+        return flat.detach().numpy().view(np.uint8)
+    return np.empty(flat.numel() * flat.element_size(), np.uint8)
+
+
+def _copy_into(into: torch.Tensor, host: np.ndarray) -> None:
+    if into.device.type != "cpu":
+        into.copy_(torch.from_numpy(host.view(torch_to_numpy(into.dtype))).to(into.device))
+
+
+def torch_to_numpy(dtype: torch.dtype) -> Any:
+    """The numpy dtype of a torch dtype (float32/float64/bfloat16-as-uint16)."""
+    if dtype == torch.bfloat16:
+        return np.uint16
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+class MpiSnapshot:
+    """Snapshot pull through an MPI window on the core's buffer."""
+
+    def __init__(self, world: Any, *, core_rank: int, flat: torch.Tensor | None) -> None:
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self.core_rank = core_rank
+        is_core = world.Get_rank() == core_rank
+        self._buf = _host_buffer(flat if is_core else None)
+        self._local = _host_buffer(flat) if flat is not None and not is_core else None
+        self.nbytes = world.bcast(self._buf.nbytes if is_core else None, root=core_rank)
+        self.win = MPI.Win.Create(self._buf if self._buf.nbytes else None, 1, comm=world)
+
+    def expose(self, flat: torch.Tensor) -> None:
+        """Core: refresh the exposed buffer (only needed for device-resident weights)."""
+        if flat.device.type != "cpu":
+            self._buf[:] = flat.detach().cpu().numpy().view(np.uint8)
+
+    def pull(self, into: torch.Tensor) -> float:
+        """Satellite: copy the core's weights into `into`; returns seconds taken."""
+        t0 = time.perf_counter()
+        host = into.detach().numpy().view(np.uint8) if into.device.type == "cpu" else self._local
+        if host is None or host.nbytes != self.nbytes:
+            raise TrainingError(f"snapshot: local buffer does not match the core's {self.nbytes} B")
+        self.win.Lock(self.core_rank, self._mpi.LOCK_SHARED)
+        self.win.Get(host, self.core_rank)
+        self.win.Unlock(self.core_rank)
+        _copy_into(into, host)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Collective: free the window."""
+        self.win.Free()
+
+
+class MooncakeSnapshot:
+    """Snapshot pull through Mooncake Transfer Engine (TCP here, RDMA on clusters)."""
+
+    def __init__(
+        self, world: Any, *, core_rank: int, flat: torch.Tensor | None, host: str = "127.0.0.1"
+    ) -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:
+            raise ConfigError(
+                "transport: mooncake needs `pip install mooncake-transfer-engine-non-cuda` "
+                f"and Debian libibverbs1 ({e}); or use transport=mpi"
+            ) from None
+        self.engine: Any = None
+        self._buf = _host_buffer(flat)
+        if flat is not None:
+            self.engine = TransferEngine()
+            if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+                raise TrainingError("mooncake: TransferEngine.initialize failed")
+            if self.engine.register_memory(self._buf.ctypes.data, self._buf.nbytes) != 0:
+                raise TrainingError("mooncake: register_memory failed")
+        is_core = world.Get_rank() == core_rank
+        mine = None
+        if is_core:
+            mine = (f"{host}:{self.engine.get_rpc_port()}", self._buf.ctypes.data, self._buf.nbytes)
+        self.session, self.remote_ptr, self.nbytes = world.bcast(mine, root=core_rank)
+
+    def expose(self, flat: torch.Tensor) -> None:
+        """Core: refresh the registered buffer (only needed for device-resident weights)."""
+        if flat.device.type != "cpu":
+            self._buf[:] = flat.detach().cpu().numpy().view(np.uint8)
+
+    def pull(self, into: torch.Tensor) -> float:
+        """Satellite: read the core's registered buffer into ours; returns seconds taken."""
+        if self.engine is None or self._buf.nbytes != self.nbytes:
+            raise TrainingError(f"snapshot: local buffer does not match the core's {self.nbytes} B")
+        t0 = time.perf_counter()
+        rc = self.engine.transfer_sync_read(
+            self.session, self._buf.ctypes.data, self.remote_ptr, self.nbytes
+        )
+        if rc != 0:
+            raise TrainingError(f"mooncake: transfer_sync_read from {self.session} returned {rc}")
+        _copy_into(into, self._buf)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Unregister the buffer."""
+        if self.engine is not None:
+            self.engine.unregister_memory(self._buf.ctypes.data)
+
+
+def make_transport(
+    kind: str, world: Any, *, core_rank: int, flat: torch.Tensor | None
+) -> SnapshotTransport:
+    """Collective over `world`: the snapshot transport `kind` ("mooncake" | "mpi")."""
+    if kind == "mpi":
+        return MpiSnapshot(world, core_rank=core_rank, flat=flat)
+    if kind == "mooncake":
+        return MooncakeSnapshot(world, core_rank=core_rank, flat=flat)
+    raise ConfigError(f"transport: {kind!r}; allowed mooncake, mpi")
