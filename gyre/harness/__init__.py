@@ -1,0 +1,29 @@
+"""Harness runner, adapters and Gyre's reference agent.
+
+A harness is an unmodified agent program (Claude Code, the reference agent, ...) run as a
+subprocess in its own fresh workspace against the proxy; the runner supervises it (time
+budget, cancellation, process-group kill) and reports `Launched` / `Terminated` events:
+
+    runner = HarnessRunner(HarnessRunner.Config(workspace_root="runs/ws"), on_event=print)
+    terminated = await runner.run(ExecutionSpec(execution_id="e0", task=task,
+        adapter=get_adapter("reference"), proxy_url=url, api_key=key, model="tiny"))
+
+See docs/harness.md.
+"""
+
+from gyre.harness.adapters import Adapter, builtin_adapters, get_adapter, load_adapters
+from gyre.harness.events import HarnessEvent, Launched, Outcome, Terminated
+from gyre.harness.runner import ExecutionSpec, HarnessRunner
+
+__all__ = [
+    "Adapter",
+    "ExecutionSpec",
+    "HarnessEvent",
+    "HarnessRunner",
+    "Launched",
+    "Outcome",
+    "Terminated",
+    "builtin_adapters",
+    "get_adapter",
+    "load_adapters",
+]

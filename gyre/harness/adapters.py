@@ -1,0 +1,119 @@
+"""Harness adapters: a command template plus environment, per black-box harness.
+
+An adapter is configuration, not code: which API the harness speaks (OpenAI or Anthropic),
+the argv to run (with `{placeholders}`), extra environment, default parameters and where
+to look for the binary. Built-in adapters live in `adapters.yaml` beside this file; a run's
+config may add its own entries with the same keys.
+
+Placeholders filled per execution: `{python}` (this interpreter), `{instruction}`,
+`{instruction_file}`, `{feedback_file}`, `{workspace}`, `{model}`, `{execution_id}`, plus every key of the
+adapter's `params` (overridable per run). An unknown placeholder is a `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import string
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from gyre.config import load
+from gyre.errors import ConfigError
+
+ADAPTERS_FILE = Path(__file__).with_name("adapters.yaml")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUILTIN_PLACEHOLDERS = (
+    "python",
+    "instruction",
+    "instruction_file",
+    "feedback_file",
+    "workspace",
+    "model",
+    "execution_id",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class Adapter:
+    """How to run one kind of harness against the proxy."""
+
+    # adapter name (the key in adapters.yaml)
+    name: str = ""
+    # API the harness speaks: openai (OPENAI_BASE_URL/OPENAI_API_KEY) or anthropic
+    api: Literal["openai", "anthropic"]
+    # argv template; element 0 is the program (looked up on PATH and search_path)
+    command: list[str]
+    # extra environment for the harness (values may use placeholders)
+    env: dict[str, str] = field(default_factory=dict)
+    # default values of adapter-specific placeholders
+    params: dict[str, str] = field(default_factory=dict)
+    # extra directories searched for the program, relative to the repository root or absolute
+    search_path: list[str] = field(default_factory=list)
+    # how to install the harness (shown when the program is not found)
+    install: str = ""
+    # whether the harness applies the task's tool-latency knob (GYRE_TOOL_LATENCY)
+    applies_tool_latency: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ConfigError("command: must name a program")
+        allowed = set(BUILTIN_PLACEHOLDERS) | set(self.params)
+        for text in [*self.command, *self.env.values()]:
+            for _, name, _, _ in string.Formatter().parse(text):
+                if name is not None and name not in allowed:
+                    raise ConfigError(
+                        f"command: unknown placeholder {{{name}}} in {text!r}; "
+                        f"allowed: {', '.join(sorted(allowed))}"
+                    )
+
+    def render(
+        self, values: dict[str, str], overrides: dict[str, str] | None = None
+    ) -> tuple[list[str], dict[str, str]]:
+        """(argv, env) with placeholders filled; overrides replace `params` defaults."""
+        unknown = sorted(set(overrides or {}) - set(self.params))
+        if unknown:
+            raise ConfigError(
+                f"params: unknown parameter {unknown[0]!r} for adapter {self.name!r}; "
+                f"allowed: {', '.join(sorted(self.params)) or '(none)'}"
+            )
+        fill = {**self.params, **(overrides or {}), **values}
+        argv = [part.format(**fill) for part in self.command]
+        env = {k: v.format(**fill) for k, v in self.env.items()}
+        return argv, env
+
+    def resolve_program(self, path_env: str) -> str | None:
+        """Absolute path of the program, or None when it is not installed."""
+        program = self.command[0].format(python=sys.executable)
+        if os.sep in program:
+            return program if os.access(program, os.X_OK) else None
+        dirs = [str(d if Path(d).is_absolute() else REPO_ROOT / d) for d in self.search_path]
+        return shutil.which(program, path=os.pathsep.join([path_env, *dirs]))
+
+
+def builtin_adapters() -> dict[str, Adapter]:
+    """The adapters shipped in adapters.yaml, by name."""
+    return load_adapters(yaml.safe_load(ADAPTERS_FILE.read_text()), path="adapters.yaml")
+
+
+def load_adapters(data: object, path: str = "adapters") -> dict[str, Adapter]:
+    """Adapters from a mapping name -> adapter fields (as in adapters.yaml)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of adapter name -> settings")
+    out = {}
+    for name, entry in data.items():
+        if isinstance(entry, dict):
+            entry = {**entry, "name": str(name)}
+        out[str(name)] = load(Adapter, entry, path=f"{path}.{name}")
+    return out
+
+
+def get_adapter(name: str) -> Adapter:
+    adapters = builtin_adapters()
+    if name not in adapters:
+        raise ConfigError(f"adapter: {name!r} is not known; allowed: {', '.join(sorted(adapters))}")
+    return adapters[name]

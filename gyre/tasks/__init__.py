@@ -1,0 +1,41 @@
+"""Tasks, task suites and the evaluator that scores preserved workspaces (paper §5.2).
+
+    from gyre.tasks import builtin_suite, Evaluator
+    suite = builtin_suite()
+    verdict = await Evaluator().assess(terminated, suite["fizzbuzz"])
+
+See docs/tasks.md for the suite format and the scoring semantics.
+"""
+
+from gyre.tasks.evaluator import (
+    EVALUATOR_HEADERS,
+    Assessment,
+    AssessmentLog,
+    Evaluator,
+    Validity,
+    Verdict,
+    feedback_text,
+)
+from gyre.tasks.scoring import RULES, EvaluatorError, Score
+from gyre.tasks.snapshot import freeze, snapshot_id
+from gyre.tasks.suite import Task, TaskSuite, ToolLatency, builtin_suite, load_suite
+
+__all__ = [
+    "EVALUATOR_HEADERS",
+    "RULES",
+    "Assessment",
+    "AssessmentLog",
+    "Evaluator",
+    "EvaluatorError",
+    "Score",
+    "Task",
+    "TaskSuite",
+    "ToolLatency",
+    "Validity",
+    "Verdict",
+    "builtin_suite",
+    "feedback_text",
+    "freeze",
+    "load_suite",
+    "snapshot_id",
+]

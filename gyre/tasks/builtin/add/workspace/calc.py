@@ -1,0 +1,5 @@
+"""Tiny calculator."""
+
+
+def add(a, b):
+    raise NotImplementedError

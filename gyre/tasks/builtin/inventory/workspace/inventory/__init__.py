@@ -1,0 +1,3 @@
+from inventory.stock import Stock
+
+__all__ = ["Stock"]

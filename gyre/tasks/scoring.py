@@ -1,0 +1,151 @@
+"""Scoring rules: turn a preserved workspace state into a score in [0, 1].
+
+A rule is an async callable `score(state_dir, task) -> Score`; it always runs against a
+scratch copy of a frozen snapshot, in a subprocess with a timeout, so nothing it does can
+change the assessed state. A rule raises `EvaluatorError` when it cannot produce a score
+(crash, timeout, unreadable output): that is an *unresolved* assessment, never a zero.
+Failing tests are not an evaluator failure: they are a valid, low score.
+
+Rules (name -> class in `RULES`):
+* `hidden_tests`: runs the task's hidden test functions (`check_runner.py`) with the
+  workspace on `sys.path`; score = passed / total (partial credit).
+* `command`: runs an argv in the scratch copy; the last stdout line must be a number in
+  [0, 1]; a non-zero exit or other output is an evaluator failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gyre.errors import GyreError
+
+if TYPE_CHECKING:
+    from gyre.tasks.suite import Task
+
+CHECK_RUNNER = Path(__file__).with_name("check_runner.py")
+
+
+class EvaluatorError(GyreError):
+    """The evaluator could not produce a score for this state (the assessment is unresolved)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """A valid score of one state, with details and evaluator-authored feedback."""
+
+    value: float
+    detail: dict[str, Any] = field(default_factory=dict)
+    critique: str = ""  # evaluator-authored text; EVALUATOR provenance if a policy call sees it
+
+
+class ScoringRule(Protocol):
+    async def __call__(self, state_dir: Path, task: Task) -> Score: ...
+
+
+def scoring_env(home: Path) -> dict[str, str]:
+    """A minimal environment for scoring subprocesses (no keys, no proxy URLs)."""
+    return {
+        "PATH": os.pathsep.join(
+            [str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]
+        ),
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONHASHSEED": "0",
+    }
+
+
+async def run_limited(argv: list[str], cwd: Path, timeout_s: float) -> tuple[int, str, str]:
+    """Run argv in its own process group; kill the whole group on timeout or cancellation.
+
+    Output goes to temporary files, not pipes, so a killed scorer leaves nothing open.
+    """
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, cwd=cwd, env=scoring_env(cwd), stdin=asyncio.subprocess.DEVNULL,
+                stdout=out, stderr=err, start_new_session=True,
+            )  # fmt: skip
+        except OSError as e:
+            raise EvaluatorError(f"cannot start scorer {argv[0]!r}: {e.strerror or e}") from None
+        try:
+            rc = await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            raise EvaluatorError(f"scorer {argv[0]!r} timed out after {timeout_s:.1f}s") from None
+        finally:  # also on cancellation: no scorer process outlives its attempt
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            if proc.returncode is None:
+                await asyncio.shield(proc.wait())
+        out.seek(0)
+        err.seek(0)
+        return rc, out.read().decode(errors="replace"), err.read().decode(errors="replace")
+
+
+async def hidden_tests(state_dir: Path, task: Task) -> Score:
+    """Fraction of the task's hidden test functions that pass against state_dir."""
+    from gyre.tasks.check_runner import count_tests, test_files
+
+    tests = Path(task.scoring.tests)
+    try:
+        expected = {f"{f.stem}::{n}" for f in test_files(tests) for n in count_tests(f.read_text())}
+    except (OSError, SyntaxError) as e:
+        raise EvaluatorError(f"hidden tests {str(tests)!r} are unreadable: {e}") from None
+    if not expected:
+        raise EvaluatorError(f"hidden tests {str(tests)!r} define no test_* functions")
+    with tempfile.TemporaryDirectory(prefix="gyre-score-") as tmp:
+        result = Path(tmp) / "result.json"
+        argv = [
+            sys.executable, "-I", str(CHECK_RUNNER), "--tests", str(tests),
+            "--workspace", str(state_dir), "--result", str(result),
+            "--per-test-timeout", str(task.scoring.per_test_timeout_s),
+        ]  # fmt: skip
+        rc, _out, err = await run_limited(argv, state_dir, task.scoring.timeout_s)
+        try:
+            payload = json.loads(result.read_text())
+        except (OSError, ValueError):
+            raise EvaluatorError(
+                f"check runner exited {rc} without a result: {err[-500:]}"
+            ) from None
+    results = payload.get("results", {})
+    if set(results) != expected:
+        raise EvaluatorError("check runner result does not match the hidden tests")
+    passed = sorted(k for k, v in results.items() if v == "pass")
+    failed = {k: v for k, v in sorted(results.items()) if v != "pass"}
+    critique = f"{len(passed)}/{len(expected)} hidden checks pass." + "".join(
+        f"\n- {k}: {v}" for k, v in failed.items()
+    )
+    return Score(
+        value=len(passed) / len(expected),
+        detail={"passed": len(passed), "total": len(expected), "failed": sorted(failed)},
+        critique=critique,
+    )
+
+
+async def command(state_dir: Path, task: Task) -> Score:
+    """Score printed (last stdout line) by the task's scoring command."""
+    rc, out, err = await run_limited(list(task.scoring.command), state_dir, task.scoring.timeout_s)
+    if rc != 0:
+        raise EvaluatorError(f"scoring command exited {rc}: {err.strip()[-500:]}")
+    lines = out.strip().splitlines()
+    try:
+        value = float(lines[-1])
+    except (IndexError, ValueError):
+        raise EvaluatorError(
+            f"scoring command printed no score on its last line: {out[-200:]!r}"
+        ) from None
+    if not 0.0 <= value <= 1.0:
+        raise EvaluatorError(f"scoring command printed {value!r}; a score must lie in [0, 1]")
+    return Score(value=value, detail={"stdout_tail": out[-500:]})
+
+
+RULES: dict[str, ScoringRule] = {"hidden_tests": hidden_tests, "command": command}

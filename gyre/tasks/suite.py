@@ -1,0 +1,288 @@
+"""Tasks and task suites: an initial workspace, an instruction and a scoring rule.
+
+A *task* is what one rollout group runs N times: every execution starts from a fresh copy
+of the task's initial workspace, the harness receives the instruction, and after the
+execution terminates the evaluator scores the preserved workspace under the task's scoring
+rule (`gyre.tasks.scoring`). Hidden tests live next to the workspace, never inside it.
+
+A *suite* is either a YAML file listing tasks, or a directory whose sub-directories each
+hold a `task.yaml` (optionally with a `suite.yaml` carrying suite-level defaults):
+
+    name: my-suite                  # suite.yaml (or the top of a YAML suite file)
+    defaults:
+      tool_latency: {dist: lognormal, mu: -2.0, sigma: 1.0}
+    tasks:                          # YAML suite file only; paths relative to the file
+      - name: add
+        instruction: Implement add(a, b) in calc.py.
+        workspace: add/workspace
+        scoring: {rule: hidden_tests, tests: add/hidden/test_add.py}
+
+    suite = load_suite("gyre/tasks/builtin")        # or builtin_suite()
+    task = suite["fizzbuzz"]
+
+Every path is checked when the suite loads; a bad entry is a `ConfigError` naming the task,
+the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from gyre.config import load
+from gyre.errors import ConfigError
+
+BUILTIN_DIR = Path(__file__).parent / "builtin"
+DIFFICULTIES = ("easy", "medium", "hard")
+
+
+@dataclass(kw_only=True, slots=True)
+class ToolLatency:
+    """Artificial latency added to each tool call, to give executions a long tail."""
+
+    # distribution: none | fixed (seconds) | uniform (low..high) | lognormal (exp(N(mu, sigma)))
+    dist: Literal["none", "fixed", "uniform", "lognormal"] = "none"
+    # fixed latency in seconds (dist=fixed)
+    seconds: float = 0.0
+    # bounds in seconds (dist=uniform)
+    low: float = 0.0
+    high: float = 0.0
+    # log-space mean and std (dist=lognormal)
+    mu: float = -3.0
+    sigma: float = 1.0
+    # cap on one sampled latency, seconds
+    max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("seconds", "low", "high", "sigma", "max_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name}: {value!r} must be a finite number >= 0")
+        if self.high < self.low:
+            raise ConfigError(f"high: {self.high!r} must be >= low ({self.low!r})")
+        if not math.isfinite(self.mu):
+            raise ConfigError(f"mu: {self.mu!r} must be finite")
+
+    def sample(self, rng: random.Random) -> float:
+        """One latency in seconds, in [0, max_s]."""
+        if self.dist == "fixed":
+            value = self.seconds
+        elif self.dist == "uniform":
+            value = rng.uniform(self.low, self.high)
+        elif self.dist == "lognormal":
+            value = rng.lognormvariate(self.mu, self.sigma)
+        else:
+            value = 0.0
+        return min(value, self.max_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class ScoringConfig:
+    """How the preserved workspace of an execution is scored."""
+
+    # rule name, one of gyre.tasks.scoring.RULES (hidden_tests, command)
+    rule: str = "hidden_tests"
+    # hidden_tests: test file or directory of test_*.py, relative to the task's directory
+    tests: str = ""
+    # command: argv run in a scratch copy of the workspace; last stdout line = score in [0, 1]
+    command: list[str] = field(default_factory=list)
+    # wall-clock limit of one scoring attempt, seconds
+    timeout_s: float = 60.0
+    # hidden_tests: limit for one test function, seconds
+    per_test_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        from gyre.tasks.scoring import RULES
+
+        if self.rule not in RULES:
+            raise ConfigError(
+                f"rule: {self.rule!r} is not a scoring rule; allowed: {', '.join(sorted(RULES))}"
+            )
+        if self.rule == "hidden_tests" and not self.tests:
+            raise ConfigError("tests: required for rule 'hidden_tests'")
+        if self.rule == "command" and not self.command:
+            raise ConfigError("command: required for rule 'command'")
+        for name in ("timeout_s", "per_test_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: {getattr(self, name)!r} must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskConfig:
+    """One task as written in YAML (paths relative to the file that declares it)."""
+
+    # unique name within the suite (defaults to the directory name in a directory suite)
+    name: str = ""
+    # what the harness is asked to do
+    instruction: str
+    # directory holding the initial workspace state
+    workspace: str = "workspace"
+    # scoring rule of the preserved workspace
+    scoring: ScoringConfig
+    # easy | medium | hard (informational; used to build spreads)
+    difficulty: Literal["easy", "medium", "hard"] = "medium"
+    # per-tool-call latency knob; None inherits the suite default
+    tool_latency: ToolLatency | None = None
+
+    def __post_init__(self) -> None:
+        if not self.instruction.strip():
+            raise ConfigError("instruction: must not be empty")
+
+
+@dataclass(kw_only=True, slots=True)
+class SuiteDefaults:
+    """Suite-level defaults applied to every task that does not set its own."""
+
+    # tool latency for tasks without their own tool_latency
+    tool_latency: ToolLatency = field(default_factory=ToolLatency)
+
+
+@dataclass(kw_only=True, slots=True)
+class SuiteConfig:
+    """A YAML suite file (or a directory's suite.yaml)."""
+
+    # suite name
+    name: str = ""
+    # defaults for every task
+    defaults: SuiteDefaults = field(default_factory=SuiteDefaults)
+    # task entries (YAML-file suites); directory suites list sub-directories instead
+    tasks: list[TaskConfig] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """A loaded task with absolute, checked paths."""
+
+    name: str
+    instruction: str
+    workspace: Path  # initial state, copied into each execution's workspace
+    scoring: ScoringConfig  # `tests` resolved to an absolute path
+    difficulty: str
+    tool_latency: ToolLatency
+    suite: str = ""
+
+    @property
+    def hidden_paths(self) -> tuple[Path, ...]:
+        """Files the harness must not see (hidden tests)."""
+        return (Path(self.scoring.tests),) if self.scoring.tests else ()
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSuite:
+    """An ordered, name-indexed collection of tasks."""
+
+    name: str
+    tasks: tuple[Task, ...]
+
+    def __getitem__(self, name: str) -> Task:
+        for task in self.tasks:
+            if task.name == name:
+                return task
+        raise KeyError(f"task {name!r} not in suite {self.name!r}; tasks: {self.names()}")
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.tasks)
+
+    def names(self) -> list[str]:
+        return [t.name for t in self.tasks]
+
+
+def load_suite(path: str | Path) -> TaskSuite:
+    """Load a suite from a YAML file or a directory (see the module docstring)."""
+    p = Path(path)
+    if p.is_file():
+        cfg = load(SuiteConfig, _read_yaml(p), path=p.name)
+        tasks = [
+            _resolve(t, p.parent, cfg.defaults, f"{p.name}.tasks[{i}]")
+            for i, t in enumerate(cfg.tasks)
+        ]
+        return _make_suite(cfg.name or p.stem, tasks, str(p))
+    if p.is_dir():
+        return _load_directory(p)
+    raise ConfigError(f"task suite {str(p)!r} does not exist (expected a YAML file or a directory)")
+
+
+def builtin_suite() -> TaskSuite:
+    """Gyre's shipped suite of small Python tasks scored by hidden tests."""
+    return load_suite(BUILTIN_DIR)
+
+
+def _load_directory(root: Path) -> TaskSuite:
+    suite_file = root / "suite.yaml"
+    cfg = (
+        load(SuiteConfig, _read_yaml(suite_file), path="suite.yaml")
+        if suite_file.exists()
+        else SuiteConfig()
+    )
+    tasks = [
+        _resolve(t, root, cfg.defaults, f"suite.yaml.tasks[{i}]") for i, t in enumerate(cfg.tasks)
+    ]
+    for sub in sorted(d for d in root.iterdir() if (d / "task.yaml").is_file()):
+        data = _read_yaml(sub / "task.yaml")
+        if isinstance(data, dict):
+            data.setdefault("name", sub.name)
+        tcfg = load(TaskConfig, data, path=f"{sub.name}/task.yaml")
+        tasks.append(_resolve(tcfg, sub, cfg.defaults, f"{sub.name}/task.yaml"))
+    if not tasks:
+        raise ConfigError(
+            f"task suite directory {str(root)!r} holds no */task.yaml and no suite.yaml tasks"
+        )
+    return _make_suite(cfg.name or root.name, tasks, str(root))
+
+
+def _resolve(cfg: TaskConfig, base: Path, defaults: SuiteDefaults, where: str) -> Task:
+    if not cfg.name:
+        raise ConfigError(f"{where}.name: required key is missing")
+    workspace = (base / cfg.workspace).resolve()
+    if not workspace.is_dir():
+        raise ConfigError(
+            f"{where}.workspace: initial state {str(workspace)!r} does not exist or is not a directory"
+        )
+    scoring = cfg.scoring
+    if scoring.tests:
+        tests = (base / scoring.tests).resolve()
+        if not tests.exists():
+            raise ConfigError(f"{where}.scoring.tests: {str(tests)!r} does not exist")
+        if tests.is_relative_to(workspace):
+            raise ConfigError(
+                f"{where}.scoring.tests: {str(tests)!r} lies inside the workspace; hidden tests must not"
+            )
+        scoring = dataclasses.replace(scoring, tests=str(tests))
+    return Task(
+        name=cfg.name,
+        instruction=cfg.instruction.strip(),
+        workspace=workspace,
+        scoring=scoring,
+        difficulty=cfg.difficulty,
+        tool_latency=cfg.tool_latency or defaults.tool_latency,
+    )
+
+
+def _make_suite(name: str, tasks: list[Task], where: str) -> TaskSuite:
+    seen: set[str] = set()
+    for t in tasks:
+        if t.name in seen:
+            raise ConfigError(f"{where}: task name {t.name!r} appears twice; names must be unique")
+        seen.add(t.name)
+    return TaskSuite(name=name, tasks=tuple(dataclasses.replace(t, suite=name) for t in tasks))
+
+
+def _read_yaml(p: Path) -> Any:
+    try:
+        return yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{str(p)!r} is not valid YAML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {str(p)!r}: {e.strerror}") from None

@@ -1,0 +1,179 @@
+"""Task suites: the built-in suite, YAML and directory formats, and bad input."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import statistics
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre.errors import ConfigError
+from gyre.tasks import ToolLatency, load_suite
+from gyre.tasks.suite import BUILTIN_DIR
+
+
+def test_builtin_suite_has_a_spread_of_real_tasks(suite):
+    assert len(suite) >= 8
+    assert {t.difficulty for t in suite} == {"easy", "medium", "hard"}
+    sizes = {t.name: sum(1 for p in t.workspace.rglob("*") if p.is_file()) for t in suite}
+    assert max(sizes.values()) >= 3  # at least one multi-file task
+    for task in suite:
+        tests = Path(task.scoring.tests)
+        assert task.scoring.rule == "hidden_tests"
+        assert tests.is_file() and not tests.is_relative_to(task.workspace)
+        assert not any(p.name.startswith("test_") for p in task.workspace.rglob("*"))
+        assert task.tool_latency.dist == "lognormal"  # suite default: a long tail
+
+
+def write_task(root: Path, name: str = "t1", **overrides: str) -> Path:
+    d = root / name
+    (d / "workspace").mkdir(parents=True)
+    (d / "workspace" / "m.py").write_text("X = 1\n")
+    (d / "hidden").mkdir()
+    (d / "hidden" / "test_m.py").write_text("from m import X\n\ndef test_x():\n    assert X == 2\n")
+    body = {
+        "instruction": "Set X to 2 in m.py.",
+        "scoring": "{rule: hidden_tests, tests: hidden/test_m.py}",
+    }
+    body.update(overrides)
+    (d / "task.yaml").write_text("".join(f"{k}: {v}\n" for k, v in body.items()))
+    return d
+
+
+def test_directory_suite(tmp_path):
+    write_task(tmp_path, "a")
+    write_task(tmp_path, "b", difficulty="hard")
+    s = load_suite(tmp_path)
+    assert s.names() == ["a", "b"]
+    assert s["b"].difficulty == "hard"
+    assert s["a"].workspace == (tmp_path / "a" / "workspace").resolve()
+    assert s["a"].tool_latency.dist == "none"
+
+
+def test_yaml_suite_file_with_defaults(tmp_path):
+    write_task(tmp_path, "a")
+    (tmp_path / "s.yaml").write_text(
+        textwrap.dedent(
+            """
+            name: mine
+            defaults:
+              tool_latency: {dist: fixed, seconds: 0.5}
+            tasks:
+              - name: first
+                instruction: Set X to 2.
+                workspace: a/workspace
+                scoring: {rule: hidden_tests, tests: a/hidden/test_m.py}
+              - name: second
+                instruction: Set X to 2.
+                workspace: a/workspace
+                scoring: {rule: command, command: [python, -c, "print(1.0)"]}
+                tool_latency: {dist: uniform, low: 0.1, high: 0.2}
+            """
+        )
+    )
+    s = load_suite(tmp_path / "s.yaml")
+    assert s.name == "mine" and len(s) == 2
+    assert s["first"].tool_latency.seconds == 0.5
+    assert s["second"].tool_latency.dist == "uniform"
+    assert s["second"].scoring.command == ["python", "-c", "print(1.0)"]
+
+
+def test_missing_initial_state_is_a_clear_error(tmp_path):
+    d = write_task(tmp_path, "broken")
+    shutil.rmtree(d / "workspace")
+    with pytest.raises(
+        ConfigError, match=r"broken/task.yaml.workspace: initial state .* does not exist"
+    ):
+        load_suite(tmp_path)
+
+
+def test_unknown_scoring_rule_names_the_allowed_rules(tmp_path):
+    write_task(tmp_path, "t", scoring="{rule: vibes}")
+    with pytest.raises(
+        ConfigError, match=r"t/task.yaml.scoring.rule: 'vibes' .*allowed: command, hidden_tests"
+    ):
+        load_suite(tmp_path)
+
+
+def test_missing_hidden_tests_file(tmp_path):
+    write_task(tmp_path, "t", scoring="{rule: hidden_tests, tests: hidden/nope.py}")
+    with pytest.raises(ConfigError, match=r"scoring.tests: .*nope.py' does not exist"):
+        load_suite(tmp_path)
+
+
+def test_hidden_tests_inside_the_workspace_are_refused(tmp_path):
+    d = write_task(tmp_path, "t", scoring="{rule: hidden_tests, tests: workspace/m.py}")
+    assert (d / "workspace" / "m.py").exists()
+    with pytest.raises(ConfigError, match="inside the workspace"):
+        load_suite(tmp_path)
+
+
+def test_unknown_key_and_bad_values(tmp_path):
+    write_task(tmp_path, "t", colour="blue")
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'colour'; allowed keys: difficulty, instruction"
+    ):
+        load_suite(tmp_path)
+    shutil.rmtree(tmp_path / "t")
+    write_task(tmp_path, "t", difficulty="impossible")
+    with pytest.raises(ConfigError, match=r"difficulty: 'impossible' is not allowed"):
+        load_suite(tmp_path)
+
+
+def test_duplicate_names_and_missing_suite(tmp_path):
+    write_task(tmp_path, "a")
+    (tmp_path / "suite.yaml").write_text(
+        "tasks:\n  - {name: a, instruction: x, workspace: a/workspace, "
+        "scoring: {rule: hidden_tests, tests: a/hidden/test_m.py}}\n"
+    )
+    with pytest.raises(ConfigError, match="'a' appears twice"):
+        load_suite(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_suite(tmp_path / "nowhere.yaml")
+
+
+def test_builtin_dir_is_shipped_next_to_the_code():
+    assert (BUILTIN_DIR / "suite.yaml").is_file()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dist=st.sampled_from(["none", "fixed", "uniform", "lognormal"]),
+    a=st.floats(0, 5),
+    b=st.floats(0, 5),
+    mu=st.floats(-5, 3),
+    sigma=st.floats(0, 3),
+    cap=st.floats(0, 10),
+    seed=st.integers(0, 2**32),
+)
+def test_tool_latency_samples_stay_in_bounds(dist, a, b, mu, sigma, cap, seed):
+    lo, hi = min(a, b), max(a, b)
+    lat = ToolLatency(dist=dist, seconds=a, low=lo, high=hi, mu=mu, sigma=sigma, max_s=cap)
+    x = lat.sample(random.Random(seed))
+    assert 0.0 <= x <= cap
+    if dist == "none":
+        assert x == 0.0
+    if dist == "fixed":
+        assert x == min(a, cap)
+    if dist == "uniform":
+        assert lo <= x <= min(hi, cap) or x == cap
+
+
+def test_lognormal_latency_has_a_long_tail():
+    lat = ToolLatency(dist="lognormal", mu=-2.0, sigma=1.0, max_s=100.0)
+    rng = random.Random(0)
+    xs = [lat.sample(rng) for _ in range(4000)]
+    assert abs(statistics.median(xs) - 0.1353) < 0.015  # exp(mu)
+    assert max(xs) > 10 * statistics.median(xs)
+
+
+def test_tool_latency_rejects_bad_values():
+    with pytest.raises(ConfigError, match=r"sigma: -1\.0 must be"):
+        ToolLatency(dist="lognormal", sigma=-1.0)
+    with pytest.raises(ConfigError, match=r"high: 1\.0 must be >= low"):
+        ToolLatency(dist="uniform", low=2.0, high=1.0)
