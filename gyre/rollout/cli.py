@@ -1,0 +1,66 @@
+"""`gyre engine`: start the embedded rollout engine (SGLang-compatible HTTP on CPU).
+
+    gyre engine --model tiny --host 127.0.0.1 --port 30000 [--threads 1]
+
+Prints ``gyre engine listening on http://HOST:PORT`` on stdout once it serves (with
+``--port 0`` the port is picked by the OS). Stops on SIGINT/SIGTERM. No torch import here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from gyre.errors import GyreError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("engine", help="run the embedded rollout engine (SGLang protocol)")
+    p.add_argument("--model", default="tiny", help="tiny | smollm2-135m | local HF model dir")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--weight-version", default="0")
+    p.add_argument("--prefix-cache-mb", type=int, default=512, help="0 disables the prefix cache")
+    p.add_argument("--log-level", default="WARNING")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gyre.rollout import engine, server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    config = server.Config(
+        host=args.host,
+        port=args.port,
+        engine=engine.Config(
+            model=args.model,
+            threads=args.threads,
+            max_batch_size=args.max_batch_size,
+            weight_version=args.weight_version,
+            prefix_cache_mb=args.prefix_cache_mb,
+        ),
+    )
+    asyncio.run(server.serve(config))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gyre.rollout.cli ...`: the same command without the other subcommands."""
+    parser = argparse.ArgumentParser(prog="gyre")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["engine", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        return int(args.func(args))
+    except GyreError as e:
+        print(f"gyre engine: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,422 @@
+"""The embedded rollout engine: continuous batching of a transformers causal LM on CPU.
+
+One worker thread runs the generation loop; HTTP handlers (gyre.rollout.server) only
+submit requests and control operations. A loop iteration ("step") holds the step lock:
+
+1. admit pending requests (up to `max_batch_size` running): prefill each alone, sample its
+   first token, merge its KV cache into the running batch (gyre.rollout.kv);
+2. one decode step for every running sequence, batched (left padding + mask + positions);
+3. finished sequences (stop token, EOS, length, regex dead end) leave the batch and their
+   responses are delivered to the waiting handler.
+
+Control operations (abort, pause, weight updates, memory release) take the same lock, so
+they happen exactly at step boundaries. Sampling and behaviour log-probs: see
+gyre.rollout.sampling; regex constraints: gyre.rollout.constrain.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from gyre.errors import ConfigError, EngineError, ProtocolError
+from gyre.rollout import weights
+from gyre.rollout.constrain import RegexCompiler, RegexState
+from gyre.rollout.kv import KVBatch, cache_from, cache_kwarg, output_cache
+from gyre.rollout.prefix import PrefixCache
+from gyre.rollout.protocol import GenerateRequest
+from gyre.rollout.sampling import next_token
+
+log = logging.getLogger(__name__)
+Deliver = Callable[[dict[str, Any]], None]
+
+
+class EngineUnavailable(EngineError):
+    """The engine cannot take work now (memory released, shutting down); HTTP 503."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Embedded engine settings."""
+
+    model: str = "tiny"
+    # "tiny" | "smollm2-135m" | a local Hugging Face model directory
+    threads: int = 1
+    # torch intra-op threads of the engine process
+    max_batch_size: int = 32
+    # most sequences decoded together; later requests wait for a free row
+    weight_version: str = "0"
+    # initial weight version reported in every response
+    request_log_tokens: int = 20_000_000
+    # input tokens of received /generate calls GET /gyre/requests keeps (oldest dropped first)
+    prefix_cache_mb: int = 512
+    # memory for KV caches of finished calls reused by calls that extend them; 0 disables
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ConfigError(f"threads: {self.threads}; allowed: an integer >= 1")
+        if self.max_batch_size < 1:
+            raise ConfigError(f"max_batch_size: {self.max_batch_size}; allowed: >= 1")
+        if self.prefix_cache_mb < 0:
+            raise ConfigError(f"prefix_cache_mb: {self.prefix_cache_mb}; allowed: >= 0")
+        if self.request_log_tokens < 0:
+            raise ConfigError(f"request_log_tokens: {self.request_log_tokens}; allowed: >= 0")
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """One /generate call inside the engine."""
+
+    req: GenerateRequest
+    deliver: Deliver
+    tokens: list[int]  # context so far: input ids + output ids
+    generator: torch.Generator | None
+    regex: RegexState | None
+    t_arrival: float = field(default_factory=time.time)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    cached_tokens: int = 0
+
+
+class Engine:
+    """A model, a request queue and the worker thread that serves them."""
+
+    def __init__(self, config: Config, model: Any, tokenizer: Any) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.eos_id: int | None = tokenizer.eos_token_id
+        self._regex = RegexCompiler(tokenizer, self.vocab_size)
+        self._cache_kwarg = cache_kwarg(model)
+        self._prefix = PrefixCache(config.prefix_cache_mb << 20)
+        self._version = config.weight_version
+        self._cond = threading.Condition()
+        self._step = threading.Lock()
+        self._pending: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []
+        self._batch = KVBatch(self._cache_kwarg)
+        self._paused = False
+        self._stopping = False
+        self._snapshot: weights.Snapshot | None = None
+        self._log: collections.deque[tuple[str, np.ndarray, float]] = collections.deque()
+        self._log_tokens = 0
+        self._batch_sizes: collections.Counter[int] = collections.Counter()
+        self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
+
+    @classmethod
+    def load(cls, config: Config) -> Engine:
+        from gyre.models import load_model
+
+        torch.set_num_threads(config.threads)
+        model, tokenizer = load_model(config.model)
+        return cls(config, model, tokenizer)
+
+    # ----- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.abort(None, "engine shutting down")
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    # ----- requests --------------------------------------------------------------------
+    def submit(self, req: GenerateRequest, deliver: Deliver) -> None:
+        """Queue a validated request; `deliver(response)` is called from the worker thread."""
+        if len(req.input_ids) >= self.max_positions:
+            raise ProtocolError(
+                f"input_ids: {len(req.input_ids)} tokens; the model's context is "
+                f"{self.max_positions} positions"
+            )
+        regex = None
+        if req.sampling.regex is not None:
+            regex = RegexState(self._regex.compile(req.sampling.regex), self._terminators(req))
+        seed = req.sampling.sampling_seed
+        gen = None
+        if req.sampling.temperature > 0:
+            gen = torch.Generator().manual_seed(
+                seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            )
+        seq = Sequence(
+            req=req, deliver=deliver, tokens=list(req.input_ids), generator=gen, regex=regex
+        )
+        with self._cond:
+            if self._snapshot is not None:
+                raise EngineUnavailable("engine memory is released; call /resume_memory_occupation")
+            if self._stopping:
+                raise EngineUnavailable("engine is shutting down")
+            self._record(req)
+            if req.sampling.max_new_tokens == 0:
+                seq.finish = {"type": "length", "length": 0}
+                seq.deliver(self._response(seq))
+                return
+            self._pending.append(seq)
+            self._cond.notify_all()
+
+    def _terminators(self, req: GenerateRequest) -> torch.Tensor:
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        ids = list(req.sampling.stop_token_ids)
+        if self.eos_id is not None and not req.sampling.ignore_eos:
+            ids.append(self.eos_id)
+        if ids:
+            mask[ids] = True
+        return mask
+
+    # ----- control (called from handler threads; each waits for a step boundary) -------
+    def abort(self, rid: str | None, message: str = "aborted by request") -> int:
+        """Abort `rid` (None: all); returns how many calls ended. Partial output is kept."""
+        with self._step, self._cond:
+            return self._abort_locked(rid, message)
+
+    def _abort_locked(self, rid: str | None, message: str) -> int:
+        hits = [s for s in self._pending if rid is None or s.req.rid == rid]
+        for seq in hits:
+            self._pending.remove(seq)
+        rows = [s for s in self._running if rid is None or s.req.rid == rid]
+        for seq in hits + rows:
+            seq.finish = {"type": "abort", "message": message}
+        self._retire()
+        for seq in hits:
+            seq.deliver(self._response(seq))
+        return len(hits) + len(rows)
+
+    def pause(self, mode: str) -> None:
+        """Hold the loop. mode "abort" also aborts everything; "retract" drops the running
+        sequences' KV caches and requeues them (re-prefilled on continue, so a weight update
+        in between is seen by the whole context); "in_place" keeps them as they are."""
+        with self._step, self._cond:
+            self._paused = True
+            if mode == "abort":
+                self._abort_locked(None, "aborted by pause_generation")
+            if mode == "retract":
+                for row, seq in enumerate(self._running):
+                    layers = self._batch.row_kv(row)
+                    self._prefix.insert(seq.tokens[: layers[0][0].shape[2]], layers)
+                self._pending.extendleft(reversed(self._running))
+                self._running = []
+                self._batch = KVBatch(self._cache_kwarg)
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def flush_cache(self) -> None:
+        """Drop the prefix cache (running calls keep their own KV)."""
+        with self._step:
+            self._prefix.clear()
+
+    def update_weights(self, named: weights.NamedTensors, version: str | None) -> str:
+        with self._step:
+            if self._snapshot is not None:
+                raise EngineUnavailable("engine memory is released; resume it before updating")
+            weights.load_named_tensors(self.model, named)
+            self._prefix.clear()
+            self._version = version if version is not None else _next_version(self._version)
+            return self._version
+
+    def release_memory(self) -> None:
+        """Abort every call, drop the KV caches and the weights (kept in a CPU snapshot)."""
+        with self._step, self._cond:
+            self._abort_locked(None, "engine memory released")
+            self._prefix.clear()
+            if self._snapshot is None:
+                self._batch = KVBatch(self._cache_kwarg)
+                self._snapshot = weights.offload(self.model)
+
+    def resume_memory(self) -> None:
+        with self._step, self._cond:
+            if self._snapshot is not None:
+                weights.restore(self._snapshot)
+                self._snapshot = None
+            self._cond.notify_all()
+
+    # ----- introspection ----------------------------------------------------------------
+    @property
+    def weight_version(self) -> str:
+        return self._version
+
+    @property
+    def released(self) -> bool:
+        return self._snapshot is not None
+
+    def _record(self, req: GenerateRequest) -> None:
+        """Log a received call (cond held); the oldest go once the token budget is spent."""
+        ids = np.asarray(req.input_ids, dtype=np.int32)
+        self._log.append((req.rid, ids, time.time()))
+        self._log_tokens += len(ids)
+        while self._log and self._log_tokens > self.config.request_log_tokens:
+            self._log_tokens -= len(self._log.popleft()[1])
+
+    def request_log(self, clear: bool = False) -> list[dict[str, Any]]:
+        """Received /generate calls, oldest first: {"rid", "input_ids", "t"}."""
+        with self._cond:
+            entries = list(self._log)
+            if clear:
+                self._log.clear()
+                self._log_tokens = 0
+        return [{"rid": r, "input_ids": ids.tolist(), "t": t} for r, ids, t in entries]
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "running": len(self._running),
+                "pending": len(self._pending),
+                "paused": self._paused,
+                "released": self._snapshot is not None,
+                "decode_steps_by_batch_size": {
+                    str(k): v for k, v in sorted(self._batch_sizes.items())
+                },
+                "max_batch_size_seen": max(self._batch_sizes, default=0),
+                "prefix_cache": {
+                    "entries": len(self._prefix),
+                    "bytes": self._prefix.nbytes,
+                    "hits": self._prefix.hits,
+                    "tokens_reused": self._prefix.tokens_reused,
+                },
+                "weight_version": self._version,
+            }
+
+    # ----- the generation loop ------------------------------------------------------------
+    def _ready(self) -> bool:
+        return not self._paused and self._snapshot is None and bool(self._pending or self._running)
+
+    def _loop(self) -> None:
+        torch.set_num_threads(self.config.threads)
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._ready():
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                with self._step:
+                    try:
+                        self._step_once()
+                    except Exception as e:
+                        log.exception("engine step failed")
+                        self._fail_all(f"engine error: {type(e).__name__}: {e}")
+
+    def _step_once(self) -> None:
+        with self._cond:
+            if not self._ready():
+                return
+            free = self.config.max_batch_size - len(self._running)
+            admitted = [self._pending.popleft() for _ in range(min(free, len(self._pending)))]
+        for seq in admitted:
+            self._prefill(seq)
+        if self._running:
+            self._decode()
+        with self._cond:
+            self._retire()
+
+    def _prefill(self, seq: Sequence) -> None:
+        reused, layers = self._prefix.lookup(seq.tokens)
+        kwargs: dict[str, Any] = {}
+        if layers is not None:
+            kwargs[self._cache_kwarg] = cache_from(layers)
+        ids = torch.tensor([seq.tokens[reused:]], dtype=torch.long)
+        positions = torch.arange(reused, len(seq.tokens)).unsqueeze(0)
+        out = self.model(
+            input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **kwargs
+        )
+        seq.cached_tokens = reused
+        self._running.append(seq)
+        self._batch.add(output_cache(out), len(seq.tokens))
+        self._sample(seq, out.logits[0, -1])
+
+    def _decode(self) -> None:
+        with self._cond:
+            self._retire()
+        if not self._running:
+            return
+        self._batch_sizes[len(self._running)] += 1
+        inputs = self._batch.step_inputs([s.tokens[-1] for s in self._running])
+        logits = self.model(**inputs).logits[:, -1]
+        for row, seq in enumerate(self._running):
+            self._sample(seq, logits[row])
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        sp = seq.req.sampling
+        allowed = seq.regex.allowed() if seq.regex is not None else None
+        if allowed is not None and not bool(allowed.any()):
+            seq.finish = {"type": "stop", "matched": None, "message": "regex allows no next token"}
+            return
+        token, logprob = next_token(
+            logits,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            allowed=allowed,
+            generator=seq.generator,
+        )
+        seq.output_ids.append(token)
+        seq.logprobs.append(logprob)
+        seq.tokens.append(token)
+        if seq.regex is not None:
+            seq.regex.advance(token)
+        if token in sp.stop_token_ids or (token == self.eos_id and not sp.ignore_eos):
+            seq.finish = {"type": "stop", "matched": token}
+        elif len(seq.output_ids) >= sp.max_new_tokens or len(seq.tokens) >= self.max_positions:
+            seq.finish = {"type": "length", "length": len(seq.output_ids)}
+
+    def _retire(self) -> None:
+        """Drop finished rows from the batch and deliver their responses (cond held)."""
+        rows = [i for i, s in enumerate(self._running) if s.finish is None]
+        if len(rows) == len(self._running):
+            return
+        done = [s for s in self._running if s.finish is not None]
+        if self._prefix.capacity_bytes:
+            for i, seq in enumerate(self._running):
+                if seq.finish is not None:
+                    layers = self._batch.row_kv(i)  # the fed tokens: all but a final sample
+                    self._prefix.insert(seq.tokens[: layers[0][0].shape[2]], layers)
+        self._running = [self._running[i] for i in rows]
+        self._batch.keep(rows)
+        for seq in done:
+            seq.deliver(self._response(seq))
+
+    def _fail_all(self, message: str) -> None:
+        with self._cond:
+            for seq in [*self._running, *self._pending]:
+                seq.finish = {"type": "abort", "message": message}
+                seq.deliver(self._response(seq))
+            self._running, self._batch = [], KVBatch(self._cache_kwarg)
+            self._pending.clear()
+
+    def _response(self, seq: Sequence) -> dict[str, Any]:
+        """SGLang's /generate response body."""
+        skip = seq.req.sampling.skip_special_tokens
+        meta: dict[str, Any] = {
+            "id": seq.req.rid,
+            "finish_reason": seq.finish,
+            "prompt_tokens": len(seq.req.input_ids),
+            "completion_tokens": len(seq.output_ids),
+            "cached_tokens": seq.cached_tokens,
+            "weight_version": self._version,
+            "e2e_latency": time.time() - seq.t_arrival,
+        }
+        if seq.req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(seq.logprobs, seq.output_ids)
+            ]
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=skip)
+        return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
+
+
+def _next_version(version: str) -> str:
+    return str(int(version) + 1) if version.isdigit() else f"{version}+1"

@@ -1,0 +1,86 @@
+"""Prefix cache: KV caches of finished calls, reused when a new call extends their tokens.
+
+An agent's next model call usually starts with the whole previous context (system prompt,
+tools, history, the previous output). Re-prefilling it every turn dominates CPU time, so
+the engine keeps the KV cache of each finished call (an LRU bounded in bytes) and, when a
+new call arrives, prefills only the tokens after the longest cached common prefix. KV
+entries are exact copies of what a fresh prefill computes, so log-probs do not change
+(tests check them against a plain forward pass). Any change of weights clears the cache.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, n, D]
+
+
+@dataclass(slots=True)
+class _Entry:
+    tokens: np.ndarray
+    layers: LayerKV
+    nbytes: int
+
+
+class PrefixCache:
+    """LRU of (tokens, KV) pairs bounded by `capacity_bytes` (0 disables it)."""
+
+    def __init__(self, capacity_bytes: int, *, min_tokens: int = 4) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.min_tokens = min_tokens
+        self._entries: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
+        self._next_key = 0
+        self.nbytes = 0
+        self.hits = 0
+        self.tokens_reused = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def insert(self, tokens: list[int], layers: LayerKV) -> None:
+        """Keep `layers` (the KV of exactly `tokens`); drops entries it extends."""
+        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        if len(tokens) < self.min_tokens or nbytes > self.capacity_bytes:
+            return
+        arr = np.asarray(tokens, dtype=np.int64)
+        for key, entry in list(self._entries.items()):
+            n = len(entry.tokens)
+            if n <= len(arr) and np.array_equal(entry.tokens, arr[:n]):
+                self._drop(key)
+        self._entries[self._next_key] = _Entry(arr, layers, nbytes)
+        self._next_key += 1
+        self.nbytes += nbytes
+        while self.nbytes > self.capacity_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def lookup(self, tokens: list[int]) -> tuple[int, LayerKV | None]:
+        """Longest cached prefix of `tokens` leaving at least one token to prefill:
+        (its length, per-layer KV sliced to it) or (0, None)."""
+        if not self._entries or len(tokens) <= self.min_tokens:
+            return 0, None
+        arr = np.asarray(tokens, dtype=np.int64)
+        best, best_key = 0, None
+        for key, entry in self._entries.items():
+            n = min(len(entry.tokens), len(arr) - 1)
+            diff = np.nonzero(entry.tokens[:n] != arr[:n])[0]
+            common = int(diff[0]) if diff.size else n
+            if common > best:
+                best, best_key = common, key
+        if best_key is None or best < self.min_tokens:
+            return 0, None
+        self._entries.move_to_end(best_key)
+        self.hits += 1
+        self.tokens_reused += best
+        layers = self._entries[best_key].layers
+        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in layers]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+    def _drop(self, key: int) -> None:
+        self.nbytes -= self._entries.pop(key).nbytes

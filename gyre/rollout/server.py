@@ -1,0 +1,280 @@
+"""Tornado HTTP front of the embedded engine: SGLang's native routes over `Engine`.
+
+Routes (SGLang names and shapes; see docs/engine.md):
+
+    POST /generate                  POST /abort_request          POST /pause_generation
+    POST /continue_generation       GET|POST /flush_cache        GET /health
+    GET  /get_weight_version        GET /get_model_info          POST /update_weights_from_tensor
+    POST /release_memory_occupation POST /resume_memory_occupation
+    GET|DELETE /gyre/requests       (Gyre only: log of received /generate calls)
+    GET  /gyre/stats                (Gyre only: batch sizes, queue lengths)
+
+Errors become HTTP responses in one place (`BaseHandler.write_error`): `ProtocolError` →
+400, `EngineUnavailable` → 503, anything else → 500, each with SGLang's error body
+``{"object": "error", "message": ..., "type": ..., "code": ...}``. A /generate whose client
+disconnects is aborted. Engine control calls block on a step boundary, so they run on the
+default executor and the IOLoop stays responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import tornado.httpserver
+import tornado.ioloop
+import tornado.iostream
+import tornado.netutil
+import tornado.web
+
+from gyre.errors import ConfigError, ProtocolError
+from gyre.rollout import engine as engine_mod
+from gyre.rollout import weights
+from gyre.rollout.protocol import parse_generate, parse_pause_mode
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Where the embedded engine listens, and the engine it runs."""
+
+    host: str = "127.0.0.1"
+    # interface to bind
+    port: int = 30000
+    # TCP port; 0 picks a free one (printed on stdout)
+    engine: engine_mod.Config = field(default_factory=engine_mod.Config)
+    # the engine behind the routes
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port: {self.port}; allowed: 0..65535")
+
+
+class BaseHandler(tornado.web.RequestHandler):
+    def initialize(self, engine: engine_mod.Engine) -> None:
+        self.engine = engine
+
+    def json_body(self) -> Any:
+        if not self.request.body:
+            return {}
+        try:
+            return json.loads(self.request.body)
+        except json.JSONDecodeError as e:
+            raise ProtocolError(f"body: not valid JSON ({e})") from None
+
+    def send(self, obj: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(obj))
+
+    async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        return await tornado.ioloop.IOLoop.current().run_in_executor(None, fn, *args)
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, ProtocolError):
+            status_code, kind, message = 400, "BadRequest", str(exc)
+        elif isinstance(exc, engine_mod.EngineUnavailable):
+            status_code, kind, message = 503, "ServiceUnavailable", str(exc)
+        elif isinstance(exc, tornado.web.HTTPError):
+            kind, message = "HTTPError", exc.log_message or self._reason
+        else:
+            kind, message = "InternalServerError", f"{type(exc).__name__}: {exc}"
+        self.set_status(status_code)
+        self.send(
+            {"object": "error", "message": message, "type": kind, "code": status_code}, status_code
+        )
+
+    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
+        if isinstance(value, ProtocolError | engine_mod.EngineUnavailable):
+            log.info("%s %s: %s", self.request.method, self.request.path, value)
+        else:
+            super().log_exception(typ, value, tb)
+
+
+class GenerateHandler(BaseHandler):
+    rid: str | None = None
+    done = False
+
+    async def post(self) -> None:
+        req = parse_generate(self.json_body(), vocab_size=self.engine.vocab_size)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[dict[str, Any]] = loop.create_future()
+
+        def deliver(body: dict[str, Any]) -> None:
+            loop.call_soon_threadsafe(_resolve, future, body)
+
+        self.rid = req.rid
+        if req.sampling.regex is not None:  # compiling a new pattern may take a while
+            await self.blocking(self.engine.submit, req, deliver)
+        else:
+            self.engine.submit(req, deliver)
+        body = await future
+        self.done = True
+        try:
+            self.send(body)
+        except tornado.iostream.StreamClosedError:
+            log.info("client of %s left before the answer", req.rid)
+
+    def on_connection_close(self) -> None:
+        if self.rid is not None and not self.done:
+            tornado.ioloop.IOLoop.current().run_in_executor(
+                None, self.engine.abort, self.rid, "client disconnected"
+            )
+
+
+def _resolve(future: asyncio.Future[dict[str, Any]], body: dict[str, Any]) -> None:
+    if not future.done():
+        future.set_result(body)
+
+
+class AbortHandler(BaseHandler):
+    async def post(self) -> None:
+        body = self.json_body()
+        if not isinstance(body, dict):
+            raise ProtocolError("body: expected a JSON object")
+        if body.get("abort_all"):
+            n = await self.blocking(self.engine.abort, None, "aborted by abort_all")
+        elif isinstance(body.get("rid"), str) and body["rid"]:
+            n = await self.blocking(self.engine.abort, body["rid"], "aborted by request")
+        else:
+            raise ProtocolError('body: expected {"rid": "<id>"} or {"abort_all": true}')
+        self.send({"success": True, "aborted": n})
+
+
+class PauseHandler(BaseHandler):
+    async def post(self) -> None:
+        mode = parse_pause_mode(self.json_body())
+        await self.blocking(self.engine.pause, mode)
+        self.send({"success": True, "mode": mode})
+
+
+class ContinueHandler(BaseHandler):
+    def post(self) -> None:
+        self.engine.resume()
+        self.send({"success": True})
+
+
+class FlushCacheHandler(BaseHandler):
+    async def get(self) -> None:
+        await self.blocking(self.engine.flush_cache)
+        self.send({"success": True, "message": "Cache flushed."})
+
+    post = get
+
+
+class HealthHandler(BaseHandler):
+    def get(self) -> None:
+        self.send({"status": "ok", "released": self.engine.released})
+
+
+class WeightVersionHandler(BaseHandler):
+    def get(self) -> None:
+        self.send({"weight_version": self.engine.weight_version})
+
+
+class ModelInfoHandler(BaseHandler):
+    def get(self) -> None:
+        e = self.engine
+        self.send(
+            {
+                "model_path": e.config.model,
+                "tokenizer_path": e.config.model,
+                "is_generation": True,
+                "weight_version": e.weight_version,
+                "vocab_size": e.vocab_size,
+                "eos_token_id": e.eos_id,
+                "max_position_embeddings": e.max_positions,
+            }
+        )
+
+
+class UpdateWeightsHandler(BaseHandler):
+    async def post(self) -> None:
+        named, version, _flush = weights.decode_update(self.json_body())
+        new = await self.blocking(self.engine.update_weights, named, version)
+        self.send(
+            {"success": True, "message": f"updated {len(named)} tensors", "weight_version": new}
+        )
+
+
+class ReleaseHandler(BaseHandler):
+    async def post(self) -> None:
+        await self.blocking(self.engine.release_memory)
+        self.send({"success": True})
+
+
+class ResumeHandler(BaseHandler):
+    async def post(self) -> None:
+        await self.blocking(self.engine.resume_memory)
+        self.send({"success": True})
+
+
+class RequestLogHandler(BaseHandler):
+    def get(self) -> None:
+        rid = self.get_query_argument("rid", None)
+        log = self.engine.request_log()
+        self.send({"requests": [r for r in log if rid is None or r["rid"] == rid]})
+
+    def delete(self) -> None:
+        self.send({"cleared": len(self.engine.request_log(clear=True))})
+
+
+class StatsHandler(BaseHandler):
+    def get(self) -> None:
+        self.send(self.engine.stats())
+
+
+ROUTES: list[tuple[str, type[BaseHandler]]] = [
+    ("/generate", GenerateHandler),
+    ("/abort_request", AbortHandler),
+    ("/pause_generation", PauseHandler),
+    ("/continue_generation", ContinueHandler),
+    ("/flush_cache", FlushCacheHandler),
+    ("/health", HealthHandler),
+    ("/get_weight_version", WeightVersionHandler),
+    ("/get_model_info", ModelInfoHandler),
+    ("/update_weights_from_tensor", UpdateWeightsHandler),
+    ("/release_memory_occupation", ReleaseHandler),
+    ("/resume_memory_occupation", ResumeHandler),
+    ("/gyre/requests", RequestLogHandler),
+    ("/gyre/stats", StatsHandler),
+]
+
+
+def make_app(engine: engine_mod.Engine) -> tornado.web.Application:
+    return tornado.web.Application([(path, h, {"engine": engine}) for path, h in ROUTES])
+
+
+async def serve(config: Config) -> None:
+    """Load the model, listen, print the URL on stdout, serve until SIGINT/SIGTERM."""
+    engine = await asyncio.get_running_loop().run_in_executor(
+        None, engine_mod.Engine.load, config.engine
+    )
+    engine.start()
+    # weight payloads (base64 torch.save) can be large: allow up to 4 GiB bodies
+    server = tornado.httpserver.HTTPServer(
+        make_app(engine), max_body_size=1 << 32, max_buffer_size=1 << 32
+    )
+    sockets = tornado.netutil.bind_sockets(config.port, config.host)
+    server.add_sockets(sockets)
+    port = sockets[0].getsockname()[1]
+    print(f"gyre engine listening on http://{config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        server.stop()
+        await loop.run_in_executor(None, engine.stop)
+        print("gyre engine stopped", file=sys.stderr, flush=True)

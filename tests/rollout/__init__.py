@@ -1,0 +1,1 @@
+"""Tests of the embedded rollout engine and its client."""

@@ -1,0 +1,116 @@
+"""Weight updates and memory release on the embedded engine (each test owns its engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from gyre.errors import EngineError
+from gyre.rollout.client import EngineClient
+from gyre.rollout.protocol import SamplingParams
+from gyre.rollout.testing import running_engine
+
+from .conftest import run
+from .reference import reference_logits, slow_distribution
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def own_url() -> Iterator[str]:
+    """An engine these tests may change (weights, memory state)."""
+    with running_engine("tiny") as url:
+        yield url
+
+
+def test_update_weights_changes_outputs_and_version(
+    own_url: str, prompt: list[int], tiny: Any
+) -> None:
+    model, _ = tiny
+    gen = torch.Generator().manual_seed(5)
+    names = ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight")
+    params = model.state_dict(keep_vars=True)
+    original = [(n, params[n].detach().clone()) for n in names]
+    named = [(n, t + 0.5 * torch.randn(t.shape, generator=gen)) for n, t in original]
+
+    async def scenario() -> tuple[Any, Any, str]:
+        client = EngineClient(own_url)
+        before = await client.generate(prompt, GREEDY, "before")
+        await client.update_weights_from_tensor(named, version="7")
+        after = await client.generate(prompt, GREEDY, "after")
+        return before, after, await client.weight_version()
+
+    before, after, version = run(scenario())
+    bad = [("model.no_such.weight", torch.zeros(2))]
+    with pytest.raises(EngineError, match="no such weight"):
+        run(EngineClient(own_url).update_weights_from_tensor(bad, version="8"))
+    wrong_shape = [("model.norm.weight", torch.zeros(3))]
+    with pytest.raises(EngineError, match="shape"):
+        run(EngineClient(own_url).update_weights_from_tensor(wrong_shape, version="8"))
+    status, reply = _post(
+        own_url + "/update_weights_from_tensor", {"serialized_named_tensors": ["%%"]}
+    )
+    assert status == 400 and "base64" in reply["message"]
+    unchanged = run(EngineClient(own_url).generate(prompt, GREEDY, "unchanged"))
+
+    assert before.weight_version == "0" and after.weight_version == "7" and version == "7"
+    assert after.output_ids != before.output_ids
+    assert unchanged.output_ids == after.output_ids and unchanged.weight_version == "7"
+    # The engine now computes with exactly the loaded weights.
+    _copy_into(model, named)
+    try:
+        for k, row in enumerate(reference_logits(model, prompt, after.output_ids)):
+            expected = slow_distribution(row, 0.0, 1.0)[after.output_ids[k]]
+            assert after.output_logprobs[k] == pytest.approx(expected, abs=1e-4)
+    finally:
+        _copy_into(model, original)
+
+
+def _copy_into(model: Any, named: list[tuple[str, torch.Tensor]]) -> None:
+    params = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, t in named:
+            params[name].copy_(t)
+
+
+def test_release_and_resume_memory(own_url: str, prompt: list[int]) -> None:
+    long = SamplingParams(max_new_tokens=5000, temperature=1.0, ignore_eos=True)
+
+    async def scenario() -> tuple[Any, Any, Any, dict[str, Any]]:
+        client = EngineClient(own_url)
+        before = await client.generate(prompt, GREEDY, "before")
+        inflight = asyncio.ensure_future(client.generate(prompt, long, "inflight"))
+        await asyncio.sleep(0.3)
+        await client.release_memory()
+        aborted = await inflight
+        stats = await client.stats()
+        with pytest.raises(EngineError, match=r"HTTP 503.*released"):
+            await client.generate(prompt, GREEDY, "while-released")
+        assert await client.health()
+        await client.resume_memory()
+        after = await client.generate(prompt, GREEDY, "after")
+        return before, aborted, after, stats
+
+    before, aborted, after, stats = run(scenario())
+    assert aborted.finish_type == "abort" and "released" in aborted.message
+    assert stats["released"] and stats["running"] == 0
+    assert after.output_ids == before.output_ids
+    assert after.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-4)
+
+
+def _post(url: str, body: Any) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
