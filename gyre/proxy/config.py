@@ -1,0 +1,89 @@
+"""Configuration of the harness-facing proxy (`gyre proxy`, or the proxy node of a run).
+
+Loaded from the `proxy:` section of a run's YAML with `gyre.config.load(Config, data)`;
+every field is validated in `__post_init__` and a bad value names the field and what is
+allowed. Role rules label calls that carry no `x-gyre-role` header (first match wins).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gyre.errors import ConfigError
+
+ROLE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(kw_only=True, slots=True)
+class RoleRule:
+    """Label a call `role` when the regex `pattern` is found in the chosen text."""
+
+    role: str
+    # role label given to matching calls ("compaction", "subagent", ...)
+    pattern: str
+    # Python regular expression, searched (not anchored)
+    source: Literal["system", "first_user", "last_user"] = "last_user"
+    # which text of the request the pattern is searched in
+
+    def __post_init__(self) -> None:
+        if not ROLE_RE.match(self.role):
+            raise ConfigError(f"role: {self.role!r}; allowed: 1-64 chars of A-Z a-z 0-9 _ . -")
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ConfigError(f"pattern: {self.pattern!r} is not a valid regex ({e})") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Harness-facing proxy: served names, limits, sampling defaults, rerouting, role rules."""
+
+    model_names: list[str] = field(default_factory=lambda: ["gyre"])
+    # model names the proxy accepts (first is listed first in /v1/models); others get 404
+    max_body_bytes: int = 32 * 1024 * 1024
+    # request bodies larger than this get 413
+    max_tokens_cap: int = 4096
+    # a request's max_tokens is capped to this
+    default_max_tokens: int = 1024
+    # OpenAI requests without max_tokens / max_completion_tokens generate at most this many
+    max_context_tokens: int = 32768
+    # prompt + output must fit; a longer prompt gets 400, max_tokens is cut to what fits
+    default_temperature: float = 1.0
+    # temperature when the request gives none (1.0 keeps behaviour log-probs on-policy)
+    reroute_attempts: int = 8
+    # engine attempts per call (aborts by a role switch, engine errors) before 503/529
+    reroute_wait_s: float = 30.0
+    # how long an aborted call waits for the coordinator to give its execution a new engine
+    engine_timeout_s: float = 3600.0
+    # per-attempt HTTP timeout towards an engine
+    default_role: str = "main"
+    # role label of executions registered without one
+    role_rules: list[RoleRule] = field(default_factory=list)
+    # labels for calls without an x-gyre-role header; no match -> the execution's role
+    render_threads: int = 4
+    # worker threads that render + tokenize new input (the tokenizer releases the GIL)
+    tool_string_max: int = 32
+    # longest string value a forced tool call (tool_choice required/named) may generate
+
+    def __post_init__(self) -> None:
+        if not self.model_names or not all(isinstance(m, str) and m for m in self.model_names):
+            raise ConfigError(f"model_names: {self.model_names!r}; allowed: non-empty names")
+        for name in ("max_body_bytes", "max_tokens_cap", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: {getattr(self, name)}; allowed: an integer >= 1")
+        if self.max_context_tokens < 2:
+            raise ConfigError(f"max_context_tokens: {self.max_context_tokens}; allowed: >= 2")
+        if not 0 <= self.default_temperature <= 2:
+            raise ConfigError(f"default_temperature: {self.default_temperature}; allowed: 0..2")
+        if self.reroute_attempts < 1:
+            raise ConfigError(f"reroute_attempts: {self.reroute_attempts}; allowed: >= 1")
+        if self.reroute_wait_s < 0 or self.engine_timeout_s <= 0:
+            raise ConfigError("reroute_wait_s / engine_timeout_s: allowed: >= 0 / > 0 seconds")
+        if not ROLE_RE.match(self.default_role):
+            raise ConfigError(f"default_role: {self.default_role!r}; allowed: 1-64 of A-Za-z0-9_.-")
+        if not 1 <= self.render_threads <= 256:
+            raise ConfigError(f"render_threads: {self.render_threads}; allowed: 1..256")
+        if not 1 <= self.tool_string_max <= 1024:
+            raise ConfigError(f"tool_string_max: {self.tool_string_max}; allowed: 1..1024")

@@ -1,0 +1,283 @@
+"""The proxy's core: executions and keys, one model call end to end, recording.
+
+`ProxyService` is what the HTTP handlers and the coordinator (in-process) talk to. It owns
+the executions (each with its trajectory tree and payload cache), the per-execution keys,
+the route table (`Router`), the TITO renderer and, optionally, the run's `TraceWriter`:
+every node is journaled as it is created (`record_node`) so a crash loses nothing, and
+closing an execution writes its whole tree (`close_execution`).
+
+A call: authenticate the key -> parse (API module) -> `serve`: match + render the new input
+(`Execution.prepare`), label the role, build sampling params (tool_choice -> regex), generate
+with reroute, parse tool calls, record the node, answer a `Reply`. Everything that can
+refuse the request happens before the engine is called, so a refused request changes no tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from gyre.proxy.config import ROLE_RE, Config
+from gyre.proxy.conversation import CallRequest, Conversation, Reply
+from gyre.proxy.errors import ApiError, invalid
+from gyre.proxy.routing import Router
+from gyre.proxy.session import Execution, render
+from gyre.proxy.tito import LONG_TEXT, ChatRenderer
+from gyre.proxy.toolcalls import forced_call_regex
+from gyre.rollout.protocol import SamplingParams
+from gyre.trajectory.tree import Node, TrajectoryTree
+
+log = logging.getLogger(__name__)
+ID_PREFIX = {"openai": "call_", "anthropic": "toolu_"}
+REPLY_PREFIX = {"openai": "chatcmpl-", "anthropic": "msg_"}
+EXECUTION_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+
+
+class ProxyService:
+    """Executions, keys, routing and recording behind both client APIs."""
+
+    def __init__(
+        self,
+        config: Config,
+        renderer: ChatRenderer,
+        router: Router,
+        *,
+        store: Any = None,
+        family: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.renderer = renderer
+        self.router = router
+        self.store = store
+        self.family = family or config.model_names[0]
+        self.clock = clock
+        self.executions: dict[str, Execution] = {}
+        self._by_key: dict[str, Execution] = {}
+        self._render_pool = ThreadPoolExecutor(config.render_threads, "gyre-proxy-render")
+
+    def close(self) -> None:
+        """Stop the render threads."""
+        self._render_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- executions ---------------------------------------------------------------------------
+
+    def register_execution(
+        self, execution_id: str, role: str | None = None, meta: Mapping[str, Any] | None = None
+    ) -> str:
+        """Open an execution; returns its key (Authorization: Bearer / x-api-key)."""
+        if not isinstance(execution_id, str) or not EXECUTION_RE.match(execution_id):
+            raise invalid(f"execution_id: {execution_id!r}; allowed: 1-128 of A-Za-z0-9_.:@-")
+        role = role or self.config.default_role
+        if not isinstance(role, str) or not ROLE_RE.match(role):
+            raise invalid(f"role: {role!r}; allowed: 1-64 of A-Za-z0-9_.-")
+        if execution_id in self.executions:
+            raise ApiError("conflict", f"execution {execution_id!r} is already registered")
+        key = f"gyre-{secrets.token_urlsafe(24)}"
+        ex = Execution(execution_id=execution_id, role=role, key=key, meta=dict(meta or {}))
+        if self.store is not None:
+            self.store.open_execution(execution_id, {"role": role, **ex.meta})
+        self.executions[execution_id] = ex
+        self._by_key[key] = ex
+        return key
+
+    def close_execution(
+        self, execution_id: str, status: str = "completed", meta: Mapping[str, Any] | None = None
+    ) -> TrajectoryTree:
+        """Close an execution (its key stops working) and write its tree to the store."""
+        ex = self.execution(execution_id)
+        if ex.closed:
+            raise ApiError("conflict", f"execution {execution_id!r} is already closed")
+        if not isinstance(status, str) or not status or status == "open":
+            raise invalid(f"status: {status!r}; allowed: a non-empty status other than 'open'")
+        ex.closed, ex.status = True, status
+        ex.release()
+        self._by_key.pop(ex.key, None)
+        self.router.forget(execution_id)
+        if self.store is not None:
+            ex.written = self.store.close_execution(
+                execution_id,
+                ex.tree,
+                status=status,
+                meta={"role": ex.role, **ex.meta, **dict(meta or {})},
+            )
+        return ex.tree
+
+    def execution(self, execution_id: str) -> Execution:
+        ex = self.executions.get(execution_id)
+        if ex is None:
+            raise ApiError("not_found", f"execution {execution_id!r} is not registered")
+        return ex
+
+    def authenticate(self, key: str | None, execution_id: str | None = None) -> Execution:
+        """The open execution a key belongs to; `execution_id` (if given) must be that one."""
+        if not key:
+            raise ApiError(
+                "authentication",
+                "missing API key: send 'Authorization: Bearer "
+                "<key>' or 'x-api-key: <key>' with the key of your execution",
+            )
+        ex = self._by_key.get(key)
+        if ex is None or not hmac.compare_digest(ex.key, key):
+            raise ApiError("authentication", "invalid API key (unknown or closed execution)")
+        if execution_id is not None and execution_id != ex.execution_id:
+            raise ApiError(
+                "permission", f"this key belongs to another execution than {execution_id!r}"
+            )
+        return ex
+
+    def check_model(self, model: str) -> None:
+        if model not in self.config.model_names:
+            raise ApiError(
+                "not_found",
+                f"model {model!r} is not served here; "
+                f"available: {', '.join(self.config.model_names)}",
+                param="model",
+            )
+
+    # -- one call -----------------------------------------------------------------------------
+
+    async def serve(
+        self,
+        ex: Execution,
+        req: CallRequest,
+        *,
+        role: str | None = None,
+        provenance: str | None = None,
+    ) -> tuple[Reply, Node]:
+        """Run one model call for `ex` and record it; ApiError before any tree change."""
+        self.check_model(req.model)
+        if provenance not in (None, "", "evaluator"):
+            raise invalid(f"x-gyre-provenance: {provenance!r}; allowed: 'evaluator'")
+        conv = req.conversation
+        found = ex.match(
+            conv, self.renderer, family=self.family, evaluator=provenance == "evaluator"
+        )
+        if _new_chars(conv, found.matched_messages) < LONG_TEXT:
+            rendered = render(found, conv, self.renderer)
+        else:  # long new input: tokenize in a worker thread (the tokenizer releases the GIL)
+            loop = asyncio.get_running_loop()
+            rendered = await loop.run_in_executor(
+                self._render_pool, render, found, conv, self.renderer
+            )
+        prep = ex.assemble(found, rendered)
+        label = self.role_for(role, conv, ex)
+        sampling = self.sampling(req, len(prep.context_ids))
+        t0 = self.clock()
+        rid = f"{ex.execution_id}-{len(ex.tree) + 1}-{secrets.token_hex(4)}"
+        served = await self.router.generate(
+            ex.execution_id, prep.context_ids.tolist(), sampling, rid
+        )
+        t1 = self.clock()
+        if ex.closed:
+            raise ApiError(
+                "authentication", f"execution {ex.execution_id!r} closed during the call"
+            )
+        res = served.result
+        out_ids = list(res.output_ids)
+        shown = out_ids[:-1] if out_ids and out_ids[-1] in sampling.stop_token_ids else out_ids
+        out = ex.parse(
+            self.renderer.decode(shown),
+            res.finish_type,
+            conv,
+            id_prefix=ID_PREFIX[req.api],
+            parse_tools=req.tool_choice.mode != "none",
+        )
+        node = ex.record(
+            prep,
+            out,
+            output_ids=out_ids,
+            output_logprobs=_logprobs(res.output_logprobs, len(out_ids)),
+            role=label,
+            policy_version=_version(res.weight_version),
+            engine_id=served.engine_id,
+            t_start=t0,
+            t_end=t1,
+            attempts=served.attempts,
+        )
+        if self.store is not None:
+            self.store.record_node(ex.execution_id, node)
+        reply = Reply(
+            id=f"{REPLY_PREFIX[req.api]}{secrets.token_hex(12)}",
+            model=req.model,
+            content=out.content,
+            tool_calls=out.tool_calls,
+            finish=out.finish,  # type: ignore[arg-type]
+            prompt_tokens=len(prep.context_ids),
+            completion_tokens=len(out_ids),
+            created=int(t1),
+        )
+        return reply, node
+
+    def role_for(self, header: str | None, conv: Conversation, ex: Execution) -> str:
+        """x-gyre-role header, else the first matching role rule, else the execution's role."""
+        if header:
+            if not ROLE_RE.match(header):
+                raise invalid(f"x-gyre-role: {header!r}; allowed: 1-64 of A-Za-z0-9_.-")
+            return header
+        for rule in self.config.role_rules:
+            if re.search(rule.pattern, _rule_text(conv, rule.source)):
+                return rule.role
+        return ex.role
+
+    def sampling(self, req: CallRequest, context_len: int) -> SamplingParams:
+        """Engine sampling params: capped max_tokens, defaults, forced-tool-call regex."""
+        cfg = self.config
+        room = cfg.max_context_tokens - context_len
+        if room < 1:
+            raise invalid(
+                f"prompt is too long: {context_len} tokens; this model's context "
+                f"holds {cfg.max_context_tokens} tokens including the output"
+            )
+        choice = req.tool_choice
+        regex = None
+        if choice.mode in ("required", "named"):
+            regex = forced_call_regex(req.conversation.tools, choice.name, cfg.tool_string_max)
+        return SamplingParams(
+            max_new_tokens=min(req.max_tokens or cfg.default_max_tokens, cfg.max_tokens_cap, room),
+            temperature=cfg.default_temperature if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            stop_token_ids=[self.renderer.eos_id],
+            regex=regex,
+        )
+
+
+def _new_chars(conv: Conversation, matched: int) -> int:
+    """Characters the call must render (root attachments include the header)."""
+    n = sum(
+        len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
+        for m in conv.messages[matched:]
+    )
+    if matched == 0:
+        n += len(conv.system or "") + sum(len(str(t)) for t in conv.tools)
+    return n
+
+
+def _rule_text(conv: Conversation, source: str) -> str:
+    if source == "system":
+        return conv.system or ""
+    users = [m.content for m in conv.messages if m.role == "user"]
+    if not users:
+        return ""
+    return users[0] if source == "first_user" else users[-1]
+
+
+def _logprobs(values: list[float], n: int) -> np.ndarray:
+    if len(values) == n:
+        return np.asarray(values, np.float32)
+    log.warning("engine returned %d log-probs for %d tokens; recording NaN", len(values), n)
+    return np.full(n, np.nan, np.float32)
+
+
+def _version(weight_version: str) -> int:
+    digits = re.search(r"(\d+)$", weight_version or "")
+    return int(digits.group(1)) if digits else 0

@@ -1,0 +1,96 @@
+"""Fixtures for the proxy tests: one embedded tiny engine per session, proxies per test.
+
+The engine is a real subprocess (`gyre.rollout.testing.running_engine`); each proxy is a
+real Tornado server on its own IOLoop thread (`gyre.proxy.testing.running_proxy`).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gyre.models import tiny_tokenizer
+from gyre.proxy.config import Config
+from gyre.proxy.testing import RunningProxy, running_proxy
+from gyre.rollout.testing import running_engine
+
+MODEL = "gyre-tiny"
+LS_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "ls",
+        "description": "List the files in a directory.",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "all": {"type": "boolean"}},
+            "required": ["path", "all"],
+        },
+    },
+}
+READ_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "read",
+        "description": "Read a file.",
+        "parameters": {
+            "type": "object",
+            "properties": {"file": {"type": "string"}, "limit": {"type": "integer"}},
+            "required": ["file", "limit"],
+        },
+    },
+}
+TOOLS = [LS_TOOL, READ_TOOL]
+
+
+def anthropic_tools() -> list[dict[str, Any]]:
+    return [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in TOOLS
+    ]
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def engine_url() -> Iterator[str]:
+    with running_engine("tiny") as url:
+        yield url
+
+
+@pytest.fixture
+def proxy(engine_url: str, tokenizer: Any) -> Iterator[RunningProxy]:
+    config = Config(model_names=[MODEL], max_body_bytes=256 * 1024, reroute_wait_s=5.0)
+    with running_proxy({"e0": engine_url}, tokenizer=tokenizer, config=config) as p:
+        yield p
+
+
+def engine_requests(url: str) -> dict[str, list[int]]:
+    """rid -> input_ids the engine received (its own log)."""
+    with urllib.request.urlopen(url + "/gyre/requests", timeout=30) as r:
+        log = json.load(r)["requests"]
+    return {e["rid"]: e["input_ids"] for e in log}
+
+
+def assert_paths_match_engine(p: RunningProxy, execution_id: str, url: str) -> int:
+    """Every node's path tokens == what the engine received for that call (last attempt)."""
+    tree = p.call(p.app.tree, execution_id)
+    received = engine_requests(url)
+    for node in tree.nodes:
+        prefix = f"{execution_id}-{node.node_id}-"
+        rids = [r for r in received if r.startswith(prefix) and r.endswith(f"-{node.attempts}")]
+        assert len(rids) == 1, (node.node_id, rids)
+        context = p.call(tree.context_ids, node.node_id)
+        assert np.array_equal(context, np.asarray(received[rids[0]], np.int32)), node.node_id
+    return len(tree.nodes)
