@@ -21,6 +21,10 @@ COMMANDS: dict[str, str] = {
     "trace": "gyre.trajectory.cli",
     "plan": "gyre.schedule.cli",
     "sim": "gyre.sim.cli",
+    "run": "gyre.runtime.cli",
+    "report": "gyre.runtime.cli",
+    "render": "gyre.launch.cli",
+    "submit": "gyre.launch.cli",
 }
 
 

@@ -99,14 +99,18 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             return tp(value)
         except ValueError:
             allowed = ", ".join(repr(m.value) for m in tp)
-            raise ConfigError(f"{path}: {value!r} is not allowed; choose one of {allowed}") from None
+            raise ConfigError(
+                f"{path}: {value!r} is not allowed; choose one of {allowed}"
+            ) from None
     if origin in (list, tuple):
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
-            return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+            return tuple(
+                _convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value))
+            )
         item = args[0] if args else Any
         items = [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items

@@ -45,8 +45,14 @@ def test_round_trip() -> None:
         ({}, "cfg.name: required key is missing"),
         ({"name": 3}, "cfg.name: expected a string, got 3"),
         ({"name": "x", "ratio": "high"}, "cfg.ratio: expected a number, got 'high'"),
-        ({"name": "x", "cells": [{"concurrency": 0}]}, "cfg.cells[0].concurrency: 0 is not allowed"),
-        ({"name": "x", "cells": [{"mode": "c"}]}, "cfg.cells[0].mode: 'c' is not allowed; choose one of 'a', 'b'"),
+        (
+            {"name": "x", "cells": [{"concurrency": 0}]},
+            "cfg.cells[0].concurrency: 0 is not allowed",
+        ),
+        (
+            {"name": "x", "cells": [{"mode": "c"}]},
+            "cfg.cells[0].mode: 'c' is not allowed; choose one of 'a', 'b'",
+        ),
         ({"name": "x", "cells": [{"concurrency": True}]}, "expected an integer, got True"),
         ({"name": "x", "maybe": "1"}, "cfg.maybe: '1' matches none of"),
     ],

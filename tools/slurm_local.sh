@@ -40,6 +40,8 @@ SlurmdPort=6818
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# a requeued job waits cred_expire seconds before it may start again (default 120)
+AuthInfo=cred_expire=15
 CredType=cred/munge
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/%n
@@ -56,7 +58,7 @@ MpiDefault=none
 ReturnToService=2
 SlurmdParameters=config_overrides
 SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,bf_interval=1
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,sched_interval=2,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 KillWait=5
@@ -94,13 +96,26 @@ start() {
   log "nodes did not become idle; see $dir/log"; sinfo >&2 || true; return 1
 }
 
+# Stop only the daemons this script started, by the pids in their pid files.
 stop_daemons() {
-  [ -f "$dir/slurm.conf" ] && SLURM_CONF="$dir/slurm.conf" scancel --quiet --user=root 2>/dev/null || true
-  pkill -x slurmd 2>/dev/null || true
-  pkill -x slurmctld 2>/dev/null || true
-  for _ in $(seq 1 40); do pgrep -x slurmd >/dev/null || pgrep -x slurmctld >/dev/null || break; sleep 0.25; done
-  pkill -9 -x slurmd 2>/dev/null || true
-  pkill -9 -x slurmctld 2>/dev/null || true
+  [ -f "$dir/slurm.conf" ] && SLURM_CONF="$dir/slurm.conf" timeout 10 scancel --quiet --user=root 2>/dev/null || true
+  local pids=() f p
+  for f in "$dir"/slurmd-*.pid "$dir/slurmctld.pid"; do
+    [ -s "$f" ] || continue
+    p="$(cat "$f")"
+    if kill -0 "$p" 2>/dev/null; then pids+=("$p"); fi
+  done
+  if ((${#pids[@]})); then
+    kill "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 1 40); do
+      local alive=0
+      for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+      ((alive)) || break
+      sleep 0.25
+    done
+    kill -9 "${pids[@]}" 2>/dev/null || true
+  fi
+  rm -f "$dir"/slurmd-*.pid "$dir/slurmctld.pid"
   [ "${1:-}" = quiet ] || log "stopped"
 }
 

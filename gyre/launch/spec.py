@@ -1,0 +1,228 @@
+"""The heterogeneous job a run config asks for: one Slurm component per Gyre component.
+
+Component 0 is the coordinator, component 1 the proxy / harness node, components 2..K+1 the
+cells (each `slurm.nodes_per_cell` nodes holding the cell's R ranks), and, when the topology
+has standalone engines, one last component holding the standalone rollout pool. Task order
+inside `srun --het-group=0-N` is component order, so world ranks come out exactly as
+`gyre.runtime.layout` expects (coordinator 0, proxy 1, cells, standalone engines).
+
+    launch = load_launch("templates/cluster/paper-32.yaml")
+    spec = job_spec(launch)          # ConfigError if the cell layout does not fit the nodes
+    spec.total_nodes, [c.ntasks for c in spec.components]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gyre.config import load
+from gyre.errors import ConfigError
+from gyre.launch.config import SlurmConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchTopology:
+    """The run's `topology:` as the launcher reads it (cluster cells may hold many ranks)."""
+
+    cells: int = 3
+    """K: elastic cells; cell 0 is the core."""
+    ranks_per_cell: int = 1
+    """R: MPI ranks of one cell (on a GPU cluster: one per GPU of the cell)."""
+    standalone_engines: int = 0
+    """Rollout engines that never switch (one rank each)."""
+
+    def __post_init__(self) -> None:
+        if self.cells < 1:
+            raise ConfigError(f"cells: {self.cells}; allowed: an integer >= 1")
+        if self.ranks_per_cell < 1:
+            raise ConfigError(f"ranks_per_cell: {self.ranks_per_cell}; allowed: an integer >= 1")
+        if self.standalone_engines < 0:
+            raise ConfigError(f"standalone_engines: {self.standalone_engines}; allowed: >= 0")
+
+    @property
+    def world_size(self) -> int:
+        return 2 + self.cells * self.ranks_per_cell + self.standalone_engines
+
+
+@dataclass(kw_only=True, slots=True)
+class Launch:
+    """What the launcher needs from a run config file."""
+
+    path: Path
+    """The run config file (passed to every task)."""
+    name: str
+    """Run name (`name:`)."""
+    runs_dir: str
+    """Where run directories are created (`runs_dir:`)."""
+    topology: LaunchTopology
+    """Cells, ranks per cell and standalone engines."""
+    slurm: SlurmConfig
+    """The `slurm:` section."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Component:
+    """One component of the heterogeneous job (`#SBATCH hetjob` block)."""
+
+    role: str
+    """coordinator | proxy | cell | standalone."""
+    index: int
+    """Cell id for cells; 0 otherwise."""
+    nodes: int
+    """Nodes of this component."""
+    ntasks: int
+    """Tasks (MPI ranks) of this component."""
+    cpus_per_task: int
+    """CPUs per task."""
+    gpus_per_node: int = 0
+    """GPUs per node (0: none requested)."""
+    partition: str | None = None
+    """Partition (None: the cluster's default)."""
+    mem: str | None = None
+    """Memory per node (None: the partition's default)."""
+    constraint: str | None = None
+    """Node feature constraint."""
+
+    @property
+    def label(self) -> str:
+        return f"cell {self.index}" if self.role == "cell" else self.role
+
+    @property
+    def ntasks_per_node(self) -> int:
+        return self.ntasks // self.nodes
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSpec:
+    """The whole heterogeneous job: components in world-rank order plus the job options."""
+
+    launch: Launch
+    components: list[Component] = field(default_factory=list)
+
+    @property
+    def total_nodes(self) -> int:
+        return sum(c.nodes for c in self.components)
+
+    @property
+    def world_size(self) -> int:
+        return sum(c.ntasks for c in self.components)
+
+    @property
+    def het_groups(self) -> str:
+        """The `srun --het-group=` value covering every component."""
+        return f"0-{len(self.components) - 1}"
+
+
+def load_launch(path: str | Path) -> Launch:
+    """Read and fully validate a run config; return what the launcher needs.
+
+    The whole file is validated as a `gyre.runtime.config.RunConfig` (so a bad key is found
+    before submission). The embedded CPU runtime accepts one rank per cell only, while a
+    cluster cell holds one rank per GPU, so `topology` is validated by `LaunchTopology` and
+    the rest of the file by `RunConfig` with a one-rank-per-cell topology.
+    """
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level")
+    topology = load(LaunchTopology, data.get("topology") or {}, path="run.topology")
+    run = _load_run(data, topology)
+    return Launch(path=p, name=run.name, runs_dir=run.runs_dir, topology=topology, slurm=run.slurm)
+
+
+def _load_run(data: dict[str, Any], topology: LaunchTopology) -> Any:
+    from gyre.runtime.config import RunConfig
+
+    cpu_view = dict(data)
+    cpu_view["topology"] = {**(data.get("topology") or {}), "ranks_per_cell": 1}
+    return load(RunConfig, cpu_view, path="run")
+
+
+def job_spec(launch: Launch) -> JobSpec:
+    """The components of the job; `ConfigError` when the layout does not fit the nodes."""
+    s, t = launch.slurm, launch.topology
+    spec = JobSpec(launch=launch)
+    for role, node in (("coordinator", s.coordinator), ("proxy", s.proxy)):
+        spec.components.append(
+            Component(
+                role=role,
+                index=0,
+                nodes=1,
+                ntasks=1,
+                cpus_per_task=node.cpus_per_task,
+                gpus_per_node=node.gpus,
+                partition=node.partition or s.partition,
+                mem=node.mem,
+                constraint=node.constraint,
+            )
+        )
+    _check_divides(
+        "slurm.nodes_per_cell",
+        s.nodes_per_cell,
+        t.ranks_per_cell,
+        "topology.ranks_per_cell",
+    )
+    for c in range(t.cells):
+        spec.components.append(_pool_component("cell", c, s.nodes_per_cell, t.ranks_per_cell, s))
+    _check_standalone(s, t)
+    if t.standalone_engines:
+        spec.components.append(
+            _pool_component("standalone", 0, s.standalone_nodes, t.standalone_engines, s)
+        )
+    return spec
+
+
+def _pool_component(role: str, index: int, nodes: int, ntasks: int, s: SlurmConfig) -> Component:
+    return Component(
+        role=role,
+        index=index,
+        nodes=nodes,
+        ntasks=ntasks,
+        cpus_per_task=s.cpus_per_task,
+        gpus_per_node=s.gpus_per_node,
+        partition=s.partition,
+        mem=s.mem,
+        constraint=s.constraint,
+    )
+
+
+def _check_divides(nodes_key: str, nodes: int, ranks: int, ranks_key: str) -> None:
+    if ranks % nodes:
+        raise ConfigError(
+            f"{nodes_key}: {nodes} does not divide {ranks_key} ({ranks}): a cell's ranks must "
+            f"spread evenly over its nodes; allowed: a divisor of {ranks} (e.g. "
+            f"{', '.join(str(d) for d in _divisors(ranks))})"
+        )
+
+
+def _check_standalone(s: SlurmConfig, t: LaunchTopology) -> None:
+    if t.standalone_engines and not s.standalone_nodes:
+        raise ConfigError(
+            f"slurm.standalone_nodes: 0 but topology.standalone_engines is "
+            f"{t.standalone_engines}; allowed: 1..{t.standalone_engines} nodes for the pool"
+        )
+    if s.standalone_nodes and not t.standalone_engines:
+        raise ConfigError(
+            f"slurm.standalone_nodes: {s.standalone_nodes} but topology.standalone_engines is "
+            "0; allowed: 0 nodes, or add standalone engines"
+        )
+    if t.standalone_engines:
+        _check_divides(
+            "slurm.standalone_nodes",
+            s.standalone_nodes,
+            t.standalone_engines,
+            "topology.standalone_engines",
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0][:8]

@@ -1,0 +1,203 @@
+"""`gyre run` and `gyre report`: the whole job on one machine, and its plots.
+
+    gyre run [CONFIG] [--steps S] [--policy elastic|async|colocate] [--run-dir D]
+    gyre report RUN_DIR
+
+`gyre run` checks the config (unknown keys, topology, harness binary, tasks) before any
+process starts, then spawns `mpiexec -n W python -m gyre.runtime.main CONFIG ...` (the
+`mpich` wheel's mpiexec), renders the coordinator's progress lines live (step, waterlevel,
+each cell's role, reward, staleness) and exits non-zero with the tail of the log when the job
+fails. No torch import here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from gyre.errors import ConfigError
+from gyre.launch.task import EXIT_CHECKPOINTED
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "templates" / "local.yaml"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    if "run" not in subparsers.choices:
+        p = subparsers.add_parser("run", help="run a whole Gyre job on this machine (MPI)")
+        p.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="run YAML")
+        p.add_argument("--steps", type=int, default=None, help="optimizer updates")
+        p.add_argument("--policy", default=None, help="elastic | async | colocate")
+        p.add_argument("--run-dir", default=None, help="default: runs/<name>-<policy>-<time>")
+        p.add_argument("--quiet", action="store_true", help="no live display; summary only")
+        p.set_defaults(func=run)
+    if "report" not in subparsers.choices:
+        r = subparsers.add_parser("report", help="plots + HTML page of a run directory")
+        r.add_argument("run_dir", help="a run directory holding trace.h5")
+        r.set_defaults(func=report)
+
+
+def find_mpiexec() -> str:
+    """The `mpich` wheel's mpiexec beside this interpreter, else one on PATH."""
+    here = Path(sysconfig.get_path("scripts")) / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise ConfigError("mpiexec not found: pip install mpich mpi4py")
+    return found
+
+
+def run(args: argparse.Namespace) -> int:
+    from gyre.runtime.config import load_run_config
+    from gyre.runtime.main import default_run_dir
+    from gyre.runtime.proxy_node import check_harness
+
+    cfg = load_run_config(args.config, {"steps": args.steps, "policy": args.policy})
+    cfg.schedule.scheduler(cfg.topology)
+    check_harness(cfg)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [find_mpiexec(), "-n", str(cfg.topology.world_size), sys.executable, "-m",
+           "gyre.runtime.main", str(args.config), "--run-dir", str(run_dir)]  # fmt: skip
+    if args.steps is not None:
+        cmd += ["--steps", str(args.steps)]
+    if args.policy is not None:
+        cmd += ["--policy", args.policy]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    rc, summary, tail = _supervise(cmd, env, run_dir, quiet=args.quiet, limit=cfg.timeouts.run_s)
+    if rc == EXIT_CHECKPOINTED and summary is not None:
+        print(f"gyre run: checkpointed after {summary['steps_done']} steps; run the same "
+              f"command with --run-dir {run_dir} to resume")  # fmt: skip
+        return rc
+    if rc != 0 or summary is None:
+        print("".join(tail), file=sys.stderr)
+        print(f"gyre run: error: the job failed (exit {rc}); logs in {run_dir}", file=sys.stderr)
+        return rc or 1
+    print(f"gyre run: {summary['steps_done']} steps in {summary['wall_s']:.1f}s "
+          f"({summary['policy']}); trace {run_dir / 'trace.h5'}")  # fmt: skip
+    print(json.dumps(summary))
+    return 0
+
+
+def _supervise(
+    cmd: list[str], env: dict[str, str], run_dir: Path, *, quiet: bool, limit: float
+) -> tuple[int, dict[str, Any] | None, deque[str]]:
+    """Run the MPI job, render progress, keep the log tail; kill it past `limit` + margin."""
+    tail: deque[str] = deque(maxlen=60)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            text=True, start_new_session=True)  # fmt: skip
+    display = _Display(quiet)
+    deadline = time.monotonic() + limit + 120
+    summary_box: list[dict[str, Any]] = []
+    with open(run_dir / "job.log", "w") as log:
+        _follow(proc, log, display, tail, deadline, summary_box)
+    summary = summary_box[0] if summary_box else None
+    return proc.returncode, summary, tail
+
+
+def _follow(
+    proc: subprocess.Popen[str], log: Any, display: _Display, tail: deque[str], deadline: float,
+    summary_box: list[dict[str, Any]],
+) -> None:  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            if line.startswith("GYRE-PROGRESS "):
+                display.update(json.loads(line.split(" ", 1)[1]))
+            elif line.startswith("GYRE-SUMMARY "):
+                summary_box.append(json.loads(line.split(" ", 1)[1]))
+            else:
+                tail.append(line)
+            if time.monotonic() > deadline:
+                tail.append("gyre run: the job exceeded its wall-clock limit; killed\n")
+                break
+    finally:
+        display.close()
+        if proc.poll() is None:
+            try:
+                proc.wait(timeout=30)  # stdout closed: the ranks are leaving
+            except subprocess.TimeoutExpired:
+                _kill_tree(proc)
+        proc.wait()
+
+
+def _kill_tree(proc: subprocess.Popen[str]) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+class _Display:
+    """A rich live table of the coordinator's progress (plain lines when not a terminal)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.live: Any = None
+        if not quiet and sys.stdout.isatty():
+            from rich.live import Live
+
+            self.live = Live(refresh_per_second=4)
+            self.live.start()
+        self.last_step = -1
+
+    def update(self, p: dict[str, Any]) -> None:
+        if self.quiet:
+            return
+        if self.live is not None:
+            self.live.update(_table(p))
+        elif p["step"] != self.last_step:
+            self.last_step = p["step"]
+            print(_line(p), flush=True)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _line(p: dict[str, Any]) -> str:
+    return (f"[{p['t']:6.1f}s] step {p['step']}/{p['steps']}  waterlevel {p['waterlevel']}  "
+            f"roles {' '.join(p['roles'])}  reward {_fmt(p['reward'])}  "
+            f"staleness {_fmt(p['staleness'])}  reroutes {p['reroutes']}")  # fmt: skip
+
+
+def _table(p: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"gyre run — step {p['step']}/{p['steps']}  ({p['t']:.0f}s)")
+    for col in ("waterlevel", "version", "reward", "staleness", "loss", "reroutes", "switches"):
+        t.add_column(col)
+    for c in range(len(p["roles"])):
+        t.add_column(f"cell {c}")
+    t.add_row(*[_fmt(p[k]) for k in ("waterlevel", "version", "reward", "staleness", "loss",
+                                     "reroutes", "switches")], *p["roles"])  # fmt: skip
+    return t
+
+
+def report(args: argparse.Namespace) -> int:
+    from gyre.runtime.report import write_report
+
+    page = write_report(Path(args.run_dir))
+    print(f"gyre report: {page}")
+    return 0

@@ -1,0 +1,283 @@
+"""The run config: one YAML file describing a whole Gyre job (`gyre run CONFIG`).
+
+Sections: `topology` (cells, ranks per cell, standalone engines), `schedule` (the scheduler's
+batch shape and the placement policy), `harness` (adapter, tasks, budgets), `train`
+(optimizer, packing, objective), `engine` (embedded engine knobs), `proxy` (the proxy's own
+config, `gyre.proxy.config.Config`), `timeouts` (every blocking wait is bounded) and `slurm`
+(`gyre.launch.config.SlurmConfig`, read only by the Slurm launcher). Loading is strict: an
+unknown key or a bad value is a `ConfigError` naming the key path and what is allowed.
+
+    cfg = load_run_config("templates/local.yaml", overrides={"steps": 2, "policy": "async"})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from gyre.config import load
+from gyre.errors import ConfigError
+from gyre.launch.config import SlurmConfig
+from gyre.proxy.config import Config as ProxyConfig
+from gyre.schedule.config import POLICIES, PolicyConfig
+from gyre.schedule.config import Config as SchedulerConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class TopologyConfig:
+    """Which processes the MPI world holds besides the coordinator and the proxy node."""
+
+    cells: int = 3
+    """K: elastic cells; cell 0 is the core."""
+    ranks_per_cell: int = 1
+    """MPI ranks of one cell (the embedded CPU runtime supports 1)."""
+    standalone_engines: int = 0
+    """Rollout engines that never switch (one rank each)."""
+
+    def __post_init__(self) -> None:
+        if self.cells < 1:
+            raise ConfigError(f"cells: {self.cells}; allowed: an integer >= 1")
+        if self.ranks_per_cell != 1:
+            raise ConfigError(
+                f"ranks_per_cell: {self.ranks_per_cell}; allowed: 1 (the embedded CPU runtime "
+                "runs one rank per cell)"
+            )
+        if self.standalone_engines < 0:
+            raise ConfigError(f"standalone_engines: {self.standalone_engines}; allowed: >= 0")
+
+    @property
+    def world_size(self) -> int:
+        return 2 + self.cells * self.ranks_per_cell + self.standalone_engines
+
+
+@dataclass(kw_only=True, slots=True)
+class ScheduleConfig:
+    """Batch shape, dispatch and the placement policy (see docs/scheduler.md)."""
+
+    policy: Literal["elastic", "async", "colocate"] = "elastic"
+    """Placement policy: elastic | async | colocate."""
+    streaming: bool | None = None
+    """Stream batches; None: the policy's default (on for elastic, off otherwise)."""
+    train_cells: int = 1
+    """Async only: cells fixed in training."""
+    concurrency_per_cell: int = 4
+    """Executions one cell's engine serves at once."""
+    group_size: int = 2
+    """N: executions per group."""
+    batch_groups: int = 2
+    """B: groups per training step."""
+    phi: float = 0.5
+    """φ: extra dispatch in units of B groups."""
+    mu: int = 1
+    """μ: training steps per burst."""
+    supply_fraction: float = 0.5
+    """Streaming supply check, as a fraction of B."""
+    join_min_microsteps: int = 1
+    """A satellite joins a batch only if this many micro-steps are left for it."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy: {self.policy!r}; allowed: {', '.join(POLICIES)}")
+
+    def scheduler(self, topology: TopologyConfig) -> tuple[SchedulerConfig, PolicyConfig]:
+        """The pure scheduler's config and policy for this topology (validated there)."""
+        sc = SchedulerConfig(
+            nodes=topology.cells,
+            cells=topology.cells,
+            train_layout_nodes=1,
+            concurrency_per_cell=self.concurrency_per_cell,
+            standalone_nodes=topology.standalone_engines,
+            group_size=self.group_size,
+            batch_groups=self.batch_groups,
+            phi=self.phi,
+            mu=self.mu,
+            supply_fraction=self.supply_fraction,
+            join_min_microsteps=self.join_min_microsteps,
+        )
+        streaming = self.streaming if self.streaming is not None else self.policy == "elastic"
+        pc = PolicyConfig(name=self.policy, streaming=streaming, train_cells=self.train_cells)
+        return sc, pc
+
+
+@dataclass(kw_only=True, slots=True)
+class HarnessConfig:
+    """The harness pool on the proxy node and the tasks it runs."""
+
+    adapter: str = "reference"
+    """Harness adapter name (gyre/harness/adapters.yaml)."""
+    params: dict[str, str] = field(default_factory=dict)
+    """Adapter parameter overrides (e.g. max_turns)."""
+    adapters: dict[str, Any] = field(default_factory=dict)
+    """Extra adapters of this run (same keys as gyre/harness/adapters.yaml), by name."""
+    suite: str = "builtin"
+    """Task suite: builtin | a suite directory / YAML file."""
+    tasks: list[str] = field(default_factory=list)
+    """Task names to draw groups from (round robin); empty: every task of the suite."""
+    harness_timeout_s: float = 60.0
+    """Wall-clock budget of one harness."""
+    overall_timeout_s: float = 90.0
+    """Budget of harness + evaluation retries, from launch."""
+    kill_grace_s: float = 1.0
+    """Seconds between SIGTERM and SIGKILL of a harness's process group."""
+    eval_attempts: int = 2
+    """Evaluator attempts per execution (0: as many as the overall budget allows)."""
+
+    def __post_init__(self) -> None:
+        for name in ("harness_timeout_s", "overall_timeout_s", "kill_grace_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: {getattr(self, name)!r}; allowed: > 0 seconds")
+        if self.overall_timeout_s < self.harness_timeout_s:
+            raise ConfigError(
+                f"overall_timeout_s: {self.overall_timeout_s}; allowed: >= harness_timeout_s"
+            )
+        if self.eval_attempts < 0:
+            raise ConfigError(f"eval_attempts: {self.eval_attempts}; allowed: >= 0")
+        if self.adapters:
+            from gyre.harness.adapters import load_adapters
+
+            load_adapters(self.adapters, path="adapters")
+
+    def adapter_object(self) -> Any:
+        """The `Adapter` named by `adapter`: one of this run's own, else a built-in one."""
+        from gyre.harness.adapters import get_adapter, load_adapters
+
+        if self.adapter in self.adapters:
+            return load_adapters(self.adapters, path="adapters")[self.adapter]
+        return get_adapter(self.adapter)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The embedded torch trainer."""
+
+    lr: float = 1e-4
+    """AdamW learning rate of the core."""
+    grad_clip: float = 1.0
+    """Clip the batch gradient at this global norm."""
+    token_budget: int = 16384
+    """Most padded tokens in one micro-step."""
+    j_max: int = 4
+    """J_max: most trajectories admitted per execution."""
+    seed: int = 0
+    """Admission sampling seed."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError(f"lr: {self.lr}; allowed: > 0")
+        if self.token_budget < 1 or self.j_max < 1:
+            raise ConfigError("token_budget / j_max: allowed: integers >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """The embedded rollout engine each cell runs as a child process."""
+
+    threads: int = 1
+    """torch threads of one engine process."""
+    max_batch_size: int = 8
+    """Sequences decoded together."""
+    prefix_cache_mb: int = 64
+    """Prefix KV cache size (0 disables)."""
+
+    def __post_init__(self) -> None:
+        if self.threads < 1 or self.max_batch_size < 1 or self.prefix_cache_mb < 0:
+            raise ConfigError("threads / max_batch_size >= 1, prefix_cache_mb >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class TimeoutsConfig:
+    """Upper bounds of every blocking wait; past one the run aborts with a message."""
+
+    startup_s: float = 180.0
+    """Engines, replicas and the proxy must be up within this."""
+    stall_s: float = 180.0
+    """The run aborts when no message arrives for this long while work is outstanding."""
+    drain_s: float = 60.0
+    """At the end: cancelled harnesses must be closed and scored within this."""
+    run_s: float = 3600.0
+    """Whole-run wall-clock limit."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not getattr(self, f.name) > 0:
+                raise ConfigError(f"{f.name}: {getattr(self, f.name)!r}; allowed: > 0 seconds")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """A whole Gyre job."""
+
+    name: str = "local"
+    """Run name (prefix of the run directory)."""
+    model: str = "tiny"
+    """tiny | smollm2-135m | a local HF model directory."""
+    model_name: str = "gyre-tiny"
+    """Model name harnesses send (the proxy serves this one)."""
+    steps: int = 2
+    """S: optimizer updates to run."""
+    runs_dir: str = "runs"
+    """Where run directories are created."""
+    transport: Literal["mpi", "mooncake"] = "mpi"
+    """Core -> satellite weight snapshots."""
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    """Processes of the MPI world."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Scheduler and policy."""
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    """Harness pool and tasks."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Embedded trainer."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Embedded engines."""
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    """The harness-facing proxy."""
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    """Bounds on blocking waits."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """Cluster launch (read by `gyre.launch`, ignored on one machine)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"steps: {self.steps}; allowed: an integer >= 1")
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name: {self.name!r}; allowed: a non-empty name without '/'")
+        if self.model_name not in self.proxy.model_names:
+            raise ConfigError(
+                f"model_name: {self.model_name!r} is not served by the proxy; allowed: one of "
+                f"proxy.model_names {self.proxy.model_names}"
+            )
+        from gyre.schedule.policy import make_policy
+
+        make_policy(*self.schedule.scheduler(self.topology))  # the scheduler validates both
+
+
+def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read a run YAML; `overrides` sets `steps` / `policy` (from the command line)."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level")
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key == "policy":
+            data.setdefault("schedule", {})["policy"] = value
+        else:
+            data[key] = value
+    return load(RunConfig, data, path="run")
+
+
+def dump_run_config(cfg: RunConfig) -> str:
+    """YAML text of a config (stored in the trace's run meta and the run directory)."""
+    from gyre.config import to_dict
+
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,144 @@
+"""A cell's rollout engine as a child process of the cell rank.
+
+The embedded engine (`python -m gyre.rollout.cli`) runs in its own process so that it can be
+killed (SIGKILL, OOM) without taking the MPI world down: the cell notices the exit, reports
+the loss, and restarts it on request. The cell talks to it over the SGLang HTTP protocol
+with blocking calls (the cell rank has no event loop): release / resume memory occupation on
+role switches, `abort_request` with `abort_all`, `update_weights_from_tensor` to publish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gyre.errors import EngineError
+from gyre.runtime.config import EngineConfig
+
+
+class EngineProcess:
+    """Starts, watches, drives and stops one embedded engine process."""
+
+    def __init__(
+        self,
+        model: str,
+        config: EngineConfig,
+        log_path: Path,
+        version: int,
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        self.model, self.config, self.log_path = model, config, log_path
+        self.labels = labels or {}  # extra environment: lets operators and tests find it
+        self.version = version
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.released = False
+
+    def spawn(self) -> None:
+        """Start the process (returns at once; `wait_ready` reads its URL)."""
+        cfg = self.config
+        cmd = [
+            sys.executable, "-m", "gyre.rollout.cli", "--model", self.model,
+            "--host", "127.0.0.1", "--port", "0", "--threads", str(cfg.threads),
+            "--max-batch-size", str(cfg.max_batch_size), "--weight-version", str(self.version),
+            "--prefix-cache-mb", str(cfg.prefix_cache_mb),
+        ]  # fmt: skip
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(cfg.threads),
+               **self.labels}  # fmt: skip
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as err:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)
+        self.url, self.released = "", False
+
+    def wait_ready(self, timeout: float) -> str:
+        """Block until the engine prints its URL and answers /health; returns the URL."""
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while not self.url and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
+            if ready:
+                line = self.proc.stdout.readline().decode()
+                if "listening on " in line:
+                    self.url = line.strip().rsplit(" ", 1)[-1]
+            if self.proc.poll() is not None:
+                raise EngineError(f"engine exited with {self.proc.returncode}: {self._tail()}")
+        while self.url and time.monotonic() < deadline:
+            try:
+                self.call("GET", "/health", timeout=2)
+                return self.url
+            except OSError:
+                time.sleep(0.1)
+        raise EngineError(f"engine did not start within {timeout:.0f}s: {self._tail()}")
+
+    def dead(self) -> int | None:
+        """The exit status if the process ended, else None."""
+        return None if self.proc is None else self.proc.poll()
+
+    def call(self, method: str, path: str, body: Any = None, timeout: float = 120) -> Any:
+        return http(self.url, method, path, body, timeout)
+
+    def release(self) -> None:
+        """Abort every outstanding call and drop KV caches and weights (ROLLOUT -> TRAIN)."""
+        self.call("POST", "/abort_request", {"abort_all": True})
+        self.call("POST", "/release_memory_occupation", {})
+        self.released = True
+
+    def resume(self) -> None:
+        """Restore the weights the engine had (TRAIN -> ROLLOUT)."""
+        self.call("POST", "/resume_memory_occupation", {})
+        self.released = False
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Publish weights of `version` into the engine."""
+        push_weights(self.url, named, version)
+        self.version = version
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def _tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-2000:]
+        except OSError:
+            return "(no log)"
+
+
+def http(url: str, method: str, path: str, body: Any = None, timeout: float = 120) -> Any:
+    """One blocking JSON call to an engine route."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    return json.loads(raw) if raw else None
+
+
+def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+    """`update_weights_from_tensor` of `version` on the engine at `url` (CPU wire format)."""
+    from gyre.rollout.weights import encode_named_tensors
+
+    body = {
+        "serialized_named_tensors": [encode_named_tensors(named)],
+        "weight_version": str(version),
+        "flush_cache": True,
+    }
+    http(url, "POST", "/update_weights_from_tensor", body, timeout=600)

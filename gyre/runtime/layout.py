@@ -1,0 +1,60 @@
+"""Which component each rank of the one MPI world runs (pure; used by main and the launcher).
+
+World layout (docs/runtime.md): rank 0 the coordinator, rank 1 the proxy node (with the
+harness pool), ranks 2 .. 2+K*R-1 the cells (cell c holds ranks 2+c*R .. 2+c*R+R-1, R ranks
+per cell), then the standalone rollout engines, one rank each.
+
+    layout(5, cfg.topology)[3]  ->  Component(kind="cell", index=1, shard=0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gyre.errors import ConfigError
+from gyre.runtime.config import TopologyConfig
+
+COORDINATOR_RANK = 0
+PROXY_RANK = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Component:
+    """What one rank runs: its kind, the cell / engine index and its shard within a cell."""
+
+    kind: Literal["coordinator", "proxy", "cell", "standalone"]
+    index: int = 0
+    shard: int = 0
+
+
+def layout(world_size: int, topology: TopologyConfig) -> list[Component]:
+    """The component of every rank; a world of the wrong size is a `ConfigError`."""
+    expected = topology.world_size
+    if world_size != expected:
+        raise ConfigError(
+            f"world size {world_size} does not match the topology: 1 coordinator + 1 proxy + "
+            f"{topology.cells} cells x {topology.ranks_per_cell} ranks + "
+            f"{topology.standalone_engines} standalone engines = {expected} ranks; start "
+            f"{expected} ranks (mpiexec -n {expected}) or change `topology`"
+        )
+    out = [Component("coordinator"), Component("proxy")]
+    for c in range(topology.cells):
+        out += [Component("cell", c, s) for s in range(topology.ranks_per_cell)]
+    out += [Component("standalone", j) for j in range(topology.standalone_engines)]
+    return out
+
+
+def cell_of_rank(components: list[Component]) -> list[int | None]:
+    """Per rank: its cell id (None for the coordinator, proxy and standalone engines)."""
+    return [c.index if c.kind == "cell" else None for c in components]
+
+
+def cell_ranks(components: list[Component]) -> list[int]:
+    """World rank of shard 0 of each cell, by cell id."""
+    return [r for r, c in enumerate(components) if c.kind == "cell" and c.shard == 0]
+
+
+def engine_ranks(components: list[Component]) -> list[int]:
+    """World rank hosting each engine id: cells 0..K-1 first, then the standalone engines."""
+    return cell_ranks(components) + [r for r, c in enumerate(components) if c.kind == "standalone"]

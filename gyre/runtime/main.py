@@ -1,0 +1,179 @@
+"""Per-rank entry point of a Gyre job: `python -m gyre.runtime.main CONFIG [options]`.
+
+Started once per rank by `mpiexec -n W` (one machine, `gyre run`) or `srun --het-group=...`
+(Slurm). Every rank reads the same config, finds its component from its world rank
+(`gyre.runtime.layout`), builds the communicators once (per-cell `Split` and the K-1 prefix
+sets) and the core → satellite snapshot transport, then runs its component:
+
+    rank 0: Coordinator   rank 1: ProxyNode   ranks 2..: CellProcess (cells, standalone)
+
+Any failure prints one line naming the rank and component and aborts the whole world, so a
+job never hangs on a dead peer. Exit status 0 after `steps` updates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gyre.runtime.config import RunConfig, dump_run_config, load_run_config
+from gyre.runtime.layout import Component, cell_of_rank, cell_ranks, engine_ranks, layout
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gyre.runtime.main")
+    p.add_argument("config", help="run YAML (templates/local.yaml)")
+    p.add_argument("--run-dir", default=None, help="run directory (default: runs/<name>-<time>)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer updates (overrides config)")
+    p.add_argument("--policy", default=None, help="elastic | async | colocate (overrides config)")
+    return p.parse_args(argv)
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(cfg.runs_dir) / f"{cfg.name}-{cfg.schedule.policy}-{stamp}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpi4py import MPI
+
+    from gyre.runtime import wire
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    component: Component | None = None
+    try:
+        args = parse(argv)
+        cfg = load_run_config(args.config, {"steps": args.steps, "policy": args.policy})
+        components = layout(world.Get_size(), cfg.topology)
+        component = components[rank]
+        _debug(f"rank {rank} is {component} (pid {os.getpid()})")
+        run_dir = Path(args.run_dir) if args.run_dir else None
+        run_dir = Path(world.bcast(str(run_dir or default_run_dir(cfg)), root=0))
+        if rank == 0:
+            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(dump_run_config(cfg))
+        _install_signals(rank)
+        world.Barrier()
+        status = run_component(cfg, world, components, component, run_dir)
+        _debug(f"rank {rank} finished its component (status {status})")
+        world.Barrier()
+    except BaseException as e:  # one boundary: a message, then abort the world
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            raise
+        wire.abort_world(rank, component.kind if component else "startup", e)
+        return 1
+    return status
+
+
+def _install_signals(rank: int) -> None:
+    """SIGUSR1 (Slurm's warning before the time limit): the coordinator checkpoints."""
+    import signal
+
+    from gyre.runtime.checkpoint import PREEMPT
+
+    if rank == 0:
+        signal.signal(signal.SIGUSR1, lambda *_: PREEMPT.set())
+    else:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def exit_without_finalize(status: int) -> None:
+    """Leave the process after every rank passed the final barrier, skipping MPI_Finalize.
+
+    The mpich wheel's Finalize was seen spinning forever after threaded use (every rank past
+    its work, busy in Finalize); the work is done and the trace closed, so exit directly.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def run_component(
+    cfg: RunConfig, world: Any, components: list[Component], me: Component, run_dir: Path
+) -> int:
+    """Run this rank's component; returns its exit status (0, or EXIT_CHECKPOINTED)."""
+    from gyre.train.comm import build_communicators
+    from gyre.train.transfer import make_transport
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    comms = build_communicators(world, cell_of_rank=cell_of_rank(components))
+    from gyre.runtime.checkpoint import load_state, restore_replica
+
+    replica = optimizer = engine = None
+    version = 0
+    if me.kind in ("cell", "standalone"):
+        engine = _start_engine(cfg, me, run_dir)
+        if me.kind == "cell":
+            import torch
+
+            from gyre.runtime.cell import build_replica
+
+            torch.set_num_threads(1)
+            replica, optimizer = build_replica(cfg, core=me.index == 0)
+            version = restore_replica(run_dir, replica.model, optimizer)
+        elif load_state(run_dir) is not None:
+            version = int(load_state(run_dir)["version"])  # type: ignore[index]
+    flat = replica.flat_params if replica is not None else None
+    transport = make_transport(cfg.transport, world, core_rank=cell_ranks(components)[0], flat=flat)
+    if me.kind == "coordinator":
+        status = _run_coordinator(cfg, world, components, run_dir)
+    elif me.kind == "proxy":
+        from gyre.runtime.proxy_node import run_proxy_node
+
+        status = run_proxy_node(cfg, world, run_dir)
+    else:
+        from gyre.runtime.cell import CellProcess
+
+        assert engine is not None
+        k = cfg.topology.cells
+        index = me.index if me.kind == "cell" else k + me.index
+        status = CellProcess(
+            cfg, engine_index=index, comms=comms, run_dir=run_dir, engine=engine,
+            replica=replica, optimizer=optimizer, transport=transport, version=version,
+        ).serve(world)  # fmt: skip
+    _debug(f"{me.kind} {me.index} stopped")
+    transport.close()  # collective: every rank gets here once its component stopped
+    return status
+
+
+def _debug(text: str) -> None:
+    """With GYRE_DEBUG=1: timestamped lifecycle lines on stderr, stacks on SIGUSR2."""
+    if os.environ.get("GYRE_DEBUG"):
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
+        print(f"[{time.time():.1f}] {text}", file=sys.stderr, flush=True)
+
+
+def _start_engine(cfg: RunConfig, me: Component, run_dir: Path) -> Any:
+    from gyre.runtime.engine_host import EngineProcess
+
+    name = f"engine-cell{me.index}" if me.kind == "cell" else f"engine-standalone{me.index}"
+    index = me.index if me.kind == "cell" else cfg.topology.cells + me.index
+    labels = {"GYRE_RUN_DIR": str(run_dir.resolve()), "GYRE_ENGINE_INDEX": str(index)}
+    engine = EngineProcess(
+        cfg.model, cfg.engine, run_dir / "logs" / f"{name}.log", version=0, labels=labels
+    )
+    engine.spawn()
+    return engine
+
+
+def _run_coordinator(cfg: RunConfig, world: Any, components: list[Component], run_dir: Path) -> int:
+    from gyre.runtime.coordinator import Coordinator
+
+    meta = {"config": dump_run_config(cfg), "world_size": len(components)}
+    summary = Coordinator(cfg, world, run_dir, engine_ranks(components), meta).run()
+    print("GYRE-SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "steps"}),
+          flush=True)  # fmt: skip
+    return int(summary["status"])
+
+
+if __name__ == "__main__":
+    exit_without_finalize(main())

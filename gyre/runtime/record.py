@@ -1,0 +1,128 @@
+"""What the coordinator writes into the run's trace (`runs/<id>/trace.h5`).
+
+The coordinator is the single writer of the HDF5 store (docs/trace-format.md). This module
+maps runtime facts onto the store's declared tables:
+
+* `roles` — the role timeline, one row per (cell, role) interval, transitions included;
+* `events` — switches with measured durations, reroutes, engine losses, publications,
+  evaluator failures (`detail` is JSON);
+* `dispatch` — counters after each dispatch and each step;
+* `steps` — per optimizer step: loss, reward mean, staleness, micro-steps, duration, ...;
+* `groups`, `rewards`, `assessments` — who ran what, designated rewards and validity;
+* one closed trajectory tree per dispatched execution (not-launched ones: an empty tree
+  with status "not_launched").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from gyre.trajectory.store import TraceWriter
+from gyre.trajectory.tree import TrajectoryTree
+
+
+class RunRecorder:
+    """Thin, typed helpers over one `TraceWriter`."""
+
+    def __init__(self, path: Path, run_meta: dict[str, Any], cells: int) -> None:
+        self.writer = TraceWriter(path, run_meta=run_meta)
+        now = time.time()
+        self.role_since = [(role, now) for role in ["rollout"] * cells]
+
+    # ------------------------------------------------------------------ timeline
+
+    def set_roles(self, roles: list[str], now: float | None = None) -> None:
+        """Close the interval of every cell whose role changed; open the new one."""
+        t = time.time() if now is None else now
+        rows = []
+        for c, role in enumerate(roles):
+            old, since = self.role_since[c]
+            if role != old:
+                rows.append({"cell": c, "role": old, "t_start": since, "t_end": t})
+                self.role_since[c] = (role, t)
+        if rows:
+            self.writer.append("roles", rows)
+
+    def close_roles(self) -> None:
+        t = time.time()
+        rows = [
+            {"cell": c, "role": role, "t_start": since, "t_end": t}
+            for c, (role, since) in enumerate(self.role_since)
+        ]
+        self.writer.append("roles", rows)
+
+    # ------------------------------------------------------------------ tables
+
+    def event(self, kind: str, **detail: Any) -> None:
+        self.writer.append(
+            "events", [{"t": time.time(), "kind": kind, "detail": json.dumps(detail)}]
+        )
+
+    def dispatch(self, version: int, groups: int, executions: int, sched: Any) -> None:
+        queued = sched.d - sched.p
+        row = {
+            "t": time.time(), "policy_version": version, "groups": groups,
+            "executions": executions, "queued": queued, "running": sched.p - sched.f,
+            "closed": sched.f,
+        }  # fmt: skip
+        self.writer.append("dispatch", [row])
+
+    def groups(self, group_id: str, task: str, executions: list[str], version: int) -> None:
+        t = time.time()
+        rows = [
+            {"group_id": group_id, "task_id": task, "execution_id": x,
+             "policy_version": version, "t_dispatch": t}
+            for x in executions
+        ]  # fmt: skip
+        self.writer.append("groups", rows)
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        t = time.time()
+        rows = [{"step": step, "t": t, "name": k, "value": float(v)} for k, v in metrics.items()]
+        self.writer.append("steps", rows)
+
+    # ------------------------------------------------------------------ executions
+
+    def open_execution(self, eid: str, meta: dict[str, Any]) -> None:
+        self.writer.open_execution(eid, meta)
+
+    def close_execution(
+        self, eid: str, group_id: str, tree: TrajectoryTree, status: str, verdict: dict[str, Any]
+    ) -> None:
+        """The tree, its reward and validity, and every assessment of one execution."""
+        valid = verdict["status"] != "excluded"
+        reward = verdict["reward"]
+        meta = {"reward": reward, "valid": valid, "verdict": verdict["status"]}
+        if verdict.get("error"):
+            meta["error"] = verdict["error"]
+        self.writer.close_execution(eid, tree, status=status, meta=meta)
+        r = float("nan") if reward is None else float(reward)
+        self.writer.append(
+            "rewards",
+            [{"execution_id": eid, "group_id": group_id, "reward": r, "valid": valid,
+              "t": verdict["t"]}],
+        )  # fmt: skip
+        rows = [_assessment_row(a) for a in verdict["assessments"]]
+        if rows:
+            self.writer.append("assessments", rows)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _assessment_row(a: dict[str, Any]) -> dict[str, Any]:
+    score = a["score"]
+    return {
+        "execution_id": a["execution_id"],
+        "attempt": int(a["attempt"]),
+        "score": float(score) if score is not None and math.isfinite(score) else float("nan"),
+        "valid": a["validity"] == "valid",
+        "state_ref": a["state_ref"],
+        "evaluator": a["kind"],
+        "detail": json.dumps({"validity": a["validity"], "error": a["error"], "seq": a["seq"]}),
+        "t": float(a["t_end"]),
+    }

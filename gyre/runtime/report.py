@@ -1,0 +1,156 @@
+"""`gyre report RUN_DIR`: PNG plots and one HTML page from a run's trace.
+
+* `timeline.png` — the role timeline per cell (as the paper's Figure 6): rollout, training
+  and the transitions between them, with optimizer steps marked;
+* `train_share.png` — each cell's share of wall time spent training;
+* `steps.png` — reward mean and staleness per step;
+* `durations.png` — the distribution of execution durations (launch to close);
+* `index.html` — the four plots and the run summary.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from gyre.errors import StoreError
+
+COLORS = {"rollout": "#4c9be8", "to_train": "#f2b134", "train": "#e8574c",
+          "to_rollout": "#9b59b6"}  # fmt: skip
+
+
+def load_run(run_dir: Path) -> dict[str, Any]:
+    """Tables of the trace as plain lists (readable while the run still writes)."""
+    from gyre.trajectory.store import TraceReader
+
+    path = run_dir / "trace.h5"
+    if not path.exists():
+        raise StoreError(f"{path} does not exist; give a run directory written by `gyre run`")
+    with TraceReader(path) as r:
+        execs = [(i.execution_id, i.status, i.t_open, i.t_close) for i in r.executions()]
+        return {
+            "roles": r.rows("roles"),
+            "steps": r.rows("steps"),
+            "events": r.rows("events"),
+            "executions": execs,
+        }
+
+
+def write_report(run_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    data = load_run(run_dir)
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    t0 = min([r["t_start"] for r in data["roles"]] or [0.0])
+    _timeline(data, t0, out / "timeline.png")
+    shares = _train_share(data, out / "train_share.png")
+    _steps(data, out / "steps.png")
+    _durations(data, out / "durations.png")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary.pop("steps", None)
+    summary["train_share"] = {f"cell {c}": round(s, 3) for c, s in shares.items()}
+    page = out / "index.html"
+    page.write_text(_html(run_dir, summary))
+    return page
+
+
+def _timeline(data: dict[str, Any], t0: float, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 2 + 0.5 * _cells(data)))
+    for r in data["roles"]:
+        ax.barh(r["cell"], r["t_end"] - r["t_start"], left=r["t_start"] - t0,
+                color=COLORS.get(r["role"], "grey"), edgecolor="none")  # fmt: skip
+    for t in sorted({s["t"] for s in data["steps"]}):
+        ax.axvline(t - t0, color="black", lw=0.8, ls="--")
+    ax.set_xlabel("seconds since start (dashed: optimizer steps)")
+    ax.set_ylabel("cell")
+    ax.set_yticks(range(_cells(data)))
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    ax.legend(handles, list(COLORS), loc="upper left", bbox_to_anchor=(1, 1))
+    ax.set_title("Role timeline per cell")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _cells(data: dict[str, Any]) -> int:
+    return 1 + max([r["cell"] for r in data["roles"]] or [0])
+
+
+def _train_share(data: dict[str, Any], path: Path) -> dict[int, float]:
+    import matplotlib.pyplot as plt
+
+    total: dict[int, float] = {}
+    train: dict[int, float] = {}
+    for r in data["roles"]:
+        d = r["t_end"] - r["t_start"]
+        total[r["cell"]] = total.get(r["cell"], 0.0) + d
+        if r["role"] == "train":
+            train[r["cell"]] = train.get(r["cell"], 0.0) + d
+    shares = {c: train.get(c, 0.0) / total[c] if total[c] > 0 else 0.0 for c in sorted(total)}
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.bar([str(c) for c in shares], list(shares.values()), color=COLORS["train"])
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("cell")
+    ax.set_ylabel("training time share")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return shares
+
+
+def _steps(data: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[int, float]] = {}
+    for r in data["steps"]:
+        series.setdefault(r["name"], {})[r["step"]] = r["value"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3))
+    for ax, name in zip(axes, ("reward_mean", "staleness_mean")):
+        points = sorted(series.get(name, {}).items())
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+        ax.set_xlabel("step")
+        ax.set_ylabel(name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _durations(data: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    d = [c - o for _, s, o, c in data["executions"] if c is not None and s != "not_launched"]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.hist(d, bins=max(5, min(30, len(d))), color=COLORS["rollout"])
+    ax.set_xlabel("execution duration, launch to close (s)")
+    ax.set_ylabel("executions")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _html(run_dir: Path, summary: dict[str, Any]) -> str:
+    rows = "".join(
+        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
+        for k, v in summary.items()
+    )
+    imgs = "".join(
+        f'<h2>{title}</h2><img src="{name}" alt="{title}">'
+        for name, title in (
+            ("timeline.png", "Role timeline"),
+            ("train_share.png", "Training time share per cell"),
+            ("steps.png", "Reward and staleness per step"),
+            ("durations.png", "Execution durations"),
+        )
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>Gyre run "
+        f"{html.escape(run_dir.name)}</title></head><body><h1>Gyre run "
+        f"{html.escape(run_dir.name)}</h1><table>{rows}</table>{imgs}</body></html>"
+    )

@@ -1,0 +1,155 @@
+"""From a run config to the heterogeneous job: components, layout checks, cluster checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gyre.errors import ConfigError
+from gyre.launch.cluster import Cluster, Partition, parse_cluster, time_minutes, validate
+from gyre.launch.spec import job_spec, load_launch
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "templates" / "cluster"
+
+
+def variant(tmp_path: Path, base: str, **changes: Any) -> Path:
+    """A copy of a template with `section.key` values changed."""
+    data = yaml.safe_load((CLUSTER / base).read_text())
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        data.setdefault(section, {})[key] = value
+    path = tmp_path / f"variant-{base}"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "cells", "nodes_per_cell", "total"),
+    [("nl2repo-32.yaml", 8, 4, 34), ("swe-24.yaml", 6, 4, 26), ("nl2repo-192.yaml", 4, 48, 194)],
+)
+def test_paper_templates_shape(name: str, cells: int, nodes_per_cell: int, total: int) -> None:
+    spec = job_spec(load_launch(CLUSTER / name))
+    roles = [c.role for c in spec.components]
+    assert roles == ["coordinator", "proxy"] + ["cell"] * cells
+    assert [c.nodes for c in spec.components[2:]] == [nodes_per_cell] * cells
+    assert all(c.ntasks_per_node == 8 and c.gpus_per_node == 8 for c in spec.components[2:])
+    assert spec.total_nodes == total
+    assert spec.world_size == 2 + cells * nodes_per_cell * 8
+
+
+def test_local_template_is_five_single_task_components() -> None:
+    spec = job_spec(load_launch(ROOT / "templates" / "local.yaml"))
+    assert [(c.role, c.nodes, c.ntasks) for c in spec.components] == [
+        ("coordinator", 1, 1),
+        ("proxy", 1, 1),
+        ("cell", 1, 1),
+        ("cell", 1, 1),
+        ("cell", 1, 1),
+    ]
+
+
+def test_cell_layout_must_divide_nodes(tmp_path: Path) -> None:
+    path = variant(tmp_path, "swe-24.yaml", topology__ranks_per_cell=30)
+    with pytest.raises(ConfigError) as e:
+        job_spec(load_launch(path))
+    msg = str(e.value)
+    assert "slurm.nodes_per_cell: 4 does not divide topology.ranks_per_cell (30)" in msg
+    assert "allowed: a divisor of 30" in msg
+
+
+def test_standalone_pool_needs_nodes_and_even_spread(tmp_path: Path) -> None:
+    path = variant(tmp_path, "swe-24.yaml", topology__standalone_engines=4)
+    with pytest.raises(ConfigError, match=r"slurm\.standalone_nodes: 0 but"):
+        job_spec(load_launch(path))
+    data = yaml.safe_load(path.read_text())
+    data["slurm"]["standalone_nodes"] = 2
+    path.write_text(yaml.safe_dump(data))
+    spec = job_spec(load_launch(path))
+    pool = spec.components[-1]
+    assert (pool.role, pool.nodes, pool.ntasks) == ("standalone", 2, 4)
+
+
+def test_unknown_key_is_rejected_before_anything(tmp_path: Path) -> None:
+    path = variant(tmp_path, "swe-24.yaml", slurm__partitoin="gpu")
+    with pytest.raises(ConfigError, match=r"run\.slurm: unknown key 'partitoin'"):
+        load_launch(path)
+
+
+GPU = Partition(name="gpu", nodes=30, max_time_min=4 * 1440, cpus_per_node=128, gpus_per_node=8)
+CPU = Partition(name="cpu", nodes=4, cpus_per_node=16, default=True)
+
+
+def test_validate_accepts_fitting_job() -> None:
+    validate(job_spec(load_launch(CLUSTER / "swe-24.yaml")), Cluster(partitions={"gpu": GPU}))
+
+
+def test_validate_too_many_nodes() -> None:
+    spec = job_spec(load_launch(CLUSTER / "nl2repo-32.yaml"))
+    with pytest.raises(ConfigError) as e:
+        validate(spec, Cluster(partitions={"gpu": GPU}))
+    assert "asks for 34 nodes in partition 'gpu'" in str(e.value)
+    assert "which has 30" in str(e.value)
+
+
+def test_validate_missing_partition(tmp_path: Path) -> None:
+    spec = job_spec(load_launch(variant(tmp_path, "swe-24.yaml", slurm__partition="h100")))
+    with pytest.raises(ConfigError) as e:
+        validate(spec, Cluster(partitions={"gpu": GPU, "cpu": CPU}))
+    assert "asks for 'h100', which this cluster does not have" in str(e.value)
+    assert "allowed partitions: cpu, gpu" in str(e.value)
+
+
+def test_validate_gpus_cpus_and_time(tmp_path: Path) -> None:
+    small = Partition(name="gpu", nodes=30, cpus_per_node=64, gpus_per_node=4)
+    spec = job_spec(load_launch(CLUSTER / "swe-24.yaml"))
+    with pytest.raises(ConfigError, match="needs 96 CPUs per node"):
+        validate(spec, Cluster(partitions={"gpu": small}))
+    small.cpus_per_node = 128
+    with pytest.raises(ConfigError, match="asks for 8 GPUs per node"):
+        validate(spec, Cluster(partitions={"gpu": small}))
+    short = Partition(name="gpu", nodes=30, max_time_min=60, cpus_per_node=128, gpus_per_node=8)
+    with pytest.raises(
+        ConfigError, match="exceeds the MaxTime of partition 'gpu' \\(60 minutes\\)"
+    ):
+        validate(spec, Cluster(partitions={"gpu": short}))
+
+
+def test_parse_cluster_from_scontrol_text() -> None:
+    parts = (
+        "PartitionName=gpu Default=NO MaxNodes=UNLIMITED MaxTime=2-00:00:00 State=UP "
+        "TotalNodes=200\nPartitionName=debug Default=YES MaxNodes=2 MaxTime=30 State=UP "
+        "TotalNodes=4\n"
+    )
+    nodes = (
+        "NodeName=c1 CPUTot=128 Gres=gpu:h100:8(S:0-1) Partitions=gpu\n"
+        "NodeName=d1 CPUTot=16 Gres=(null) Partitions=debug,gpu\n"
+    )
+    cluster = parse_cluster(parts, nodes)
+    gpu, debug = cluster.partitions["gpu"], cluster.partitions["debug"]
+    assert (gpu.nodes, gpu.max_time_min, gpu.cpus_per_node, gpu.gpus_per_node) == (
+        200,
+        2880,
+        128,
+        8,
+    )
+    assert (debug.max_nodes, debug.max_time_min, debug.default) == (2, 30, True)
+    assert cluster.resolve(None) is debug
+
+
+def reference_minutes(d: int, h: int, m: int, s: int) -> int:
+    total_s = ((d * 24 + h) * 60 + m) * 60 + s
+    return -(-total_s // 60)
+
+
+@given(st.integers(0, 30), st.integers(0, 23), st.integers(0, 59), st.integers(0, 59))
+def test_time_minutes_matches_reference(d: int, h: int, m: int, s: int) -> None:
+    assert time_minutes(f"{d}-{h:02d}:{m:02d}:{s:02d}") == reference_minutes(d, h, m, s)
+    assert time_minutes(f"{d * 24 + h}:{m:02d}:{s:02d}") == reference_minutes(d, h, m, s)
+    assert time_minutes(f"{m}:{s:02d}") == reference_minutes(0, 0, m, s)
+    assert time_minutes(f"{m}") == m

@@ -1,0 +1,64 @@
+"""Fixtures of the runtime tests: a small run config written into a temporary directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gyre.tasks.suite import BUILTIN_DIR
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small_config(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    """The local template, shrunk for CI (few steps, short agents)."""
+    cfg = yaml.safe_load((ROOT / "templates" / "local.yaml").read_text())
+    cfg["runs_dir"] = str(tmp_path / "runs")
+    cfg["steps"] = 2
+    cfg["harness"]["params"].update({"max_turns": "3", "max_tokens": "32"})
+    cfg["timeouts"].update({"stall_s": 90, "run_s": 300, "drain_s": 40})
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            cfg.setdefault(key, {}).update(value)
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def crashing_suite(tmp_path: Path) -> Path:
+    """A suite with two real tasks and one whose evaluator always crashes."""
+    add, fizz = BUILTIN_DIR / "add", BUILTIN_DIR / "fizzbuzz"
+    suite = {
+        "name": "e2e",
+        "defaults": {"tool_latency": {"dist": "lognormal", "mu": -2.0, "sigma": 1.0, "max_s": 2.0}},
+        "tasks": [
+            {"name": "add", "instruction": "Implement add(a, b) in calc.py.",
+             "workspace": str(add / "workspace"),
+             "scoring": {"rule": "hidden_tests", "tests": str(add / "hidden" / "test_add.py")}},
+            {"name": "fizzbuzz", "instruction": "Implement fizzbuzz(n) in fizzbuzz.py.",
+             "workspace": str(fizz / "workspace"),
+             "scoring": {"rule": "hidden_tests",
+                         "tests": str(fizz / "hidden" / "test_fizzbuzz.py")}},
+            {"name": "crashy", "instruction": "Implement add(a, b) in calc.py.",
+             "workspace": str(add / "workspace"),
+             "scoring": {"rule": "command",
+                         "command": ["python3", "-c", "raise SystemExit('evaluator bug 42')"]}},
+        ],
+    }  # fmt: skip
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    return path
+
+
+def write_config(tmp_path: Path, cfg: dict[str, Any], name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture
+def config_path(tmp_path: Path) -> Path:
+    return write_config(tmp_path, small_config(tmp_path))

@@ -1,0 +1,110 @@
+"""Run config, world layout and bad input: each a clear message, never a hang."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gyre.errors import ConfigError
+from gyre.runtime.config import TopologyConfig, load_run_config
+from gyre.runtime.layout import cell_of_rank, cell_ranks, engine_ranks, layout
+from gyre.runtime.proxy_node import check_harness
+
+from .conftest import ROOT, small_config, write_config
+
+
+def test_templates_load() -> None:
+    local = load_run_config(ROOT / "templates" / "local.yaml")
+    assert local.model == "tiny" and local.topology.world_size == 5
+    smol = load_run_config(ROOT / "templates" / "smollm2.yaml")
+    assert smol.model == "smollm2-135m"
+    over = load_run_config(ROOT / "templates" / "local.yaml", {"steps": 7, "policy": "async"})
+    assert over.steps == 7 and over.schedule.policy == "async"
+
+
+def test_unknown_key_names_the_path(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
+    cfg["schedule"]["bogus"] = 1
+    with pytest.raises(ConfigError, match=r"schedule.*bogus"):
+        load_run_config(write_config(tmp_path, cfg))
+
+
+def test_bad_policy_lists_the_allowed_ones(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"elastic.*async.*colocate"):
+        load_run_config(write_config(tmp_path, small_config(tmp_path)), {"policy": "fifo"})
+
+
+def test_impossible_topologies(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, schedule={"policy": "async", "train_cells": 3})
+    with pytest.raises(ConfigError, match="train_cells"):  # no rollout engine left
+        load_run_config(write_config(tmp_path, cfg))
+    cfg = small_config(tmp_path, topology={"cells": 0})
+    with pytest.raises(ConfigError, match="cells"):
+        load_run_config(write_config(tmp_path, cfg))
+    with pytest.raises(ConfigError, match=r"world size 4 does not match.*5 ranks"):
+        layout(4, TopologyConfig(cells=3))
+
+
+@given(
+    cells=st.integers(1, 6), standalone=st.integers(0, 3), extra=st.integers(-3, 3)
+)  # fmt: skip
+def test_layout_maps_every_rank_once(cells: int, standalone: int, extra: int) -> None:
+    topo = TopologyConfig(cells=cells, standalone_engines=standalone)
+    size = 2 + cells + standalone + extra
+    if extra != 0:
+        with pytest.raises(ConfigError):
+            layout(size, topo)
+        return
+    comps = layout(size, topo)
+    assert comps[0].kind == "coordinator" and comps[1].kind == "proxy"
+    assert [c.index for c in comps if c.kind == "cell"] == list(range(cells))
+    assert cell_of_rank(comps) == [None, None, *range(cells), *[None] * standalone]
+    assert cell_ranks(comps) == list(range(2, 2 + cells))
+    assert engine_ranks(comps) == list(range(2, size))
+
+
+def test_missing_harness_binary_fails_before_anything_starts(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
+    cfg["harness"]["adapters"] = {
+        "ghost": {"api": "openai", "command": ["gyre-no-such-harness", "{instruction}"]}
+    }
+    cfg["harness"]["adapter"] = "ghost"
+    path = write_config(tmp_path, cfg)
+    with pytest.raises(ConfigError, match=r"gyre-no-such-harness.*not on PATH"):
+        check_harness(load_run_config(path))
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "gyre", "run", str(path)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "gyre-no-such-harness" in out.stderr
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "runs").exists()
+
+
+def test_unknown_task_and_unknown_key_via_cli(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
+    cfg["harness"]["tasks"] = ["add", "no-such-task"]
+    out = subprocess.run([sys.executable, "-m", "gyre", "run", str(write_config(tmp_path, cfg))],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "no-such-task" in out.stderr
+    cfg = small_config(tmp_path, colour="blue")
+    out = subprocess.run([sys.executable, "-m", "gyre", "run", str(write_config(tmp_path, cfg))],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "colour" in out.stderr
+
+
+def test_world_of_wrong_size_aborts_with_a_message(tmp_path: Path) -> None:
+    from gyre.runtime.cli import find_mpiexec
+
+    path = write_config(tmp_path, small_config(tmp_path))
+    out = subprocess.run(
+        [find_mpiexec(), "-n", "3", sys.executable, "-m", "gyre.runtime.main", str(path),
+         "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "world size 3 does not match" in out.stdout + out.stderr

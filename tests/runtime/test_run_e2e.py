@@ -1,0 +1,156 @@
+"""End to end: `gyre run` on a small config, one real MPI world, with a cell's engine SIGKILLed.
+
+One run (about a minute on 2 cores) checks what a user relies on:
+
+* the run completes S steps and exits 0; zero harness-side errors;
+* the trace holds every dispatched execution with its tree, reward and validity — those
+  whose evaluator crashes are marked invalid (excluded) with the evaluator's message;
+* the role timeline shows a cell going rollout -> train -> rollout while executions are live,
+  and each switch's duration is recorded;
+* cell 2's engine is killed with SIGKILL mid-run: the loss is recorded, its calls are retried
+  elsewhere (one node per agent call), every harness finishes, the run completes;
+* `gyre report` renders the PNG plots and the HTML page.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gyre.trajectory.store import TraceReader
+
+from .conftest import crashing_suite, small_config, write_config
+
+
+def _engine_pid(run_dir: Path, index: int) -> int | None:
+    """The engine process of `run_dir` serving engine `index` (found by its labels)."""
+    want = {f"GYRE_RUN_DIR={run_dir.resolve()}".encode(), f"GYRE_ENGINE_INDEX={index}".encode()}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = set(Path(entry.path, "environ").read_bytes().split(b"\0"))
+            cmd = Path(entry.path, "cmdline").read_bytes()
+        except OSError:
+            continue
+        if want <= env and b"gyre.rollout.cli" in cmd:
+            return int(entry.name)
+    return None
+
+
+def _kill_engine_when_busy(proc: subprocess.Popen, run_dir: Path, index: int) -> bool:
+    """SIGKILL engine `index` once several harnesses run; False if the run ended first."""
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and proc.poll() is None:
+        ws = run_dir / "workspaces"
+        if ws.exists() and len(list(ws.iterdir())) >= 4:
+            time.sleep(3.0)  # calls in flight on every engine
+            pid = _engine_pid(run_dir, index)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_gyre_run_end_to_end_with_engine_kill(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, steps=2)
+    cfg["harness"]["suite"] = str(crashing_suite(tmp_path))
+    cfg["harness"]["tasks"] = ["add", "crashy", "fizzbuzz"]
+    path = write_config(tmp_path, cfg)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gyre", "run", str(path), "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        killed = _kill_engine_when_busy(proc, run_dir, index=2)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert killed, "the run ended before cell 2's engine could be killed"
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps_done"] == 2
+    assert summary["harness_errors"] == 0
+    assert summary["engine_losses"] == 1
+
+    with TraceReader(run_dir / "trace.h5") as r:
+        execs = {i.execution_id: i for i in r.executions()}
+        groups = r.rows("groups")
+        rewards = {row["execution_id"]: row for row in r.rows("rewards")}
+        roles = r.rows("roles")
+        events = r.rows("events")
+        assessments = r.rows("assessments")
+        trees = {eid: r.tree(eid) for eid, i in execs.items() if i.status != "not_launched"}
+
+    # every dispatched execution: a closed tree, a reward row, validity
+    dispatched = {g["execution_id"]: g["task_id"] for g in groups}
+    assert set(dispatched) == set(execs) == set(rewards)
+    assert all(i.closed for i in execs.values())
+    for eid, task in dispatched.items():
+        status = execs[eid].status
+        if status == "not_launched":
+            assert not rewards[eid]["valid"]
+        elif task == "crashy":  # the evaluator crashed on every attempt: excluded, no reward
+            assert not rewards[eid]["valid"] and execs[eid].meta["verdict"] == "excluded"
+            assert "evaluator bug 42" in execs[eid].meta["error"]
+        else:  # scored, timed-out and cancelled ones included
+            assert rewards[eid]["valid"], (eid, status, execs[eid].meta)
+            assert 0.0 <= rewards[eid]["reward"] <= 1.0
+    assert any(t == "crashy" and execs[e].status != "not_launched" for e, t in dispatched.items())
+    assert {a["execution_id"] for a in assessments} >= {
+        e for e, i in execs.items() if i.status != "not_launched"
+    }
+
+    # one node per agent call, also for calls whose engine was killed or switched away
+    for eid, tree in trees.items():
+        stdout = run_dir / "workspaces" / eid / "stdout.log"
+        if execs[eid].status == "completed":
+            report = json.loads(stdout.read_text().strip().splitlines()[-1])["report"]
+            assert len(tree) == sum(report["calls"].values()), eid
+
+    # the engine loss is recorded; some calls needed a second engine attempt
+    kinds = [e["kind"] for e in events]
+    assert "engine_lost" in kinds and "engine_restarted" in kinds
+    switches = [json.loads(e["detail"]) for e in events if e["kind"] == "switch"]
+    assert switches and all(s["seconds"] > 0 for s in switches)
+
+    # a cell went rollout -> train -> rollout while executions were live
+    assert _round_trip_while_live(roles, execs)
+
+    # gyre report renders
+    rep = subprocess.run([sys.executable, "-m", "gyre", "report", str(run_dir)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert rep.returncode == 0, rep.stderr
+    for name in ("timeline.png", "train_share.png", "steps.png", "durations.png", "index.html"):
+        assert (run_dir / "report" / name).stat().st_size > 0
+
+
+def _round_trip_while_live(roles: list[dict], execs: dict) -> bool:
+    by_cell: dict[int, list[dict]] = {}
+    for row in sorted(roles, key=lambda r: r["t_start"]):
+        by_cell.setdefault(row["cell"], []).append(row)
+    for rows in by_cell.values():
+        names = [r["role"] for r in rows]
+        for i, row in enumerate(rows):
+            if row["role"] != "train" or "rollout" not in names[:i] or "rollout" not in names[i:]:
+                continue
+            live = [
+                e for e in execs.values()
+                if e.t_close is not None and e.t_open < row["t_end"] and e.t_close > row["t_start"]
+            ]  # fmt: skip
+            if live:
+                return True
+    return False
