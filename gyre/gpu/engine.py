@@ -1,0 +1,140 @@
+"""`python -m gyre.gpu.engine`: the embedded engine on a CUDA device (same protocol, same CLI).
+
+    python -m gyre.gpu.engine --device cuda --dtype bfloat16 --model tiny --port 0
+
+Arguments after `--device/--dtype` are `gyre engine`'s. The model is loaded, moved to the
+device in the dtype, and served by `gyre.rollout.server` routes. Tensors the engine creates
+per step follow `torch.set_default_device(device)`, which is per thread: it is set in the
+IOLoop thread, in every executor thread (the loop's default executor is replaced by one
+whose initializer sets it) and in the engine's worker thread. `CudaEngine` makes
+`/release_memory_occupation` return device memory: the weights the engine parks are moved
+to pinned host memory (tied weights stay tied) and the CUDA cache is emptied; `/resume_...`
+moves them back.
+
+For small models only: SGLang serves large ones (`gyre.rollout.sglang`). Seeded sampling
+(`sampling_seed`) and `regex` constraints are CPU-only for now (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from typing import Any
+
+import torch
+
+from gyre.gpu.memory import Placement, release_cached
+from gyre.rollout import engine as engine_mod
+
+
+class CudaEngine(engine_mod.Engine):
+    """The embedded engine whose memory release frees device memory."""
+
+    def __init__(self, config: engine_mod.Config, model: Any, tokenizer: Any, device: str):
+        super().__init__(config, model, tokenizer)
+        self.device = device
+
+    def _loop(self) -> None:
+        torch.set_default_device(self.device)  # the worker thread creates per-step tensors
+        super()._loop()
+
+    def release_memory(self) -> None:
+        super().release_memory()
+        with self._step:
+            _move_snapshot(self._snapshot or [], "cpu")
+        release_cached(self.device)
+
+    def resume_memory(self) -> None:
+        with self._step:
+            _move_snapshot(self._snapshot or [], self.device)
+        super().resume_memory()
+
+
+def _move_snapshot(snapshot: list[tuple[Any, str, str, Any]], device: str) -> None:
+    """Move the parked tensors in place (one copy per shared tensor: tied weights stay tied)."""
+    moved: dict[int, Any] = {}
+    pin = device == "cpu" and torch.cuda.is_available()
+    for k, (module, kind, name, t) in enumerate(snapshot):
+        if id(t) not in moved:
+            data = t.data.to(device)
+            if pin:
+                data = data.pin_memory()
+            new = (
+                torch.nn.Parameter(data, requires_grad=t.requires_grad)
+                if kind == "_parameters"
+                else data
+            )
+            moved[id(t)] = new
+        snapshot[k] = (module, kind, name, moved[id(t)])
+
+
+def load_engine(config: engine_mod.Config, placement: Placement) -> CudaEngine:
+    from gyre.models import load_model
+
+    torch.set_num_threads(config.threads)
+    model, tokenizer = load_model(config.model)
+    placement.apply(model)
+    return CudaEngine(config, model, tokenizer, placement.device)
+
+
+async def serve(config: Any, placement: Placement) -> None:
+    """Like `gyre.rollout.server.serve`, with the model on `placement`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tornado.httpserver
+    import tornado.netutil
+
+    from gyre.rollout import server
+
+    torch.set_default_device(placement.device)
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(
+        ThreadPoolExecutor(initializer=torch.set_default_device, initargs=(placement.device,))
+    )
+    engine = await loop.run_in_executor(None, load_engine, config.engine, placement)
+    engine.start()
+    http = tornado.httpserver.HTTPServer(
+        server.make_app(engine), max_body_size=1 << 32, max_buffer_size=1 << 32
+    )
+    sockets = tornado.netutil.bind_sockets(config.port, config.host)
+    http.add_sockets(sockets)
+    print(
+        f"gyre engine listening on http://{config.host}:{sockets[0].getsockname()[1]}", flush=True
+    )
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        http.stop()
+        await loop.run_in_executor(None, engine.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gyre.rollout import cli, server
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", default="cuda")
+    pre.add_argument("--dtype", default="bfloat16")
+    ours, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    placement = Placement(device=ours.device, dtype=ours.dtype)
+    parser = argparse.ArgumentParser(prog="gyre.gpu.engine")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["engine", *rest])
+    config = server.Config(
+        host=args.host,
+        port=args.port,
+        engine=engine_mod.Config(
+            model=args.model, threads=args.threads, max_batch_size=args.max_batch_size,
+            weight_version=args.weight_version, prefix_cache_mb=args.prefix_cache_mb,
+        ),
+    )  # fmt: skip
+    asyncio.run(serve(config, placement))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Configuration of one managed rollout server and its launch command (torch-free).
+
+The command comes from a template whose ``{placeholders}`` are filled from the config, so
+the same manager starts real SGLang on GPU machines and Gyre's embedded engine on CPU:
+
+    ServerConfig(model_path="/models/qwen", tensor_parallel=2, launch="sglang").command(port)
+    # [python, -m, sglang.launch_server, --model-path, /models/qwen, --tp-size, 2, ...]
+    ServerConfig(model_path="tiny", launch="embedded").command(port)
+    # [python, -m, gyre.rollout.cli, --model, tiny, --host, 127.0.0.1, --port, ...]
+
+Placeholders: python, model_path, host, port, tp, mem_fraction, base_gpu_id, weight_version.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from gyre.errors import ConfigError
+
+PRESETS: dict[str, list[str]] = {
+    "sglang": [
+        "{python}", "-m", "sglang.launch_server", "--model-path", "{model_path}",
+        "--host", "{host}", "--port", "{port}", "--tp-size", "{tp}",
+        "--mem-fraction-static", "{mem_fraction}", "--base-gpu-id", "{base_gpu_id}",
+        "--weight-version", "{weight_version}", "--enable-memory-saver",
+        "--skip-tokenizer-init",
+    ],
+    "embedded": [
+        "{python}", "-m", "gyre.rollout.cli", "--model", "{model_path}",
+        "--host", "{host}", "--port", "{port}", "--weight-version", "{weight_version}",
+    ],
+}  # fmt: skip
+PLACEHOLDERS = (
+    "python", "model_path", "host", "port", "tp", "mem_fraction", "base_gpu_id", "weight_version",
+)  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True)
+class ServerConfig:
+    """One rollout server of a cell (SGLang on GPU, the embedded engine on CPU)."""
+
+    model_path: str
+    """Model directory (SGLang) or embedded model spec (tiny | smollm2-135m | directory)."""
+    launch: str | list[str] = "sglang"
+    """Preset name (sglang | embedded) or a command template (list of argv strings)."""
+    host: str = "127.0.0.1"
+    """Address the server binds and the manager connects to."""
+    port: int = 0
+    """TCP port; 0 picks a free one at start."""
+    tensor_parallel: int = 1
+    """SGLang --tp-size: GPUs of this server (the cell's ranks)."""
+    mem_fraction_static: float = 0.8
+    """SGLang --mem-fraction-static: share of GPU memory for weights + KV cache."""
+    base_gpu_id: int = 0
+    """SGLang --base-gpu-id: first GPU of this server."""
+    weight_version: str = "0"
+    """Initial weight version the server reports."""
+    extra_args: list[str] = field(default_factory=list)
+    """Appended to the command verbatim."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of the server process."""
+    startup_timeout: float = 900.0
+    """Seconds to wait for /health after start."""
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ConfigError("model_path: empty; allowed a model directory or spec")
+        if isinstance(self.launch, str) and self.launch not in PRESETS:
+            raise ConfigError(
+                f"launch: {self.launch!r}; allowed {', '.join(PRESETS)} or a command template list"
+            )
+        if isinstance(self.launch, list):
+            _check_template(self.launch)
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port: {self.port}; allowed 0..65535 (0 = pick a free port)")
+        if self.tensor_parallel < 1:
+            raise ConfigError(f"tensor_parallel: {self.tensor_parallel}; allowed >= 1")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ConfigError(f"mem_fraction_static: {self.mem_fraction_static}; allowed (0, 1)")
+        if self.startup_timeout <= 0:
+            raise ConfigError(f"startup_timeout: {self.startup_timeout}; allowed > 0")
+
+    def template(self) -> list[str]:
+        return list(PRESETS[self.launch]) if isinstance(self.launch, str) else list(self.launch)
+
+    def command(self, port: int) -> list[str]:
+        """The argv that starts this server on `port`."""
+        values = {
+            "python": sys.executable, "model_path": self.model_path, "host": self.host,
+            "port": str(port), "tp": str(self.tensor_parallel),
+            "mem_fraction": str(self.mem_fraction_static), "base_gpu_id": str(self.base_gpu_id),
+            "weight_version": self.weight_version,
+        }  # fmt: skip
+        return [arg.format(**values) for arg in self.template()] + list(self.extra_args)
+
+
+def _check_template(template: list[str]) -> None:
+    import string
+
+    if not template:
+        raise ConfigError("launch: empty command template")
+    for arg in template:
+        for _, name, _, _ in string.Formatter().parse(arg):
+            if name is not None and name not in PLACEHOLDERS:
+                raise ConfigError(
+                    f"launch: unknown placeholder {{{name}}} in {arg!r}; "
+                    f"allowed {', '.join(PLACEHOLDERS)}"
+                )

@@ -1,0 +1,161 @@
+"""Megatron-core policy model and the training cell that runs it.
+
+`build_gpt_model(hf_config, cfg)` builds a `GPTModel` (local layer spec: plain torch modules,
+no Transformer Engine needed) from a Hugging Face Qwen2 / Llama config dict; Megatron's
+`parallel_state` must be initialized first (`init_model_parallel`). `MegatronCell` is a
+`gyre.train.cell.TorchCell` over that model: the same flat parameter / gradient buffers,
+phase-A prepass and phase-B accumulate of the same micro-steps and objective, so the world
+protocol (`gyre.train.world`) and transports work unchanged. With tensor parallelism the
+logits are vocabulary-sharded and target log-probs come from Megatron's vocab-parallel
+cross-entropy. `ModelParallelOptimizer` is the core's optimizer: AdamW on each rank's shard,
+with the global gradient norm summed over the cell's model-parallel group (replicated
+parameters counted once), so clipping matches a single-device run.
+
+Forward and backward need CUDA (megatron-core calls `torch.cuda` unconditionally); building
+the model and reading its state dict work on CPU.
+
+    init_model_parallel(cfg)                  # after torch.distributed.init_process_group
+    model = build_gpt_model(hf_config, cfg, device="cuda")
+    cell = MegatronCell(model, objective=ObjectiveConfig())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gyre.train.cell import CoreOptimizer, TorchCell
+from gyre.train.config import ObjectiveConfig, OptimConfig
+from gyre.train.megatron.config import MegatronConfig, gpt_kwargs, transformer_kwargs
+from gyre.train.objective import check_finite, step_tensors, target_logprobs
+from gyre.train.packing import MicroStep
+
+
+def init_model_parallel(cfg: MegatronConfig) -> None:
+    """Megatron's parallel_state over the current torch.distributed world (TP × PP inside a cell).
+
+    Cell ranks must be contiguous in the torch.distributed numbering (`GroupLayout.dist_rank`);
+    data parallelism then runs across cells.
+    """
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(cfg.tensor_parallel, cfg.pipeline_parallel)
+
+
+def build_gpt_model(
+    hf_config: Mapping[str, Any], cfg: MegatronConfig, *, device: str = "cuda"
+) -> torch.nn.Module:
+    """A random-init GPTModel for this rank's TP shard / pipeline stage."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = getattr(torch, cfg.dtype)
+    tc = TransformerConfig(
+        **transformer_kwargs(hf_config, cfg),
+        activation_func=torch.nn.functional.silu,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=device == "cpu",
+        perform_initialization=True,
+    )
+    if device != "cpu":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    model = GPTModel(
+        tc,
+        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        **gpt_kwargs(hf_config),
+    )
+    return model.to(device=device, dtype=dtype)
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return int(parallel_state.get_tensor_model_parallel_world_size())
+
+
+class MegatronCell(TorchCell):
+    """A cell rank running a Megatron GPTModel (single pipeline stage per rank group)."""
+
+    def __init__(self, model: torch.nn.Module, *, objective: ObjectiveConfig) -> None:
+        super().__init__(model, objective=objective)
+
+    def _logprobs(self, step: MicroStep, *, grad: bool) -> tuple[torch.Tensor, Any]:
+        st = step_tensors(step, self.device)
+        n, width = st.ids.shape
+        positions = torch.arange(width, device=self.device).expand(n, width)
+        # Megatron's mask convention: True = masked out. Causal; right padding is never a
+        # target's context, so no padding mask is needed.
+        mask = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)
+        with torch.set_grad_enabled(grad):
+            logits = self.model(st.ids, positions, mask[None, None])
+            if _tp_size() == 1:
+                logp = target_logprobs(logits, st.ids)
+            else:
+                from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+                nll = vocab_parallel_cross_entropy(logits[:, :-1].float(), st.ids[:, 1:])
+                logp = torch.nn.functional.pad(-nll, (1, 0)).to(logits.dtype)
+        check_finite(logp, st, f"micro-step {step.index}")
+        return logp, st
+
+
+def _replicated_mask(model: torch.nn.Module, total: int, device: torch.device) -> torch.Tensor:
+    """1 where a flat-buffer element counts toward the norm on this rank, else 0."""
+    from megatron.core import parallel_state
+
+    first = parallel_state.get_tensor_model_parallel_rank() == 0
+    mask = torch.zeros(total, device=device)
+    off = 0
+    for p in (q for q in model.parameters() if q.requires_grad):
+        n = p.numel()
+        if getattr(p, "tensor_model_parallel", False) or first:
+            mask[off : off + n] = 1.0
+        off += n
+    return mask
+
+
+class ModelParallelOptimizer(CoreOptimizer):
+    """The core's AdamW per rank shard; the clip norm is the whole model's norm."""
+
+    def __init__(self, cell: TorchCell, config: OptimConfig) -> None:
+        super().__init__(cell, config)
+        self._mask = _replicated_mask(cell.model, cell.flat_params.numel(), cell.device)
+
+    def global_norm(self, grads: torch.Tensor) -> float:
+        """L2 norm over every TP / PP rank of the cell (replicated tensors counted once)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        sq = (grads.float().square() * self._mask).sum()
+        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+        return float(sq.sqrt())
+
+    def step(self, summed_grads: torch.Tensor) -> float:
+        norm = self.global_norm(summed_grads)
+        clip = self.config.grad_clip
+        scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
+        # CoreOptimizer clips by the local norm; pre-scale so its local clip never triggers
+        saved, self.config = self.config, _no_clip(self.config)
+        try:
+            super().step(summed_grads * scale)
+        finally:
+            self.config = saved
+        return norm
+
+
+def _no_clip(cfg: OptimConfig) -> OptimConfig:
+    return OptimConfig(
+        lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+        weight_decay=cfg.weight_decay, grad_clip=0.0,
+    )  # fmt: skip

@@ -1,0 +1,212 @@
+"""Weight names and layouts: Hugging Face / rollout engines ↔ Megatron-core (with TP shards).
+
+Rollout engines (Gyre's embedded engine and SGLang's loaders) take Hugging Face names and
+separate tensors; Megatron fuses them:
+
+* ``linear_qkv`` — per query group g (``num_query_groups`` of them), the group's
+  ``heads/groups`` query heads, then its key head, then its value head, each ``head_dim``
+  rows (weight ``[groups·(heads/groups+2)·head_dim, hidden]``, bias likewise). A
+  tensor-parallel rank holds ``groups/TP`` whole groups.
+* ``linear_fc1`` — ``[gate; up]`` stacked on dim 0 (SwiGLU: ``silu(gate(x)) · up(x)``); a TP
+  rank holds ``[gate_shard; up_shard]``.
+* ``linear_proj`` / ``linear_fc2`` are split on dim 1; embeddings / output layer on dim 0
+  (vocabulary); norms are replicated.
+
+Names follow Megatron's *local* layer spec (``input_layernorm``, ``pre_mlp_layernorm``) or,
+with ``fused_norms=True``, the Transformer-Engine spec (``linear_qkv.layer_norm_weight``,
+``linear_fc1.layer_norm_weight``).
+
+    layout = Layout.from_hf_config(hf_config)
+    shard = hf_to_mcore(hf_state, layout, tp_rank=0, tp_size=2)
+    hf_state_again = mcore_to_hf([shard0, shard1], layout)        # exact round trip
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gyre.errors import TrainingError
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The shapes that decide how tensors fuse and split."""
+
+    num_layers: int
+    heads: int
+    groups: int
+    head_dim: int
+    qkv_bias: bool
+    tied: bool
+    fused_norms: bool = False
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], *, fused_norms: bool = False) -> Layout:
+        heads = int(hf["num_attention_heads"])
+        return cls(
+            num_layers=int(hf["num_hidden_layers"]),
+            heads=heads,
+            groups=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+            qkv_bias=hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias", False)),
+            tied=bool(hf.get("tie_word_embeddings", False)),
+            fused_norms=fused_norms,
+        )
+
+
+def _norm_names(layout: Layout, i: int) -> tuple[str, str]:
+    d = f"decoder.layers.{i}"
+    if layout.fused_norms:
+        return (
+            f"{d}.self_attention.linear_qkv.layer_norm_weight",
+            f"{d}.mlp.linear_fc1.layer_norm_weight",
+        )
+    return f"{d}.input_layernorm.weight", f"{d}.pre_mlp_layernorm.weight"
+
+
+def _take(hf: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in hf:
+        raise TrainingError(f"hf weights: {name!r} missing")
+    return hf[name]
+
+
+def _split(t: torch.Tensor, dim: int, rank: int, size: int, what: str) -> torch.Tensor:
+    if t.shape[dim] % size:
+        raise TrainingError(f"{what}: dim {dim} of {tuple(t.shape)} not divisible by TP {size}")
+    return t.chunk(size, dim=dim)[rank].clone()
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """HF q/k/v (weights [out, in] or biases [out]) → Megatron's grouped linear_qkv."""
+    per = layout.heads // layout.groups
+    rest = q.shape[1:]
+    qg = q.reshape(layout.groups, per * layout.head_dim, *rest)
+    kg = k.reshape(layout.groups, layout.head_dim, *rest)
+    vg = v.reshape(layout.groups, layout.head_dim, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(
+    qkv: torch.Tensor, layout: Layout, groups: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv` (for `groups` query groups: a TP shard holds fewer)."""
+    g = layout.groups if groups is None else groups
+    per, hd = layout.heads // layout.groups, layout.head_dim
+    rest = qkv.shape[1:]
+    x = qkv.reshape(g, (per + 2) * hd, *rest)
+    q, k, v = x.split([per * hd, hd, hd], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _layer_to_mcore(hf: Mapping[str, torch.Tensor], layout: Layout, i: int, local: int,
+                    rank: int, size: int) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    h, d = f"model.layers.{i}", f"decoder.layers.{local}"
+    ln1, ln2 = _norm_names(layout, local)
+    yield ln1, _take(hf, f"{h}.input_layernorm.weight").clone()
+    yield ln2, _take(hf, f"{h}.post_attention_layernorm.weight").clone()
+    kinds = ("weight", "bias") if layout.qkv_bias else ("weight",)
+    for kind in kinds:
+        q, k, v = (_take(hf, f"{h}.self_attn.{p}_proj.{kind}") for p in "qkv")
+        fused = fuse_qkv(q, k, v, layout)
+        yield f"{d}.self_attention.linear_qkv.{kind}", _split(fused, 0, rank, size, "qkv")
+    o = _take(hf, f"{h}.self_attn.o_proj.weight")
+    yield f"{d}.self_attention.linear_proj.weight", _split(o, 1, rank, size, "o_proj")
+    gate = _split(_take(hf, f"{h}.mlp.gate_proj.weight"), 0, rank, size, "gate_proj")
+    up = _split(_take(hf, f"{h}.mlp.up_proj.weight"), 0, rank, size, "up_proj")
+    yield f"{d}.mlp.linear_fc1.weight", torch.cat([gate, up], dim=0)
+    down = _take(hf, f"{h}.mlp.down_proj.weight")
+    yield f"{d}.mlp.linear_fc2.weight", _split(down, 1, rank, size, "down_proj")
+
+
+def hf_to_mcore(
+    hf: Mapping[str, torch.Tensor],
+    layout: Layout,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    layers: Sequence[int] | None = None,
+    first_stage: bool = True,
+    last_stage: bool = True,
+) -> Tensors:
+    """One TP rank's (and pipeline stage's) Megatron state dict from full HF tensors."""
+    if not 0 <= tp_rank < tp_size:
+        raise TrainingError(f"tp_rank: {tp_rank}; allowed 0..{tp_size - 1}")
+    if layout.groups % tp_size:
+        raise TrainingError(f"query groups {layout.groups} not divisible by TP {tp_size}")
+    out: Tensors = {}
+    emb = _take(hf, "model.embed_tokens.weight")
+    if first_stage:
+        out["embedding.word_embeddings.weight"] = _split(emb, 0, tp_rank, tp_size, "embed")
+    for local, i in enumerate(layers if layers is not None else range(layout.num_layers)):
+        out.update(_layer_to_mcore(hf, layout, i, local, tp_rank, tp_size))
+    if last_stage:
+        out["decoder.final_layernorm.weight"] = _take(hf, "model.norm.weight").clone()
+        if not layout.tied:
+            head = _take(hf, "lm_head.weight")
+            out["output_layer.weight"] = _split(head, 0, tp_rank, tp_size, "lm_head")
+        elif not first_stage:  # the last stage keeps its own copy of the tied embedding
+            out["output_layer.weight"] = _split(emb, 0, tp_rank, tp_size, "embed")
+    return out
+
+
+def _cat(shards: Sequence[Mapping[str, torch.Tensor]], name: str, dim: int) -> torch.Tensor:
+    try:
+        return torch.cat([s[name] for s in shards], dim=dim)
+    except KeyError as e:
+        raise TrainingError(f"megatron weights: {name!r} missing in a TP shard") from e
+
+
+def _layer_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: Layout, local: int,
+                 i: int) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    h, d = f"model.layers.{i}", f"decoder.layers.{local}"
+    ln1, ln2 = _norm_names(layout, local)
+    yield f"{h}.input_layernorm.weight", shards[0][ln1]
+    yield f"{h}.post_attention_layernorm.weight", shards[0][ln2]
+    per_rank = layout.groups // len(shards)
+    for kind in ("weight", "bias") if layout.qkv_bias else ("weight",):
+        parts = [split_qkv(s[f"{d}.self_attention.linear_qkv.{kind}"], layout, per_rank)
+                 for s in shards]  # fmt: skip
+        for j, p in enumerate("qkv"):
+            yield f"{h}.self_attn.{p}_proj.{kind}", torch.cat([x[j] for x in parts], dim=0)
+    yield f"{h}.self_attn.o_proj.weight", _cat(shards, f"{d}.self_attention.linear_proj.weight", 1)
+    halves = [s[f"{d}.mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
+    yield f"{h}.mlp.gate_proj.weight", torch.cat([x[0] for x in halves], dim=0)
+    yield f"{h}.mlp.up_proj.weight", torch.cat([x[1] for x in halves], dim=0)
+    yield f"{h}.mlp.down_proj.weight", _cat(shards, f"{d}.mlp.linear_fc2.weight", 1)
+
+
+def mcore_to_hf(
+    shards: Sequence[Mapping[str, torch.Tensor]],
+    layout: Layout,
+    *,
+    layers: Sequence[int] | None = None,
+    first_stage: bool = True,
+    last_stage: bool = True,
+) -> Tensors:
+    """HF tensors (the engines' layout) from all TP ranks' state dicts of one stage."""
+    if not shards:
+        raise TrainingError("mcore_to_hf: no TP shards given")
+    out: Tensors = {}
+    if first_stage:
+        out["model.embed_tokens.weight"] = _cat(shards, "embedding.word_embeddings.weight", 0)
+    for local, i in enumerate(layers if layers is not None else range(layout.num_layers)):
+        out.update(_layer_to_hf(shards, layout, local, i))
+    if last_stage:
+        out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"]
+        if not layout.tied:
+            out["lm_head.weight"] = _cat(shards, "output_layer.weight", 0)
+    return out
+
+
+def tensor_state(module: torch.nn.Module) -> Tensors:
+    """A module's state dict without Megatron's ``_extra_state`` entries (tensors only)."""
+    return {
+        k: v for k, v in module.state_dict().items()
+        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+    }  # fmt: skip

@@ -1,0 +1,189 @@
+"""The SGLang manager driven against Gyre's embedded engine (same HTTP protocol, same CLI
+contract): launch from config, health, role switches, abort, weight publication with
+version tracking, stop. Plus SGLang's request-body field names and the core's side of the
+NCCL weight-update group (run here with gloo between two real processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import subprocess
+import sys
+import textwrap
+import urllib.request
+
+import pytest
+import torch
+
+from gyre.errors import ConfigError, EngineError
+from gyre.rollout.protocol import SamplingParams
+from gyre.rollout.sglang.config import ServerConfig
+from gyre.rollout.sglang.control import (
+    ManagedEngine,
+    UpdateGroup,
+    distributed_update_body,
+    init_update_group_body,
+    tensor_specs,
+)
+from gyre.rollout.sglang.nccl import rank_offsets
+from gyre.rollout.sglang.process import EngineProcess, free_port
+
+# Field names of SGLang's io_struct request dataclasses (sglang/srt/managers/io_struct.py).
+SGLANG_INIT_GROUP = {"master_address", "master_port", "rank_offset", "world_size", "group_name",
+                     "backend"}  # fmt: skip
+SGLANG_DISTRIBUTED = {"names", "dtypes", "shapes", "group_name", "flush_cache",
+                      "abort_all_requests", "weight_version", "load_format", "torch_empty_cache"}  # fmt: skip
+
+
+def test_launch_commands_from_config():
+    sg = ServerConfig(model_path="/m/qwen", tensor_parallel=2, mem_fraction_static=0.6)
+    cmd = sg.command(31000)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    pairs = dict(itertools.pairwise(cmd))
+    assert pairs["--model-path"] == "/m/qwen" and pairs["--tp-size"] == "2"
+    assert pairs["--port"] == "31000" and pairs["--mem-fraction-static"] == "0.6"
+    assert "--enable-memory-saver" in cmd  # needed for release/resume of memory occupation
+    emb = ServerConfig(model_path="tiny", launch="embedded", extra_args=["--threads", "1"])
+    assert emb.command(5)[1:5] == ["-m", "gyre.rollout.cli", "--model", "tiny"]
+    assert emb.command(5)[-2:] == ["--threads", "1"]
+    custom = ServerConfig(model_path="x", launch=["run", "{model_path}:{port}"])
+    assert custom.command(7) == ["run", "x:7"]
+
+
+def test_bad_server_config_is_named():
+    with pytest.raises(ConfigError, match="launch: 'vllm'; allowed sglang, embedded"):
+        ServerConfig(model_path="m", launch="vllm")
+    with pytest.raises(ConfigError, match=r"unknown placeholder \{gpu\}"):
+        ServerConfig(model_path="m", launch=["x", "{gpu}"])
+    with pytest.raises(ConfigError, match="mem_fraction_static"):
+        ServerConfig(model_path="m", mem_fraction_static=1.5)
+    with pytest.raises(ConfigError, match="tensor_parallel"):
+        ServerConfig(model_path="m", tensor_parallel=0)
+
+
+def test_request_bodies_use_sglang_fields():
+    group = UpdateGroup(master_address="10.0.0.1", master_port=29500, world_size=3)
+    body = init_update_group_body(group, rank_offset=1)
+    assert set(body) == SGLANG_INIT_GROUP and body["rank_offset"] == 1
+    named = [("model.norm.weight", torch.zeros(4, dtype=torch.bfloat16)),
+             ("lm_head.weight", torch.zeros(8, 4))]  # fmt: skip
+    upd = distributed_update_body(tensor_specs(named), group.group_name, "12")
+    assert set(upd) <= SGLANG_DISTRIBUTED
+    assert upd["dtypes"] == ["bfloat16", "float32"] and upd["shapes"] == [[4], [8, 4]]
+    assert upd["weight_version"] == "12" and upd["names"][0] == "model.norm.weight"
+    assert rank_offsets([1, 2, 4]) == ([1, 2, 4], 8)
+
+
+@pytest.fixture(scope="module")
+def server():
+    cfg = ServerConfig(model_path="tiny", launch="embedded", weight_version="3",
+                       extra_args=["--threads", "1"], startup_timeout=120)  # fmt: skip
+    proc = EngineProcess(cfg)
+    url = proc.start()
+    try:
+        yield proc, url
+    finally:
+        proc.stop()
+
+
+def _gen(engine: ManagedEngine, rid: str, n: int = 4):
+    sp = SamplingParams(max_new_tokens=n, temperature=0.0)
+    return engine.client.generate([1, 5, 9, 13], sp, rid)
+
+
+def test_manager_switches_roles_aborts_and_publishes(server):
+    proc, url = server
+    assert proc.alive() and proc.startup_seconds is not None
+
+    async def scenario():
+        eng = ManagedEngine("cell1", url)
+        assert await eng.refresh_version() == "3"
+        first = await _gen(eng, "a")
+        assert first.finish_type in ("stop", "length") and first.weight_version == "3"
+        await eng.release()  # rollout -> training
+        assert eng.released
+        with pytest.raises(EngineError, match="HTTP 503"):
+            await _gen(eng, "b")
+        await eng.resume()  # training -> rollout: the same weights come back
+        again = await _gen(eng, "c")
+        assert (
+            again.output_ids == first.output_ids and again.output_logprobs == first.output_logprobs
+        )
+        # reroute: a long call in flight ends with "abort" and keeps its partial output
+        long = asyncio.ensure_future(_gen(eng, "d", n=4000))
+        await asyncio.sleep(0.5)
+        await eng.abort_all()
+        assert (await long).finish_type == "abort"
+        # burst-end publication on the tensor path: new weights, version tracked
+        from gyre.models import load_model
+
+        model, _ = load_model("tiny")
+        named = [(k, v * 1.5) for k, v in model.state_dict().items() if k != "lm_head.weight"]
+        await eng.publish_tensors(named, "4")
+        assert eng.weight_version == "4"
+        after = await _gen(eng, "e")
+        assert after.weight_version == "4" and after.output_logprobs != first.output_logprobs
+        with pytest.raises(EngineError, match="init_weights_update_group: HTTP 404"):
+            await eng.init_update_group(UpdateGroup(master_address="127.0.0.1",
+                                                    master_port=1, world_size=2), 1)  # fmt: skip
+
+    asyncio.run(scenario())
+
+
+def test_stop_ends_the_server_and_bad_launch_reports_log():
+    cfg = ServerConfig(model_path="tiny", launch="embedded", startup_timeout=120)
+    proc = EngineProcess(cfg)
+    url = proc.start()
+    assert proc.stop() is not None and not proc.alive()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url + "/health", timeout=2)
+    bad = EngineProcess(ServerConfig(model_path="no-such-model", launch="embedded",
+                                     startup_timeout=60))  # fmt: skip
+    with pytest.raises(EngineError, match="no-such-model"):
+        bad.start()
+    assert not bad.alive()
+
+
+RECEIVER = textwrap.dedent(
+    """
+    import sys, torch
+    from gyre.rollout.sglang.control import UpdateGroup
+    from gyre.rollout.sglang.nccl import open_update_group
+    import torch.distributed as dist
+    port, rank = int(sys.argv[1]), int(sys.argv[2])
+    g = UpdateGroup(master_address="127.0.0.1", master_port=port, world_size=3,
+                    group_name="gyre_test", backend="gloo")
+    pg = open_update_group(g, rank=rank, timeout=60)
+    a, b = torch.empty(3, 2), torch.empty(5, dtype=torch.float64)
+    dist.broadcast(a, src=0, group=pg); dist.broadcast(b, src=0, group=pg)
+    print(float(a.sum()), float(b.sum()))
+    """
+)
+
+
+def test_core_side_update_group_broadcasts_in_order():
+    """The core opens its side while two 'engine ranks' join; tensors arrive in order."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), str(r)],
+                              stdout=subprocess.PIPE, text=True) for r in (1, 2)]  # fmt: skip
+    try:
+        code = textwrap.dedent(
+            f"""
+            import torch
+            from gyre.rollout.sglang.control import UpdateGroup
+            from gyre.rollout.sglang.nccl import open_update_group, broadcast_tensors
+            g = UpdateGroup(master_address="127.0.0.1", master_port={port}, world_size=3,
+                            group_name="gyre_test", backend="gloo")
+            pg = open_update_group(g, rank=0, timeout=60)
+            broadcast_tensors(pg, [torch.ones(3, 2), torch.arange(5, dtype=torch.float64)])
+            """
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+        outs = [p.communicate(timeout=60)[0].split() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert outs == [["6.0", "10.0"], ["6.0", "10.0"]]

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Gyre's GPU check: one prepared run on a single GPU (an H200: ≤ 8 minutes), results as JSON.
+#
+# On the development machine (has PyPI), once, in the repository root:
+#     echo /.whl/ >> .git/info/exclude      # keep the wheels out of git
+#     tools/gpu_check.sh --fetch-wheels     # megatron-core + tornado for Python 3.12 into .whl/
+# Then with the device tool:
+#     run(command="tools/gpu_check.sh", carry=[".whl"], timeout_s=560)
+# The device machine has Python 3.12 with a CUDA torch, transformers, numpy, h5py, yaml and no
+# network; the carried wheels are installed with --no-index into /tmp/gyre-site, the repository
+# is put on PYTHONPATH (no pip install of gyre). Results: $OUT/gpu_check.json (written after
+# every section, so a late timeout keeps the finished ones), $OUT/gpu_check.log,
+# $OUT/nvidia-smi.txt. Without $OUT they go to docs/results/.
+# Arguments after the script name go to tools/gpu_check.py (e.g. --sections engine).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=(megatron-core==0.16.1 tornado==6.6.1)
+if [[ "${1:-}" == "--fetch-wheels" ]]; then
+    exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+fi
+
+OUT="${OUT:-$PWD/docs/results}"
+mkdir -p "$OUT"
+SITE=/tmp/gyre-site
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .whl/*.whl || { echo "wheel install failed" >&2; exit 1; }
+fi
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
+timeout -s KILL 470 python3 tools/gpu_check.py --out "$OUT/gpu_check.json" "$@" 2>&1 \
+    | tee "$OUT/gpu_check.log"
+exit "${PIPESTATUS[0]}"
