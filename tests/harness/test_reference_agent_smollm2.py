@@ -38,7 +38,7 @@ def admin(p, path: str, body: dict) -> dict:
 def test_smollm2_reference_agent_branches_and_is_scored(tmp_path, suite):
     task = suite["add"]
     params = {
-        "max_turns": "2", "max_tokens": "120", "compact_at": "1", "summary_tokens": "32",
+        "max_turns": "2", "max_tokens": "48", "compact_at": "1", "summary_tokens": "32",
         "delegate": "force", "subagent_turns": "1", "tool_choice": "required", "temperature": "0.7",
     }  # fmt: skip
     with running_engine("smollm2-135m", startup_timeout=300) as url:

@@ -130,8 +130,9 @@ def test_gradient_and_update_independent_of_split_and_cells(
         st.lists(st.integers(0, ncells - 1), min_size=len(steps), max_size=len(steps))
     )
     g, p, p_last = run(steps, owners, ncells)
-    assert float((g - g_ref).norm() / g_ref.norm()) <= 1e-6
-    assert float((p - p_ref).norm() / p_ref.norm()) <= 1e-6
+    # every execution may be clipped out (gate 0): then both gradients must be exactly zero
+    assert float((g - g_ref).norm()) <= 1e-6 * max(float(g_ref.norm()), 1e-30)
+    assert float((p - p_ref).norm()) <= 1e-6 * float(p_ref.norm())
     assert torch.equal(p, p_last)  # satellites receive the updated weights  # fmt: skip
 
 
