@@ -59,7 +59,7 @@ def test_abort_all_ends_every_call(engine_url: str, prompt: list[int]) -> None:
 
 
 def test_pause_holds_inflight_calls_until_continue(engine_url: str, prompt: list[int]) -> None:
-    sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=2000, temperature=0.0, ignore_eos=True)
 
     async def scenario() -> tuple[Any, Any, bool]:
         client = EngineClient(engine_url)
@@ -67,9 +67,11 @@ def test_pause_holds_inflight_calls_until_continue(engine_url: str, prompt: list
         task = asyncio.ensure_future(client.generate(prompt, sp, "paused"))
         await _wait_running(client, 1)
         await client.pause("in_place")
-        await asyncio.sleep(0.5)
-        held = not task.done() and (await client.stats())["running"] == 1
-        await client.resume()
+        try:
+            await asyncio.sleep(0.5)
+            held = not task.done() and (await client.stats())["running"] == 1
+        finally:
+            await client.resume()  # never leave the shared engine paused
         return solo, await task, held
 
     solo, paused, held = run(scenario())
@@ -78,7 +80,7 @@ def test_pause_holds_inflight_calls_until_continue(engine_url: str, prompt: list
 
 
 def test_retract_pause_requeues_and_completes(engine_url: str, prompt: list[int]) -> None:
-    sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=2000, temperature=0.0, ignore_eos=True)
 
     async def scenario() -> tuple[Any, Any]:
         client = EngineClient(engine_url)
@@ -86,9 +88,11 @@ def test_retract_pause_requeues_and_completes(engine_url: str, prompt: list[int]
         task = asyncio.ensure_future(client.generate(prompt, sp, "retracted"))
         await _wait_running(client, 1)
         await client.pause("retract")
-        stats = await client.stats()
+        try:
+            stats = await client.stats()
+        finally:
+            await client.resume()  # never leave the shared engine paused
         assert (stats["running"], stats["pending"]) == (0, 1)
-        await client.resume()
         return solo, await task
 
     solo, retracted = run(scenario())
