@@ -131,6 +131,17 @@ def bwrap_available() -> bool:
     return shutil.which("bwrap", path=os.pathsep.join(SYSTEM_PATH)) is not None
 
 
+def _program_roots() -> list[Path]:
+    """Where Python and Gyre itself live, if that is under /tmp (which the sandbox replaces)."""
+    import gyre
+
+    roots = {Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).resolve().parent.parent}
+    tmp = Path("/tmp")
+    return sorted(
+        r.resolve() for r in roots if r.resolve().is_relative_to(tmp) and r.resolve() != tmp
+    )
+
+
 def bwrap_prefix(ex: ExecutionDir, workspace_root: Path, hidden: list[Path]) -> list[str]:
     """bubblewrap argv that confines a harness to its execution directory."""
     bwrap = shutil.which("bwrap", path=os.pathsep.join(SYSTEM_PATH))
@@ -139,6 +150,8 @@ def bwrap_prefix(ex: ExecutionDir, workspace_root: Path, hidden: list[Path]) -> 
             "sandbox 'bwrap' requested but bubblewrap is not installed (apt-get install bubblewrap)"
         )
     argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    for keep in _program_roots():  # a checkout or venv under /tmp must stay visible, read-only
+        argv += ["--ro-bind", str(keep), str(keep)]
     argv += ["--tmpfs", str(workspace_root.resolve())]  # hide every other execution
     argv += ["--bind", str(ex.workspace), str(ex.workspace)]
     argv += ["--ro-bind", str(ex.instruction_file), str(ex.instruction_file)]
