@@ -38,7 +38,10 @@ def crashing_suite(tmp_path: Path) -> Path:
             {"name": "add", "instruction": "Implement add(a, b) in calc.py.",
              "workspace": str(add / "workspace"),
              "scoring": {"rule": "hidden_tests", "tests": str(add / "hidden" / "test_add.py")}},
+            # the slow group: its tools take 1-2.5 s each, so its executions are still live
+            # while the faster groups train (a cell's rollout -> train -> rollout round trip)
             {"name": "fizzbuzz", "instruction": "Implement fizzbuzz(n) in fizzbuzz.py.",
+             "tool_latency": {"dist": "uniform", "low": 1.0, "high": 2.5, "max_s": 2.5},
              "workspace": str(fizz / "workspace"),
              "scoring": {"rule": "hidden_tests",
                          "tests": str(fizz / "hidden" / "test_fizzbuzz.py")}},
