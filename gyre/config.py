@@ -38,19 +38,24 @@ def load(cls: type[T], data: Any, path: str = "") -> T:
 def load_yaml(cls: type[T], file: str | Path, section: str | None = None) -> T:
     """Read a YAML file (optionally one top-level section of it) into `cls`."""
     p = Path(file)
+    data: Any = read_mapping(p)
+    if section is not None:
+        data = data.get(section, {})
+    return load(cls, data, path=section or p.stem)
+
+
+def read_mapping(file: str | Path) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping (an empty file is `{}`), or a ConfigError."""
+    p = Path(file)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {str(p)!r} does not exist") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-    if data is None:
-        data = {}
-    if section is not None:
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: expected a mapping at the top level")
-        data = data.get(section, {})
-    return load(cls, data, path=section or p.stem)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level")
+    return data
 
 
 def to_dict(obj: Any) -> Any:

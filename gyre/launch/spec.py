@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from gyre.config import load
+from gyre.config import load, read_mapping
 from gyre.errors import ConfigError
 from gyre.launch.config import SlurmConfig
 
@@ -126,14 +124,7 @@ def load_launch(path: str | Path) -> Launch:
     the rest of the file by `RunConfig` with a one-rank-per-cell topology.
     """
     p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(p)!r} does not exist") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping at the top level")
+    data = read_mapping(p)
     topology = load(LaunchTopology, data.get("topology") or {}, path="run.topology")
     run = _load_run(data, topology)
     return Launch(path=p, name=run.name, runs_dir=run.runs_dir, topology=topology, slurm=run.slurm)

@@ -15,9 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from gyre.config import load
+from gyre.config import load, read_mapping
 from gyre.errors import ConfigError
 from gyre.schedule.config import POLICIES, Config, PolicyConfig
 from gyre.schedule.plan import plan_for
@@ -136,14 +134,7 @@ def check_policy(name: str, *, allow_all: bool, key: str) -> None:
 def read_template(path: str | Path) -> dict[str, Any]:
     """Read a YAML template, resolving `base:` chains."""
     p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(p)!r} does not exist") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping at the top level")
+    data = read_mapping(p)
     base = data.pop("base", None)
     if base is None:
         return data
