@@ -75,16 +75,20 @@ class Adapter:
         self, values: dict[str, str], overrides: dict[str, str] | None = None
     ) -> tuple[list[str], dict[str, str]]:
         """(argv, env) with placeholders filled; overrides replace `params` defaults."""
-        unknown = sorted(set(overrides or {}) - set(self.params))
+        self.check_params(overrides or {})
+        fill = {**self.params, **(overrides or {}), **values}
+        argv = [part.format(**fill) for part in self.command]
+        env = {k: v.format(**fill) for k, v in self.env.items()}
+        return argv, env
+
+    def check_params(self, overrides: dict[str, str]) -> None:
+        """Raise ConfigError naming the first parameter this adapter does not declare."""
+        unknown = sorted(set(overrides) - set(self.params))
         if unknown:
             raise ConfigError(
                 f"params: unknown parameter {unknown[0]!r} for adapter {self.name!r}; "
                 f"allowed: {', '.join(sorted(self.params)) or '(none)'}"
             )
-        fill = {**self.params, **(overrides or {}), **values}
-        argv = [part.format(**fill) for part in self.command]
-        env = {k: v.format(**fill) for k, v in self.env.items()}
-        return argv, env
 
     def resolve_program(self, path_env: str) -> str | None:
         """Absolute path of the program, or None when it is not installed."""

@@ -8,7 +8,7 @@ the replica's weights into it if they are newer. Each switch reports its measure
 Processes and communicators live across switches; only model state moves.
 
 Commands from the coordinator (tag DOWN): to_train, to_rollout, prepass, train, publish,
-respawn, stop. Reports (tag UP): engine_ready, switched, prepassed, updated, published,
+respawn, reload, stop. Reports (tag UP): engine_ready, switched, prepassed, updated, published,
 engine_lost. A standalone engine rank runs the same loop without a replica.
 """
 
@@ -80,7 +80,7 @@ class CellProcess:
             self.engine.load_weights(named, self.version)
             if self.index == 0:  # what a restarted engine loads
                 torch.save({"version": self.version, "named": named}, self.run_dir / PUBLISHED)
-        self._up(("engine_ready", self.index, url))
+        self._up(("engine_ready", self.index, url, self.engine.version))
         handlers: dict[str, Callable[..., None]] = {
             "to_train": self._to_train,
             "to_rollout": self._to_rollout,
@@ -88,6 +88,7 @@ class CellProcess:
             "train": self._train,
             "publish": self._publish,
             "respawn": self._respawn,
+            "reload": self._reload,
             "checkpoint": self._checkpoint,
         }
         while True:
@@ -113,8 +114,7 @@ class CellProcess:
 
     def _to_train(self, version: int) -> None:
         t0 = time.perf_counter()
-        if self.engine.dead() is None:
-            self.engine.release()
+        self._engine_call(self.engine.release)
         if self.replica is None:
             raise TrainingError(f"engine {self.index}: a standalone engine cannot train")
         if self.index != 0 and self.transport is not None:
@@ -125,11 +125,30 @@ class CellProcess:
 
     def _to_rollout(self, published: int) -> None:
         t0 = time.perf_counter()
-        if self.engine.dead() is None:
+
+        def restore() -> None:
             self.engine.resume()
             if self.replica is not None and self.engine.version < published:
                 self.engine.load_weights(self._named(), self.version)
+
+        self._engine_call(restore)
         self._up(("switched", self.index, "rollout", time.perf_counter() - t0))
+
+    def _engine_call(self, call: Callable[[], None]) -> None:
+        """Run a switch's engine step unless the engine is dead or dies during it.
+
+        A lost engine is reported by the watch and restarted in the role the cell then
+        has, so the switch itself goes on without it.
+        """
+        if self.engine.dead() is not None:
+            return
+        try:
+            call()
+        except OSError:
+            if self.engine.dead() is None:
+                time.sleep(0.5)  # a killed process may not be reaped yet
+            if self.engine.dead() is None:
+                raise
 
     def _checkpoint_weights(self) -> list[tuple[str, torch.Tensor]]:
         if self.replica is not None:
@@ -171,14 +190,23 @@ class CellProcess:
         self.version += 1
         self._up(("updated", self.index, batch, objective, targets, time.perf_counter() - t0, info))
 
-    def _publish(self, version: int, urls: list[str]) -> None:
-        """Core: push the weights to every rollout engine; keep a copy for restarts."""
+    def _publish(self, version: int, targets: list[tuple[int, str]]) -> None:
+        """Core: push the weights to every rollout engine; keep a copy for restarts.
+
+        The copy is written first, so an engine that dies around the publication (its push
+        fails, or it restarts before it) loads this version when it comes back. Engines
+        whose push failed are reported, never fatal: the coordinator has them reload.
+        """
         t0 = time.perf_counter()
         named = self._named()
         torch.save({"version": version, "named": named}, self.run_dir / PUBLISHED)
-        for url in urls:
-            push_weights(url, named, version)
-        self._up(("published", version, time.perf_counter() - t0))
+        missed = []
+        for engine, url in targets:
+            try:
+                push_weights(url, named, version)
+            except OSError:  # refused / reset / timed out: the engine died or is dying
+                missed.append(engine)
+        self._up(("published", version, time.perf_counter() - t0, missed))
 
     # ------------------------------------------------------------------ engine loss
 
@@ -194,4 +222,17 @@ class CellProcess:
         if role != "rollout":
             self.engine.release()
         self.lost_reported = False
-        self._up(("engine_ready", self.index, url))
+        self._up(("engine_ready", self.index, url, self.engine.version))
+
+    def _reload(self) -> None:
+        """Load the last published weights if this engine missed them (a failed push).
+
+        A dead engine is left alone (its restart loads them); a released one is too (its
+        return to rollout loads the replica's weights).
+        """
+        saved = self.run_dir / PUBLISHED
+        if self.engine.dead() is not None or self.engine.released or not saved.exists():
+            return
+        data = torch.load(saved, weights_only=True)
+        if int(data["version"]) > self.engine.version:
+            self._engine_call(lambda: self.engine.load_weights(data["named"], int(data["version"])))

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gyre.errors import TrainingError
 from gyre.runtime import checkpoint, wire
 from gyre.runtime.config import RunConfig
 from gyre.runtime.layout import PROXY_RANK
@@ -79,6 +80,7 @@ class Coordinator:
         self.group_task: list[str] = []
         self.group_version: list[int] = []
         self.state: dict[int, str] = {}  # x -> queued | running | terminated | recorded
+        self.harness_reason: dict[int, str] = {}  # why a harness did not complete
         self.outcomes: dict[int, dict[str, Any]] = {}
         self.harness_outcome: dict[int, str] = {}
         self.trees: dict[int, Any] = {}
@@ -232,9 +234,40 @@ class Coordinator:
             for x in xs for v in [self.outcomes[x]]
         ]  # fmt: skip
         trees = {self.eid[x]: self.trees.pop(x) for x in xs if x in self.trees}
-        count = self.train.admit(self.gid(a.group), self.group_version[a.group], a.staleness,
-                                 outcomes, trees)  # fmt: skip
+        try:
+            count = self.train.admit(self.gid(a.group), self.group_version[a.group],
+                                     a.staleness, outcomes, trees)  # fmt: skip
+        except TrainingError as exc:
+            if "no trainable targets" not in str(exc):
+                raise
+            raise wire.RuntimeFailure(f"{exc}: {self._why_untrainable(a.batch)}") from exc
         self.feed(ev.MicroStepsQueued(batch=a.batch, group=a.group, count=count))
+
+    def _why_untrainable(self, batch: int) -> str:
+        """Batch `batch`'s executions by outcome, and the first failed harness's last words."""
+        counts: dict[str, int] = {}
+        first_failed = None
+        for x, verdict in self.outcomes.items():
+            outcome = self.harness_outcome.get(x, "not_launched")
+            key = f"{outcome}/{verdict['status']}"
+            counts[key] = counts.get(key, 0) + 1
+            if outcome == "failed" and first_failed is None:
+                first_failed = self.eid[x]
+        text = "executions so far (harness outcome/verdict): " + ", ".join(
+            f"{k} {v}" for k, v in sorted(counts.items())
+        )
+        if first_failed is not None:
+            x = self.eid.index(first_failed)
+            log = self.run_dir / "workspaces" / first_failed / "stderr.log"
+            try:
+                lines = log.read_text(errors="replace").strip().splitlines()
+            except OSError:
+                lines = []
+            why = self.harness_reason.get(x, "")
+            text += f"; {first_failed}'s harness failed: {why or '(no reason given)'}"
+            if lines:
+                text += f"; the last line of {log}: {lines[-1]}"
+        return text
 
     def claim(self, a: ev.ClaimMicroStep) -> None:
         self.to_rank(self.engine_ranks[a.cell], ("prepass", a.batch, self.train.claim()))
@@ -251,8 +284,8 @@ class Coordinator:
                          ("train", a.batch, share[c], scalars, num_exec, len(cells)))  # fmt: skip
 
     def publish(self, a: ev.Publish) -> None:
-        urls = [self.urls[e] for e in a.engines]
-        self.to_rank(self.engine_ranks[0], ("publish", a.version, urls))
+        targets = [(e, self.urls[e]) for e in a.engines]
+        self.to_rank(self.engine_ranks[0], ("publish", a.version, targets))
 
     # ------------------------------------------------------------------ messages
 
@@ -277,6 +310,8 @@ class Coordinator:
     def on_terminated(self, x: int, outcome: str, t_launch: Any, t_end: float, reason: str) -> None:
         self.state[x] = "terminated"
         self.harness_outcome[x] = outcome
+        if reason:
+            self.harness_reason[x] = reason
         if outcome not in ("completed", "cancelled"):
             self.rec.event("terminated", execution=self.eid[x], outcome=outcome, reason=reason)
         if not self.finishing:
@@ -338,10 +373,12 @@ class Coordinator:
         self.rec.step(self.updates, row)
         self.rec.dispatch(self.sched.version, 0, 0, self.sched)
 
-    def on_published(self, version: int, seconds: float) -> None:
+    def on_published(self, version: int, seconds: float, missed: list[int]) -> None:
         self.stats["publications"] += 1
-        self.rec.event("publish", version=version, seconds=seconds)
+        self.rec.event("publish", version=version, seconds=seconds, missed=missed)
         self.feed(ev.WeightsPublished(version))
+        for engine in missed:  # died around the publication, or restarted before it
+            self.to_rank(self.engine_ranks[engine], ("reload",))
 
     def on_engine_lost(self, engine: int, returncode: int) -> None:
         """A killed engine: drain it (its calls retry elsewhere), restart it, record the loss."""
@@ -351,8 +388,10 @@ class Coordinator:
         role = self.sched.roles[engine].value if engine < self.k else "rollout"
         self.to_rank(self.engine_ranks[engine], ("respawn", role))
 
-    def on_engine_ready(self, engine: int, url: str) -> None:
+    def on_engine_ready(self, engine: int, url: str, version: int) -> None:
         self.urls[engine] = url
+        if version < self.sched.published:  # restarted from an older copy than served now
+            self.to_rank(self.engine_ranks[engine], ("reload",))
         self.rec.event("engine_restarted", engine=engine)
         self.to_proxy(("engines", {_engine_id(engine): url}))
         if engine < self.k and self.sched.roles[engine] is not ev.Role.ROLLOUT:

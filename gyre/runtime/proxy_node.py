@@ -52,6 +52,10 @@ def load_tasks(cfg: RunConfig) -> tuple[TaskSuite, list[str]]:
 def check_harness(cfg: RunConfig) -> None:
     """Fail fast (before any process starts) when the adapter or its program is missing."""
     adapter = cfg.harness.adapter_object()
+    try:
+        adapter.check_params(cfg.harness.params)
+    except ConfigError as exc:
+        raise ConfigError(f"harness.{exc}") from None
     path = os.environ.get("PATH", os.defpath)
     if adapter.resolve_program(path) is None:
         hint = f"; install it with {adapter.install}" if adapter.install else ""

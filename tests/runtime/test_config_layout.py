@@ -108,3 +108,27 @@ def test_world_of_wrong_size_aborts_with_a_message(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode != 0
     assert "world size 3 does not match" in out.stdout + out.stderr
+
+
+@pytest.mark.mpi
+def test_a_harness_that_always_fails_stops_the_run_with_its_own_error(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
+    boom = "import sys; sys.exit('harness boom 17')"
+    cfg["harness"]["adapters"] = {
+        "broken": {"api": "openai", "command": [sys.executable, "-c", boom]}
+    }
+    cfg["harness"]["adapter"] = "broken"
+    # the reference agent's params do not fit this adapter: refused before anything starts
+    out = subprocess.run([sys.executable, "-m", "gyre", "run", str(write_config(tmp_path, cfg))],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2
+    assert "harness.params: unknown parameter 'compact_at' for adapter 'broken'" in out.stderr
+    cfg["harness"]["params"] = {}
+    path = write_config(tmp_path, cfg)
+    out = subprocess.run([sys.executable, "-m", "gyre", "run", str(path), "--run-dir",
+                          str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=240)  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "no trainable targets" in text and "failed/" in text, text[-3000:]
+    assert "harness boom 17" in text, text[-3000:]
