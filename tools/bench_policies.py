@@ -1,7 +1,7 @@
 """Elastic vs Async vs Colocate on the real runtime: the same workload, wall time side by side.
 
-    python tools/bench_policies.py [--config templates/local.yaml] [--steps 4]
-                                   [--staleness 0.5] [--json]
+    python tools/bench_policies.py [--config templates/bench/policies.yaml] [--steps 6]
+                                   [--staleness 1.0] [--json] [--keep DIR]
 
 Each policy runs `gyre run` (one MPI world: coordinator, proxy node with the harness pool,
 cells) on the same config, the same cell count and the same task draw, with (φ, μ) chosen by
@@ -57,10 +57,11 @@ def run_policy(base: dict[str, Any], policy: str, steps: int, staleness: float,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(ROOT / "templates" / "local.yaml"))
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--staleness", type=float, default=0.5, help="target E[d] for all policies")
+    p.add_argument("--config", default=str(ROOT / "templates" / "bench" / "policies.yaml"))
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--staleness", type=float, default=1.0, help="target E[d] for all policies")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--keep", metavar="DIR", help="keep the runs (traces, summaries) under DIR")
     args = p.parse_args()
     from gyre.schedule import plan_for
 
@@ -69,8 +70,14 @@ def main() -> int:
     if args.steps % lcm:
         raise SystemExit(f"--steps {args.steps}: must be a multiple of every policy's μ ({mus})")
     base = yaml.safe_load(Path(args.config).read_text())
-    with tempfile.TemporaryDirectory(prefix="gyre-bench-") as tmp:
-        rows = [run_policy(base, pol, args.steps, args.staleness, Path(tmp)) for pol in POLICIES]
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        rows = [run_policy(base, pol, args.steps, args.staleness, Path(args.keep))
+                for pol in POLICIES]  # fmt: skip
+    else:
+        with tempfile.TemporaryDirectory(prefix="gyre-bench-") as tmp:
+            rows = [run_policy(base, pol, args.steps, args.staleness, Path(tmp))
+                    for pol in POLICIES]  # fmt: skip
     elastic = rows[0]["wall_s"]
     ratios = {f"{r['policy']}/elastic": r["wall_s"] / elastic for r in rows[1:]}
     if args.json:

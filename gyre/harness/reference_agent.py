@@ -144,6 +144,9 @@ class ReferenceAgent:
             history.append(_assistant_dict(message))
             if not message.tool_calls:
                 if choice.finish_reason == "length":  # cut off, not an answer: go on
+                    # one environment step all the same (the tool-latency knob), so a model
+                    # that rarely finishes a call still has the workload's long tail
+                    self.ws.step_latency()
                     continue
                 self.report.stop = "final answer"
                 return self.report

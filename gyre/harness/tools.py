@@ -124,10 +124,15 @@ class Workspace:
             result = f"error: refused: {e}"
         except (OSError, UnicodeError, ValueError) as e:
             result = f"error: {type(e).__name__}: {e}"
+        self.step_latency()
+        return _clip(result)
+
+    def step_latency(self) -> float:
+        """Wait one sampled tool latency (the environment's time for one step); returns it."""
         delay = self.latency.sample(self._rng)
         if delay > 0:
             self._sleep(delay)
-        return _clip(result)
+        return delay
 
     def read_file(self, args: dict[str, Any]) -> str:
         path = self.resolve(args.get("path"))

@@ -15,35 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from gyre.config import load, read_mapping
 from gyre.errors import ConfigError
-from gyre.launch.config import SlurmConfig
-
-
-@dataclass(kw_only=True, slots=True)
-class LaunchTopology:
-    """The run's `topology:` as the launcher reads it (cluster cells may hold many ranks)."""
-
-    cells: int = 3
-    """K: elastic cells; cell 0 is the core."""
-    ranks_per_cell: int = 1
-    """R: MPI ranks of one cell (on a GPU cluster: one per GPU of the cell)."""
-    standalone_engines: int = 0
-    """Rollout engines that never switch (one rank each)."""
-
-    def __post_init__(self) -> None:
-        if self.cells < 1:
-            raise ConfigError(f"cells: {self.cells}; allowed: an integer >= 1")
-        if self.ranks_per_cell < 1:
-            raise ConfigError(f"ranks_per_cell: {self.ranks_per_cell}; allowed: an integer >= 1")
-        if self.standalone_engines < 0:
-            raise ConfigError(f"standalone_engines: {self.standalone_engines}; allowed: >= 0")
-
-    @property
-    def world_size(self) -> int:
-        return 2 + self.cells * self.ranks_per_cell + self.standalone_engines
+from gyre.launch.config import SlurmConfig, TopologyConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,7 +31,7 @@ class Launch:
     """Run name (`name:`)."""
     runs_dir: str
     """Where run directories are created (`runs_dir:`)."""
-    topology: LaunchTopology
+    topology: TopologyConfig
     """Cells, ranks per cell and standalone engines."""
     slurm: SlurmConfig
     """The `slurm:` section."""
@@ -118,24 +93,16 @@ class JobSpec:
 def load_launch(path: str | Path) -> Launch:
     """Read and fully validate a run config; return what the launcher needs.
 
-    The whole file is validated as a `gyre.runtime.config.RunConfig` (so a bad key is found
-    before submission). The embedded CPU runtime accepts one rank per cell only, while a
-    cluster cell holds one rank per GPU, so `topology` is validated by `LaunchTopology` and
-    the rest of the file by `RunConfig` with a one-rank-per-cell topology.
+    The whole file is validated as a `gyre.runtime.config.RunConfig`, so a bad key is found
+    before submission.
     """
-    p = Path(path)
-    data = read_mapping(p)
-    topology = load(LaunchTopology, data.get("topology") or {}, path="run.topology")
-    run = _load_run(data, topology)
-    return Launch(path=p, name=run.name, runs_dir=run.runs_dir, topology=topology, slurm=run.slurm)
-
-
-def _load_run(data: dict[str, Any], topology: LaunchTopology) -> Any:
     from gyre.runtime.config import RunConfig
 
-    cpu_view = dict(data)
-    cpu_view["topology"] = {**(data.get("topology") or {}), "ranks_per_cell": 1}
-    return load(RunConfig, cpu_view, path="run")
+    p = Path(path)
+    run = load(RunConfig, read_mapping(p), path="run")
+    return Launch(
+        path=p, name=run.name, runs_dir=run.runs_dir, topology=run.topology, slurm=run.slurm
+    )
 
 
 def job_spec(launch: Launch) -> JobSpec:
@@ -195,7 +162,7 @@ def _check_divides(nodes_key: str, nodes: int, ranks: int, ranks_key: str) -> No
         )
 
 
-def _check_standalone(s: SlurmConfig, t: LaunchTopology) -> None:
+def _check_standalone(s: SlurmConfig, t: TopologyConfig) -> None:
     if t.standalone_engines and not s.standalone_nodes:
         raise ConfigError(
             f"slurm.standalone_nodes: 0 but topology.standalone_engines is "

@@ -59,11 +59,12 @@ def find_mpiexec() -> str:
 
 def run(args: argparse.Namespace) -> int:
     from gyre.runtime.config import load_run_config
+    from gyre.runtime.layout import check_embedded
     from gyre.runtime.main import default_run_dir
     from gyre.runtime.proxy_node import check_harness
 
     cfg = load_run_config(args.config, {"steps": args.steps, "policy": args.policy})
-    cfg.schedule.scheduler(cfg.topology)
+    check_embedded(cfg.topology)
     check_harness(cfg)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -106,6 +107,14 @@ def _supervise(
     return proc.returncode, summary, tail
 
 
+def _leading_json(line: str) -> dict[str, Any]:
+    """The JSON object after a `GYRE-...` marker. mpiexec merges every rank's output, so
+    another rank's text may follow it on the same line; that text is ignored here (it is in
+    job.log)."""
+    value, _ = json.JSONDecoder().raw_decode(line.split(" ", 1)[1])
+    return dict(value)
+
+
 def _follow(
     proc: subprocess.Popen[str], log: Any, display: _Display, tail: deque[str], deadline: float,
     summary_box: list[dict[str, Any]],
@@ -116,9 +125,9 @@ def _follow(
             log.write(line)
             log.flush()
             if line.startswith("GYRE-PROGRESS "):
-                display.update(json.loads(line.split(" ", 1)[1]))
+                display.update(_leading_json(line))
             elif line.startswith("GYRE-SUMMARY "):
-                summary_box.append(json.loads(line.split(" ", 1)[1]))
+                summary_box.append(_leading_json(line))
             else:
                 tail.append(line)
             if time.monotonic() > deadline:

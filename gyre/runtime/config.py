@@ -21,37 +21,11 @@ import yaml
 
 from gyre.config import load
 from gyre.errors import ConfigError
-from gyre.launch.config import SlurmConfig
+from gyre.launch.config import SlurmConfig, TopologyConfig
 from gyre.proxy.config import Config as ProxyConfig
 from gyre.schedule.config import POLICIES, PolicyConfig
 from gyre.schedule.config import Config as SchedulerConfig
-
-
-@dataclass(kw_only=True, slots=True)
-class TopologyConfig:
-    """Which processes the MPI world holds besides the coordinator and the proxy node."""
-
-    cells: int = 3
-    """K: elastic cells; cell 0 is the core."""
-    ranks_per_cell: int = 1
-    """MPI ranks of one cell (the embedded CPU runtime supports 1)."""
-    standalone_engines: int = 0
-    """Rollout engines that never switch (one rank each)."""
-
-    def __post_init__(self) -> None:
-        if self.cells < 1:
-            raise ConfigError(f"cells: {self.cells}; allowed: an integer >= 1")
-        if self.ranks_per_cell != 1:
-            raise ConfigError(
-                f"ranks_per_cell: {self.ranks_per_cell}; allowed: 1 (the embedded CPU runtime "
-                "runs one rank per cell)"
-            )
-        if self.standalone_engines < 0:
-            raise ConfigError(f"standalone_engines: {self.standalone_engines}; allowed: >= 0")
-
-    @property
-    def world_size(self) -> int:
-        return 2 + self.cells * self.ranks_per_cell + self.standalone_engines
+from gyre.tasks.suite import ToolLatency
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,6 +99,8 @@ class HarnessConfig:
     """Seconds between SIGTERM and SIGKILL of a harness's process group."""
     eval_attempts: int = 2
     """Evaluator attempts per execution (0: as many as the overall budget allows)."""
+    tool_latency: ToolLatency | None = None
+    """Replaces every task's tool latency (benchmarks, what-if runs); None keeps the suite's."""
 
     def __post_init__(self) -> None:
         for name in ("harness_timeout_s", "overall_timeout_s", "kill_grace_s"):
@@ -214,7 +190,7 @@ class RunConfig:
     name: str = "local"
     """Run name (prefix of the run directory)."""
     model: str = "tiny"
-    """tiny | smollm2-135m | a local HF model directory."""
+    """tiny | tiny:HIDDENxLAYERS (e.g. tiny:256x4) | smollm2-135m | a local HF model directory."""
     model_name: str = "gyre-tiny"
     """Model name harnesses send (the proxy serves this one)."""
     steps: int = 2
@@ -250,8 +226,10 @@ class RunConfig:
                 f"model_name: {self.model_name!r} is not served by the proxy; allowed: one of "
                 f"proxy.model_names {self.proxy.model_names}"
             )
+        from gyre.models import tiny_size
         from gyre.schedule.policy import make_policy
 
+        tiny_size(self.model)  # a malformed tiny:HxL is refused here, before any process starts
         make_policy(*self.schedule.scheduler(self.topology))  # the scheduler validates both
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gyre.errors import ConfigError
-from gyre.runtime.config import TopologyConfig
+from gyre.launch.config import TopologyConfig
 
 COORDINATOR_RANK = 0
 PROXY_RANK = 1
@@ -26,6 +26,15 @@ class Component:
     kind: Literal["coordinator", "proxy", "cell", "standalone"]
     index: int = 0
     shard: int = 0
+
+
+def check_embedded(topology: TopologyConfig) -> None:
+    """The embedded CPU runtime runs one rank per cell; refuse anything else at start-up."""
+    if topology.ranks_per_cell != 1:
+        raise ConfigError(
+            f"topology.ranks_per_cell: {topology.ranks_per_cell}; allowed: 1 (the embedded CPU "
+            "runtime runs one rank per cell; multi-rank cells need the GPU backends, docs/gpu.md)"
+        )
 
 
 def layout(world_size: int, topology: TopologyConfig) -> list[Component]:

@@ -22,7 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from gyre.runtime.config import RunConfig, dump_run_config, load_run_config
-from gyre.runtime.layout import Component, cell_of_rank, cell_ranks, engine_ranks, layout
+from gyre.runtime.layout import (
+    Component,
+    cell_of_rank,
+    cell_ranks,
+    check_embedded,
+    engine_ranks,
+    layout,
+)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -50,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)
         cfg = load_run_config(args.config, {"steps": args.steps, "policy": args.policy})
+        check_embedded(cfg.topology)
         components = layout(world.Get_size(), cfg.topology)
         component = components[rank]
         _debug(f"rank {rank} is {component} (pid {os.getpid()})")

@@ -20,6 +20,7 @@ counted), so the harness never sees the switch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import secrets
 import threading
@@ -39,6 +40,10 @@ from gyre.tasks import AssessmentLog, Evaluator, TaskSuite, builtin_suite, load_
 def load_tasks(cfg: RunConfig) -> tuple[TaskSuite, list[str]]:
     """The suite and the task names groups are drawn from (checked against the suite)."""
     suite = builtin_suite() if cfg.harness.suite == "builtin" else load_suite(cfg.harness.suite)
+    if cfg.harness.tool_latency is not None:
+        latency = cfg.harness.tool_latency
+        tasks = tuple(dataclasses.replace(t, tool_latency=latency) for t in suite.tasks)
+        suite = dataclasses.replace(suite, tasks=tasks)
     names = cfg.harness.tasks or suite.names()
     unknown = [n for n in names if n not in suite.names()]
     if unknown:
@@ -116,8 +121,10 @@ class ProxyNode:
         return status
 
     def _receive(self, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[tuple]) -> None:
-        while True:
-            msg = self.comm.recv(source=COORDINATOR_RANK, tag=wire.DOWN)
+        while True:  # polled, not a blocking recv: that busy-polls a core in MPICH
+            msg = wire.poll(self.comm, COORDINATOR_RANK, wire.DOWN, timeout=60.0)
+            if msg is None:
+                continue
             loop.call_soon_threadsafe(inbox.put_nowait, msg)
             if msg[0] == "stop":
                 return

@@ -149,6 +149,19 @@ class Scheduler:
     def training_cells(self) -> tuple[int, ...]:
         return tuple(c for c, r in enumerate(self.roles) if r is Role.TRAIN)
 
+    def update_cells(self) -> tuple[int, ...]:
+        """The cells of an optimizer update: the longest prefix 0..m-1 that is in TRAIN.
+
+        Units leave in order, but their switches may finish out of order (a cell whose
+        engine drains slowly is still TO_TRAIN while a later one is in TRAIN); the
+        reduction runs over a prebuilt prefix communicator, so a later cell waits out this
+        update (its claimed micro-steps were phase A only, and phase B is reassigned).
+        """
+        m = 0
+        while m < len(self.roles) and self.roles[m] is Role.TRAIN:
+            m += 1
+        return tuple(range(m))
+
     # ------------------------------------------------------------------ entry point
 
     def handle(self, event: Event) -> list[Action]:
@@ -348,7 +361,7 @@ class Scheduler:
             out.append(CloseJoinWindow(batch.index))
         if batch.done == batch.queued and not batch.updating:
             batch.updating = True
-            out.append(OptimizerUpdate(batch=batch.index, cells=self.training_cells()))
+            out.append(OptimizerUpdate(batch=batch.index, cells=self.update_cells()))
 
     def _maybe_publish(self, out: list[Action]) -> None:
         if self.publishing:

@@ -152,3 +152,23 @@ def test_a_rejected_key_fails_the_execution_with_the_reason(proxy, tmp_path, sui
     term = asyncio.run(runner.run(spec))
     assert term.outcome is Outcome.FAILED and term.returncode == 1
     assert "AuthenticationError" in term.reason
+
+
+def test_turns_cut_off_by_max_tokens_still_wait_the_tool_latency(proxy, tmp_path):
+    """A model that never finishes a call within max_tokens keeps the latency knob's tail."""
+    import openai
+
+    from gyre.harness.reference_agent import AgentConfig, ReferenceAgent
+    from gyre.harness.tools import Workspace
+    from gyre.tasks.suite import ToolLatency
+
+    key = admin(proxy, "/admin/executions", {"execution_id": "cutoff", "role": "main"})["key"]
+    slept: list[float] = []
+    ws = Workspace(tmp_path, latency=ToolLatency(dist="fixed", seconds=0.5), sleep=slept.append)
+    cfg = AgentConfig(model=MODEL, instruction="Implement add(a, b) in calc.py.", max_turns=3,
+                      max_tokens=3, tool_choice="required", delegate="off")  # fmt: skip
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)
+    report = ReferenceAgent(cfg, client, ws).run()
+    assert report.turns == 3 and report.stop == "turn limit"
+    assert slept == [0.5, 0.5, 0.5]  # three cut-off turns, one environment step each
+    admin(proxy, "/admin/executions/cutoff/close", {"status": "completed"})

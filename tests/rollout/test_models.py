@@ -80,5 +80,16 @@ def test_plain_chat_without_tools(tiny: Any) -> None:
 
 
 def test_unknown_model_spec_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="allowed: tiny, smollm2-135m"):
+    with pytest.raises(ConfigError, match="allowed: tiny, tiny:HIDDENxLAYERS, smollm2-135m"):
         load_model("no-such-model")
+
+
+def test_tiny_family_sizes_and_their_errors() -> None:
+    model, tok = load_model("tiny:32x1")
+    again, _ = load_model("tiny:32x1")
+    assert model.config.hidden_size == 32 and model.config.num_hidden_layers == 1
+    assert model.config.vocab_size == len(tok)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    for bad in ("tiny:", "tiny:64", "tiny:60x2", "tiny:64x0", "tiny:axb"):
+        with pytest.raises(ConfigError, match=r"tiny:HIDDENxLAYERS|multiple of 8"):
+            load_model(bad)

@@ -49,6 +49,14 @@ def test_impossible_topologies(tmp_path: Path) -> None:
         load_run_config(write_config(tmp_path, cfg))
     with pytest.raises(ConfigError, match=r"world size 4 does not match.*5 ranks"):
         layout(4, TopologyConfig(cells=3))
+    # a cluster config (one rank per GPU) loads anywhere; `gyre run` refuses it at start
+    cfg = small_config(tmp_path, topology={"ranks_per_cell": 2})
+    path = write_config(tmp_path, cfg)
+    assert load_run_config(path).topology.world_size == 2 + 3 * 2
+    out = subprocess.run([sys.executable, "-m", "gyre", "run", str(path)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "topology.ranks_per_cell: 2; allowed: 1" in out.stderr
 
 
 @given(

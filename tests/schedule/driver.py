@@ -63,6 +63,8 @@ class World:
         elif isinstance(a, ev.OptimizerUpdate):
             assert self.window_open[a.batch] is False, "join window must close before the update"
             assert 0 in a.cells, "the core takes part in every update"
+            assert a.cells == tuple(range(len(a.cells))), f"update cells {a.cells}: not a prefix"
+            assert all(self.s.roles[c].value == "train" for c in a.cells)
             self.update.append(a.batch)
         elif isinstance(a, ev.Publish):
             self.publish.append(a.version)
