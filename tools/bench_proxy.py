@@ -1,6 +1,6 @@
 """Benchmark the proxy: added latency under concurrency, and the cost of TITO recording.
 
-    python tools/bench_proxy.py overhead [--clients 16 --requests 2000 --engine-ms 20]
+    python tools/bench_proxy.py overhead [--clients 16 --requests 2000 --engine-ms 20 --words 40]
     python tools/bench_proxy.py recording [--calls 500 --tokens 1000000]
     python tools/bench_proxy.py all
 
@@ -123,7 +123,7 @@ async def _post(client: Any, url: str, body: dict[str, Any], key: str | None) ->
 
 
 async def _proxy_clients(
-    url: str, token: str, clients: int, requests: int, turns: int, tag: str
+    url: str, token: str, clients: int, requests: int, turns: int, words: int, tag: str
 ) -> tuple[list[float], list[int]]:
     from tornado.httpclient import AsyncHTTPClient
 
@@ -140,7 +140,7 @@ async def _proxy_clients(
             )
             msgs: list[dict[str, Any]] = [{"role": "system", "content": "Bench agent."}]
             for t in range(min(turns, per_client - done)):
-                msgs.append({"role": "user", "content": f"step {t}: " + "word " * 40})
+                msgs.append({"role": "user", "content": f"step {t}: " + "word " * words})
                 body = {"model": "gyre", "messages": msgs, "max_tokens": 1}
                 dt, reply = await _post(http, url + "/v1/chat/completions", body, reg["key"])
                 lat.append(dt)
@@ -168,7 +168,9 @@ async def _direct_clients(url: str, bodies: list[dict[str, Any]], clients: int) 
     return lat
 
 
-def bench_overhead(clients: int, requests: int, engine_ms: float, turns: int) -> dict[str, Any]:
+def bench_overhead(
+    clients: int, requests: int, engine_ms: float, turns: int, words: int
+) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp())
     stub, stub_url = _start(
         [sys.executable, __file__, "stub", "--engine-ms", str(engine_ms)], "stub listening on"
@@ -192,9 +194,13 @@ def bench_overhead(clients: int, requests: int, engine_ms: float, turns: int) ->
             "proxy listening on",
         )
         token = (tmp / "token").read_text().strip()
-        asyncio.run(_proxy_clients(url, token, clients, clients * 4, turns, "warm"))  # warm-up
+        asyncio.run(
+            _proxy_clients(url, token, clients, clients * 4, turns, words, "warm")
+        )  # warm-up
         cpu0 = _cpu(proxy.pid)
-        via_proxy, sizes = asyncio.run(_proxy_clients(url, token, clients, requests, turns, "run"))
+        via_proxy, sizes = asyncio.run(
+            _proxy_clients(url, token, clients, requests, turns, words, "run")
+        )
         proxy_cpu = (_cpu(proxy.pid) - cpu0) / max(1, len(via_proxy))
         # the same calls sent straight to the engine: same number of input ids each
         bodies = [
@@ -217,6 +223,8 @@ def bench_overhead(clients: int, requests: int, engine_ms: float, turns: int) ->
         "clients": clients,
         "engine_latency_ms": engine_ms,
         "turns_per_conversation": turns,
+        "words_per_user_message": words,
+        "mean_prompt_tokens": round(float(np.mean(sizes)), 1),
         "via_proxy": pp,
         "direct": dp,
         "proxy_cpu_ms_per_call": round(proxy_cpu * 1000, 3),
@@ -464,6 +472,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--words", type=int, default=40, help="words per user message")
     parser.add_argument("--engine-ms", type=float, default=20.0)
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--tokens", type=int, default=1_000_000)
@@ -476,7 +485,9 @@ def main() -> None:
         return
     out: dict[str, Any] = {}
     if args.what in ("overhead", "all"):
-        out["overhead"] = bench_overhead(args.clients, args.requests, args.engine_ms, args.turns)
+        out["overhead"] = bench_overhead(
+            args.clients, args.requests, args.engine_ms, args.turns, args.words
+        )
     if args.what in ("recording", "all"):
         out["recording"] = bench_recording(
             args.calls, args.tokens, args.compactions, args.subagents, args.sub_calls

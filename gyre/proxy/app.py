@@ -27,6 +27,7 @@ from gyre.proxy.recorder import StoreSink
 from gyre.proxy.routing import EngineLike, Router
 from gyre.proxy.service import ProxyService
 from gyre.proxy.tito import ChatRenderer
+from gyre.rollout.client import EngineClient
 from gyre.trajectory.tree import TrajectoryTree
 
 
@@ -49,6 +50,7 @@ class ProxyApp:
         router = Router(attempts=config.reroute_attempts, wait_s=config.reroute_wait_s)
         self.store = StoreSink(store) if store is not None else None
         self.service = ProxyService(config, ChatRenderer(tokenizer), router, store=self.store)
+        self._own_clients: dict[str, EngineClient] = {}  # made here from URLs: closed here
         for engine_id, engine in engines.items():
             self.add_engine(engine_id, engine)
         self.server: tornado.httpserver.HTTPServer | None = None
@@ -79,12 +81,16 @@ class ProxyApp:
         self.service.router.set_draining(engine_id, draining)
 
     def add_engine(self, engine_id: str, engine: str | EngineLike) -> None:
-        """Add an engine by URL (or an engine client object)."""
+        """Add an engine by URL (or an engine client object); replaces one with that id
+        (e.g. an engine restarted on another port), whose idle connections are closed."""
+        old = self._own_clients.pop(engine_id, None)
         if isinstance(engine, str):
-            from gyre.rollout.client import EngineClient
-
-            engine = EngineClient(engine, engine_id=engine_id, timeout=self.config.engine_timeout_s)
+            engine = self._own_clients[engine_id] = EngineClient(
+                engine, engine_id=engine_id, timeout=self.config.engine_timeout_s
+            )
         self.service.router.add_engine(engine_id, engine)
+        if old is not None:
+            old.close()
 
     def routes(self) -> dict[str, Any]:
         return self.service.router.table()
@@ -115,6 +121,8 @@ class ProxyApp:
             self.server.stop()
             self.server = None
         self.service.close()
+        for client in self._own_clients.values():
+            client.close()
 
     def flush_store(self) -> None:
         """Block until every queued store write (journal, closed trees) is on disk."""

@@ -11,18 +11,24 @@ an error: it returns a `GenerateResult` with ``finish_type == "abort"``.
     result = await client.generate(ids, SamplingParams(max_new_tokens=64), rid="x-1")
 
 **Connections.** Plain-HTTP engines are called over keep-alive HTTP/1.1 connections that
-the client pools (a new TCP connection per call cost the proxy ~1-2 ms of connect and
-address resolution on every model call). The pool holds non-blocking sockets, not
-event-loop transports, so one client may be used from several event loops in turn (as
-tests do with `asyncio.run`). `https://` engines go through Tornado's client, one
-connection per call. A pooled connection is reused only while idle for less than
-`keepalive_s` (below the 5 s idle timeout of uvicorn, SGLang's server) and only if the
-server has not closed it (checked with a non-blocking peek just before use).
+the client pools (Tornado's simple client opened a new TCP connection, resolving the host on
+a worker thread, for every call: ~2.5 ms of proxy CPU per model call in
+`tools/bench_proxy.py overhead`). The pool holds non-blocking sockets, not event-loop
+transports, so one client may be used from several event loops in turn (as tests do with
+`asyncio.run`). At most `max_connections` calls per event loop are in flight at once
+(more wait, as with Tornado's `max_clients`). `https://` engines go through Tornado's
+client, one connection per call. A pooled connection is reused only while idle for less
+than `keepalive_s` (below the 5 s idle timeout of uvicorn, SGLang's server) and only if the
+server has not closed it (checked with a non-blocking peek just before use). Request bodies
+are encoded with orjson: a /generate body carries the whole context's token ids, which
+`json.dumps` encodes at ~0.15 µs per token (~5 ms for a 32k-token context, on the IOLoop
+that serves every harness); orjson is ~6x faster.
 
 **Resending rule.** A request that fails on a *reused* connection before any byte of the
 response arrived is sent once more on a fresh connection when the server cannot have acted
-on it: the request was not completely written (a server handles a request only once it has
-all of it), or the method is idempotent (GET, HEAD, DELETE). A POST (e.g. /generate) that
+on it: the request was not completely written (not all of its bytes reached the kernel; a
+server handles a request only once it has all of it), or the method is idempotent (GET,
+HEAD, DELETE). A POST (e.g. /generate) that
 was completely written is never resent, since the server may have received it: that failure
 is an `EngineError` (the proxy's router retries it as a failed engine call). A failure on a
 fresh connection is always an `EngineError`. A timed-out or cancelled call closes its
@@ -42,8 +48,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import orjson
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
-from tornado.httputil import HTTPHeaders, HTTPInputError, parse_response_start_line
 
 from gyre.errors import EngineError, ProtocolError
 from gyre.rollout.protocol import GenerateResult, SamplingParams
@@ -96,7 +102,7 @@ class EngineClient:
     ) -> GenerateResult:
         """One /generate call with behaviour log-probs."""
         body = {
-            "input_ids": list(input_ids),
+            "input_ids": input_ids if isinstance(input_ids, list) else list(input_ids),
             "sampling_params": sampling.to_json(),
             "return_logprob": True,
             "rid": rid,
@@ -177,7 +183,7 @@ class EngineClient:
         self, method: str, route: str, body: Any, *, timeout: float | None = None
     ) -> Any:
         """Send one request; the decoded JSON reply, or EngineError naming engine and route."""
-        payload = None if body is None else json.dumps(body).encode()
+        payload = None if body is None else orjson.dumps(body)
         if self._pool is None:
             status, text = await self._fetch_tornado(method, route, payload, timeout)
         else:
@@ -253,7 +259,7 @@ class EngineClient:
             await loop.sock_sendall(conn.sock, request)
             written = True
             status, reason, body, keep = await _read_response(loop, conn, method)
-        except (OSError, _Closed, HTTPInputError, ValueError) as e:
+        except (OSError, _Closed, _Malformed) as e:
             conn.close()
             if reused and conn.received == 0 and (not written or method in IDEMPOTENT):
                 raise _Resendable() from e
@@ -298,8 +304,8 @@ def _error_text(body: bytes) -> str:
 
 
 def _lost_message(e: BaseException, written: bool, received: int) -> str:
-    if isinstance(e, HTTPInputError | ValueError):
-        return f"malformed response ({e})"
+    if isinstance(e, _Malformed):
+        return f"malformed response: {e}"
     if received:
         return f"connection broke in the middle of the response ({e!r})"
     if written:
@@ -320,6 +326,10 @@ class _ConnectFailed(Exception):
 
 class _Lost(Exception):
     """The connection failed during the exchange; the message says at which point."""
+
+
+class _Malformed(Exception):
+    """The server's bytes are not an HTTP/1.x response."""
 
 
 class _Closed(Exception):
@@ -411,11 +421,11 @@ class _Connection:
         self.buf += data
 
     async def read_until(self, loop: asyncio.AbstractEventLoop, sep: bytes, limit: int) -> bytes:
-        """Bytes up to and including `sep` (HTTPInputError past `limit` bytes)."""
+        """Bytes up to and including `sep` (`_Malformed` past `limit` bytes)."""
         start = 0
         while (end := self.buf.find(sep, start)) < 0:
             if len(self.buf) > limit:
-                raise HTTPInputError(f"response line or header longer than {limit} bytes")
+                raise _Malformed(f"response line or header longer than {limit} bytes")
             start = max(0, len(self.buf) - len(sep) + 1)
             await self.fill(loop)
         end += len(sep)
@@ -480,35 +490,66 @@ async def _read_response(
 ) -> tuple[int, str, bytes, bool]:
     """(status, reason, body, keep-alive) of one HTTP/1.x response."""
     while True:
-        head = (await conn.read_until(loop, b"\r\n\r\n", MAX_HEAD_BYTES)).decode("latin-1")
-        first, _, rest = head.partition("\r\n")
-        start = parse_response_start_line(first)
-        headers = HTTPHeaders.parse(rest)
-        if not 100 <= start.code < 200:
+        head = await conn.read_until(loop, b"\r\n\r\n", MAX_HEAD_BYTES)
+        version, status, reason, headers = _parse_head(head)
+        if not 100 <= status < 200:
             break  # 1xx: informational, the real response follows
-    tokens = {t.strip().lower() for t in headers.get("Connection", "").split(",")}
-    keep = start.version == "HTTP/1.1" and "close" not in tokens
-    if method == "HEAD" or start.code in (204, 304):
+    tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
+    keep = version == "HTTP/1.1" and "close" not in tokens
+    if method == "HEAD" or status in (204, 304):
         body = b""
-    elif "chunked" in headers.get("Transfer-Encoding", "").lower():
+    elif "chunked" in headers.get("transfer-encoding", "").lower():
         body = await _read_chunked(loop, conn)
-    elif "Content-Length" in headers:
-        body = await conn.read_exactly(loop, int(headers["Content-Length"]))
+    elif "content-length" in headers:
+        body = await conn.read_exactly(loop, _length(headers["content-length"]))
     else:  # delimited by the end of the connection
         body, keep = await conn.read_to_eof(loop), False
-    return start.code, start.reason, body, keep
+    return status, reason, body, keep
+
+
+def _parse_head(head: bytes) -> tuple[str, int, str, dict[str, str]]:
+    """(version, status, reason, headers with lower-case names) of a response head."""
+    lines = head.decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    code, _, reason = rest.partition(" ")
+    if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+        raise _Malformed(f"bad status line {lines[0][:100]!r}")
+    headers: dict[str, str] = {}
+    name = ""
+    for line in lines[1:]:
+        if not line:
+            continue
+        if line[0] in " \t" and name:  # obsolete line folding: continues the last field
+            headers[name] += " " + line.strip()
+            continue
+        field, sep, value = line.partition(":")
+        if not sep:
+            raise _Malformed(f"bad header line {line[:100]!r}")
+        name, value = field.strip().lower(), value.strip()
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    return version, int(code), reason, headers
+
+
+def _length(value: str) -> int:
+    if not value.isdigit():
+        raise _Malformed(f"bad Content-Length {value[:100]!r}")
+    return int(value)
 
 
 async def _read_chunked(loop: asyncio.AbstractEventLoop, conn: _Connection) -> bytes:
     """A chunked body (chunk extensions and trailers are read and ignored)."""
-    parts = []
+    parts: list[bytes] = []
     while True:
         line = await conn.read_until(loop, b"\r\n", MAX_HEAD_BYTES)
-        size = int(line.split(b";", 1)[0].strip(), 16)
+        size_text = line.split(b";", 1)[0].strip()
+        try:
+            size = int(size_text, 16)
+        except ValueError:
+            raise _Malformed(f"bad chunk size {size_text[:100]!r}") from None
         if size == 0:
             while await conn.read_until(loop, b"\r\n", MAX_HEAD_BYTES) != b"\r\n":
                 pass  # trailer fields
             return b"".join(parts)
         parts.append(await conn.read_exactly(loop, size))
         if await conn.read_exactly(loop, 2) != b"\r\n":
-            raise HTTPInputError("chunk not followed by CRLF")
+            raise _Malformed("chunk not followed by CRLF")
