@@ -80,6 +80,7 @@ class Coordinator:
         self.group_task: list[str] = []
         self.group_version: list[int] = []
         self.state: dict[int, str] = {}  # x -> queued | running | terminated | recorded
+        self.respawning: set[int] = set()  # engines lost and not yet back
         self.harness_reason: dict[int, str] = {}  # why a harness did not complete
         self.outcomes: dict[int, dict[str, Any]] = {}
         self.harness_outcome: dict[int, str] = {}
@@ -386,9 +387,11 @@ class Coordinator:
         self.rec.event("engine_lost", engine=engine, returncode=returncode)
         self.to_proxy(("drain", _engine_id(engine), {}, False))
         role = self.sched.roles[engine].value if engine < self.k else "rollout"
+        self.respawning.add(engine)
         self.to_rank(self.engine_ranks[engine], ("respawn", role))
 
     def on_engine_ready(self, engine: int, url: str, version: int) -> None:
+        self.respawning.discard(engine)
         self.urls[engine] = url
         if version < self.sched.published:  # restarted from an older copy than served now
             self.to_rank(self.engine_ranks[engine], ("reload",))
@@ -426,6 +429,12 @@ class Coordinator:
                 self.handle(msg)
             if time.time() > deadline:
                 break
+        # never stop a cell in the middle of restarting its engine: let the restart finish
+        deadline = time.time() + self.cfg.timeouts.startup_s
+        while self.respawning and time.time() < deadline:
+            msg = self.next_message(max(0.1, deadline - time.time()))
+            if msg[0] == "engine_ready":
+                self.handle(msg)
         for x, s in self.state.items():
             if s == "queued":
                 self._record_not_launched(x)

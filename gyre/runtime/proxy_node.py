@@ -57,10 +57,6 @@ def load_tasks(cfg: RunConfig) -> tuple[TaskSuite, list[str]]:
 def check_harness(cfg: RunConfig) -> None:
     """Fail fast (before any process starts) when the adapter or its program is missing."""
     adapter = cfg.harness.adapter_object()
-    try:
-        adapter.check_params(cfg.harness.params)
-    except ConfigError as exc:
-        raise ConfigError(f"harness.{exc}") from None
     path = os.environ.get("PATH", os.defpath)
     if adapter.resolve_program(path) is None:
         hint = f"; install it with {adapter.install}" if adapter.install else ""
@@ -68,6 +64,10 @@ def check_harness(cfg: RunConfig) -> None:
             f"harness.adapter: {cfg.harness.adapter!r} needs the program "
             f"{adapter.command[0]!r}, which is not on PATH or in {adapter.search_path}{hint}"
         )
+    try:
+        adapter.check_params(cfg.harness.params)
+    except ConfigError as exc:
+        raise ConfigError(f"harness.{exc}") from None
     load_tasks(cfg)
 
 
