@@ -28,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gyre.errors import TrainingError
 from gyre.runtime import checkpoint, wire
 from gyre.runtime.config import RunConfig
 from gyre.runtime.layout import PROXY_RANK
@@ -37,6 +36,7 @@ from gyre.runtime.training import TrainingDriver
 from gyre.schedule import Scheduler, make_policy
 from gyre.schedule import events as ev
 from gyre.train.rewards import ExecutionOutcome, Status
+from gyre.train.stream import EmptyBatchError
 
 OUTCOMES = {
     "completed": ev.Outcome.COMPLETED,
@@ -238,14 +238,12 @@ class Coordinator:
         try:
             count = self.train.admit(self.gid(a.group), self.group_version[a.group],
                                      a.staleness, outcomes, trees)  # fmt: skip
-        except TrainingError as exc:
-            if "no trainable targets" not in str(exc):
-                raise
-            raise wire.RuntimeFailure(f"{exc}: {self._why_untrainable(a.batch)}") from exc
+        except EmptyBatchError as exc:
+            raise wire.RuntimeFailure(f"{exc}: {self._why_untrainable()}") from exc
         self.feed(ev.MicroStepsQueued(batch=a.batch, group=a.group, count=count))
 
-    def _why_untrainable(self, batch: int) -> str:
-        """Batch `batch`'s executions by outcome, and the first failed harness's last words."""
+    def _why_untrainable(self) -> str:
+        """The executions so far by outcome, and why the first failed harness failed."""
         counts: dict[str, int] = {}
         first_failed = None
         for x, verdict in self.outcomes.items():
@@ -253,21 +251,13 @@ class Coordinator:
             key = f"{outcome}/{verdict['status']}"
             counts[key] = counts.get(key, 0) + 1
             if outcome == "failed" and first_failed is None:
-                first_failed = self.eid[x]
+                first_failed = x
         text = "executions so far (harness outcome/verdict): " + ", ".join(
             f"{k} {v}" for k, v in sorted(counts.items())
         )
-        if first_failed is not None:
-            x = self.eid.index(first_failed)
-            log = self.run_dir / "workspaces" / first_failed / "stderr.log"
-            try:
-                lines = log.read_text(errors="replace").strip().splitlines()
-            except OSError:
-                lines = []
-            why = self.harness_reason.get(x, "")
-            text += f"; {first_failed}'s harness failed: {why or '(no reason given)'}"
-            if lines:
-                text += f"; the last line of {log}: {lines[-1]}"
+        if first_failed is not None:  # the runner's reason carries the harness's stderr tail
+            why = self.harness_reason.get(first_failed, "(no reason given)")
+            text += f"; {self.eid[first_failed]}'s harness failed: {why}"
         return text
 
     def claim(self, a: ev.ClaimMicroStep) -> None:

@@ -61,6 +61,10 @@ class StreamConfig:
                 raise ConfigError(f"{name}: {v!r}; allowed an int >= 1")
 
 
+class EmptyBatchError(TrainingError):
+    """A closed batch none of whose executions admitted a trainable target."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ReadyGroup:
     """A rollout group whose executions are all closed with resolved outcomes."""
@@ -135,7 +139,7 @@ class StreamPackingBuffer:
         )
         if full:
             if not self._batch.executions:
-                raise TrainingError("empty batch: its groups admitted no trainable targets")
+                raise EmptyBatchError("empty batch: its groups admitted no trainable targets")
             self.closed, self._pending = True, []
         else:
             keep = steps.pop() if steps else None
