@@ -8,9 +8,10 @@ Prints one JSON object.
 
 overhead: a constant-latency engine (a stub speaking the /generate protocol, sleeping
 `--engine-ms` and answering two tokens) runs in its own process; `gyre proxy` runs in
-another in front of it. N concurrent clients (one asyncio process) hold multi-turn
-chat-completions conversations through the proxy; the same N clients then call the stub
-directly with the token ids the proxy sent. Added latency = proxy percentile minus direct
+another in front of it. N concurrent clients (one asyncio process, httpx keep-alive
+connections as the openai / anthropic SDKs hold) hold multi-turn chat-completions
+conversations through the proxy; the same N clients then call the stub directly with as
+many token ids as the proxy sent. Added latency = proxy percentile minus direct
 percentile (p50 / p99). A real tiny engine would add its own batching noise on 2 shared
 cores; the stub isolates what the proxy adds (HTTP hop, parse, match, render, record).
 
@@ -110,24 +111,28 @@ def _percentiles(xs: list[float]) -> dict[str, float]:
 
 
 async def _post(client: Any, url: str, body: dict[str, Any], key: str | None) -> tuple[float, Any]:
-    from tornado.httpclient import HTTPRequest
-
     headers = {"content-type": "application/json"}
     if key:
         headers["authorization"] = f"Bearer {key}"
     t = time.perf_counter()
-    r = await client.fetch(
-        HTTPRequest(url, "POST", headers=headers, body=json.dumps(body), request_timeout=120)
-    )
-    return time.perf_counter() - t, json.loads(r.body)
+    r = await client.post(url, headers=headers, content=json.dumps(body), timeout=120)
+    dt = time.perf_counter() - t
+    r.raise_for_status()
+    return dt, r.json()
+
+
+def _http(clients: int) -> Any:
+    """A keep-alive connection pool, as the openai / anthropic SDKs hold one (httpx)."""
+    import httpx2
+
+    limits = httpx2.Limits(max_connections=clients * 2, max_keepalive_connections=clients * 2)
+    return httpx2.AsyncClient(limits=limits)
 
 
 async def _proxy_clients(
     url: str, token: str, clients: int, requests: int, turns: int, words: int, tag: str
 ) -> tuple[list[float], list[int]]:
-    from tornado.httpclient import AsyncHTTPClient
-
-    http = AsyncHTTPClient(max_clients=clients * 2)
+    http = _http(clients)
     lat: list[float] = []
     sizes: list[int] = []
     per_client = requests // clients
@@ -148,14 +153,13 @@ async def _proxy_clients(
                 msgs.append(reply["choices"][0]["message"])
                 done += 1
 
-    await asyncio.gather(*(one(c) for c in range(clients)))
+    async with http:
+        await asyncio.gather(*(one(c) for c in range(clients)))
     return lat, sizes
 
 
 async def _direct_clients(url: str, bodies: list[dict[str, Any]], clients: int) -> list[float]:
-    from tornado.httpclient import AsyncHTTPClient
-
-    http = AsyncHTTPClient(max_clients=clients * 2)
+    http = _http(clients)
     lat: list[float] = []
     queue = list(bodies)
 
@@ -164,7 +168,8 @@ async def _direct_clients(url: str, bodies: list[dict[str, Any]], clients: int) 
             dt, _ = await _post(http, url + "/generate", queue.pop(), None)
             lat.append(dt)
 
-    await asyncio.gather(*(one() for _ in range(clients)))
+    async with http:
+        await asyncio.gather(*(one() for _ in range(clients)))
     return lat
 
 

@@ -7,8 +7,21 @@ reusing the exact tokens recorded for earlier turns (TITO), routes it to a rollo
 execution's trajectory tree. See docs/proxy.md.
 """
 
-from gyre.proxy.app import ProxyApp
+from typing import TYPE_CHECKING, Any
+
 from gyre.proxy.config import Config as ProxyConfig
 from gyre.proxy.config import RoleRule
 
+if TYPE_CHECKING:
+    from gyre.proxy.app import ProxyApp
+
 __all__ = ["ProxyApp", "ProxyConfig", "RoleRule"]
+
+
+def __getattr__(name: str) -> Any:
+    """`ProxyApp` (Tornado, transformers) loads on first use: configs import this package."""
+    if name == "ProxyApp":
+        from gyre.proxy.app import ProxyApp
+
+        return ProxyApp
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -153,6 +154,7 @@ async def serve(args: argparse.Namespace) -> None:
         store=store,
     )
     port = app.listen(args.port, args.host)
+    gc.freeze()  # start-up objects (tokenizer, modules) leave the collector's scans
     print(f"gyre proxy listening on http://{args.host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -14,6 +14,7 @@ import json
 import logging
 from typing import Any, ClassVar
 
+import orjson
 import tornado.web
 
 from gyre.proxy import anthropic_api, openai_api
@@ -65,7 +66,11 @@ class JsonErrorHandler(tornado.web.RequestHandler):
 
     def send_json(self, body: Any) -> None:
         self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps(body, ensure_ascii=False))
+        try:
+            data = orjson.dumps(body)
+        except TypeError:  # e.g. a lone surrogate echoed from a request: JSON escapes it
+            data = json.dumps(body).encode()
+        self.finish(data)
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
@@ -129,9 +134,16 @@ class ApiHandler(JsonErrorHandler):
             raise invalid(f"body: malformed JSON ({e})") from None
         req = self.parse(body)
         headers = self.request.headers
-        reply, _node = await self.service.serve(
-            ex, req, role=headers.get("x-gyre-role"), provenance=headers.get("x-gyre-provenance")
+        await self.service.serve(
+            ex,
+            req,
+            role=headers.get("x-gyre-role"),
+            provenance=headers.get("x-gyre-provenance"),
+            respond=lambda reply: self.respond(reply, req),
         )
+
+    def respond(self, reply: Any, req: Any) -> None:
+        """Send the reply (the service records the call right after)."""
         if req.stream:
             self.set_header("Content-Type", "text/event-stream")
             self.set_header("Cache-Control", "no-cache")

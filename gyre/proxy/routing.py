@@ -15,8 +15,11 @@ import asyncio
 import re
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from gyre.errors import EngineError, ProtocolError
 from gyre.proxy.errors import ApiError
@@ -31,7 +34,7 @@ class EngineLike(Protocol):
     """What the router needs from an engine client (gyre.rollout.client.EngineClient)."""
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str
+        self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams, rid: str
     ) -> GenerateResult: ...
 
 
@@ -106,7 +109,11 @@ class Router:
     # -- serving ----------------------------------------------------------------------------
 
     async def generate(
-        self, execution_id: str, input_ids: list[int], sampling: SamplingParams, rid: str
+        self,
+        execution_id: str,
+        input_ids: Sequence[int] | np.ndarray,
+        sampling: SamplingParams,
+        rid: str,
     ) -> Served:
         """Generate at the execution's engine; retry aborted/failed attempts at its new route."""
         failed: str | None = None

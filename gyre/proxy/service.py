@@ -153,8 +153,15 @@ class ProxyService:
         *,
         role: str | None = None,
         provenance: str | None = None,
+        respond: Callable[[Reply], None] | None = None,
     ) -> tuple[Reply, Node]:
-        """Run one model call for `ex` and record it; ApiError before any tree change."""
+        """Run one model call for `ex` and record it; ApiError before any tree change.
+
+        `respond(reply)`, if given, is called before the node is recorded, in the same turn
+        of the event loop: the harness gets its answer without waiting for the recording,
+        and no request can be handled between answer and recording (the next request of
+        this execution always finds the node). The node is recorded even if `respond` fails.
+        """
         self.check_model(req.model)
         if provenance not in (None, "", "evaluator"):
             raise invalid(f"x-gyre-provenance: {provenance!r}; allowed: 'evaluator'")
@@ -174,9 +181,7 @@ class ProxyService:
         sampling = self.sampling(req, len(prep.context_ids))
         t0 = self.clock()
         rid = f"{ex.execution_id}-{len(ex.tree) + 1}-{secrets.token_hex(4)}"
-        served = await self.router.generate(
-            ex.execution_id, prep.context_ids.tolist(), sampling, rid
-        )
+        served = await self.router.generate(ex.execution_id, prep.context_ids, sampling, rid)
         t1 = self.clock()
         if ex.closed:
             raise ApiError(
@@ -192,20 +197,6 @@ class ProxyService:
             id_prefix=ID_PREFIX[req.api],
             parse_tools=req.tool_choice.mode != "none",
         )
-        node = ex.record(
-            prep,
-            out,
-            output_ids=out_ids,
-            output_logprobs=_logprobs(res.output_logprobs, len(out_ids)),
-            role=label,
-            policy_version=_version(res.weight_version),
-            engine_id=served.engine_id,
-            t_start=t0,
-            t_end=t1,
-            attempts=served.attempts,
-        )
-        if self.store is not None:
-            self.store.record_node(ex.execution_id, node)
         reply = Reply(
             id=f"{REPLY_PREFIX[req.api]}{secrets.token_hex(12)}",
             model=req.model,
@@ -216,6 +207,24 @@ class ProxyService:
             completion_tokens=len(out_ids),
             created=int(t1),
         )
+        try:
+            if respond is not None:
+                respond(reply)
+        finally:
+            node = ex.record(
+                prep,
+                out,
+                output_ids=out_ids,
+                output_logprobs=_logprobs(res.output_logprobs, len(out_ids)),
+                role=label,
+                policy_version=_version(res.weight_version),
+                engine_id=served.engine_id,
+                t_start=t0,
+                t_end=t1,
+                attempts=served.attempts,
+            )
+            if self.store is not None:
+                self.store.record_node(ex.execution_id, node)
         return reply, node
 
     def role_for(self, header: str | None, conv: Conversation, ex: Execution) -> str:

@@ -14,6 +14,18 @@ copy). Two renderings exist:
   templates; `ChatRenderer.continuation_ok` is False when a probe finds the sentinel not
   rendered verbatim, and the caller then attaches the call to the root instead).
 
+Continuations of content-only messages (user / tool / system, no tool calls: almost every
+agent turn) skip the template engine after the first time: the template is applied once
+per message *shape* (the roles, and whether each message answers a tool call) with
+placeholder contents, and the text around the placeholders becomes that shape's skeleton.
+A shape is cached only if the template inserts content verbatim and independently of its
+value: three probes (two different placeholder sets and tool-call ids, one padded with
+whitespace) must all equal the skeleton filled with their contents. ChatML-style templates
+pass; a template that trims, escapes or inspects content fails and is always applied. The
+first render of each shape and every `VERIFY_EVERY`-th one after are also rendered by the
+template and compared; a difference turns the fast path off for good (logged). The cost
+of a continuation is then the tokenizer's, O(new content), with no template rendering.
+
 Provenance is assigned per character, then per token through the tokenizer's offsets
 mapping: message contents get their author's code (SYSTEM / USER / TOOL / INJECTED /
 EVALUATOR), the system turn of a root render is SYSTEM, the text of harness-supplied tool
@@ -24,6 +36,7 @@ spanning a boundary takes the code of its first non-TEMPLATE character.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +48,11 @@ from gyre.proxy.conversation import Conversation, Message
 from gyre.proxy.errors import invalid
 from gyre.trajectory.tree import Provenance
 
+log = logging.getLogger(__name__)
 SENTINEL = "GYRE0SENTINEL0f3a9c"
+VERIFY_EVERY = 64  # every n-th skeleton render of a shape is checked against the template
+MAX_SHAPES = 256  # message shapes with a cached skeleton
+Shape = tuple[tuple[str, bool], ...]  # per new message: (role, answers a tool call)
 LONG_TEXT = 8192  # characters; longer new input is rendered in a worker thread
 _ROLE_PROV = {
     "system": Provenance.SYSTEM,
@@ -54,6 +71,25 @@ class Rendered:
     text: str
 
 
+@dataclass(slots=True)
+class Skeleton:
+    """A shape's rendered text around its message contents: pieces[0] c0 pieces[1] c1 ..."""
+
+    pieces: tuple[str, ...]
+    uses: int = 0
+
+    def fill(self, contents: list[str]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text, and each content's (start, end) in it."""
+        parts = [self.pieces[0]]
+        spans = []
+        pos = len(self.pieces[0])
+        for c, p in zip(contents, self.pieces[1:], strict=True):
+            spans.append((pos, pos + len(c)))
+            parts += (c, p)
+            pos += len(c) + len(p)
+        return "".join(parts), spans
+
+
 def template_message(m: Message) -> dict[str, Any]:
     """The dict the chat template sees for one normalized message."""
     out: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -69,6 +105,11 @@ def template_message(m: Message) -> dict[str, Any]:
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     return out
+
+
+def _code(m: Message, i: int, evaluator: frozenset[int]) -> int:
+    """Provenance of message i's content (evaluator-flagged user messages: EVALUATOR)."""
+    return int(Provenance.EVALUATOR if i in evaluator and m.role == "user" else _ROLE_PROV[m.role])
 
 
 def _args_obj(arguments: str) -> Any:
@@ -93,6 +134,8 @@ class ChatRenderer:
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         self.eos_id: int = int(tokenizer.eos_token_id)
         self.continuation_ok = self._probe()
+        self._skeletons: dict[Shape, Skeleton | None] = {}
+        self.skeletons_ok = True  # False after a verification found a difference
 
     # -- public -------------------------------------------------------------------------------
 
@@ -115,14 +158,27 @@ class ChatRenderer:
     ) -> Rendered:
         """Only `new` (messages after a matched reply) plus the generation prompt."""
         assert self.continuation_ok
-        full = self._apply(self._short(new), None)
+        spans = None
+        skeleton = self._skeleton(new)
+        if skeleton is None:
+            full = self._apply(self._short(new), None)
+        else:
+            full, spans = skeleton.fill([m.content for m in new])
+            skeleton.uses += 1
+            if skeleton.uses % VERIFY_EVERY == 1:
+                full, spans = self._verify(new, full, spans)
         start = full.index(SENTINEL) + len(SENTINEL)
         eos = self.tok.eos_token or ""
         if after_eos and eos and full.startswith(eos, start):
             start += len(eos)
         text = full[start:]
         prov = np.full(len(text), Provenance.TEMPLATE, np.uint8)
-        self._mark_messages(text, prov, new, 0, evaluator, tools=None, head=None, offset=start)
+        if spans is None:
+            self._mark_messages(text, prov, new, 0, evaluator, tools=None, head=None, offset=start)
+        else:
+            for i, (m, (a, b)) in enumerate(zip(new, spans, strict=True)):
+                prov[a - start : b - start] = _code(m, i, evaluator)
+            self._mark_specials(text, prov)
         return self._encode(text, prov)
 
     def decode(self, ids: list[int]) -> str:
@@ -151,6 +207,58 @@ class ChatRenderer:
             raise invalid(f"messages: the model's chat template refused them: {e}") from None
         return str(text)
 
+    def _skeleton(self, new: list[Message]) -> Skeleton | None:
+        """The cached skeleton for `new`'s shape (probed on first sight), or None."""
+        if not self.skeletons_ok or any(m.role == "assistant" or m.tool_calls for m in new):
+            return None
+        shape = tuple((m.role, m.tool_call_id is not None) for m in new)
+        if shape in self._skeletons:
+            return self._skeletons[shape]
+        if len(self._skeletons) >= MAX_SHAPES:  # an unusual mix of shapes: no more probing
+            return None
+        skeleton = self._skeletons[shape] = self._probe_shape(shape)
+        return skeleton
+
+    def _probe_shape(self, shape: Shape) -> Skeleton | None:
+        def probe(tag: str, pad: str) -> tuple[list[str], str]:
+            contents = [f"{pad}GYRE{tag}SLOT{i}X{pad[::-1]}" for i in range(len(shape))]
+            msgs = [
+                Message(role=role, content=c, tool_call_id=f"gyre_{tag}_{i}" if answers else None)  # type: ignore[arg-type]
+                for i, (c, (role, answers)) in enumerate(zip(contents, shape, strict=True))
+            ]
+            return contents, self._apply(self._short(msgs), None)
+
+        try:
+            contents, text = probe("a", "")
+            rest, pieces = text, []
+            for c in contents:
+                if rest.count(c) != 1:
+                    return None
+                head, rest = rest.split(c)
+                pieces.append(head)
+            skeleton = Skeleton(pieces=(*pieces, rest))
+            for tag, pad in (("b", ""), ("c", " \n\t")):
+                contents, text = probe(tag, pad)
+                if skeleton.fill(contents)[0] != text:
+                    return None
+        except Exception:  # the template refuses this shape: always apply it
+            return None
+        return skeleton
+
+    def _verify(
+        self, new: list[Message], fast: str, spans: list[tuple[int, int]]
+    ) -> tuple[str, list[tuple[int, int]] | None]:
+        """Compare a skeleton render with the template's; turn skeletons off on a difference."""
+        slow = self._apply(self._short(new), None)
+        if slow == fast:
+            return fast, spans
+        self.skeletons_ok = False
+        log.warning(
+            "chat template renders content-dependently; rendering every call with the "
+            "template from now on (a continuation differed from its cached skeleton)"
+        )
+        return slow, None
+
     def _probe(self) -> bool:
         try:
             text = self._apply(self._short([Message(role="user", content="GYREPROBE")]), None)
@@ -171,9 +279,7 @@ class ChatRenderer:
         offset: int = 0,
     ) -> None:
         for i, m in enumerate(msgs):
-            code = (
-                Provenance.EVALUATOR if i in evaluator and m.role == "user" else _ROLE_PROV[m.role]
-            )
+            code = _code(m, i, evaluator)
             if m.content:
                 pos = text.find(m.content, cursor)
                 if pos >= 0:
@@ -183,6 +289,10 @@ class ChatRenderer:
                 lo, hi = self._calls_span(msgs, i, tools, head, offset)
                 prov[max(lo, cursor) : hi] = Provenance.INJECTED
                 cursor = max(cursor, hi)
+        self._mark_specials(text, prov)
+
+    def _mark_specials(self, text: str, prov: np.ndarray) -> None:
+        """Special-token strings are TEMPLATE wherever they appear (also inside content)."""
         if self._special_re is not None:
             for sm in self._special_re.finditer(text):
                 prov[sm.start() : sm.end()] = Provenance.TEMPLATE

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import os
 import secrets
 import threading
@@ -104,6 +105,7 @@ class ProxyNode:
             self.cfg.proxy, tokenizer=tokenizer, engines={}, admin_token=secrets.token_hex(16)
         )
         self.url = f"http://127.0.0.1:{self.app.listen(0)}"
+        gc.freeze()  # start-up objects (tokenizer, modules) leave the collector's scans
         inbox: asyncio.Queue[tuple] = asyncio.Queue()
         threading.Thread(target=self._receive, args=(loop, inbox), daemon=True).start()
         self._up(("proxy_ready", self.url))

@@ -181,3 +181,27 @@ def test_long_inputs_render_off_the_loop_and_match(proxy: Any, engine_url: str) 
         msgs += [message, {"role": "user", "content": "and this: " + "sit amet " * 1200}]
     check_linear(proxy, "long", 2)
     assert assert_paths_match_engine(proxy, "long", engine_url) == 2
+
+
+def test_call_is_recorded_even_if_answering_the_harness_fails(proxy: Any) -> None:
+    """The reply goes out before the node is recorded; a failed send loses no node."""
+    from gyre.proxy.openai_api import parse_request
+
+    proxy.call(proxy.app.register_execution, "gone", "main")
+    service = proxy.app.service
+    ex = service.execution("gone")
+    req = parse_request(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    )
+    sent: list[Any] = []
+
+    def respond(reply: Any) -> None:
+        sent.append(reply)
+        assert len(ex.tree) == 0  # answered before recording
+        raise ConnectionResetError("the harness went away")
+
+    with pytest.raises(ConnectionResetError):
+        proxy.run(service.serve(ex, req, respond=respond))
+    assert len(sent) == 1 and len(ex.tree) == 1
+    node = ex.tree.node(1)
+    assert node.parent_id == 0 and len(node.output_ids) == sent[0].completion_tokens

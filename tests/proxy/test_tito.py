@@ -9,6 +9,7 @@ Prefix stability of the template makes both agree token for token.
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -235,3 +236,89 @@ def test_incremental_render_equals_full_render(
             Message(role="assistant", content=out.content, tool_calls=out.tool_calls)
         )
         pending = [c.id for c in out.tool_calls]
+
+
+# -- skeleton renders (the template applied once per message shape) --------------------------
+
+NEW_ROLE = st.sampled_from([("user", False), ("tool", True), ("system", False)])
+ANY_TEXT = st.text(max_size=40) | st.sampled_from(["", " ", "\n", "<|im_end|>", "<tool_response>"])
+
+
+def _template_only(tokenizer: Any) -> ChatRenderer:
+    r = ChatRenderer(tokenizer)
+    r.skeletons_ok = False  # every render goes through the chat template
+    return r
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    batches=st.lists(
+        st.lists(st.tuples(NEW_ROLE, ANY_TEXT), min_size=1, max_size=4),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_skeleton_render_equals_template_render(tokenizer: Any, batches: Any) -> None:
+    fast, slow = ChatRenderer(tokenizer), _template_only(tokenizer)
+    for batch in batches:
+        new = [
+            Message(role=role, content=text, tool_call_id=f"call_{i}" if answers else None)
+            for i, ((role, answers), text) in enumerate(batch)
+        ]
+        for after_eos in (True, False):
+            a = fast.render_continuation(new, after_eos=after_eos)
+            b = slow.render_continuation(new, after_eos=after_eos)
+            assert a.text == b.text
+            assert a.ids.tolist() == b.ids.tolist()
+    assert fast.skeletons_ok  # no verification ever found a difference
+    assert any(s is not None for s in fast._skeletons.values())
+
+
+def test_skeleton_provenance_marks_contents(tokenizer: Any) -> None:
+    r = ChatRenderer(tokenizer)
+    new = [
+        Message(role="tool", content="ok: 3 files", tool_call_id="call_1"),
+        Message(role="user", content="now count the words"),
+    ]
+    for _ in range(3):  # first render verified against the template, later ones not
+        got = r.render_continuation(new, after_eos=True)
+        pieces = {
+            code: tokenizer.decode(got.ids[got.provenance == code].tolist())
+            for code in (Provenance.TOOL, Provenance.USER)
+        }
+        assert pieces == {Provenance.TOOL: "ok: 3 files", Provenance.USER: "now count the words"}
+    assert r._skeletons[(("tool", True), ("user", False))] is not None
+
+
+def _with_template(tokenizer: Any, old: str, new: str) -> Any:
+    tok = copy.deepcopy(tokenizer)
+    assert old in tok.chat_template
+    tok.chat_template = tok.chat_template.replace(old, new)
+    return tok
+
+
+def test_template_that_trims_content_is_always_applied(tokenizer: Any) -> None:
+    tok = _with_template(tokenizer, "{{ text(message.content) }}{{- \"<|im_end|>\\n\" -}}",
+                         "{{ text(message.content) | trim }}{{- \"<|im_end|>\\n\" -}}")  # fmt: skip
+    r = ChatRenderer(tok)
+    new = [Message(role="user", content="  padded  ")]
+    got = r.render_continuation(new, after_eos=True)
+    assert r._skeletons[(("user", False),)] is None  # the whitespace probe refused the shape
+    assert "<|im_start|>user\npadded<|im_end|>" in got.text
+
+
+def test_content_dependent_template_turns_skeletons_off(tokenizer: Any) -> None:
+    tok = _with_template(
+        tokenizer,
+        '{{ text(message.content) }}{{- "<|im_end|>\\n" -}}',
+        "{% if 'secret' in message.content %}[hidden]{% else %}{{ text(message.content) }}"
+        '{% endif %}{{- "<|im_end|>\\n" -}}',
+    )
+    r = ChatRenderer(tok)
+    got = r.render_continuation([Message(role="user", content="the secret")], after_eos=True)
+    assert "[hidden]" in got.text and "secret" not in got.text  # the first render is verified
+    assert not r.skeletons_ok
+    got = r.render_continuation([Message(role="user", content="a secret")], after_eos=True)
+    assert "[hidden]" in got.text

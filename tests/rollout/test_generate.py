@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
 import pytest
 
 from gyre.rollout.client import EngineClient
@@ -30,6 +31,20 @@ def test_greedy_is_deterministic_and_reports_length(engine_url: str, prompt: lis
     assert a.prompt_tokens == len(prompt)
     assert a.weight_version == "0"
     assert a.rid == "greedy-a"
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_numpy_input_ids_are_sent_as_the_same_ids(
+    engine_url: str, prompt: list[int], dtype: Any
+) -> None:
+    """The proxy passes its int32 context arrays straight to the client (no list copy)."""
+    a = run(generate(engine_url, prompt, GREEDY, "list-ids"))
+    b = run(
+        EngineClient(engine_url).generate(
+            np.repeat(np.asarray(prompt, dtype), 2)[::2], GREEDY, "np"
+        )
+    )
+    assert (b.output_ids, b.prompt_tokens) == (a.output_ids, len(prompt))
 
 
 def test_greedy_logprobs_match_plain_forward(engine_url: str, prompt: list[int], tiny: Any) -> None:
