@@ -73,7 +73,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--staleness", type=float, default=1.0, help="target E[d] for all policies")
     p.add_argument("--min-phi", type=float, default=1.0,
-                   help="Elastic's smallest φ (gyre plan --min-phi); 1.0 gives μ = 1 at E[d] = 1,"
+                   help="Elastic's smallest φ (gyre plan --min-phi); 1.0 gives μ = 1 at E[d] = 1, "
                         "a publication per step, which is cheap on one machine")  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.add_argument("--keep", metavar="DIR", help="keep the runs (traces, summaries) under DIR")

@@ -3,8 +3,8 @@
 An `Execution` holds one trajectory tree, the key and role label of its harness, and the
 tool-call payload cache (id -> recorded name + arguments). A call goes through `match`
 (restore payloads, check tool results, compute chain keys, find the deepest recorded
-reply), `render` (only the messages after it; pure, so the service may run it in a worker
-thread), `assemble` (the engine's input ids), then `parse` + `record` (tool calls from the
+reply), `render` (only the messages after it; no execution state, so the service may run
+it in a worker thread), `assemble` (the engine's input ids), then `parse` + `record` (tool calls from the
 output get ids; the node is added; payloads remembered). `prepare` = match + render +
 assemble. No I/O, no clock: the service passes timestamps and writes nodes to the store.
 
@@ -42,7 +42,9 @@ class Match:
 
 
 def render(found: Match, conv: Conversation, renderer: ChatRenderer) -> Rendered:
-    """The new input tokens of a matched request. Pure (safe in a worker thread)."""
+    """The new input tokens of a matched request. Changes no execution state, so the service
+    may run it in a worker thread (the renderer's skeleton cache is its only write: see
+    `ChatRenderer`)."""
     new = conv.messages[found.matched_messages :]
     flags = _evaluator_flags(new, found.evaluator)
     if found.parent_id == 0:

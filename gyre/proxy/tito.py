@@ -134,6 +134,9 @@ class ChatRenderer:
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         self.eos_id: int = int(tokenizer.eos_token_id)
         self.continuation_ok = self._probe()
+        # Written from render threads too, without a lock: a dict insert is atomic, two
+        # threads probing one shape store equal skeletons, and a lost `uses` increment only
+        # shifts when the next verification happens.
         self._skeletons: dict[Shape, Skeleton | None] = {}
         self.skeletons_ok = True  # False after a verification found a difference
 
