@@ -2,6 +2,8 @@
 
     python tools/bench_proxy.py overhead [--clients 16 --requests 2000 --engine-ms 20 --words 40]
     python tools/bench_proxy.py recording [--calls 500 --tokens 1000000]
+    python tools/bench_proxy.py constrain [--models tiny,smollm2-135m --walks 5]
+    python tools/bench_proxy.py load [--executions 1000 --engine-ms 100 --words 40]
     python tools/bench_proxy.py all
 
 Prints one JSON object.
@@ -23,6 +25,22 @@ template + tokenizer + provenance: O(new tokens)), matching (payload restoration
 hashing, lookup) and recording (output parsing, tree insertion, context assembly), the HDF5
 journal, the JSON decoding of the request bodies a harness would send (O(context), shown
 for scale), memory, and stored vs. flat-expanded tokens.
+
+constrain: the forced-call grammar of five Claude-Code-like tools (Bash, Read, Write, Edit,
+Glob; tool_choice "required", `tool_string_max` 32) in the engine's constrained decoder
+(llguidance): compile time (grammar validation + matcher + first mask) and mask time per
+token along random walks (uniform over the allowed tokens until EOS), for each model's
+vocabulary; the first walk of a fresh matcher and the later ones are reported apart.
+
+load: N executions (default 1,000), each with one call open at the same moment, through one
+`gyre proxy` process to the stub engine in another, which holds every call until all N are
+in flight together, then answers after `--engine-ms`. The client (this process, one
+keep-alive connection per execution, opened first with `HEAD /`) sends call i to API i % 3
+(chat completions, messages, responses). Reports status counts, the engine's peak number of
+calls in flight (N: every execution had its call open at once), latency quantiles from send
+to answer (which include waiting for the last call to reach the engine: how long after the
+first send that was is reported too) and from the engine's answer to the client's (the
+return path through the proxy), and proxy CPU per call.
 """
 
 from __future__ import annotations
@@ -45,41 +63,20 @@ import psutil
 # -- the constant-latency engine stub ------------------------------------------------------------
 
 
-def serve_stub(port: int, latency_ms: float) -> None:
-    """A /generate server that sleeps `latency_ms` and returns two tokens (for `overhead`)."""
-    import tornado.httpserver
-    import tornado.netutil
-    import tornado.web
-
+def serve_stub(port: int, latency_ms: float, release_at: int | None = None) -> None:
+    """`gyre.proxy.testing.StubEngine` in this process: /generate answers two tokens after
+    `latency_ms` (for `overhead` and `load`); `release_at` holds calls until that many are
+    in flight at once."""
     from gyre.models import tiny_tokenizer
+    from gyre.proxy.testing import StubEngine
 
-    eos = tiny_tokenizer().eos_token_id
-
-    class Generate(tornado.web.RequestHandler):
-        async def post(self) -> None:
-            body = json.loads(self.request.body)
-            await asyncio.sleep(latency_ms / 1000)
-            n = len(body["input_ids"])
-            meta = {
-                "id": body.get("rid"),
-                "finish_reason": {"type": "stop", "matched": eos},
-                "prompt_tokens": n,
-                "completion_tokens": 2,
-                "weight_version": "0",
-                "output_token_logprobs": [[-1.0, 300, None], [-0.5, eos, None]],
-            }
-            self.write({"text": "ok", "output_ids": [300, eos], "meta_info": meta})
-
-    class Info(tornado.web.RequestHandler):
-        def get(self) -> None:
-            self.write({"model_path": "tiny"})
+    stub = StubEngine(
+        tiny_tokenizer().eos_token_id, latency_s=latency_ms / 1000, release_at=release_at
+    )
 
     async def main() -> None:
-        app = tornado.web.Application([("/generate", Generate), ("/get_model_info", Info)])
-        server = tornado.httpserver.HTTPServer(app)
-        sockets = tornado.netutil.bind_sockets(port, "127.0.0.1")
-        server.add_sockets(sockets)
-        print(f"stub listening on http://127.0.0.1:{sockets[0].getsockname()[1]}", flush=True)
+        bound = stub.listen(port)
+        print(f"stub listening on http://127.0.0.1:{bound}", flush=True)
         await asyncio.Event().wait()
 
     asyncio.run(main())
@@ -238,6 +235,185 @@ def bench_overhead(
         "added_p99_ms": round(pp["p99_ms"] - dp["p99_ms"], 3),
         "target": {"added_p50_ms": 2.0, "added_p99_ms": 10.0},
     }
+
+
+# -- load: many executions, each with one open call -----------------------------------------------
+
+
+def bench_load(executions: int, engine_ms: float, words: int) -> dict[str, Any]:
+    """N executions, each with one call open at once through one `gyre proxy` (processes:
+    stub engine, proxy, this client): latency quantiles and status counts."""
+    from collections import Counter
+
+    from gyre.proxy.testing import open_calls
+
+    tmp = Path(tempfile.mkdtemp())
+    stub_cmd = [sys.executable, __file__, "stub", "--engine-ms", str(engine_ms),
+                "--release-at", str(executions)]  # fmt: skip
+    stub, stub_url = _start(stub_cmd, "stub listening on")
+    proxy = None
+    try:
+        proxy, url = _start(
+            [sys.executable, "-m", "gyre.proxy.cli", "--engine", stub_url, "--port", "0",
+             "--model", "tiny", "--admin-token-file", str(tmp / "token")],
+            "proxy listening on",
+        )  # fmt: skip
+        token = (tmp / "token").read_text().strip()
+        keys = asyncio.run(_register(url, token, [f"load-{i}" for i in range(executions)]))
+        cpu0, t0 = _cpu(proxy.pid), time.perf_counter()
+        answers = asyncio.run(open_calls(url, keys, model="gyre", words=words))
+        wall = time.perf_counter() - t0
+        proxy_cpu = _cpu(proxy.pid) - cpu0
+        engine = asyncio.run(_get_json(stub_url + "/stub/stats"))
+    finally:
+        for p in (proxy, stub):
+            if p is not None:
+                p.terminate()
+                p.wait(10)
+    answered_from = (engine["released_at"] or 0.0) + engine_ms / 1000  # the engine answers
+    return {
+        "executions": executions,
+        "engine_latency_ms": engine_ms,
+        "words_per_user_message": words,
+        "statuses": dict(Counter(a.status for a in answers)),
+        "by_api": dict(Counter(f"{a.api} {a.status}" for a in answers)),
+        "engine_peak_in_flight": engine["peak"],
+        "all_calls_at_engine_after_s": round(
+            (engine["released_at"] or 0.0) - min(a.sent_at for a in answers), 3
+        ),
+        "latency_ms": _quantiles([a.latency_s for a in answers]),
+        "after_engine_answer_ms": _quantiles([a.done_at - answered_from for a in answers]),
+        "wall_s": round(wall, 3),
+        "proxy_cpu_ms_per_call": round(proxy_cpu * 1000 / executions, 3),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def _quantiles(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs) * 1000
+    q = {f"p{p}": round(float(np.percentile(a, p)), 1) for p in (50, 90, 99)}
+    return {**q, "max": round(float(a.max()), 1)}
+
+
+async def _register(url: str, token: str, ids: list[str]) -> list[str]:
+    """Register executions over the admin route (64 at a time); their keys in order."""
+    import aiohttp
+
+    headers = {"authorization": f"Bearer {token}"}
+    async with aiohttp.ClientSession() as http:
+
+        async def one(eid: str) -> str:
+            async with http.post(url + "/admin/executions", json={"execution_id": eid},
+                                 headers=headers) as r:  # fmt: skip
+                r.raise_for_status()
+                return str((await r.json())["key"])
+
+        keys: list[str] = []
+        for i in range(0, len(ids), 64):
+            keys += await asyncio.gather(*(one(e) for e in ids[i : i + 64]))
+        return keys
+
+
+async def _get_json(url: str) -> Any:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.get(url) as r:
+        return await r.json()
+
+
+# -- constrained decoding ------------------------------------------------------------------------
+
+FIVE_TOOLS = {
+    "Bash": {"command": "string", "timeout": "integer", "description": "string"},
+    "Read": {"file_path": "string", "offset": "integer", "limit": "integer"},
+    "Write": {"file_path": "string", "content": "string"},
+    "Edit": {
+        "file_path": "string",
+        "old_string": "string",
+        "new_string": "string",
+        "replace_all": "boolean",
+    },
+    "Glob": {"pattern": "string", "path": "string"},
+}
+
+
+def _five_tools() -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "parameters": {
+                    "type": "object",
+                    "properties": {k: {"type": t} for k, t in props.items()},
+                    "required": list(props)[:1],
+                },
+            },
+        }
+        for name, props in FIVE_TOOLS.items()
+    ]
+
+
+def bench_constrain(models: list[str], walks: int) -> list[dict[str, Any]]:
+    import torch
+
+    from gyre.models import load_tokenizer
+    from gyre.proxy.toolcalls import HERMES, forced_call_grammar
+    from gyre.rollout.constrain import GrammarCompiler
+    from gyre.rollout.protocol import SamplingParams
+
+    out = []
+    for spec in models:
+        tok = load_tokenizer(spec)
+        vocab = len(tok)
+        t0 = time.perf_counter()
+        compiler = GrammarCompiler(tok, vocab)
+        compiler.tokenizer()
+        t_vocab = time.perf_counter() - t0
+        grammar = forced_call_grammar(HERMES, _five_tools(), None, 32)
+        terminators = torch.zeros(vocab, dtype=torch.bool)
+        terminators[tok.eos_token_id] = True
+        gen = torch.Generator().manual_seed(0)
+        compiles = []
+        for _ in range(4):  # the first one includes llguidance's one-time set-up
+            compiler._compiled.clear()  # compile afresh, as for a new request's tools
+            t0 = time.perf_counter()
+            state = compiler.constraint(SamplingParams(ebnf=grammar), terminators)
+            assert state is not None
+            state.allowed()
+            compiles.append(time.perf_counter() - t0)
+        per_walk = []
+        for w in range(walks):
+            if w:
+                state = compiler.constraint(SamplingParams(ebnf=grammar), terminators)
+                assert state is not None
+            times = []
+            for _ in range(600):
+                a = time.perf_counter()
+                mask = state.allowed()
+                times.append(time.perf_counter() - a)
+                ids = mask.nonzero().flatten().tolist()
+                token = ids[int(torch.randint(len(ids), (1,), generator=gen))]
+                if token == tok.eos_token_id:
+                    break
+                state.advance(token)
+            per_walk.append(times)
+        first, rest = per_walk[0], [x for w in per_walk[1:] for x in w]
+        out.append(
+            {
+                "model": spec,
+                "vocab": vocab,
+                "grammar_chars": len(grammar),
+                "vocabulary_index_s": round(t_vocab, 3),
+                "first_compile_in_process_ms": round(compiles[0] * 1e3, 2),
+                "compile_plus_first_mask_ms": round(float(np.median(compiles[1:])) * 1e3, 2),
+                "first_walk_tokens": len(first),
+                "mask_ms_per_token_first_walk": round(float(np.mean(first)) * 1e3, 4),
+                "mask_ms_per_token_p99": round(float(np.percentile(first + rest, 99)) * 1e3, 4),
+                "mask_ms_per_token_later_walks": round(float(np.mean(rest or first)) * 1e3, 4),
+            }
+        )
+    return out
 
 
 # -- recording cost ----------------------------------------------------------------------------
@@ -471,32 +647,48 @@ def _prepare(ex: Any, conv: Any, renderer: Any, timer: Timer) -> Any:
     return prep
 
 
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["overhead", "recording", "all", "stub"])
+    parser.add_argument(
+        "what", choices=["overhead", "recording", "constrain", "load", "all", "stub"]
+    )
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--words", type=int, default=40, help="words per user message")
-    parser.add_argument("--engine-ms", type=float, default=20.0)
+    parser.add_argument(
+        "--engine-ms", type=float, default=None, help="engine latency (overhead 20, load 100)"
+    )
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--tokens", type=int, default=1_000_000)
     parser.add_argument("--compactions", type=int, default=3)
     parser.add_argument("--subagents", type=int, default=5)
     parser.add_argument("--sub-calls", type=int, default=10)
+    parser.add_argument("--models", default="tiny,smollm2-135m", help="constrain: vocabularies")
+    parser.add_argument("--walks", type=int, default=5, help="constrain: random walks")
+    parser.add_argument("--executions", type=int, default=1000, help="load: open calls")
+    parser.add_argument("--release-at", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.what == "stub":
-        serve_stub(0, args.engine_ms)
+        serve_stub(0, _or(args.engine_ms, 0.0), args.release_at)
         return
     out: dict[str, Any] = {}
     if args.what in ("overhead", "all"):
         out["overhead"] = bench_overhead(
-            args.clients, args.requests, args.engine_ms, args.turns, args.words
+            args.clients, args.requests, _or(args.engine_ms, 20.0), args.turns, args.words
         )
     if args.what in ("recording", "all"):
         out["recording"] = bench_recording(
             args.calls, args.tokens, args.compactions, args.subagents, args.sub_calls
         )
+    if args.what in ("constrain", "all"):
+        out["constrain"] = bench_constrain(args.models.split(","), args.walks)
+    if args.what in ("load", "all"):
+        out["load"] = bench_load(args.executions, _or(args.engine_ms, 100.0), args.words)
     print(json.dumps(out, indent=2))
 
 

@@ -36,6 +36,7 @@ from gyre.errors import ConfigError, HarnessError
 from gyre.harness.adapters import Adapter
 from gyre.harness.events import HarnessEvent, Launched, Outcome, Terminated
 from gyre.harness.workspace import ExecutionDir, bwrap_available, bwrap_prefix, harness_env, prepare
+from gyre.lifetime import die_with_parent
 from gyre.tasks.suite import Task
 
 log = logging.getLogger(__name__)
@@ -233,8 +234,8 @@ class HarnessRunner:
     async def _spawn(
         argv: list[str], env: dict[str, str], ex: ExecutionDir, out: IO[bytes], err: IO[bytes]
     ) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            *argv, cwd=ex.workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
+        return await asyncio.create_subprocess_exec(  # the harness dies with the proxy node
+            *die_with_parent(argv), cwd=ex.workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
             stdout=out, stderr=err, start_new_session=True,
         )  # fmt: skip
 

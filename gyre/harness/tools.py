@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.errors import HarnessError
+from gyre.lifetime import die_with_parent
 from gyre.tasks.suite import ToolLatency
 
 MAX_OUTPUT_CHARS = 4000
@@ -160,8 +161,8 @@ class Workspace:
             "LANG": "C.UTF-8",
             "TMPDIR": os.environ.get("TMPDIR", "/tmp"),
         }
-        proc = subprocess.Popen(
-            ["bash", "-c", command], cwd=self.root, env=env, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(  # the shell dies with the harness
+            die_with_parent(["bash", "-c", command]), cwd=self.root, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:

@@ -1,4 +1,5 @@
-"""Gyre's harness-facing proxy: OpenAI / Anthropic APIs, per-execution keys, TITO recording.
+"""Gyre's harness-facing proxy: OpenAI (Chat Completions, Responses) and Anthropic APIs,
+per-execution keys, TITO recording.
 
 Black-box harnesses (Claude Code, Codex, mini-swe-agent, ...) talk to the proxy as if it
 were a model API. The proxy renders each request to tokens with the model's chat template,

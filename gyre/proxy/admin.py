@@ -8,25 +8,43 @@
     PUT  /admin/routes/{id}           {"engine_id"}: route an execution to an engine
     POST /admin/engines               {"engine_id", "url"}: add (or replace) an engine
     POST /admin/engines/{id}/drain    {"draining": true|false}: stop/resume new calls there
+    GET  /metrics                     -> Prometheus text format (`ProxyMetrics`)
 
 Requests carry `Authorization: Bearer <admin token>`; errors use OpenAI's error shape.
 The coordinator in the same process uses the `ProxyApp` Python methods instead.
+
+`/metrics` (scrape it with `authorization: {credentials_file: <admin token file>}` in the
+Prometheus job) reports HTTP requests and errors by handler and status with latency
+histograms (counted as each request finishes, `MeteredApplication`), and, from the trees
+at scrape time, recorded model calls by role / engine / finish reason, their engine time,
+tokens, context lengths and reroutes (extra engine attempts), plus open executions and
+engines. Names and labels: docs/tracking.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import re
+import urllib.parse
 from typing import TYPE_CHECKING, Any
+
+import tornado.web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
 from gyre.proxy.conversation import check_type, need, opt
 from gyre.proxy.errors import ApiError, invalid
 from gyre.proxy.handlers import JsonErrorHandler, bearer_key
+from gyre.proxy.jsonbody import decode_body
 from gyre.proxy.session import Execution
 
 if TYPE_CHECKING:
     from gyre.proxy.app import ProxyApp
+    from gyre.proxy.service import ProxyService
+
+SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TOKENS = (256, 1024, 4096, 16384, 65536, 131072, 262144, 524288, 1048576)
 
 
 def summary(ex: Execution) -> dict[str, Any]:
@@ -62,10 +80,7 @@ class AdminHandler(JsonErrorHandler):
             )
 
     def json_body(self) -> dict[str, Any]:
-        try:
-            body = json.loads(self.request.body or b"{}")
-        except ValueError as e:
-            raise invalid(f"body: malformed JSON ({e})") from None
+        body = decode_body(self.request.body or b"{}")
         return check_type(body, dict, "body")  # type: ignore[no-any-return]
 
     def _handle(self, fn: Any, *args: Any) -> None:
@@ -100,7 +115,8 @@ class CloseHandler(AdminHandler):
     async def post(self, execution_id: str) -> None:
         try:
             body = self.json_body()
-            status = opt(body, "status", str, "body") or "completed"
+            status = opt(body, "status", str, "body")
+            status = "completed" if status is None else status
             self.app.close_execution(execution_id, status, opt(body, "meta", dict, "body"))
         except ApiError as e:
             self.send_error_body(e)
@@ -138,11 +154,26 @@ class EnginesHandler(AdminHandler):
         def add() -> dict[str, Any]:
             body = self.json_body()
             engine_id = need(body, "engine_id", str, "body")
-            url = need(body, "url", str, "body")
+            if not ENGINE_RE.fullmatch(engine_id):
+                raise invalid(f"body.engine_id: {engine_id!r}; allowed: 1-128 of {ID_CHARS}")
+            url = _engine_url(need(body, "url", str, "body"))
             self.app.add_engine(engine_id, url)
             return {"engine_id": engine_id, "url": url}
 
         self._handle(add)
+
+
+def _engine_url(url: str) -> str:
+    """An engine's base URL: http(s)://host[:port][/path], ASCII."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        ok = url.isascii() and parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 (raises ValueError for a bad port)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise invalid(f"body.url: {url!r:.200}; allowed: an http:// or https:// URL", "url")
+    return url
 
 
 class DrainHandler(AdminHandler):
@@ -156,7 +187,103 @@ class DrainHandler(AdminHandler):
         self._handle(drain)
 
 
-ID = r"([A-Za-z0-9_.:@-]+)"
+class ProxyMetrics:
+    """The proxy's Prometheus metrics in a registry of its own (no process-global state)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        by_code = ["handler", "code"]
+        self.requests = Counter(
+            "gyre_proxy_requests", "HTTP requests answered", by_code, registry=r
+        )
+        self.errors = Counter(
+            "gyre_proxy_errors", "HTTP answers with status >= 400", by_code, registry=r
+        )
+        self.request_seconds = Histogram("gyre_proxy_request_seconds", "HTTP request latency",
+                                         ["handler"], buckets=SECONDS, registry=r)  # fmt: skip
+        by_call = ["role", "engine", "finish_reason"]
+        self.calls = Counter("gyre_proxy_calls", "model calls recorded", by_call, registry=r)
+        self.call_seconds = Histogram("gyre_proxy_call_seconds",
+                                      "engine time per recorded call, reroute waits included",
+                                      ["engine"], buckets=SECONDS, registry=r)  # fmt: skip
+        self.tokens = Counter("gyre_proxy_tokens", "tokens of recorded calls (input: new input)",
+                              ["kind"], registry=r)  # fmt: skip
+        self.context_tokens = Histogram("gyre_proxy_context_tokens", "prompt tokens per call",
+                                        buckets=TOKENS, registry=r)  # fmt: skip
+        self.reroutes = Counter("gyre_proxy_reroutes",
+                                "engine attempts that were aborted or failed and retried",
+                                registry=r)  # fmt: skip
+        self.executions = Gauge("gyre_proxy_executions", "registered executions", ["state"],
+                                registry=r)  # fmt: skip
+        self.engines = Gauge("gyre_proxy_engines", "known engines", ["state"], registry=r)
+        self._counted: dict[str, int] = {}  # execution id -> nodes already counted
+
+    def observe_request(self, handler: tornado.web.RequestHandler) -> None:
+        """Count one finished HTTP request (called by `MeteredApplication`)."""
+        name, code = type(handler).__name__, handler.get_status()
+        self.requests.labels(name, str(code)).inc()
+        if code >= 400:
+            self.errors.labels(name, str(code)).inc()
+        self.request_seconds.labels(name).observe(handler.request.request_time())
+
+    def collect(self, service: ProxyService) -> None:
+        """Count the calls recorded since the last scrape; set the execution / engine gauges."""
+        open_ = 0
+        for eid, ex in service.executions.items():
+            open_ += not ex.closed
+            tree, done = ex.tree, self._counted.get(eid, 0)
+            for node_id in range(done + 1, len(tree) + 1):
+                self._count_call(tree, node_id)
+            self._counted[eid] = len(tree)
+        self.executions.labels("open").set(open_)
+        self.executions.labels("closed").set(len(service.executions) - open_)
+        router = service.router
+        self.engines.labels("draining").set(len(router.draining & set(router.engines)))
+        self.engines.labels("live").set(len(set(router.engines) - router.draining))
+
+    def _count_call(self, tree: Any, node_id: int) -> None:
+        node = tree.node(node_id)
+        self.calls.labels(node.role, node.engine_id, node.finish_reason).inc()
+        self.call_seconds.labels(node.engine_id).observe(max(0.0, node.t_end - node.t_start))
+        self.tokens.labels("input").inc(len(node.input_ids))
+        self.tokens.labels("output").inc(len(node.output_ids))
+        self.context_tokens.observe(tree.path_length(node.parent_id) + len(node.input_ids))
+        self.reroutes.inc(node.attempts - 1)
+
+    def exposition(self, service: ProxyService, accept: str | None) -> tuple[bytes, str]:
+        """(body, content type) for a scrape, in the format its Accept header asks for."""
+        self.collect(service)
+        try:
+            encoder, content_type = choose_encoder(accept or "")
+        except (TypeError, ValueError):  # an Accept header the library cannot parse
+            encoder, content_type = choose_encoder("")  # the classic text format
+        return encoder(self.registry), content_type
+
+
+class MeteredApplication(tornado.web.Application):
+    """Tornado's Application, counting every finished request in `metrics` before logging it."""
+
+    def __init__(self, metrics: ProxyMetrics, *args: Any, **kwargs: Any) -> None:
+        self.metrics = metrics
+        super().__init__(*args, **kwargs)
+
+    def log_request(self, handler: tornado.web.RequestHandler) -> None:
+        self.metrics.observe_request(handler)
+        super().log_request(handler)
+
+
+class MetricsHandler(AdminHandler):
+    def get(self) -> None:
+        body, content_type = self.app.metrics.exposition(
+            self.service, self.request.headers.get("Accept")
+        )
+        self.set_header("Content-Type", content_type)
+        self.finish(body)
+
+
+ID_CHARS = "A-Za-z0-9_.:@-"
+ID = rf"([{ID_CHARS}]+)"
+ENGINE_RE = re.compile(rf"[{ID_CHARS}]{{1,128}}")
 ROUTES: list[tuple[str, type[AdminHandler]]] = [
     (r"/admin/executions", ExecutionsHandler),
     (rf"/admin/executions/{ID}", ExecutionHandler),
@@ -165,4 +292,5 @@ ROUTES: list[tuple[str, type[AdminHandler]]] = [
     (rf"/admin/routes/{ID}", RouteHandler),
     (r"/admin/engines", EnginesHandler),
     (rf"/admin/engines/{ID}/drain", DrainHandler),
+    (r"/metrics", MetricsHandler),
 ]

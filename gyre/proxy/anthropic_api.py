@@ -24,6 +24,7 @@ from gyre.proxy.conversation import (
     ToolCall,
     ToolChoice,
     arguments_text,
+    check_schema,
     check_tool_name,
     check_type,
     need,
@@ -95,7 +96,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
         if name in seen:
             raise invalid(f"{where}.name: duplicate tool name {name!r}", "tools")
         seen.add(name)
-        schema = need(tool, "input_schema", dict, where)
+        schema = check_schema(need(tool, "input_schema", dict, where), f"{where}.input_schema")
         fn: dict[str, Any] = {"name": name}
         description = opt(tool, "description", str, where)
         if description is not None:

@@ -14,6 +14,7 @@ background thread for tests.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,8 @@ from gyre.proxy.service import ProxyService
 from gyre.proxy.tito import ChatRenderer
 from gyre.rollout.client import EngineClient
 from gyre.trajectory.tree import TrajectoryTree
+
+LISTEN_BACKLOG = 1024  # connections the kernel queues for accept (Tornado's default: 128)
 
 
 class ProxyApp:
@@ -54,6 +57,7 @@ class ProxyApp:
         for engine_id, engine in engines.items():
             self.add_engine(engine_id, engine)
         self.server: tornado.httpserver.HTTPServer | None = None
+        self.metrics = admin.ProxyMetrics()  # served at /metrics
 
     # -- Python API (same as the admin routes) ----------------------------------------------
 
@@ -100,7 +104,8 @@ class ProxyApp:
     def application(self) -> tornado.web.Application:
         rules: list[Any] = [(path, h, {"app": self}) for path, h in admin.ROUTES]
         rules += [(path, h, {"service": self.service}) for path, h in handlers.ROUTES]
-        return tornado.web.Application(
+        return admin.MeteredApplication(
+            self.metrics,
             rules,
             default_handler_class=handlers.NotFoundHandler,
             default_handler_args={"service": self.service},
@@ -108,21 +113,32 @@ class ProxyApp:
 
     def listen(self, port: int = 0, host: str = "127.0.0.1") -> int:
         """Start serving on the current IOLoop; returns the bound port."""
-        self.server = tornado.httpserver.HTTPServer(
-            self.application(), max_body_size=handlers.DISCARD_LIMIT, idle_connection_timeout=3600
+        self.server = tornado.httpserver.HTTPServer(  # model calls raise their own body limit
+            self.application(),
+            max_body_size=self.config.max_body_bytes,
+            idle_connection_timeout=3600,
         )
-        sockets = tornado.netutil.bind_sockets(port, host)
+        sockets = tornado.netutil.bind_sockets(port, host, backlog=LISTEN_BACKLOG)
         self.server.add_sockets(sockets)
         return int(sockets[0].getsockname()[1])
 
     def stop(self) -> None:
-        """Stop listening (open executions stay open; their nodes are journaled)."""
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+        """Stop listening; answer every call in flight with the retryable overloaded error
+        (503, Anthropic 529; its engine call is cancelled, no node recorded), then close the
+        client connections (a request read before that gets the same answer). Open
+        executions stay open; their nodes are journaled."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
         self.service.close()
         for client in self._own_clients.values():
             client.close()
+        if server is not None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop runs: nothing is served on these connections
+                return
+            self._closing = loop.create_task(server.close_all_connections())
 
     def flush_store(self) -> None:
         """Block until every queued store write (journal, closed trees) is on disk."""

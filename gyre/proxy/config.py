@@ -13,7 +13,7 @@ from typing import Literal
 
 from gyre.errors import ConfigError
 
-ROLE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+ROLE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # use fullmatch
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,7 +28,7 @@ class RoleRule:
     # which text of the request the pattern is searched in
 
     def __post_init__(self) -> None:
-        if not ROLE_RE.match(self.role):
+        if not ROLE_RE.fullmatch(self.role):
             raise ConfigError(f"role: {self.role!r}; allowed: 1-64 chars of A-Z a-z 0-9 _ . -")
         try:
             re.compile(self.pattern)
@@ -66,6 +66,8 @@ class Config:
     # worker threads that render + tokenize new input (the tokenizer releases the GIL)
     tool_string_max: int = 32
     # longest string value a forced tool call (tool_choice required/named) may generate
+    tool_format: Literal["auto", "hermes", "qwen3_coder", "llama3_json"] = "auto"
+    # how the model writes tool calls; auto: from its chat template (gyre.models.tool_format)
 
     def __post_init__(self) -> None:
         if not self.model_names or not all(isinstance(m, str) and m for m in self.model_names):
@@ -81,9 +83,14 @@ class Config:
             raise ConfigError(f"reroute_attempts: {self.reroute_attempts}; allowed: >= 1")
         if self.reroute_wait_s < 0 or self.engine_timeout_s <= 0:
             raise ConfigError("reroute_wait_s / engine_timeout_s: allowed: >= 0 / > 0 seconds")
-        if not ROLE_RE.match(self.default_role):
+        if not ROLE_RE.fullmatch(self.default_role):
             raise ConfigError(f"default_role: {self.default_role!r}; allowed: 1-64 of A-Za-z0-9_.-")
         if not 1 <= self.render_threads <= 256:
             raise ConfigError(f"render_threads: {self.render_threads}; allowed: 1..256")
+        if self.tool_format not in ("auto", "hermes", "qwen3_coder", "llama3_json"):
+            raise ConfigError(
+                f"tool_format: {self.tool_format!r}; "
+                "allowed: auto, hermes, qwen3_coder, llama3_json"
+            )
         if not 1 <= self.tool_string_max <= 1024:
             raise ConfigError(f"tool_string_max: {self.tool_string_max}; allowed: 1..1024")

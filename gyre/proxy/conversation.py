@@ -1,10 +1,10 @@
 """One internal conversation shape for both client APIs, plus shared field validation.
 
-OpenAI Chat Completions and Anthropic Messages requests are both normalized into a
-`CallRequest`: a `Conversation` (header = system text + tools in OpenAI function form,
+OpenAI Chat Completions, OpenAI Responses and Anthropic Messages requests are all normalized
+into a `CallRequest`: a `Conversation` (header = system text + tools in OpenAI function form,
 then messages with role system / user / assistant / tool) and the sampling fields. TITO
-matching, rendering and recording only ever see this shape; `openai_api` and
-`anthropic_api` own the translation in and out.
+matching, rendering and recording only ever see this shape; `openai_api`, `responses_api`
+and `anthropic_api` own the translation in and out.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gyre.proxy.errors import invalid
+from gyre.proxy.jsonbody import check_depth, decode_json, has_surrogates, without_surrogates
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -69,7 +70,7 @@ class ToolChoice:
 class CallRequest:
     """A validated model call from either API."""
 
-    api: Literal["openai", "anthropic"]
+    api: Literal["openai", "anthropic", "responses"]
     model: str
     conversation: Conversation
     max_tokens: int | None
@@ -78,9 +79,11 @@ class CallRequest:
     stream: bool
     tool_choice: ToolChoice
     include_usage: bool = False  # OpenAI stream_options.include_usage
+    namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # Responses API: internal tool name "ns.name" -> (namespace, name) of namespaced tools
 
 
-# -- field validation shared by both parsers ------------------------------------------------
+# -- field validation shared by the parsers ------------------------------------------------
 
 
 def need(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -128,12 +131,15 @@ def _json_type(value: Any) -> str:
 
 
 def number_in(obj: dict[str, Any], key: str, lo: float, hi: float, where: str) -> float | None:
-    """An optional number within [lo, hi]."""
+    """An optional finite number within [lo, hi]."""
     value = opt(obj, key, (int, float), where)
     if value is None:
         return None
-    if not lo <= value <= hi:
-        raise invalid(f"{where}.{key}: {value} is out of range; allowed {lo}..{hi}", key)
+    if not lo <= value <= hi:  # NaN and infinities fail it too
+        shown = value if isinstance(value, float) or abs(value) < 10**12 else "a huge integer"
+        raise invalid(
+            f"{where}.{key}: {shown} is out of range; allowed: a number in {lo}..{hi}", key
+        )
     return float(value)
 
 
@@ -145,19 +151,36 @@ def positive_int(obj: dict[str, Any], key: str, where: str, *, required: bool) -
 
 
 def arguments_text(value: Any, where: str) -> str:
-    """Tool-call arguments as JSON text; must hold (or be) a JSON object."""
+    """Tool-call arguments as JSON text; must hold (or be) a JSON object.
+
+    A string is kept byte for byte unless its JSON holds lone surrogates (escaped inside
+    the text): then it is re-serialized with U+FFFD in their place, as `decode_body` does
+    for the request itself."""
     if isinstance(value, dict):
-        return json.dumps(value, ensure_ascii=False)
+        return json.dumps(check_depth(value, where), ensure_ascii=False)
     check_type(value, str, where)
-    try:
-        parsed = json.loads(value)
-    except (ValueError, RecursionError):
-        raise invalid(
-            f"{where}: arguments must be a JSON object, got invalid JSON", where
-        ) from None
+    parsed = decode_json(value, where)
     if not isinstance(parsed, dict):
         raise invalid(f"{where}: arguments must be a JSON object", where)
+    check_depth(parsed, where)
+    if "\\u" in value and _holds_surrogates(parsed):
+        return json.dumps(without_surrogates(parsed), ensure_ascii=False)
     return value
+
+
+def _holds_surrogates(value: Any) -> bool:
+    return has_surrogates(json.dumps(value, ensure_ascii=False))
+
+
+def check_schema(schema: dict[str, Any], where: str) -> dict[str, Any]:
+    """A tool's JSON schema: bounded nesting; `properties` an object and `required` an
+    array of strings where given (the proxy reads both to force a call). Other keywords
+    are the engine's to judge (a grammar it cannot build is its 400)."""
+    check_depth(schema, where)
+    opt(schema, "properties", dict, where)
+    for i, name in enumerate(opt(schema, "required", list, where) or []):
+        check_type(name, str, f"{where}.required[{i}]")
+    return schema
 
 
 def check_tool_name(name: str, where: str) -> str:

@@ -46,6 +46,11 @@ def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError("invalid_request", message, param=param)
 
 
+def shutting_down() -> ApiError:
+    """The answer to a call the proxy cannot finish because it is stopping (retryable)."""
+    return ApiError("overloaded", "the proxy is shutting down; retry the call")
+
+
 def openai_error_body(err: ApiError) -> tuple[int, dict[str, Any]]:
     """(status, body) in OpenAI's shape: {"error": {message, type, param, code}}."""
     status, etype, code, _ = KINDS[err.kind]

@@ -1,15 +1,24 @@
 """Tornado handlers for the harness-facing APIs: one error boundary per API.
 
-`OpenAIChatHandler` (POST /v1/chat/completions) and `AnthropicMessagesHandler`
-(POST /v1/messages) share `ApiHandler`: read the body (streamed, so an oversized body gets
-a proper 413 instead of a dropped connection), authenticate, parse, serve, answer JSON or
-SSE. Any `ApiError` (and, as a last resort, any other exception as a 500) becomes that
-API's own error body in `send_error_body`. An optional path prefix `/e/<execution_id>`
-pins a base URL to one execution: a key of another execution then gets 403.
+`OpenAIChatHandler` (POST /v1/chat/completions), `ResponsesHandler` (POST /v1/responses)
+and `AnthropicMessagesHandler` (POST /v1/messages) share `ApiHandler`: read the body
+(streamed, so an oversized body gets a proper 413 instead of a dropped connection),
+authenticate, decode (`gyre.proxy.jsonbody`: strict JSON, lone surrogates coerced), parse,
+serve, answer JSON or SSE. Any `ApiError` (and, as a last resort, any other exception as a
+500) becomes that API's own error body in `send_error_body`. An optional path prefix
+`/e/<execution_id>` pins a base URL to one execution: a key of another execution then gets
+403.
+
+A model call in flight is registered with the service while it runs: when the proxy stops
+(`ProxyService.close`), `abort` answers it at once with the retryable overloaded error
+(503, Anthropic 529 `overloaded_error`, `retry-after` and `x-should-retry: true`, which both
+SDKs and Claude Code retry) and cancels the rest of it, so no node is recorded for it. A
+call cancelled by its event loop's end gets the same answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, ClassVar
@@ -17,13 +26,14 @@ from typing import Any, ClassVar
 import orjson
 import tornado.web
 
-from gyre.proxy import anthropic_api, openai_api
+from gyre.proxy import anthropic_api, openai_api, responses_api
 from gyre.proxy.errors import (
     ApiError,
     anthropic_error_body,
-    invalid,
     openai_error_body,
+    shutting_down,
 )
+from gyre.proxy.jsonbody import decode_body
 from gyre.proxy.service import ProxyService
 
 log = logging.getLogger(__name__)
@@ -56,12 +66,16 @@ class JsonErrorHandler(tornado.web.RequestHandler):
         return "anthropic" if "anthropic-version" in self.request.headers else "openai"
 
     def send_error_body(self, err: ApiError) -> None:
+        """Answer `err` in this API's shape (nothing, if an answer was already sent)."""
+        if self._finished:
+            return
         shape = anthropic_error_body if self.api_name() == "anthropic" else openai_error_body
         status, body = shape(err)
         self.clear()
         self.set_status(status)
         if err.kind == "overloaded":
             self.set_header("retry-after", "1")
+            self.set_header("x-should-retry", "true")
         self.send_json(body)
 
     def send_json(self, body: Any) -> None:
@@ -100,6 +114,7 @@ class ApiHandler(JsonErrorHandler):
     def prepare(self) -> None:
         self._body = bytearray()
         self._too_large = False
+        self._task: asyncio.Task[Any] | None = None
         if self.request.method == "POST":
             self.request.connection.set_max_body_size(DISCARD_LIMIT)  # type: ignore[union-attr]
         length = self.request.headers.get("Content-Length")
@@ -118,20 +133,29 @@ class ApiHandler(JsonErrorHandler):
         raise NotImplementedError
 
     async def post(self, execution_id: str | None = None) -> None:
+        self._task = asyncio.current_task()
+        self.service.calls.add(self)
         try:
             await self._post(execution_id)
         except ApiError as e:
             self.send_error_body(e)
+        except asyncio.CancelledError:  # `abort` (the proxy stops) or the end of the loop
+            self.send_error_body(shutting_down())
+        finally:
+            self.service.calls.discard(self)
+
+    def abort(self, err: ApiError) -> None:
+        """Answer `err` now and cancel the rest of the call (called when the proxy stops)."""
+        self.send_error_body(err)
+        if self._task is not None:
+            self._task.cancel()
 
     async def _post(self, execution_id: str | None) -> None:
         limit = self.service.config.max_body_bytes
         if self._too_large:
             raise ApiError("too_large", f"request body exceeds the limit of {limit} bytes")
         ex = self.service.authenticate(bearer_key(self.request.headers), execution_id)
-        try:
-            body = json.loads(bytes(self._body))
-        except (ValueError, RecursionError) as e:
-            raise invalid(f"body: malformed JSON ({e})") from None
+        body = decode_body(bytes(self._body))
         req = self.parse(body)
         headers = self.request.headers
         await self.service.serve(
@@ -151,12 +175,12 @@ class ApiHandler(JsonErrorHandler):
                 self.write(event)
             self.finish()
         else:
-            self.send_json(self.body(reply))
+            self.send_json(self.body(reply, req))
 
     def events(self, reply: Any, req: Any) -> Any:
         raise NotImplementedError
 
-    def body(self, reply: Any) -> Any:
+    def body(self, reply: Any, req: Any) -> Any:
         raise NotImplementedError
 
 
@@ -169,8 +193,21 @@ class OpenAIChatHandler(ApiHandler):
     def events(self, reply: Any, req: Any) -> Any:
         return openai_api.stream_chunks(reply, include_usage=req.include_usage)
 
-    def body(self, reply: Any) -> Any:
+    def body(self, reply: Any, req: Any) -> Any:
         return openai_api.response_body(reply)
+
+
+class ResponsesHandler(ApiHandler):
+    api = "openai"  # the Responses API answers errors in OpenAI's shape
+
+    def parse(self, body: Any) -> Any:
+        return responses_api.parse_request(body)
+
+    def events(self, reply: Any, req: Any) -> Any:
+        return responses_api.stream_events(reply, req)
+
+    def body(self, reply: Any, req: Any) -> Any:
+        return responses_api.response_body(reply, req)
 
 
 class AnthropicMessagesHandler(ApiHandler):
@@ -182,7 +219,7 @@ class AnthropicMessagesHandler(ApiHandler):
     def events(self, reply: Any, req: Any) -> Any:
         return anthropic_api.stream_events(reply)
 
-    def body(self, reply: Any) -> Any:
+    def body(self, reply: Any, req: Any) -> Any:
         return anthropic_api.response_body(reply)
 
 
@@ -220,6 +257,7 @@ class NotFoundHandler(JsonErrorHandler):
 PREFIX = r"(?:/e/([A-Za-z0-9_.:@-]+))?"
 ROUTES: list[tuple[str, type[JsonErrorHandler]]] = [
     (PREFIX + r"/v1/chat/completions", OpenAIChatHandler),
+    (PREFIX + r"/v1/responses", ResponsesHandler),
     (PREFIX + r"/v1/messages", AnthropicMessagesHandler),
     (PREFIX + r"/v1/models", ModelsHandler),
     (PREFIX + r"/?", RootHandler),

@@ -21,6 +21,7 @@ from gyre.proxy.conversation import (
     ToolCall,
     ToolChoice,
     arguments_text,
+    check_schema,
     check_tool_name,
     check_type,
     need,
@@ -83,9 +84,14 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
         if name in seen:
             raise invalid(f"{where}.function.name: duplicate tool name {name!r}", "tools")
         seen.add(name)
-        opt(fn, "description", str, f"{where}.function")
-        opt(fn, "parameters", dict, f"{where}.function")
-        out.append({"type": "function", "function": fn})
+        kept: dict[str, Any] = {"name": name}  # what templates read; other keys are dropped
+        description = opt(fn, "description", str, f"{where}.function")
+        if description is not None:
+            kept["description"] = description
+        params = opt(fn, "parameters", dict, f"{where}.function")
+        if params is not None:
+            kept["parameters"] = check_schema(params, f"{where}.function.parameters")
+        out.append({"type": "function", "function": kept})
     return out
 
 

@@ -7,9 +7,11 @@ every node is journaled as it is created (`record_node`) so a crash loses nothin
 closing an execution writes its whole tree (`close_execution`).
 
 A call: authenticate the key -> parse (API module) -> `serve`: match + render the new input
-(`Execution.prepare`), label the role, build sampling params (tool_choice -> regex), generate
+(`Execution.prepare`), label the role, build sampling params (tool_choice -> grammar), generate
 with reroute, parse tool calls, record the node, answer a `Reply`. Everything that can
 refuse the request happens before the engine is called, so a refused request changes no tree.
+Handlers register each call in flight in `calls`; `close` (the proxy stops) answers them
+with the retryable overloaded error and refuses later calls the same way.
 """
 
 from __future__ import annotations
@@ -22,24 +24,31 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from gyre.proxy.config import ROLE_RE, Config
 from gyre.proxy.conversation import CallRequest, Conversation, Reply
-from gyre.proxy.errors import ApiError, invalid
+from gyre.proxy.errors import ApiError, invalid, shutting_down
+from gyre.proxy.jsonbody import check_depth
 from gyre.proxy.routing import Router
 from gyre.proxy.session import Execution, render
 from gyre.proxy.tito import LONG_TEXT, ChatRenderer
-from gyre.proxy.toolcalls import forced_call_regex
+from gyre.proxy.toolcalls import ToolFormat, forced_call_grammar, get_format
 from gyre.rollout.protocol import SamplingParams
 from gyre.trajectory.tree import Node, TrajectoryTree
 
 log = logging.getLogger(__name__)
-ID_PREFIX = {"openai": "call_", "anthropic": "toolu_"}
-REPLY_PREFIX = {"openai": "chatcmpl-", "anthropic": "msg_"}
-EXECUTION_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+ID_PREFIX = {"openai": "call_", "anthropic": "toolu_", "responses": "call_"}
+REPLY_PREFIX = {"openai": "chatcmpl-", "anthropic": "msg_", "responses": "resp_"}
+EXECUTION_RE = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+
+
+class Abortable(Protocol):
+    """A model call in flight (an HTTP handler): `abort` answers it now and cancels it."""
+
+    def abort(self, err: ApiError) -> None: ...
 
 
 class ProxyService:
@@ -61,12 +70,21 @@ class ProxyService:
         self.store = store
         self.family = family or config.model_names[0]
         self.clock = clock
+        self.tool_format = _tool_format(config, renderer)
         self.executions: dict[str, Execution] = {}
         self._by_key: dict[str, Execution] = {}
         self._render_pool = ThreadPoolExecutor(config.render_threads, "gyre-proxy-render")
+        self.calls: set[Abortable] = set()  # model calls in flight (registered by handlers)
+        self.closing = False
 
     def close(self) -> None:
-        """Stop the render threads."""
+        """Stop: answer every call in flight with the retryable overloaded error (503 /
+        Anthropic 529; no node is recorded for it), refuse later calls the same way, and
+        stop the render threads."""
+        self.closing = True
+        for call in list(self.calls):
+            call.abort(shutting_down())
+        self.calls.clear()
         self._render_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- executions ---------------------------------------------------------------------------
@@ -75,11 +93,12 @@ class ProxyService:
         self, execution_id: str, role: str | None = None, meta: Mapping[str, Any] | None = None
     ) -> str:
         """Open an execution; returns its key (Authorization: Bearer / x-api-key)."""
-        if not isinstance(execution_id, str) or not EXECUTION_RE.match(execution_id):
+        if not isinstance(execution_id, str) or not EXECUTION_RE.fullmatch(execution_id):
             raise invalid(f"execution_id: {execution_id!r}; allowed: 1-128 of A-Za-z0-9_.:@-")
         role = role or self.config.default_role
-        if not isinstance(role, str) or not ROLE_RE.match(role):
+        if not isinstance(role, str) or not ROLE_RE.fullmatch(role):
             raise invalid(f"role: {role!r}; allowed: 1-64 of A-Za-z0-9_.-")
+        _check_meta(meta)
         if execution_id in self.executions:
             raise ApiError("conflict", f"execution {execution_id!r} is already registered")
         key = f"gyre-{secrets.token_urlsafe(24)}"
@@ -97,8 +116,9 @@ class ProxyService:
         ex = self.execution(execution_id)
         if ex.closed:
             raise ApiError("conflict", f"execution {execution_id!r} is already closed")
-        if not isinstance(status, str) or not status or status == "open":
-            raise invalid(f"status: {status!r}; allowed: a non-empty status other than 'open'")
+        if not isinstance(status, str) or not 0 < len(status) <= 256 or status == "open":
+            raise invalid(f"status: {status!r:.300}; allowed: 1-256 characters other than 'open'")
+        _check_meta(meta)
         ex.closed, ex.status = True, status
         ex.release()
         self._by_key.pop(ex.key, None)
@@ -162,6 +182,8 @@ class ProxyService:
         and no request can be handled between answer and recording (the next request of
         this execution always finds the node). The node is recorded even if `respond` fails.
         """
+        if self.closing:
+            raise shutting_down()
         self.check_model(req.model)
         if provenance not in (None, "", "evaluator"):
             raise invalid(f"x-gyre-provenance: {provenance!r}; allowed: 'evaluator'")
@@ -196,6 +218,7 @@ class ProxyService:
             conv,
             id_prefix=ID_PREFIX[req.api],
             parse_tools=req.tool_choice.mode != "none",
+            fmt=self.tool_format,
         )
         reply = Reply(
             id=f"{REPLY_PREFIX[req.api]}{secrets.token_hex(12)}",
@@ -230,7 +253,7 @@ class ProxyService:
     def role_for(self, header: str | None, conv: Conversation, ex: Execution) -> str:
         """x-gyre-role header, else the first matching role rule, else the execution's role."""
         if header:
-            if not ROLE_RE.match(header):
+            if not ROLE_RE.fullmatch(header):
                 raise invalid(f"x-gyre-role: {header!r}; allowed: 1-64 of A-Za-z0-9_.-")
             return header
         for rule in self.config.role_rules:
@@ -239,7 +262,7 @@ class ProxyService:
         return ex.role
 
     def sampling(self, req: CallRequest, context_len: int) -> SamplingParams:
-        """Engine sampling params: capped max_tokens, defaults, forced-tool-call regex."""
+        """Engine sampling params: capped max_tokens, defaults, forced-tool-call grammar."""
         cfg = self.config
         room = cfg.max_context_tokens - context_len
         if room < 1:
@@ -248,16 +271,42 @@ class ProxyService:
                 f"holds {cfg.max_context_tokens} tokens including the output"
             )
         choice = req.tool_choice
-        regex = None
+        grammar = None
         if choice.mode in ("required", "named"):
-            regex = forced_call_regex(req.conversation.tools, choice.name, cfg.tool_string_max)
+            grammar = forced_call_grammar(
+                self.tool_format,
+                req.conversation.tools,
+                choice.name,
+                cfg.tool_string_max,
+                self._marker_token,
+            )
         return SamplingParams(
             max_new_tokens=min(req.max_tokens or cfg.default_max_tokens, cfg.max_tokens_cap, room),
             temperature=cfg.default_temperature if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             stop_token_ids=[self.renderer.eos_id],
-            regex=regex,
+            ebnf=grammar,
         )
+
+    def _marker_token(self, marker: str) -> int | None:
+        """The id of `marker` when the vocabulary holds it as one added token."""
+        tok = self.renderer.tok
+        tid = tok.convert_tokens_to_ids(marker)
+        return tid if isinstance(tid, int) and tid in tok.added_tokens_decoder else None
+
+
+def _check_meta(meta: Any) -> None:
+    if meta is not None and not isinstance(meta, Mapping):
+        raise invalid(f"meta: expected an object, got {type(meta).__name__}", "meta")
+    check_depth(meta, "meta")
+
+
+def _tool_format(config: Config, renderer: ChatRenderer) -> ToolFormat:
+    if config.tool_format != "auto":
+        return get_format(config.tool_format)
+    from gyre.models import tool_format
+
+    return get_format(tool_format(renderer.tok))
 
 
 def _new_chars(conv: Conversation, matched: int) -> int:

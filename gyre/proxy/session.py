@@ -24,7 +24,7 @@ import numpy as np
 from gyre.proxy import matching
 from gyre.proxy.conversation import Conversation, Message, ToolCall, check_tool_results
 from gyre.proxy.tito import ChatRenderer, Rendered
-from gyre.proxy.toolcalls import parse_output
+from gyre.proxy.toolcalls import HERMES, ToolFormat, parse_output
 from gyre.trajectory.tree import Node, TrajectoryTree
 
 FULL_IDS_CACHE = 4
@@ -181,10 +181,13 @@ class Execution:
         *,
         id_prefix: str,
         parse_tools: bool,
+        fmt: ToolFormat = HERMES,
     ) -> Output:
         """Split output text into content and tool calls (new ids), map the finish reason."""
-        names = conv.tool_names() if parse_tools else []
-        content, calls = parse_output(text, names) if names else (text.strip(), [])
+        if parse_tools and conv.tools:
+            content, calls = parse_output(text, conv.tools, fmt)
+        else:
+            content, calls = text.strip(), []
         tool_calls = [
             ToolCall(id=f"{id_prefix}{secrets.token_hex(12)}", name=n, arguments=a)
             for n, a in calls

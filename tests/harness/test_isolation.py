@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 
 import pytest
+from processes import all_gone, pids_with
 
 from gyre.harness import Outcome
 from gyre.harness.workspace import bwrap_available
@@ -82,16 +84,21 @@ def test_bwrap_hides_other_workspaces_hidden_tests_and_the_rest_of_the_disk(
 @needs_bwrap
 def test_bwrap_timeout_kills_everything_in_the_sandbox(make_runner, spec_for):
     runner = make_runner(sandbox="bwrap", harness_timeout_s=1.0)
-    term = asyncio.run(runner.run(spec_for("(trap '' TERM; sleep 300) & sleep 300")))
+    marker = f"{300 + random.random():.6f}"  # a sleep duration no other process carries
+    script = f"(trap '' TERM; sleep {marker}) & sleep {marker}"
+
+    async def run_and_watch():
+        task = asyncio.ensure_future(runner.run(spec_for(script)))
+        seen: set[int] = set()
+        while not task.done():
+            seen |= set(pids_with(marker))
+            await asyncio.sleep(0.05)
+        return await task, seen
+
+    term, seen = asyncio.run(run_and_watch())
     assert term.outcome is Outcome.TIMED_OUT
-    procs = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
-    cmdlines = []
-    for p in procs:
-        try:
-            cmdlines.append((p / "cmdline").read_bytes())
-        except OSError:
-            continue
-    assert not any(str(term.workspace).encode() in c for c in cmdlines)
+    assert len(seen) >= 2, "both sleeps (one ignoring SIGTERM) ran inside the sandbox"
+    assert all_gone(seen), f"still alive after the timeout: {sorted(seen)}"
 
 
 def test_sandbox_auto_picks_what_is_installed(make_runner):

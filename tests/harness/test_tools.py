@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import random
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from processes import all_gone, pids_with
 
 from gyre.harness.tools import MAX_OUTPUT_CHARS, Workspace, WorkspaceEscape
 from gyre.tasks import ToolLatency
@@ -97,10 +100,27 @@ def test_shell_runs_in_the_workspace_with_a_small_env(ws, monkeypatch):
 
 
 def test_shell_timeout_kills_the_command_group(ws):
+    marker = f"{100 + random.random():.6f}"  # a sleep duration no other process carries
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.update(pids_with(marker))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     t0 = time.time()
-    out = ws.call("shell", {"command": "sleep 100 & echo started; wait"})
+    try:
+        out = ws.call("shell", {"command": f"sleep {marker} & echo started; wait"})
+    finally:
+        done.set()
+        watcher.join()
     assert out.startswith("error: command timed out after 2s") and "started" in out
     assert time.time() - t0 < 5
+    assert seen, "the command's background sleep ran"
+    assert all_gone(seen), f"still alive after the timeout: {sorted(seen)}"
 
 
 def test_long_output_is_clipped(ws):

@@ -6,6 +6,7 @@ real Tornado server on its own IOLoop thread (`gyre.proxy.testing.running_proxy`
 
 from __future__ import annotations
 
+import hashlib
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -18,9 +19,10 @@ from gyre.models import tiny_tokenizer
 from gyre.proxy.config import Config
 from gyre.proxy.testing import RunningProxy, running_proxy
 from gyre.rollout.testing import running_engine
+from gyre.trajectory.tree import TrajectoryTree, node_to_dict
 
 MODEL = "gyre-tiny"
-LS_TOOL = {
+LS_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "ls",
@@ -32,7 +34,7 @@ LS_TOOL = {
         },
     },
 }
-READ_TOOL = {
+READ_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "read",
@@ -85,8 +87,12 @@ def engine_requests(url: str) -> dict[str, list[int]]:
 
 def assert_paths_match_engine(p: RunningProxy, execution_id: str, url: str) -> int:
     """Every node's path tokens == what the engine received for that call (last attempt)."""
+    return assert_paths_match(p, execution_id, engine_requests(url))
+
+
+def assert_paths_match(p: RunningProxy, execution_id: str, received: dict[str, list[int]]) -> int:
+    """Every node's path tokens == the input ids of its call in `received` (rid -> ids)."""
     tree = p.call(p.app.tree, execution_id)
-    received = engine_requests(url)
     for node in tree.nodes:
         prefix = f"{execution_id}-{node.node_id}-"
         rids = [r for r in received if r.startswith(prefix) and r.endswith(f"-{node.attempts}")]
@@ -94,3 +100,11 @@ def assert_paths_match_engine(p: RunningProxy, execution_id: str, url: str) -> i
         context = p.call(tree.context_ids, node.node_id)
         assert np.array_equal(context, np.asarray(received[rids[0]], np.int32)), node.node_id
     return len(tree.nodes)
+
+
+def tree_digest(tree: TrajectoryTree, nodes: int | None = None) -> str:
+    """blake2b over every field of the tree's first `nodes` nodes (all by default)."""
+    h = hashlib.blake2b(tree.execution_id.encode(), digest_size=16)
+    for node in tree.nodes[:nodes]:
+        h.update(json.dumps(node_to_dict(node), sort_keys=True).encode())
+    return h.hexdigest()

@@ -7,18 +7,18 @@ references and with property-based tests.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gyre.models import tiny_tokenizer
 from gyre.proxy import anthropic_api, matching, openai_api
 from gyre.proxy.conversation import Conversation, Message, Reply, ToolCall
 from gyre.proxy.errors import ApiError, anthropic_error_body, openai_error_body
-from gyre.proxy.toolcalls import forced_call_regex, parse_output
-from gyre.rollout import regex_nfa
+from gyre.proxy.toolcalls import HERMES, forced_call_grammar, parse_output
+from gyre.rollout.constrain import Grammar, GrammarCompiler
 
 TOOLS = [
     {
@@ -277,6 +277,7 @@ def test_openai_sse_chunks_end_with_done() -> None:
 # -- tool-call parsing: property test against a reference ---------------------------------------
 
 NAMES = ["ls", "read"]
+NAMED = [{"type": "function", "function": {"name": n, "parameters": {}}} for n in NAMES]
 ARGS = st.dictionaries(
     st.sampled_from(["a", "b", "path"]), st.integers() | st.text(max_size=5), max_size=3
 )
@@ -284,8 +285,12 @@ ARGS = st.dictionaries(
 
 @st.composite
 def outputs(draw: Any) -> tuple[str, list[tuple[str, str]], str]:
-    """(model output, expected calls, expected text) built from good/bad segments."""
-    parts, calls, texts = [], [], []
+    """(model output, expected calls, expected text) built from good/bad segments.
+
+    Reference: with no bad block, the calls in order and the text between them (each piece
+    stripped, empty ones dropped, joined by newlines); any bad block (invalid JSON, unknown
+    tool) makes the whole output plain text with no calls."""
+    parts, calls, texts, bad = [], [], [], False
     for _ in range(draw(st.integers(0, 4))):
         kind = draw(st.sampled_from(["text", "good", "bad_json", "bad_name"]))
         if kind == "text":
@@ -298,48 +303,72 @@ def outputs(draw: Any) -> tuple[str, list[tuple[str, str]], str]:
                 f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
             )
             calls.append((name, json.dumps(args, ensure_ascii=False)))
+            texts.append("\x00")  # a boundary between text pieces
         else:
+            bad = True
             inner = (
                 '{"name": "ls", "arguments": {'
                 if kind == "bad_json"
                 else '{"name": "rm", "arguments": {}}'
             )
-            block = f"<tool_call>{inner}</tool_call>"
-            parts.append(block)
-            texts.append(block)
-    return "".join(parts), calls, "".join(texts).strip()
+            parts.append(f"<tool_call>{inner}</tool_call>")
+    text = "".join(parts)
+    if bad or not calls:
+        return text, [], text.strip()
+    pieces = [p.strip() for p in "".join(texts).split("\x00")]
+    return text, calls, "\n".join(p for p in pieces if p)
 
 
 @settings(max_examples=300, deadline=None)
 @given(case=outputs())
 def test_parse_output_matches_reference(case: tuple[str, list[tuple[str, str]], str]) -> None:
     text, calls, rest = case
-    got_text, got_calls = parse_output(text, NAMES)
+    got_text, got_calls = parse_output(text, NAMED, HERMES)
     assert got_calls == calls
     assert got_text == rest
 
 
-def test_forced_regex_accepts_schema_shaped_calls_only() -> None:
-    pattern = forced_call_regex(TOOLS, None, 16)
+@pytest.fixture(scope="module")
+def grammars() -> tuple[Any, GrammarCompiler]:
+    tok = tiny_tokenizer()
+    return tok, GrammarCompiler(tok, len(tok))
+
+
+def _accepts(grammars: tuple[Any, GrammarCompiler], lark: str, text: str) -> bool:
+    import llguidance
+
+    tok, compiler = grammars
+    matcher = llguidance.LLMatcher(compiler.tokenizer(), compiler.compile(Grammar("ebnf", lark)))
+    ids = [*compiler.tokenizer().tokenize_str(text), tok.eos_token_id]
+    return matcher.validate_tokens(ids) == len(ids)
+
+
+def test_forced_grammar_accepts_schema_shaped_calls_only(grammars: Any) -> None:
+    lark = forced_call_grammar(HERMES, TOOLS, None, 16)
     good = '<tool_call>\n{"name": "ls", "arguments": {"path": "a b", "all": true, "depth": 3, "mode": "b", "ratio": -0.5}}\n</tool_call>'
-    assert re.fullmatch(pattern, good)
-    assert re.fullmatch(
-        pattern, '<tool_call>\n{"name": "free", "arguments": {"k": "v", "n": 1}}\n</tool_call>'
+    assert _accepts(grammars, lark, good)
+    assert _accepts(
+        grammars,
+        lark,
+        '<tool_call>\n{"name": "free", "arguments": {"k": "v", "n": 1}}\n</tool_call>',
     )
-    assert re.fullmatch(
-        pattern,
-        '<tool_call>\n{"name": "nested", "arguments": {"opts": {"k": "z"}, "xs": [1, 2]}}\n</tool_call>',
-    )
-    assert not re.fullmatch(pattern, good.replace('"ls"', '"rm"'))
-    assert not re.fullmatch(pattern, good.replace("true", '"yes"'))
-    assert not re.fullmatch(pattern, good.replace('"a b"', '"' + "x" * 17 + '"'))
-    only = forced_call_regex(TOOLS, "free", 16)
-    assert not re.fullmatch(only, good) and re.fullmatch(
-        only, '<tool_call>\n{"name": "free", "arguments": {}}\n</tool_call>'
-    )
-    for p in (pattern, only):
-        # the engine's constrained decoder accepts exactly what the pattern describes
-        assert regex_nfa.fullmatch(p, good) == (p == pattern)
+    nested = '<tool_call>\n{"name": "nested", "arguments": {"opts": {"k": "z"}, "xs": [1, 2]}}\n</tool_call>'
+    assert _accepts(grammars, lark, nested)
+    assert _accepts(grammars, lark, nested.replace('"z"', '"z☃é"'))  # any Unicode
+    assert not _accepts(grammars, lark, good.replace('"ls"', '"rm"'))
+    assert not _accepts(grammars, lark, good.replace("true", '"yes"'))
+    assert not _accepts(grammars, lark, good.replace('"a b"', '"' + "x" * 17 + '"'))
+    assert not _accepts(grammars, lark, nested.replace('"z"}', '"z", "extra": 1}'))
+    only = forced_call_grammar(HERMES, TOOLS, "free", 16)
+    assert not _accepts(grammars, only, good)
+    assert _accepts(grammars, only, '<tool_call>\n{"name": "free", "arguments": {}}\n</tool_call>')
+
+
+def test_forced_grammar_names_added_token_markers(grammars: Any) -> None:
+    tok, _ = grammars
+    ids = {m: tok.convert_tokens_to_ids(m) for m in ("<tool_call>", "</tool_call>")}
+    lark = forced_call_grammar(HERMES, TOOLS, "free", 16, ids.get)
+    assert f"<[{ids['<tool_call>']}]>" in lark and '"<tool_call>"' not in lark
 
 
 @settings(max_examples=200, deadline=None)

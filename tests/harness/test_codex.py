@@ -1,0 +1,63 @@
+"""Codex CLI through the `codex` adapter: the runner, the proxy and the evaluator, for real.
+
+Needs the `codex` binary (npm package @openai/codex; `tools/install_codex.sh` installs it
+under .tools/). A scripted policy solves the `add` task with one `exec_command` call, so
+the test shows the whole path a run uses: the launcher points Codex at the proxy from the
+runner's environment (HOME inside the workspace, this execution's key), Codex's calls form
+one linear tree for this execution only, and the evaluator scores the solved workspace 1.0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from gyre.harness import ExecutionSpec, HarnessRunner, Outcome, get_adapter
+from gyre.harness.codex import find_codex
+from gyre.models import tiny_tokenizer
+from gyre.proxy.config import Config
+from gyre.proxy.testing import ScriptedEngine, running_proxy
+from gyre.tasks import Evaluator
+
+pytestmark = pytest.mark.skipif(
+    find_codex() is None, reason="the `codex` binary is absent: run tools/install_codex.sh"
+)
+MODEL = "codex-gyre-tiny"
+SOLVE = "printf 'def add(a, b):\\n    return a + b\\n' > calc.py"
+
+
+def _call(name: str, args: dict[str, str]) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+def test_codex_solves_a_task_through_the_adapter(tmp_path: Path, suite) -> None:
+    task = suite["add"]
+    tok = tiny_tokenizer()
+    engine = ScriptedEngine(tok, [_call("exec_command", {"cmd": SOLVE}), "calc.py now adds."])
+    config = Config(model_names=[MODEL], max_context_tokens=65536)
+    with running_proxy({"e0": engine}, tokenizer=tok, config=config) as p:
+        key = p.call(p.app.register_execution, "codex-1", "main")
+        p.call(p.app.register_execution, "codex-other", "main")
+        runner = HarnessRunner(
+            HarnessRunner.Config(
+                workspace_root=str(tmp_path / "ws"), harness_timeout_s=180, overall_timeout_s=240
+            )
+        )
+        spec = ExecutionSpec(
+            execution_id="codex-1", task=task, adapter=get_adapter("codex"), proxy_url=p.url,
+            api_key=key, model=MODEL,
+        )  # fmt: skip
+        term = asyncio.run(runner.run(spec))
+        tree = p.call(p.app.tree, "codex-1")
+        other = p.call(p.app.tree, "codex-other")
+    err = Path(term.stderr_path).read_text()
+    assert term.outcome is Outcome.COMPLETED, f"{term.reason}; stderr: {err[-1500:]}"
+    assert "calc.py now adds." in Path(term.stdout_path).read_text()
+    assert [n.parent_id for n in tree.nodes] == [0, 1] and len(other) == 0
+    home = Path(term.workspace) / ".gyre_home"
+    assert (home / ".codex" / "config.toml").exists()  # HOME stayed inside the workspace
+    verdict = asyncio.run(Evaluator().assess(term, task))
+    assert verdict.status == "scored" and verdict.reward == 1.0

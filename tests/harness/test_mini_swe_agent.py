@@ -1,0 +1,64 @@
+"""mini-swe-agent through the `mini_swe_agent` adapter: runner, proxy and evaluator, for real.
+
+Needs mini-swe-agent in its own virtual environment (`tools/install_mini_swe_agent.sh`
+installs it under .tools/). A scripted policy solves the `add` task with one bash call and
+then submits (`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`); mini-swe-agent talks to the
+proxy's Chat Completions through litellm with the execution's key, its calls form one linear
+tree for this execution only, and the evaluator scores the solved workspace 1.0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gyre.harness import ExecutionSpec, HarnessRunner, Outcome, get_adapter
+from gyre.models import tiny_tokenizer
+from gyre.proxy.config import Config
+from gyre.proxy.testing import ScriptedEngine, running_proxy
+from gyre.tasks import Evaluator
+
+ADAPTER = get_adapter("mini_swe_agent")
+pytestmark = pytest.mark.skipif(
+    ADAPTER.resolve_program(os.environ.get("PATH", "")) is None,
+    reason="mini-swe-agent is absent: run tools/install_mini_swe_agent.sh",
+)
+MODEL = "mini-gyre-tiny"
+SOLVE = "printf 'def add(a, b):\\n    return a + b\\n' > calc.py"
+
+
+def _bash(command: str) -> str:
+    call = {"name": "bash", "arguments": {"command": command}}
+    return f"Let me do it.\n<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def test_mini_swe_agent_solves_a_task_through_the_adapter(tmp_path: Path, suite) -> None:
+    task = suite["add"]
+    tok = tiny_tokenizer()
+    script = [_bash(SOLVE), _bash("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
+    engine = ScriptedEngine(tok, script)
+    with running_proxy({"e0": engine}, tokenizer=tok, config=Config(model_names=[MODEL])) as p:
+        key = p.call(p.app.register_execution, "mini-1", "main")
+        p.call(p.app.register_execution, "mini-other", "main")
+        runner = HarnessRunner(
+            HarnessRunner.Config(
+                workspace_root=str(tmp_path / "ws"), harness_timeout_s=180, overall_timeout_s=240
+            )
+        )
+        spec = ExecutionSpec(
+            execution_id="mini-1", task=task, adapter=ADAPTER, proxy_url=p.url, api_key=key,
+            model=MODEL,
+        )  # fmt: skip
+        term = asyncio.run(runner.run(spec))
+        tree = p.call(p.app.tree, "mini-1")
+        other = p.call(p.app.tree, "mini-other")
+    err = Path(term.stderr_path).read_text()
+    assert term.outcome is Outcome.COMPLETED, f"{term.reason}; stderr: {err[-1500:]}"
+    assert [n.parent_id for n in tree.nodes] == [0, 1] and len(other) == 0
+    assert all(n.finish_reason == "tool_calls" for n in tree.nodes)
+    verdict = asyncio.run(Evaluator().assess(term, task))
+    assert verdict.status == "scored" and verdict.reward == 1.0
