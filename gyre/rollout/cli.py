@@ -25,6 +25,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--weight-version", default="0")
     p.add_argument("--prefix-cache-mb", type=int, default=512, help="0 disables the prefix cache")
+    p.add_argument(
+        "--kv-transport", default="auto", choices=("auto", "mooncake", "http"),
+        help="how migrated KV moves between engines (auto: Mooncake if installed, else HTTP)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-host", default=None,
+        help="address peers reach this engine's Mooncake Transfer Engine at (default: --host)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=run)
 
@@ -42,10 +50,21 @@ def run(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             weight_version=args.weight_version,
             prefix_cache_mb=args.prefix_cache_mb,
+            kv_transport=args.kv_transport,
+            kv_host=args.kv_host or _reachable(args.host),
         ),
     )
     asyncio.run(server.serve(config))
     return 0
+
+
+def _reachable(host: str) -> str:
+    """The address peers use for a server bound to `host` (all interfaces: this host's)."""
+    if host in ("", "0.0.0.0", "::"):
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
+    return host
 
 
 def main(argv: list[str] | None = None) -> int:

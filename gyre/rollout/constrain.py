@@ -1,22 +1,28 @@
-"""Regex-constrained decoding (SGLang's `sampling_params.regex`).
+"""Grammar-constrained decoding on llguidance (SGLang's `regex` / `ebnf` / `json_schema`).
 
-The proxy forces tool calls (tool_choice "required" or a named tool) by sending a regex the
-whole output text must match. The pattern is parsed once into an NFA whose DFA states are
-built lazily (gyre.rollout.regex_nfa: eager DFA construction takes seconds to minutes on
-the proxy's generated tool-call patterns). For each DFA state the engine needs the
-set of tokens whose decoded text keeps the output a prefix of the language: it walks a
-character trie of the vocabulary along DFA transitions (so a literal stretch of the pattern
-touches only a few trie nodes) and caches the result per state. At a step:
+The proxy forces tool calls (tool_choice "required" or a named tool) by sending a grammar the
+whole output must follow; SGLang's three constraint fields are accepted here with the meaning
+SGLang gives them under `--grammar-backend llguidance`:
 
-* allowed = tokens that keep the text a live prefix, plus the terminators (EOS and
-  `stop_token_ids`) when the text already fully matches;
-* the sampled distribution is the masked, renormalized one (see `gyre.rollout.sampling`),
-  so behaviour log-probs stay exact; when only a terminator is allowed it is emitted with
-  log-prob 0.
+* `regex` — a regular expression the whole output matches;
+* `ebnf` — an llguidance Lark grammar (the proxy's forced calls: literal markers plus `%json`
+  sub-grammars built straight from the tools' JSON schemas);
+* `json_schema` — a JSON schema (text) the output is an instance of.
 
-Tokens whose bytes are not valid UTF-8 on their own and special tokens (other than the
-terminators) are never allowed under a constraint, so a pattern can only require characters
-the vocabulary spells with whole-character tokens (all of ASCII with a byte-level BPE).
+`GrammarCompiler` wraps one engine's tokenizer for llguidance (built on first use: ~0.2 s
+for the tiny vocabulary, a few seconds for 49k tokens) and validates and caches grammars;
+`Constraint` follows one generation: `allowed()` is the mask of tokens that keep the output
+a live prefix of the language — plus the call's terminators (EOS, `stop_token_ids`) once the
+output is complete — and `advance(token)` consumes the sampled token. The mask restricts
+what is *sampled* only: the behaviour log-prob the engine records stays the model's own
+(`gyre.rollout.sampling.policy_logprob`).
+
+llguidance works on token bytes, so any Unicode the vocabulary can spell is allowed (a
+character split over several byte-level tokens included). Where the grammar forces a run of
+bytes, llguidance allows only the first token of their canonical tokenization. Special tokens
+are never produced from grammar text: a grammar names a token as `<[id]>`, which
+`gyre.proxy.toolcalls` does for markers that are single added tokens (`<tool_call>` in
+Qwen-style vocabularies), so the forced spelling is the one the model itself uses.
 """
 
 from __future__ import annotations
@@ -24,173 +30,157 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from gyre.errors import ProtocolError
-from gyre.rollout.regex_nfa import LazyDFA, RegexSyntaxError
+
+if TYPE_CHECKING:
+    from gyre.rollout.protocol import SamplingParams
+
+Kind = Literal["regex", "ebnf", "json_schema"]
+KINDS: tuple[Kind, ...] = ("regex", "ebnf", "json_schema")
+_BITS = torch.arange(32, dtype=torch.int32)
 
 
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of the byte-level BPE alphabet (printable bytes map to themselves)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = list(keep)
-    extra = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(keep, chars)}
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """One constraint as sent by a client: its SGLang field name and its text."""
+
+    kind: Kind
+    text: str
+
+    @classmethod
+    def of(cls, sampling: SamplingParams) -> Grammar | None:
+        """The constraint of a call's sampling params (at most one is set), or None."""
+        for kind in KINDS:
+            text = getattr(sampling, kind)
+            if text is not None:
+                return cls(kind, text)
+        return None
 
 
-def token_texts(tokenizer: Any) -> dict[int, str]:
-    """Decoded text of every token usable under a constraint (special tokens excluded)."""
-    special = set(tokenizer.all_special_ids)
-    added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if not t.special}
-    byte_level = _is_byte_level(tokenizer)
-    decoder = _byte_decoder()
-    out: dict[int, str] = {}
-    for piece, i in tokenizer.get_vocab().items():
-        if i in special:
-            continue
-        if i in added:
-            out[i] = added[i]
-            continue
-        try:
-            if byte_level:
-                text = bytes(decoder[c] for c in piece).decode("utf-8")
-            else:
-                text = tokenizer.decode([i])
-        except (KeyError, UnicodeDecodeError):
-            continue
-        if text:
-            out[i] = text
-    return out
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError:
+        raise ProtocolError(
+            "sampling_params: constrained decoding needs the llguidance package "
+            "(pip install llguidance)"
+        ) from None
+    return llguidance
 
 
-def _is_byte_level(tokenizer: Any) -> bool:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return False
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
-    return "ByteLevel" in kinds
-
-
-@dataclass(slots=True)
-class _Trie:
-    children: list[dict[str, int]] = field(default_factory=lambda: [{}])
-    tokens: list[list[int]] = field(default_factory=lambda: [[]])
-
-    def add(self, text: str, token: int) -> None:
-        node = 0
-        for ch in text:
-            nxt = self.children[node].get(ch)
-            if nxt is None:
-                nxt = len(self.children)
-                self.children[node][ch] = nxt
-                self.children.append({})
-                self.tokens.append([])
-            node = nxt
-        self.tokens[node].append(token)
-
-
-class RegexFSM:
-    """One compiled pattern over one vocabulary, with per-state token sets cached."""
-
-    def __init__(self, pattern: str, trie: _Trie, vocab_size: int) -> None:
-        try:
-            self._dfa = LazyDFA(pattern)
-        except RegexSyntaxError as e:
-            raise ProtocolError(f"sampling_params.regex: not supported: {e}") from None
-        self.pattern = pattern
-        self.initial = self._dfa.initial
-        self._trie = trie
-        self._vocab_size = vocab_size
-        self._cache: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}
-        if not self._dfa.accepting(self.initial) and not self.transitions(self.initial)[1]:
-            raise ProtocolError(
-                f"sampling_params.regex: {pattern!r} matches nothing this vocabulary can spell"
-            )
-
-    def accepting(self, state: int) -> bool:
-        return self._dfa.accepting(state)
-
-    def transitions(self, state: int) -> tuple[torch.Tensor, dict[int, int]]:
-        """(bool mask of allowed non-terminator tokens, token -> next state) for `state`."""
-        hit = self._cache.get(state)
-        if hit is None:
-            hit = self._cache[state] = self._walk(state)
-        return hit
-
-    def _walk(self, state: int) -> tuple[torch.Tensor, dict[int, int]]:
-        nxt_of: dict[int, int] = {}
-        step, row_of = self._dfa.step, self._dfa.row
-        children, tokens = self._trie.children, self._trie.tokens
-        stack = [(0, state)]
-        while stack:
-            node, s = stack.pop()
-            row = row_of(s)
-            for ch, child in children[node].items():
-                t = row.get(ch)
-                if t is None:
-                    t = step(s, ch)
-                if t < 0:
-                    continue
-                for tok in tokens[child]:
-                    nxt_of[tok] = t
-                stack.append((child, t))
-        mask = torch.zeros(self._vocab_size, dtype=torch.bool)
-        if nxt_of:
-            mask[list(nxt_of)] = True
-        return mask, nxt_of
-
-
-class RegexCompiler:
-    """Compiles patterns for one tokenizer; keeps the most recent ones (LRU)."""
+class GrammarCompiler:
+    """Validates grammars for one tokenizer and keeps the most recent ones (LRU)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, capacity: int = 64) -> None:
-        self._trie = _Trie()
-        for token, text in token_texts(tokenizer).items():
-            if token < vocab_size:
-                self._trie.add(text, token)
-        self._vocab_size = vocab_size
+        self._hf = tokenizer
+        self.vocab_size = vocab_size
         self._capacity = capacity
-        self._compiled: OrderedDict[str, RegexFSM] = OrderedDict()
+        self._lltok: Any = None
+        self._compiled: OrderedDict[Grammar, str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, pattern: str) -> RegexFSM:
-        """The compiled pattern (thread-safe; compiling happens outside the lock)."""
+    def constraint(self, sampling: SamplingParams, terminators: torch.Tensor) -> Constraint | None:
+        """A fresh `Constraint` for a call, or None when its sampling params set none."""
+        grammar = Grammar.of(sampling)
+        if grammar is None:
+            return None
+        llg = _llguidance()
+        matcher = llg.LLMatcher(self.tokenizer(), self.compile(grammar), log_level=1)
+        if matcher.is_error():
+            raise ProtocolError(f"sampling_params.{grammar.kind}: {matcher.get_error()}")
+        return Constraint(matcher, terminators, eos_id=self.tokenizer().eos_token)
+
+    def tokenizer(self) -> Any:
+        """The llguidance view of the vocabulary (built once, thread-safe)."""
         with self._lock:
-            fsm = self._compiled.pop(pattern, None)
-        if fsm is None:
-            fsm = RegexFSM(pattern, self._trie, self._vocab_size)
+            if self._lltok is None:
+                self._lltok = _llguidance().LLTokenizer(
+                    _plain_added_tokens(self._hf.backend_tokenizer.to_str()),
+                    n_vocab=self.vocab_size,
+                    eos_token=self._hf.eos_token_id,
+                )
+            return self._lltok
+
+    def compile(self, grammar: Grammar) -> str:
+        """The validated llguidance grammar of `grammar`; ProtocolError naming the field."""
         with self._lock:
-            self._compiled[pattern] = fsm
+            hit = self._compiled.pop(grammar, None)
+        if hit is None:
+            hit = self._validate(grammar)
+        with self._lock:
+            self._compiled[grammar] = hit
             while len(self._compiled) > self._capacity:
                 self._compiled.popitem(last=False)
-        return fsm
+        return hit
+
+    def _validate(self, grammar: Grammar) -> str:
+        llg = _llguidance()
+        where = f"sampling_params.{grammar.kind}"
+        try:
+            if grammar.kind == "regex":
+                text = llg.LLMatcher.grammar_from_regex(grammar.text)
+            elif grammar.kind == "ebnf":
+                text = llg.LLMatcher.grammar_from_lark(grammar.text)
+            else:
+                text = llg.LLMatcher.grammar_from_json_schema(json.loads(grammar.text))
+        except (ValueError, TypeError) as e:  # malformed JSON schema text, bad arguments
+            raise ProtocolError(f"{where}: not supported: {e}") from None
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer())
+        if failed:
+            raise ProtocolError(f"{where}: not supported: {'; '.join(messages)}")
+        return str(text)
 
 
-class RegexState:
-    """Where one generation stands in its pattern."""
+def _plain_added_tokens(tokenizer_json: str) -> str:
+    """The tokenizer with its non-special added tokens (`<tool_call>`, ...) as ordinary
+    vocabulary entries: llguidance treats every added token as special, masks it in where the
+    grammar's text spells it, then refuses it when consumed. Padding and truncation are off."""
+    spec = json.loads(tokenizer_json)
+    spec["padding"] = spec["truncation"] = None
+    vocab = spec.get("model", {}).get("vocab")
+    if isinstance(vocab, dict):
+        plain = [t for t in spec.get("added_tokens", []) if not t.get("special")]
+        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t.get("special")]
+        vocab.update({t["content"]: t["id"] for t in plain})
+    return json.dumps(spec)
 
-    def __init__(self, fsm: RegexFSM, terminators: torch.Tensor) -> None:
-        self.fsm = fsm
-        self.state = fsm.initial
+
+class Constraint:
+    """Where one generation stands in its grammar."""
+
+    def __init__(self, matcher: Any, terminators: torch.Tensor, *, eos_id: int) -> None:
+        # llguidance.numpy, not llguidance.torch: the latter runs torch.compile at import (~10 s)
+        import llguidance.numpy
+
+        self._matcher = matcher
         self._terminators = terminators
+        self._vocab_size = len(terminators)
+        self._eos = eos_id  # llguidance allows it at a complete output; the caller decides
+        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, self._vocab_size)
+        self._fill = llguidance.numpy.fill_next_token_bitmask
 
     def allowed(self) -> torch.Tensor:
-        """Mask of tokens allowed next (terminators only once the text fully matches)."""
-        mask, _ = self.fsm.transitions(self.state)
-        if self.fsm.accepting(self.state):
+        """Bool mask of the tokens allowed next (terminators only once the output is complete)."""
+        if self._matcher.is_stopped() or self._matcher.is_error():
+            mask = torch.zeros(self._vocab_size, dtype=torch.bool)
+        else:
+            self._fill(self._matcher, self._bitmask, 0)
+            words = torch.from_numpy(self._bitmask[0]).unsqueeze(1)
+            mask = ((words >> _BITS) & 1).bool().flatten()[: self._vocab_size]
+            if 0 <= self._eos < self._vocab_size:
+                mask[self._eos] = False  # EOS is a terminator like any other (ignore_eos)
+        if self._matcher.is_accepting():
             mask = mask | self._terminators
         return mask
 
     def advance(self, token: int) -> None:
-        _, nxt = self.fsm.transitions(self.state)
-        if token in nxt:
-            self.state = nxt[token]
+        """Consume a sampled token (a terminator ends the call: nothing to consume)."""
+        if bool(self._terminators[token]) or self._matcher.is_stopped():
+            return
+        self._matcher.consume_token(token)

@@ -6,12 +6,14 @@ submit requests and control operations. A loop iteration ("step") holds the step
 1. admit pending requests (up to `max_batch_size` running): prefill each alone, sample its
    first token, merge its KV cache into the running batch (gyre.rollout.kv);
 2. one decode step for every running sequence, batched (left padding + mask + positions);
-3. finished sequences (stop token, EOS, length, regex dead end) leave the batch and their
+3. finished sequences (stop token, EOS, length, grammar dead end) leave the batch and their
    responses are delivered to the waiting handler.
 
-Control operations (abort, pause, weight updates, memory release) take the same lock, so
-they happen exactly at step boundaries. Sampling and behaviour log-probs: see
-gyre.rollout.sampling; regex constraints: gyre.rollout.constrain.
+Control operations (abort, pause, weight updates, memory release, KV pins and imports)
+take the same lock, so they happen exactly at step boundaries. Sampling and behaviour
+log-probs: see gyre.rollout.sampling; grammar constraints (regex, ebnf, json_schema):
+gyre.rollout.constrain; KV-cache migration on reroute: gyre.rollout.kvstore (pin, read) and
+gyre.rollout.kvmigrate (the handoff).
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import numpy as np
 import torch
 
 from gyre.errors import ConfigError, EngineError, ProtocolError
-from gyre.rollout import weights
-from gyre.rollout.constrain import RegexCompiler, RegexState
+from gyre.rollout import kvstore, weights
+from gyre.rollout.constrain import Constraint, GrammarCompiler
 from gyre.rollout.kv import KVBatch, cache_from, cache_kwarg, output_cache
 from gyre.rollout.prefix import PrefixCache
-from gyre.rollout.protocol import GenerateRequest
+from gyre.rollout.protocol import KV_TRANSPORTS, GenerateRequest, KVSegment
 from gyre.rollout.sampling import next_token
 
 log = logging.getLogger(__name__)
@@ -60,8 +62,16 @@ class Config:
     # input tokens of received /generate calls GET /gyre/requests keeps (oldest dropped first)
     prefix_cache_mb: int = 512
     # memory for KV caches of finished calls reused by calls that extend them; 0 disables
+    kv_transport: str = "auto"
+    # how migrated KV segments move: "mooncake" (Transfer Engine, TCP), "http", or "auto"
+    # (Mooncake when it is installed, else HTTP)
+    kv_host: str = "127.0.0.1"
+    # the address other engines reach this one's Mooncake Transfer Engine at
 
     def __post_init__(self) -> None:
+        if self.kv_transport not in KV_TRANSPORTS:
+            allowed = ", ".join(KV_TRANSPORTS)
+            raise ConfigError(f"kv_transport: {self.kv_transport!r}; allowed: {allowed}")
         if self.threads < 1:
             raise ConfigError(f"threads: {self.threads}; allowed: an integer >= 1")
         if self.max_batch_size < 1:
@@ -80,7 +90,7 @@ class Sequence:
     deliver: Deliver
     tokens: list[int]  # context so far: input ids + output ids
     generator: torch.Generator | None
-    regex: RegexState | None
+    regex: Constraint | None
     t_arrival: float = field(default_factory=time.time)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -98,7 +108,7 @@ class Engine:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.eos_id: int | None = tokenizer.eos_token_id
-        self._regex = RegexCompiler(tokenizer, self.vocab_size)
+        self._grammars = GrammarCompiler(tokenizer, self.vocab_size)
         self._cache_kwarg = cache_kwarg(model)
         self._prefix = PrefixCache(config.prefix_cache_mb << 20)
         self._version = config.weight_version
@@ -113,6 +123,8 @@ class Engine:
         self._log: collections.deque[tuple[str, np.ndarray, float]] = collections.deque()
         self._log_tokens = 0
         self._batch_sizes: collections.Counter[int] = collections.Counter()
+        self.kv_layout = kvstore.Layout.of_model(model)
+        self._kv = kvstore.KVPort(config.kv_transport, config.kv_host)
         self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
 
     @classmethod
@@ -125,6 +137,7 @@ class Engine:
 
     # ----- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
+        self._kv.open_link_early()  # a required Mooncake link that cannot open stops the start
         self._thread.start()
 
     def stop(self) -> None:
@@ -143,8 +156,8 @@ class Engine:
                 f"{self.max_positions} positions"
             )
         regex = None
-        if req.sampling.regex is not None:
-            regex = RegexState(self._regex.compile(req.sampling.regex), self._terminators(req))
+        if req.sampling.constrained:
+            regex = self._grammars.constraint(req.sampling, self._terminators(req))
         seed = req.sampling.sampling_seed
         gen = None
         if req.sampling.temperature > 0:
@@ -205,7 +218,7 @@ class Engine:
             if mode == "retract":
                 for row, seq in enumerate(self._running):
                     layers = self._batch.row_kv(row)
-                    self._prefix.insert(seq.tokens[: layers[0][0].shape[2]], layers)
+                    self._prefix.insert(seq.tokens[: layers[0][0].shape[2]], layers, seq.req.rid)
                 self._pending.extendleft(reversed(self._running))
                 self._running = []
                 self._batch = KVBatch(self._cache_kwarg)
@@ -234,6 +247,7 @@ class Engine:
         with self._step, self._cond:
             self._abort_locked(None, "engine memory released")
             self._prefix.clear()
+            self._kv.expire(everything=True)
             if self._snapshot is None:
                 self._batch = KVBatch(self._cache_kwarg)
                 self._snapshot = weights.offload(self.model)
@@ -244,6 +258,70 @@ class Engine:
                 weights.restore(self._snapshot)
                 self._snapshot = None
             self._cond.notify_all()
+
+    # ----- KV-cache migration (gyre.rollout.kvstore, gyre.rollout.kvmigrate) ------------
+    def pin_kv(self, prefixes: list[str], rids: list[str], ttl_s: float) -> list[KVSegment]:
+        """Pin the KV of the calls whose rid starts with one of `prefixes` or is in `rids`:
+        the prompt of each running call, and the prefix-cache entries earlier calls left.
+        A sequence another selected one extends is left out (the longer one serves both)."""
+        with self._step:
+            if self._snapshot is not None:
+                raise EngineUnavailable("engine memory is released; nothing to pin")
+            self._kv.expire()
+            found = self._prefix.entries()
+            for row, seq in enumerate(self._running):
+                n = min(len(seq.req.input_ids), self._batch.row_length(row))
+                ids = np.asarray(seq.req.input_ids[:n], np.int64)
+                found.append((seq.req.rid, ids, self._batch.row_views(row, n)))
+            return [
+                self._kv.pin(*chosen, model=self.config.model, version=self._version, ttl_s=ttl_s)
+                for chosen in kvstore.select(found, prefixes, rids)
+            ]
+
+    def release_kv(self, handles: list[str]) -> int:
+        """Unpin segments (the destination acknowledged, or gave up); returns how many."""
+        return self._kv.release(handles)
+
+    def pinned_buffer(self, handle: str) -> np.ndarray | None:
+        """The packed bytes of a live pin, or None (released or expired)."""
+        return self._kv.buffer(handle)
+
+    def receive_kv(
+        self, source: str, segments: list[KVSegment], transport: str, timeout: float = 120.0
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Read each segment from `source` into the prefix cache; (imported, failed)."""
+        return self._kv.receive(
+            source, segments, transport, timeout, check=self._check_segment,
+            insert=self._insert_segment,
+        )  # fmt: skip
+
+    def _check_segment(self, seg: KVSegment) -> None:
+        """Refuse KV this engine cannot use as its own: another model or layout, other
+        weights (the behaviour log-probs would change), or no memory."""
+        mine, theirs = (
+            self.kv_layout,
+            kvstore.Layout(seg.layers, seg.heads, seg.head_dim, seg.dtype),
+        )
+        if seg.model != self.config.model or theirs != mine:
+            raise EngineError(
+                f"KV of {seg.model!r} {theirs} cannot serve {self.config.model!r} {mine}"
+            )
+        if seg.weight_version != self._version:
+            raise EngineError(
+                f"KV computed with weight_version {seg.weight_version!r}; this engine serves "
+                f"{self._version!r}"
+            )
+        if self._snapshot is not None:
+            raise EngineUnavailable("engine memory is released")
+
+    def _insert_segment(self, seg: KVSegment, tokens: np.ndarray, layers: kvstore.LayerKV) -> None:
+        with self._step:
+            self._check_segment(seg)  # the version may have changed during the read
+            if not self._prefix.insert(tokens, layers, seg.rid):
+                raise EngineError(
+                    f"KV segment of {seg.tokens} tokens ({seg.nbytes} B) does not fit the "
+                    f"prefix cache ({self._prefix.capacity_bytes} B)"
+                )
 
     # ----- introspection ----------------------------------------------------------------
     @property
@@ -288,6 +366,7 @@ class Engine:
                     "hits": self._prefix.hits,
                     "tokens_reused": self._prefix.tokens_reused,
                 },
+                "kv_migration": self._kv.stats(),
                 "weight_version": self._version,
             }
 
@@ -384,7 +463,7 @@ class Engine:
             for i, seq in enumerate(self._running):
                 if seq.finish is not None:
                     layers = self._batch.row_kv(i)  # the fed tokens: all but a final sample
-                    self._prefix.insert(seq.tokens[: layers[0][0].shape[2]], layers)
+                    self._prefix.insert(seq.tokens[: layers[0][0].shape[2]], layers, seq.req.rid)
         self._running = [self._running[i] for i in rows]
         self._batch.keep(rows)
         for seq in done:

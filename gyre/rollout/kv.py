@@ -62,12 +62,19 @@ class KVBatch:
 
     def row_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of one row's real (unpadded) keys and values, per layer: [1, H, n, D]."""
-        n = int(self.mask[row].sum())
-        start = self.mask.shape[1] - n  # left padding: the real positions are the last n
+        return [(k.clone(), v.clone()) for k, v in self.row_views(row, self.row_length(row))]
+
+    def row_length(self, row: int) -> int:
+        """How many real (fed) positions `row` holds."""
+        return int(self.mask[row].sum())
+
+    def row_views(self, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views (no copy) of the first `n` real positions of `row`, per layer: [1, H, n, D]."""
+        start = self.mask.shape[1] - self.row_length(row)  # left padding: real ones are last
         return [
             (
-                layer.keys[row : row + 1, :, start:].clone(),
-                layer.values[row : row + 1, :, start:].clone(),
+                layer.keys[row : row + 1, :, start : start + n],
+                layer.values[row : row + 1, :, start : start + n],
             )
             for layer in self.cache.layers
         ]

@@ -6,6 +6,10 @@ the engine keeps the KV cache of each finished call (an LRU bounded in bytes) an
 new call arrives, prefills only the tokens after the longest cached common prefix. KV
 entries are exact copies of what a fresh prefill computes, so log-probs do not change
 (tests check them against a plain forward pass). Any change of weights clears the cache.
+
+Each entry carries a *tag*, the rid of the call that produced it (or that it was migrated
+for), so KV-cache migration can find an execution's cached prefixes by rid
+(`gyre.rollout.kvstore`); entries migrated from another engine are inserted here too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class _Entry:
     tokens: np.ndarray
     layers: LayerKV
     nbytes: int
+    tag: str
 
 
 class PrefixCache:
@@ -41,21 +46,27 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def insert(self, tokens: list[int], layers: LayerKV) -> None:
-        """Keep `layers` (the KV of exactly `tokens`); drops entries it extends."""
+    def insert(self, tokens: list[int] | np.ndarray, layers: LayerKV, tag: str = "") -> bool:
+        """Keep `layers` (the KV of exactly `tokens`) tagged with a rid; drops entries it
+        extends. False if it is too short or larger than the whole cache (not kept)."""
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if len(tokens) < self.min_tokens or nbytes > self.capacity_bytes:
-            return
+            return False
         arr = np.asarray(tokens, dtype=np.int64)
         for key, entry in list(self._entries.items()):
             n = len(entry.tokens)
             if n <= len(arr) and np.array_equal(entry.tokens, arr[:n]):
                 self._drop(key)
-        self._entries[self._next_key] = _Entry(arr, layers, nbytes)
+        self._entries[self._next_key] = _Entry(arr, layers, nbytes, tag)
         self._next_key += 1
         self.nbytes += nbytes
         while self.nbytes > self.capacity_bytes:
             self._drop(next(iter(self._entries)))
+        return True
+
+    def entries(self) -> list[tuple[str, np.ndarray, LayerKV]]:
+        """(tag, tokens, per-layer KV) of every entry, oldest first (nothing is copied)."""
+        return [(e.tag, e.tokens, e.layers) for e in self._entries.values()]
 
     def lookup(self, tokens: list[int]) -> tuple[int, LayerKV | None]:
         """Longest cached prefix of `tokens` leaving at least one token to prefill:

@@ -8,13 +8,17 @@ responses into `GenerateResult`. Field names are SGLang's, so the same client dr
     body = {"input_ids": ids, "sampling_params": SamplingParams(max_new_tokens=8).to_json(),
             "return_logprob": True, "rid": "r1"}
     request = parse_generate(body, vocab_size=4096)
+
+The Gyre-only KV-cache migration routes (/gyre/kv/*) have their shapes here too:
+`KVSegment` (a pinned segment's descriptor), `parse_kv_pin`, `parse_kv_import`,
+`parse_kv_release`; the handoff itself is `gyre.rollout.kvmigrate`.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gyre.errors import ProtocolError
@@ -26,6 +30,8 @@ SAMPLING_KEYS = (
     "top_k",
     "stop_token_ids",
     "regex",
+    "ebnf",
+    "json_schema",
     "ignore_eos",
     "skip_special_tokens",
     "sampling_seed",
@@ -50,6 +56,10 @@ class SamplingParams:
     # extra tokens that end the call (besides the model's EOS), included in output_ids
     regex: str | None = None
     # constrain the whole output text to match this regular expression
+    ebnf: str | None = None
+    # constrain the output to this grammar (llguidance Lark syntax, as SGLang's llguidance backend)
+    json_schema: str | None = None
+    # constrain the output to a JSON instance of this schema (JSON text)
     ignore_eos: bool = False
     # keep generating past the model's EOS token
     skip_special_tokens: bool = True
@@ -66,6 +76,13 @@ class SamplingParams:
             raise ProtocolError(f"top_p: {self.top_p}; allowed: a number in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             raise ProtocolError(f"top_k: {self.top_k}; allowed: -1 (all) or an integer >= 1")
+        if sum(x is not None for x in (self.regex, self.ebnf, self.json_schema)) > 1:
+            raise ProtocolError("regex / ebnf / json_schema: allowed: at most one constraint")
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a regex / ebnf / json_schema constraint is set."""
+        return not (self.regex is None and self.ebnf is None and self.json_schema is None)
 
     def to_json(self) -> dict[str, Any]:
         """The `sampling_params` object of a /generate body (None fields left out)."""
@@ -183,12 +200,13 @@ def parse_sampling(raw: Any, *, vocab_size: int) -> SamplingParams:
         kw["stop_token_ids"] = _token_list(
             raw["stop_token_ids"], "sampling_params.stop_token_ids", vocab_size
         )
-    if raw.get("regex") is not None:
-        if not isinstance(raw["regex"], str) or not raw["regex"]:
-            raise ProtocolError(
-                f"sampling_params.regex: {raw['regex']!r}; allowed: a non-empty string"
-            )
-        kw["regex"] = raw["regex"]
+    for key in ("regex", "ebnf", "json_schema"):
+        if raw.get(key) is not None:
+            if not isinstance(raw[key], str) or not raw[key]:
+                raise ProtocolError(
+                    f"sampling_params.{key}: {raw[key]!r}; allowed: a non-empty string"
+                )
+            kw[key] = raw[key]
     try:
         return SamplingParams(**kw)
     except ProtocolError as e:
@@ -226,3 +244,146 @@ def _token_list(value: Any, name: str, vocab_size: int) -> list[int]:
                 f"{name}[{i}]: token id {t} out of range; allowed: 0..{vocab_size - 1}"
             )
     return list(value)
+
+
+# ----- KV-cache migration (Gyre only: /gyre/kv/*, see gyre.rollout.kvmigrate) ------------
+
+KV_TRANSPORTS = ("auto", "mooncake", "http")
+
+
+@dataclass(kw_only=True, slots=True)
+class KVSegment:
+    """A pinned KV segment as the source describes it: the KV cache of `tokens` positions
+    of one call's context, packed into one host buffer the destination reads."""
+
+    handle: str
+    # the source's pin id (release it with /gyre/kv/release)
+    selector: str
+    # the rid prefix (or rid) of the /gyre/kv/pin call that matched it
+    rid: str
+    # the call whose context this is; the destination tags its prefix-cache entry with it
+    tokens: int
+    # positions held (the buffer starts with their token ids)
+    nbytes: int
+    # size of the packed buffer
+    layers: int
+    heads: int
+    # KV heads per layer
+    head_dim: int
+    dtype: str
+    # torch dtype name of keys and values ("float32", "bfloat16", ...)
+    model: str
+    # the source's model spec; the destination refuses another model
+    weight_version: str
+    # weights the KV was computed with; the destination refuses another version
+    mooncake_session: str | None = None
+    # "host:port" of the source's Mooncake Transfer Engine, if it registered the buffer
+    mooncake_ptr: int | None = None
+    # address of the registered buffer in the source process
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> KVSegment:
+        """Read a segment descriptor; ProtocolError naming the bad field."""
+        if not isinstance(raw, dict):
+            raise ProtocolError("segments[]: expected a JSON object")
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(raw) - set(names))
+        if unknown:
+            raise ProtocolError(
+                f"segments[].{unknown[0]}: unknown field; allowed: {', '.join(names)}"
+            )
+        kw: dict[str, Any] = {}
+        for key in ("handle", "selector", "rid", "dtype", "model", "weight_version"):
+            if not isinstance(raw.get(key), str):
+                raise ProtocolError(f"segments[].{key}: {raw.get(key)!r}; allowed: a string")
+            kw[key] = raw[key]
+        for key in ("tokens", "nbytes", "layers", "heads", "head_dim"):
+            kw[key] = _int(raw.get(key), f"segments[].{key}")
+            if kw[key] < 1:
+                raise ProtocolError(f"segments[].{key}: {kw[key]}; allowed: an integer >= 1")
+        if raw.get("mooncake_session") is not None:
+            if not isinstance(raw["mooncake_session"], str):
+                raise ProtocolError("segments[].mooncake_session: allowed: a string or null")
+            kw["mooncake_session"] = raw["mooncake_session"]
+            kw["mooncake_ptr"] = _int(raw.get("mooncake_ptr"), "segments[].mooncake_ptr")
+        return cls(**kw)
+
+
+@dataclass(kw_only=True, slots=True)
+class KVPinRequest:
+    """A validated /gyre/kv/pin body: which calls' KV to pin, and for how long."""
+
+    rid_prefixes: list[str]
+    rids: list[str]
+    ttl_s: float
+
+
+@dataclass(kw_only=True, slots=True)
+class KVImportRequest:
+    """A validated /gyre/kv/import body: read these segments from `source` and keep them."""
+
+    source: str
+    segments: list[KVSegment]
+    transport: str
+
+
+def parse_kv_pin(body: Any) -> KVPinRequest:
+    """Validate a /gyre/kv/pin body {"rid_prefixes": [...], "rids": [...], "ttl_s": s}."""
+    body = _object(body, ("rid_prefixes", "rids", "ttl_s"))
+    prefixes = _strings(body.get("rid_prefixes", []), "rid_prefixes")
+    rids = _strings(body.get("rids", []), "rids")
+    if not prefixes and not rids:
+        raise ProtocolError("rid_prefixes / rids: both empty; name at least one call")
+    ttl = _float(body.get("ttl_s", 120.0), "ttl_s")
+    if not 0 < ttl <= 3600:
+        raise ProtocolError(f"ttl_s: {ttl}; allowed: a number in (0, 3600]")
+    return KVPinRequest(rid_prefixes=prefixes, rids=rids, ttl_s=ttl)
+
+
+def parse_kv_import(body: Any) -> KVImportRequest:
+    """Validate a /gyre/kv/import body {"source": URL, "segments": [...], "transport": ...}."""
+    body = _object(body, ("source", "segments", "transport"))
+    source = body.get("source")
+    if not isinstance(source, str) or not source.startswith(("http://", "https://")):
+        raise ProtocolError(f"source: {source!r}; allowed: the source engine's http:// URL")
+    raw = body.get("segments")
+    if not isinstance(raw, list):
+        raise ProtocolError("segments: expected a list of segment descriptors")
+    transport = body.get("transport") or "auto"
+    if transport not in KV_TRANSPORTS:
+        raise ProtocolError(f"transport: {transport!r}; allowed: {', '.join(KV_TRANSPORTS)}")
+    segments = [KVSegment.from_json(s) for s in raw]
+    return KVImportRequest(source=source.rstrip("/"), segments=segments, transport=transport)
+
+
+def parse_kv_release(body: Any) -> list[str]:
+    """The handles of a /gyre/kv/release body {"handles": [...]}."""
+    return _strings(_object(body, ("handles",)).get("handles", []), "handles")
+
+
+def _object(body: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ProtocolError("body: expected a JSON object")
+    unknown = sorted(set(body) - set(keys))
+    if unknown:
+        raise ProtocolError(f"{unknown[0]}: unknown field; allowed: {', '.join(keys)}")
+    return body
+
+
+def _strings(value: Any, name: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ProtocolError(f"{name}: {str(value)[:100]}; allowed: a list of non-empty strings")
+    return list(value)
+
+
+@dataclass(kw_only=True, slots=True)
+class KVImportResult:
+    """The destination's acknowledgement of a /gyre/kv/import: what it took over."""
+
+    imported: list[dict[str, Any]]
+    # {"handle", "rid", "tokens", "nbytes", "transport", "seconds"} per segment now cached
+    failed: list[dict[str, Any]]
+    # {"handle", "rid", "error"} per segment it could not take (it recomputes those)

@@ -84,4 +84,14 @@ def next_token(
         allowed=allowed,
     )
     token = choose(lp, greedy=temperature == 0, generator=generator)
-    return token, float(lp[token])
+    return token, policy_logprob(logits, token)
+
+
+def policy_logprob(logits: torch.Tensor, token: int) -> float:
+    """log π(token | context) of the model itself: raw logits, T = 1, no mask or truncation.
+
+    This is the behaviour log-prob the engine reports: the very quantity the trainer
+    recomputes for the same token (`gyre.train.objective.target_logprobs`), so importance
+    ratios measure how far the policy moved since sampling and nothing else.
+    """
+    return float(torch.log_softmax(logits.to(torch.float64), dim=-1)[token])

@@ -8,6 +8,8 @@ Routes (SGLang names and shapes; see docs/engine.md):
     POST /release_memory_occupation POST /resume_memory_occupation
     GET|DELETE /gyre/requests       (Gyre only: log of received /generate calls)
     GET  /gyre/stats                (Gyre only: batch sizes, queue lengths)
+    POST /gyre/kv/pin  POST /gyre/kv/import  POST /gyre/kv/release  GET /gyre/kv/segments/H
+                                    (Gyre only: KV-cache migration, gyre.rollout.kvmigrate)
 
 Errors become HTTP responses in one place (`BaseHandler.write_error`): `ProtocolError` →
 400, `EngineUnavailable` → 503, anything else → 500, each with SGLang's error body
@@ -35,8 +37,14 @@ import tornado.web
 
 from gyre.errors import ConfigError, ProtocolError
 from gyre.rollout import engine as engine_mod
-from gyre.rollout import weights
-from gyre.rollout.protocol import parse_generate, parse_pause_mode
+from gyre.rollout import kvstore, weights
+from gyre.rollout.protocol import (
+    parse_generate,
+    parse_kv_import,
+    parse_kv_pin,
+    parse_kv_release,
+    parse_pause_mode,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -113,7 +121,7 @@ class GenerateHandler(BaseHandler):
             loop.call_soon_threadsafe(_resolve, future, body)
 
         self.rid = req.rid
-        if req.sampling.regex is not None:  # compiling a new pattern may take a while
+        if req.sampling.constrained:  # compiling a new grammar may take a while
             await self.blocking(self.engine.submit, req, deliver)
         else:
             self.engine.submit(req, deliver)
@@ -233,6 +241,44 @@ class StatsHandler(BaseHandler):
         self.send(self.engine.stats())
 
 
+class KVPinHandler(BaseHandler):
+    async def post(self) -> None:
+        req = parse_kv_pin(self.json_body())
+        segments = await self.blocking(self.engine.pin_kv, req.rid_prefixes, req.rids, req.ttl_s)
+        self.send({"segments": [s.to_json() for s in segments]})
+
+
+class KVImportHandler(BaseHandler):
+    async def post(self) -> None:
+        req = parse_kv_import(self.json_body())
+        imported, failed = await self.blocking(
+            self.engine.receive_kv, req.source, req.segments, req.transport
+        )
+        self.send({"imported": imported, "failed": failed})
+
+
+class KVReleaseHandler(BaseHandler):
+    async def post(self) -> None:
+        handles = parse_kv_release(self.json_body())
+        self.send({"released": await self.blocking(self.engine.release_kv, handles)})
+
+
+class KVSegmentHandler(BaseHandler):
+    async def get(self, handle: str) -> None:
+        buf = self.engine.pinned_buffer(handle)
+        if buf is None:
+            raise tornado.web.HTTPError(
+                404, "no pinned KV segment %s (released or expired)", handle
+            )
+        self.set_header("Content-Type", "application/octet-stream")
+        self.set_header("Content-Length", str(buf.nbytes))
+        view = buf.data
+        for start in range(0, buf.nbytes, kvstore.HTTP_CHUNK):
+            self.write(bytes(view[start : start + kvstore.HTTP_CHUNK]))
+            await self.flush()
+        self.finish()
+
+
 ROUTES: list[tuple[str, type[BaseHandler]]] = [
     ("/generate", GenerateHandler),
     ("/abort_request", AbortHandler),
@@ -247,6 +293,10 @@ ROUTES: list[tuple[str, type[BaseHandler]]] = [
     ("/resume_memory_occupation", ResumeHandler),
     ("/gyre/requests", RequestLogHandler),
     ("/gyre/stats", StatsHandler),
+    ("/gyre/kv/pin", KVPinHandler),
+    ("/gyre/kv/import", KVImportHandler),
+    ("/gyre/kv/release", KVReleaseHandler),
+    (r"/gyre/kv/segments/([0-9a-f]+)", KVSegmentHandler),
 ]
 
 

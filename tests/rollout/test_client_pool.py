@@ -1,4 +1,4 @@
-"""`EngineClient` keep-alive connections: reuse, stale connections, and the resending rule.
+"""`EngineClient` keep-alive connections (aiohttp): reuse, stale connections, resending.
 
 Each test runs a real HTTP/1.1 server (`ScriptedEngine`, asyncio streams on its own thread)
 that answers /generate and /health like an engine and lets the test decide when it closes
@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -173,8 +174,22 @@ def _generate(client: EngineClient, rid: str) -> str:
     return run(client.generate([1, 2, 3], SP, rid)).finish_type
 
 
+def _in_one_loop(*steps: Any) -> list[Any]:
+    """Run the steps (sync callables or coroutine functions) in order on one event loop, so
+    the client's pooled connection carries over from one to the next."""
+
+    async def main() -> list[Any]:
+        out = []
+        for step in steps:
+            value = step()
+            out.append(await value if asyncio.iscoroutine(value) else value)
+        return out
+
+    return run(main())
+
+
 @pytest.mark.parametrize("chunked", [False, True])
-def test_calls_reuse_one_connection_across_event_loops(chunked: bool) -> None:
+def test_calls_reuse_one_connection_per_event_loop(chunked: bool) -> None:
     server = ScriptedEngine(chunked=chunked).start()
     try:
         client = EngineClient(server.url, engine_id="s0")
@@ -183,8 +198,9 @@ def test_calls_reuse_one_connection_across_event_loops(chunked: bool) -> None:
             return [(await client.generate([1], SP, f"r{i}")).finish_type for i in range(3)]
 
         assert run(three()) == ["stop"] * 3
-        assert run(client.health())  # a new event loop, the same pooled connection
-        assert [s.conn for s in server.seen] == [1, 1, 1, 1]
+        assert run(client.health())  # a new event loop: its own pooled connection
+        assert run(three()) == ["stop"] * 3
+        assert [s.conn for s in server.seen] == [1, 1, 1, 2, 3, 3, 3]
         client.close()
     finally:
         server.stop()
@@ -192,41 +208,69 @@ def test_calls_reuse_one_connection_across_event_loops(chunked: bool) -> None:
 
 def test_connection_closed_by_the_server_while_idle_is_replaced(engine: ScriptedEngine) -> None:
     client = EngineClient(engine.url, engine_id="s0", keepalive_s=3600)
-    assert _generate(client, "a") == "stop"
-    assert engine.close_idle() == 1
-    assert _generate(client, "b") == "stop"  # not an error: a fresh connection
+
+    async def close_idle() -> int:
+        closed = await asyncio.to_thread(engine.close_idle)
+        await asyncio.sleep(0.05)  # the loop sees the EOF of the idle connection
+        return closed
+
+    a, closed, b = _in_one_loop(
+        lambda: client.generate([1], SP, "a"), close_idle, lambda: client.generate([1], SP, "b")
+    )
+    assert (a.finish_type, closed, b.finish_type) == ("stop", 1, "stop")  # b: a fresh one
     assert [(s.conn, s.rid) for s in engine.seen] == [(1, "a"), (2, "b")]
 
 
 def test_engine_restarted_on_the_same_port(engine: ScriptedEngine) -> None:
     client = EngineClient(engine.url, engine_id="s0", keepalive_s=3600)
-    assert _generate(client, "before") == "stop"
-    engine.stop()
-    restarted = ScriptedEngine(engine.port).start()
+    restarted: list[ScriptedEngine] = []
+
+    async def restart() -> None:
+        await asyncio.to_thread(engine.stop)
+        restarted.append(await asyncio.to_thread(ScriptedEngine(engine.port).start))
+        await asyncio.sleep(0.05)
+
     try:
-        assert _generate(client, "after") == "stop"
-        assert [s.rid for s in restarted.seen] == ["after"]
+        before, _, after = _in_one_loop(
+            lambda: client.generate([1], SP, "before"),
+            restart,
+            lambda: client.generate([1], SP, "after"),
+        )
+        assert (before.finish_type, after.finish_type) == ("stop", "stop")
+        assert [s.rid for s in restarted[0].seen] == ["after"]
     finally:
-        restarted.stop()
+        for server in restarted:
+            server.stop()
 
 
 def test_generate_the_server_may_have_received_is_never_resent(engine: ScriptedEngine) -> None:
     client = EngineClient(engine.url, engine_id="s0", keepalive_s=3600)
-    assert _generate(client, "first") == "stop"
-    engine.drop_next = True  # reads the request on the pooled connection, then closes it
-    with pytest.raises(EngineError, match=r"engine s0 /generate: .*not resent"):
-        _generate(client, "dropped")
-    assert [s.rid for s in engine.seen] == ["first", "dropped"]  # sent exactly once
-    assert _generate(client, "next") == "stop"
+
+    async def dropped() -> str:
+        engine.drop_next = True  # reads the request on the pooled connection, then closes it
+        try:
+            await client.generate([1], SP, "dropped")
+        except EngineError as e:
+            return str(e)
+        return "no error"
+
+    first, error, nxt = _in_one_loop(
+        lambda: client.generate([1], SP, "first"), dropped, lambda: client.generate([1], SP, "next")
+    )
+    assert re.search(r"engine s0 /generate: .*not resent", error), error
+    assert [s.rid for s in engine.seen] == ["first", "dropped", "next"]  # each sent once
+    assert (first.finish_type, nxt.finish_type) == ("stop", "stop")
 
 
 def test_idempotent_request_on_a_dropped_connection_is_resent_once(
     engine: ScriptedEngine,
 ) -> None:
     client = EngineClient(engine.url, engine_id="s0", keepalive_s=3600)
-    assert run(client.health())
-    engine.drop_next = True
-    assert run(client.health())
+
+    def drop() -> None:
+        engine.drop_next = True
+
+    assert _in_one_loop(client.health, drop, client.health) == [True, None, True]
     assert [(s.conn, s.path) for s in engine.seen] == [
         (1, "/health"),
         (1, "/health"),

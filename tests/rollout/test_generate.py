@@ -1,5 +1,9 @@
 """The embedded engine's /generate against a slow reference: greedy determinism, exact
-behaviour log-probs (greedy and sampled), batching, stop tokens and length limits."""
+behaviour log-probs (greedy and sampled), batching, stop tokens and length limits.
+
+A behaviour log-prob is the model's own log-probability of the sampled token (raw logits,
+T = 1, no truncation: docs/objective.md), whatever distribution the token was sampled from;
+the sample itself lies in the processed (temperature, top-p) distribution's support."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ def test_greedy_is_deterministic_and_reports_length(engine_url: str, prompt: lis
     a = run(generate(engine_url, prompt, GREEDY, "greedy-a"))
     b = run(generate(engine_url, prompt, GREEDY, "greedy-b"))
     assert a.output_ids == b.output_ids
-    assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-9)
+    assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)  # b: prefix cache
     assert (a.finish_type, a.completion_tokens, len(a.output_ids)) == ("length", 16, 16)
     assert a.prompt_tokens == len(prompt)
     assert a.weight_version == "0"
@@ -71,7 +75,8 @@ def test_sampled_logprobs_match_processed_distribution(
     for k, row in enumerate(reference_logits(model, prompt, res.output_ids)):
         dist = slow_distribution(row, temperature, top_p)
         assert res.output_ids[k] in dist, "sampled a token outside the top-p nucleus"
-        assert res.output_logprobs[k] == pytest.approx(dist[res.output_ids[k]], abs=1e-4)
+        policy = slow_distribution(row, 1.0, 1.0)  # what the trainer recomputes
+        assert res.output_logprobs[k] == pytest.approx(policy[res.output_ids[k]], abs=1e-4)
 
 
 def test_concurrent_calls_are_batched_and_match_solo_results(
@@ -129,7 +134,7 @@ def test_prefix_cache_reuses_a_previous_call_without_changing_logprobs(
     # The cache holds the first call's context minus its last (never fed) token.
     assert len(prompt) + len(first.output_ids) - 1 <= second.cached_tokens < len(context)
     for k, row in enumerate(reference_logits(model, context, second.output_ids)):
-        dist = slow_distribution(row, 0.8, 1.0)
+        dist = slow_distribution(row, 1.0, 1.0)  # the policy's own log-prob (sampled at T=0.8)
         assert second.output_logprobs[k] == pytest.approx(dist[second.output_ids[k]], abs=1e-4)
 
     async def flushed() -> GenerateResult:

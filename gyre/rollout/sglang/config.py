@@ -9,6 +9,13 @@ the same manager starts real SGLang on GPU machines and Gyre's embedded engine o
     # [python, -m, gyre.rollout.cli, --model, tiny, --host, 127.0.0.1, --port, ...]
 
 Placeholders: python, model_path, host, port, tp, mem_fraction, base_gpu_id, weight_version.
+
+SGLang has no API to hand a running request's KV cache to another instance (its KV
+transfer is PD disaggregation, fixed at launch), so Gyre's KV-cache migration
+(`gyre.rollout.kvmigrate`) reports "unsupported" against it and the destination recomputes.
+`hicache_shared_l3` gives the flags of SGLang's closest mechanism: every engine writes its
+prefix KV through to one shared Mooncake store (HiCache L3) and a destination prefetches a
+rerouted call's prefix from it instead of prefilling it.
 """
 
 from __future__ import annotations
@@ -107,3 +114,36 @@ def _check_template(template: list[str]) -> None:
                     f"launch: unknown placeholder {{{name}}} in {arg!r}; "
                     f"allowed {', '.join(PLACEHOLDERS)}"
                 )
+
+
+def hicache_shared_l3(
+    *,
+    master: str,
+    metadata_server: str,
+    protocol: str = "rdma",
+    device: str = "",
+    global_segment_bytes: int = 4 << 30,
+    page_size: int = 64,
+) -> tuple[list[str], dict[str, str]]:
+    """(extra_args, env) of a `ServerConfig` whose engines share prefix KV through a
+    Mooncake store (SGLang HiCache with L3 storage backend ``mooncake``).
+
+    `master` / `metadata_server` are the Mooncake master (``host:50051``) and metadata service
+    (``http://host:8080/metadata``) of the job; `device` names the RDMA NICs (``ibv_devices``)
+    when `protocol` is "rdma". ``write_through`` stores every prefilled page in L3, and
+    ``wait_complete`` makes a destination's prefix miss wait for the L3 prefetch. Not yet run
+    on a GPU (docs/engine.md, *KV-cache migration*)."""
+    if protocol not in ("rdma", "tcp"):
+        raise ConfigError(f"protocol: {protocol!r}; allowed rdma, tcp")
+    args = [
+        "--enable-hierarchical-cache", "--page-size", str(page_size),
+        "--hicache-mem-layout", "page_first", "--hicache-io-backend", "kernel",
+        "--hicache-write-policy", "write_through", "--hicache-storage-backend", "mooncake",
+        "--hicache-storage-prefetch-policy", "wait_complete",
+    ]  # fmt: skip
+    env = {
+        "MOONCAKE_MASTER": master, "MOONCAKE_TE_META_DATA_SERVER": metadata_server,
+        "MOONCAKE_PROTOCOL": protocol, "MOONCAKE_DEVICE": device,
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(global_segment_bytes),
+    }  # fmt: skip
+    return args, env
