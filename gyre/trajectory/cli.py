@@ -1,12 +1,16 @@
-"""`gyre trace show`: inspect a run's trace file (live or after a crash).
+"""`gyre trace show|export|stats`: inspect, export and summarize a run's trace file.
 
     gyre trace show runs/x/trace.h5                     # the run's executions
     gyre trace show runs/x/trace.h5 --execution g0-e3   # one execution's tree
     gyre trace show runs/x/trace.h5 --json              # the same as plain JSON
+    gyre trace export runs/x --out runs/x/export        # flat Parquet tables (export.py)
+    gyre trace export runs/x --format csv --tokens --out DIR   # CSV, plus one row per token
+    gyre trace stats runs/x [--json]                    # staleness, tokens, trees, outcomes, switches
 
 Human output uses rich tables; --json prints one JSON document (trees via
 `TrajectoryTree.to_dict`, so token ids and log-probs are included). Open executions (never
-closed, e.g. after a writer crash) are shown with status "open" from the journal.
+closed, e.g. after a writer crash) are shown with status "open" from the journal. Every
+action works on a live run or after a crash; a run directory stands for its `trace.h5`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    """Add `gyre trace show` to the `gyre` command."""
+    """Add `gyre trace show|export|stats` to the `gyre` command."""
     trace = subparsers.add_parser("trace", help="inspect HDF5 trace files")
     sub = trace.add_subparsers(dest="trace_command", metavar="ACTION")
     show = sub.add_parser("show", help="list a run's executions or print one execution's tree")
@@ -27,6 +31,16 @@ def register(subparsers: Any) -> None:
     show.add_argument("--execution", metavar="ID", help="print this execution's tree")
     show.add_argument("--json", action="store_true", help="print plain JSON")
     show.set_defaults(func=_show)
+    export = sub.add_parser("export", help="write the trace as flat Parquet or CSV tables")
+    export.add_argument("source", metavar="RUN_DIR|TRACE", help="run directory or trace file")
+    export.add_argument("--format", choices=["parquet", "csv"], default="parquet")
+    export.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    export.add_argument("--tokens", action="store_true", help="also one row per stored token")
+    export.set_defaults(func=_export)
+    stats = sub.add_parser("stats", help="staleness, tokens, tree shape, outcomes, switches")
+    stats.add_argument("source", metavar="RUN_DIR|TRACE", help="run directory or trace file")
+    stats.add_argument("--json", action="store_true", help="print plain JSON")
+    stats.set_defaults(func=_stats)
     trace.set_defaults(func=lambda args: (trace.print_help(), 2)[1])
 
 
@@ -45,6 +59,29 @@ def _show(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         printer(doc)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import time
+
+    from gyre.trajectory.export import export_trace
+
+    t0 = time.perf_counter()
+    files = export_trace(args.source, args.out, fmt=args.format, tokens=args.tokens)
+    print(f"exported {len(files)} tables to {args.out} in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from gyre.trajectory.stats import print_stats, run_stats
+
+    stats = run_stats(args.source)
+    if args.json:
+        json.dump(stats, sys.stdout, indent=1, allow_nan=False)
+        sys.stdout.write("\n")
+    else:
+        print_stats(stats)
     return 0
 
 

@@ -76,6 +76,7 @@ class TraceReader:
         self.path = Path(path)
         if not self.path.exists():
             raise StoreError(f"{self.path}: no such trace file")
+        _refuse_truncated(self.path)
         try:
             self._f = h5py.File(self.path, "r", swmr=True, libver="latest")
         except OSError:
@@ -346,6 +347,22 @@ class TraceReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def trace_path(source: str | Path) -> Path:
+    """A run directory means its `trace.h5`; anything else is the trace file itself."""
+    p = Path(source)
+    return p / "trace.h5" if p.is_dir() else p
+
+
+def _refuse_truncated(path: Path) -> None:
+    """A cut-off HDF5 file makes a SWMR open retry its metadata reads for minutes; a plain
+    open notices at once (other refusals, e.g. a live writer's flags, are left to SWMR)."""
+    try:
+        h5py.File(path, "r").close()
+    except OSError as e:
+        if "truncated" in str(e):
+            raise StoreError(f"{path}: truncated HDF5 file ({e})") from None
 
 
 def recover(path: str | Path) -> dict[str, TrajectoryTree]:

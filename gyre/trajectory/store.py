@@ -76,6 +76,14 @@ class _Open:
     t_open: float
     meta: dict[str, Any] = field(default_factory=dict)  # from open_execution
     journaled: list[tuple[Node, int, int]] = field(default_factory=list)  # node, tok, lp start
+    reopened: bool = False  # left open by a previous writer: its journal is not in memory
+
+    def tree(self, execution_id: str) -> TrajectoryTree:
+        """The journaled nodes as a tree (what the proxy recorded so far)."""
+        tree = TrajectoryTree(execution_id)
+        for node, _, _ in self.journaled:
+            tree.append(node)
+        return tree
 
 
 def _utf8(what: str, s: Any) -> bytes:
@@ -164,6 +172,66 @@ class TraceWriter:
         self._open: dict[str, _Open] = {}
         self._closed: set[str] = set()
         self._alive = True
+        self.repaired: dict[str, int] = {}  # rows a reopen cut from a crashed writer's tail
+
+    @classmethod
+    def reopen(
+        cls, path: str | Path, *, config: StoreConfig | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> TraceWriter:  # fmt: skip
+        """Continue the trace at `path` — closed cleanly, or left by a killed writer.
+
+        A killed writer's "open for write" flags are cleared (`schema.clear_write_flags`)
+        and every dataset is cut back to its longest self-consistent prefix (a row only
+        counts when every token, log-prob and string it references is in the file; the
+        tail a crash left half-written is dropped and reported in `repaired`). Then the
+        string pool and the closed / open executions are loaded and appending resumes: the
+        run keeps one trace across resumes. Executions the dead writer left open stay
+        journaled; close them (recovered) like any other.
+        """
+        self = cls.__new__(cls)
+        self.path, self.config, self._clock = Path(path), config or StoreConfig(), clock
+        if not self.path.exists():
+            raise StoreError(f"{self.path}: no trace to continue")
+        S.clear_write_flags(str(self.path))
+        try:
+            self._f = h5py.File(self.path, "a", libver="latest")
+        except OSError as e:
+            raise StoreError(f"{self.path}: cannot reopen the trace ({e})") from None
+        try:
+            S.check_version(self._f, str(self.path))
+            self.tables = {
+                name: S.table_from_attrs(name, ds.attrs["columns"])
+                for name, ds in self._f["tables"].items()
+            }
+            self.repaired = _repair(self._f)
+            self._f[S.RUN_STATE][0] = 0
+            self._f.swmr_mode = True
+        except Exception:
+            self._f.close()
+            raise
+        self._ds, self._alive = {}, True
+        self._load_state()
+        return self
+
+    def _load_state(self) -> None:
+        ends = self._f[S.STRINGS_END][:]
+        blob = bytes(self._f[S.STRINGS_DATA][:])
+        starts = np.concatenate([[0], ends[:-1]]) if len(ends) else ends
+        self._strings = {}
+        texts = []
+        for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
+            text = blob[a:b].decode("utf-8")
+            texts.append(text)
+            self._strings.setdefault(text, i)
+        execs = self._f[S.EXECUTIONS][:]
+        self._closed = {texts[int(e)] for e in execs["execution"]}
+        self._open = {}
+        for row in self._f[S.JOURNAL_OPENS][:]:
+            eid = texts[int(row["execution"])]
+            if eid not in self._closed:
+                meta = json.loads(texts[int(row["meta"])])
+                self._open[eid] = _Open(t_open=float(row["t_open"]), meta=meta, reopened=True)
 
     # -- executions -------------------------------------------------------------------------
 
@@ -188,6 +256,9 @@ class TraceWriter:
         state = self._open.get(execution_id)
         if state is None:
             raise TraceInputError(self._not_open(execution_id))
+        if state.reopened:
+            raise TraceInputError(f"execution {execution_id!r}: left open by a dead writer; "
+                                  "close it (recovered) instead of journaling more")  # fmt: skip
         where = f"execution {execution_id!r} node"
         _check_node(where, node)
         n = len(state.journaled)
@@ -315,6 +386,13 @@ class TraceWriter:
         """Executions opened and not yet closed, in open order."""
         return list(self._open)
 
+    def journaled_tree(self, execution_id: str) -> TrajectoryTree:
+        """The tree of an open execution's journaled nodes (this writer's journal)."""
+        state = self._open.get(execution_id)
+        if state is None:
+            raise TraceInputError(self._not_open(execution_id))
+        return state.tree(execution_id)
+
     def flush(self) -> None:
         """Push everything written so far to the file (writes already flush themselves)."""
         self._check_alive()
@@ -433,6 +511,71 @@ class _WriteGuard:
             and isinstance(exc, OSError | RuntimeError | ValueError | KeyError)
         ):
             raise StoreError(f"{self.what} failed: {exc}") from exc
+
+
+def _repair(f: h5py.File) -> dict[str, int]:
+    """Cut every dataset back to its longest self-consistent prefix; rows dropped per path.
+
+    Appends always write referenced data (tokens, strings, node rows) before the rows that
+    reference them, so after a crash only a tail can be inconsistent.
+    """
+    dropped: dict[str, int] = {}
+
+    def cut(path: str, n: int) -> None:
+        ds = f[path]
+        if ds.shape[0] > n:
+            dropped[path] = ds.shape[0] - n
+            ds.resize((n,))
+
+    ends = f[S.STRINGS_END][:]
+    n_str = int(np.searchsorted(ends, f[S.STRINGS_DATA].shape[0], side="right"))
+    cut(S.STRINGS_END, n_str)
+    cut(S.STRINGS_DATA, int(ends[n_str - 1]) if n_str else 0)
+    n_tok = min(f[S.TOKEN_IDS].shape[0], f[S.TOKEN_PROVENANCE].shape[0])
+    cut(S.TOKEN_IDS, n_tok)
+    cut(S.TOKEN_PROVENANCE, n_tok)
+    n_lp = f[S.LOGPROBS].shape[0]
+
+    def node_ok(r: np.ndarray) -> np.ndarray:
+        return (
+            (r["token_start"] + r["n_input"] + r["n_output"] <= n_tok)
+            & (r["logprob_start"] + r["n_output"] <= n_lp)
+            & (r["execution"] < n_str) & (r["role"] < n_str) & (r["engine_id"] < n_str)
+            & (r["finish_reason"] < n_str)
+        )  # fmt: skip
+
+    for path in (S.NODES, S.JOURNAL_NODES):
+        cut(path, _prefix(f[path], node_ok))
+    n_nodes = f[S.NODES].shape[0]
+    cut(S.EXECUTIONS, _prefix(f[S.EXECUTIONS], lambda r: (
+        (r["node_start"] + r["node_count"] <= n_nodes) & (r["execution"] < n_str)
+        & (r["status"] < n_str) & (r["meta"] < n_str))))  # fmt: skip
+    cut(S.JOURNAL_OPENS, _prefix(f[S.JOURNAL_OPENS],
+                                 lambda r: (r["execution"] < n_str) & (r["meta"] < n_str)))  # fmt: skip
+    for name, ds in f["tables"].items():
+        cols = [c for c, k in S.table_from_attrs(name, ds.attrs["columns"]).columns if k == "str"]
+
+        def ok(r: np.ndarray, cols: list[str] = cols) -> np.ndarray:
+            return np.logical_and.reduce([r[c] < n_str for c in cols] or [np.ones(len(r), bool)])
+
+        cut(S.table_path(name), _prefix(ds, ok))
+    f.flush()
+    return dropped
+
+
+def _prefix(ds: h5py.Dataset, ok: Callable[[np.ndarray], np.ndarray], block: int = 4096) -> int:
+    """Length of the longest prefix of `ds` whose rows all pass `ok` (scanned from the end)."""
+    n = ds.shape[0]
+    while n > 0:
+        start = max(0, n - block)
+        good = ok(ds[start:n])
+        if good.all():
+            return n
+        first_bad = int(np.argmin(good))
+        if first_bad > 0:  # the rows before it are good (a crash only spoils a tail)
+            return start + first_bad
+        n = start
+    return 0
 
 
 def _check_table_row(spec: S.Table, i: int, row: Any) -> None:

@@ -261,6 +261,18 @@ class TrajectoryTree:
         self._link(node)
         return node
 
+    def append(self, node: Node) -> Node:
+        """Append a node already built and validated elsewhere (its frozen arrays are shared).
+
+        For nodes of this execution recorded by another process (the journal): its id must
+        be the next one and its parent a node already in the tree.
+        """
+        n = len(self._nodes)
+        if not isinstance(node, Node) or node.node_id != n + 1 or not 0 <= node.parent_id <= n:
+            raise TreeError(f"append: node must be number {n + 1} with a parent in 0..{n}")
+        self._link(node)
+        return node
+
     def _link(self, node: Node) -> None:
         self._nodes.append(node)
         self._children.append([])

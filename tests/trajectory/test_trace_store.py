@@ -170,6 +170,93 @@ def test_sigkilled_writer_leaves_closed_executions_readable(
     assert recover(path).keys() == recovered.keys()
 
 
+@pytest.mark.parametrize("kill_after", [7, 23])
+def test_a_killed_writers_trace_is_continued_in_place(tmp_path: Path, kill_after: int) -> None:
+    """`TraceWriter.reopen` after SIGKILL: one trace; closed executions intact; appends work."""
+    path = tmp_path / "crash.h5"
+    proc = subprocess.Popen([sys.executable, CHILD, "write", str(path)], stdout=subprocess.PIPE,
+                            text=True, bufsize=1)  # fmt: skip
+    closed: list[str] = []
+    try:
+        while len(closed) < kill_after:
+            word, eid, *_ = _readline(proc).split()
+            if word == "closed":
+                closed.append(eid)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    with TraceReader(path) as r:
+        before = {i.execution_id: tree_digest(r.tree(i.execution_id))
+                  for i in r.executions() if i.closed}  # fmt: skip
+        still_open = {i.execution_id for i in r.executions() if not i.closed}
+    assert set(closed) <= set(before) and still_open
+
+    w = TraceWriter.reopen(path)
+    assert set(w.open_executions) == still_open
+    for eid in still_open:  # a resumed run closes what the dead writer left open
+        w.close_execution(eid, TrajectoryTree(eid), status="unrecoverable")
+    fresh = expected_tree(10_000)
+    w.open_execution(fresh.execution_id, {"i": 10_000})
+    for node in fresh.nodes:
+        w.record_node(fresh.execution_id, node)
+    w.close_execution(fresh.execution_id, fresh, status="completed")
+    w.append("events", [{"t": 1.0, "kind": "resumed", "detail": "{}"}])
+    w.close()
+    with TraceReader(path) as r:
+        assert r.writer_closed
+        after = {i.execution_id: i for i in r.executions()}
+        for eid, digest in before.items():
+            assert tree_digest(r.tree(eid)) == digest, eid
+        assert r.tree(fresh.execution_id).diff(fresh) == []
+        assert {after[e].status for e in still_open} == {"unrecoverable"}
+        assert [e["kind"] for e in r.rows("events")] == ["resumed"]
+
+
+def test_reopen_cuts_a_torn_tail_back_to_what_is_consistent(tmp_path: Path) -> None:
+    """Rows a crash left half-written (references past the data) are dropped on reopen."""
+    import h5py
+
+    from gyre.trajectory import schema as S
+
+    path = tmp_path / "torn.h5"
+    keep = expected_tree(1)
+    with TraceWriter(path, run_meta={}) as w:
+        w.close_execution(keep.execution_id, keep, status="completed")
+    with h5py.File(path, "a", libver="latest") as f:  # a crash mid-append, simulated
+        for name in (S.NODES, S.EXECUTIONS, S.STRINGS_END):
+            ds = f[name]
+            ds.resize((ds.shape[0] + 1,))
+            ds[-1] = ds[-2]  # a row copied: it points past the data once shifted below
+        ds = f[S.EXECUTIONS]
+        row = ds[-1]
+        row["node_start"] = f[S.NODES].shape[0] + 5
+        ds[-1] = row
+        ends = f[S.STRINGS_END]
+        ends[-1] = f[S.STRINGS_DATA].shape[0] + 100
+        ids = f[S.TOKEN_IDS]
+        ids.resize((ids.shape[0] + 3,))  # tokens without their provenance
+    w = TraceWriter.reopen(path)
+    assert w.repaired == {S.STRINGS_END: 1, S.TOKEN_IDS: 3, S.EXECUTIONS: 1}
+    extra = expected_tree(2)
+    w.close_execution(extra.execution_id, extra, status="completed")
+    w.close()
+    with TraceReader(path) as r:
+        assert [i.execution_id for i in r.executions()] == [keep.execution_id, extra.execution_id]
+        assert r.tree(keep.execution_id).diff(keep) == []
+        assert r.tree(extra.execution_id).diff(extra) == []
+
+
+def test_reopen_refuses_what_is_not_a_trace(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no trace to continue"):
+        TraceWriter.reopen(tmp_path / "missing.h5")
+    bogus = tmp_path / "bogus.h5"
+    bogus.write_bytes(b"not hdf5 at all")
+    with pytest.raises(StoreError, match="cannot reopen"):
+        TraceWriter.reopen(bogus)
+
+
 # -- live SWMR reader --------------------------------------------------------------------------
 
 
