@@ -1,9 +1,10 @@
 """Typed configuration of the scheduler: the cluster's cells, the RL batch shape, dispatch.
 
 `Config` holds what every policy shares (cells, standalone pool, N, B, φ, μ, supply and join
-thresholds); `PolicyConfig` picks Elastic, Async or Colocate and the Table 1 knobs that only
-a policy reads (streaming, the Async training split). Both validate in `__post_init__` and
-raise `ConfigError` naming the field, the value and what is allowed.
+thresholds, the priors of the online cost estimates); `PolicyConfig` picks Elastic, Async or
+Colocate and the Table 1 knobs that only a policy reads (streaming, the Async training split).
+Both validate in `__post_init__` and raise `ConfigError` naming the field, the value and what
+is allowed.
 """
 
 from __future__ import annotations
@@ -42,7 +43,20 @@ class Config:
     supply_fraction: float = 0.25
     """Streaming supply check: ready or soon-ready groups needed, as a fraction of B."""
     join_min_microsteps: int = 16
-    """A satellite joins a batch only if at least this many micro-steps are left for it."""
+    """A satellite joins a batch only if at least this many micro-step passes are left for it."""
+    join_payback: float = 1.0
+    """Cost-aware join: a satellite's share of the batch's work left when it arrives must be
+    at least this many times its round-trip switch time (0: the count check alone)."""
+    switch_to_train_prior_s: float = 8.52
+    """Rollout -> training switch seconds of a cell until one is measured (paper §6.2)."""
+    switch_to_rollout_prior_s: float = 3.46
+    """Training -> rollout switch seconds of a cell until one is measured (paper §6.2)."""
+    prepass_prior_s: float = 5.0
+    """Seconds of one micro-step prepass (no-grad forward) until one is measured."""
+    gradient_prior_s: float = 15.0
+    """Seconds of one micro-step gradient pass (forward + backward) until one is measured."""
+    cost_smoothing: float = 0.25
+    """Weight of a new measurement in the running cost estimates (the first replaces the prior)."""
 
     def __post_init__(self) -> None:
         _positive("nodes", self.nodes)
@@ -78,6 +92,13 @@ class Config:
             raise ConfigError(f"supply_fraction: {self.supply_fraction}; allowed 0 < x <= 1")
         if self.join_min_microsteps < 0:
             raise ConfigError(f"join_min_microsteps: {self.join_min_microsteps}; allowed >= 0")
+        for name in ("join_payback", "switch_to_train_prior_s", "switch_to_rollout_prior_s",
+                     "prepass_prior_s", "gradient_prior_s"):  # fmt: skip
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ConfigError(f"{name}: {value}; allowed: a finite number >= 0")
+        if not 0 < self.cost_smoothing <= 1:
+            raise ConfigError(f"cost_smoothing: {self.cost_smoothing}; allowed 0 < x <= 1")
 
     @property
     def nodes_per_cell(self) -> int:

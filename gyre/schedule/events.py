@@ -23,6 +23,13 @@ class Role(enum.Enum):
     TO_ROLLOUT = "to_rollout"
 
 
+class Work(enum.Enum):
+    """The two passes over a micro-step (docs/training.md): a claim names one of them."""
+
+    PREPASS = "prepass"  # no-grad forward: the step's per-execution log-ratio sums
+    GRADIENT = "gradient"  # forward + backward, once every execution in the step is summed
+
+
 class Outcome(enum.Enum):
     """How an execution terminated; each one increments f(t) exactly once."""
 
@@ -37,7 +44,15 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Start:
-    """The job is up: fill the dispatch queue to (φ+μ)B groups and start launching."""
+    """The job is up: fill the dispatch queue to (φ+μ)B groups and start launching.
+
+    A resumed job brings the groups it had dispatched and not yet trained, already ready:
+    `carried` holds their dispatch versions. They become groups 0..c-1, ready at once (their
+    executions count as dispatched, launched and terminated), keep their versions for
+    staleness, and take their queue slots: only (φ+μ)B - c new groups are dispatched.
+    """
+
+    carried: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +87,28 @@ class MicroStepsQueued:
 
 
 @dataclass(frozen=True, slots=True)
+class GradientsReady:
+    """`count` more micro-steps of `batch` may have their gradient pass claimed.
+
+    A micro-step's gradient needs the sequence ratio of every execution it holds rows of, so
+    it becomes ready once all of those executions' micro-steps finished their prepass.
+    """
+
+    batch: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class MicroStepDone:
-    """A training cell finished the micro-step it claimed."""
+    """A training cell finished the micro-step pass it claimed.
+
+    `seconds`, when the driver measured it, is the cell's compute time of that pass; the
+    scheduler keeps a running estimate per kind of pass from it (cost-aware joins).
+    """
 
     cell: int
     batch: int
+    seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +120,15 @@ class BatchDone:
 
 @dataclass(frozen=True, slots=True)
 class SwitchDone:
-    """A cell finished its role transition (TO_TRAIN -> TRAIN or TO_ROLLOUT -> ROLLOUT)."""
+    """A cell finished its role transition (TO_TRAIN -> TRAIN or TO_ROLLOUT -> ROLLOUT).
+
+    `seconds`, when the driver measured it, is the whole transition from the `SwitchCell`
+    action to this event (drain and reroute included): the time the cell was lost to both
+    roles. The scheduler keeps a running estimate per cell and direction from it.
+    """
 
     cell: int
+    seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +136,25 @@ class WeightsPublished:
     """The core's weights of `version` reached every rollout engine."""
 
     version: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLost:
+    """Engine `engine`'s process died: it takes no launch and no reroute until restored.
+
+    Its running executions are moved to open engines while there are free slots (Reroute
+    actions); the rest stay on it nominally (their calls are retried elsewhere by the
+    proxy anyway). Its concurrency leaves C_R, so the waterlevel checks see the loss.
+    """
+
+    engine: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRestored:
+    """Engine `engine` runs again (restarted): it takes launches and reroutes again."""
+
+    engine: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +170,13 @@ Event = (
     | Terminated
     | GroupReady
     | MicroStepsQueued
+    | GradientsReady
     | MicroStepDone
     | BatchDone
     | SwitchDone
     | WeightsPublished
+    | EngineLost
+    | EngineRestored
     | Tick
 )
 
@@ -183,15 +243,21 @@ class AdmitGroup:
 
 @dataclass(frozen=True, slots=True)
 class ClaimMicroStep:
-    """`cell` claims the next micro-step of `batch`; answer with `MicroStepDone`."""
+    """`cell` claims the next micro-step pass `work` of `batch`; answer with `MicroStepDone`.
+
+    A GRADIENT claim goes only to a cell of the training prefix 0..m-1 (its gradient must
+    reach the core over the prefix communicator); any training cell may claim a PREPASS.
+    """
 
     cell: int
     batch: int
+    work: Work
 
 
 @dataclass(frozen=True, slots=True)
 class OptimizerUpdate:
-    """Reduce gradients of `cells` to the core, clip, update once; answer with `BatchDone`."""
+    """Sum the gradients of `cells` (a prefix 0..m-1) at the core, scale by 1/E, clip, update
+    once and broadcast; answer with `BatchDone`."""
 
     batch: int
     cells: tuple[int, ...]

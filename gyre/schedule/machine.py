@@ -10,11 +10,17 @@ implements are written down in docs/scheduler.md:
 * boundary dispatch: (φ+μ)B groups at start, μB after each burst's publication;
 * a switch unit leaves rollout when the remaining rollout capacity still serves every
   outstanding execution, C_R - C_u >= W, and (core) the supply check passes or (satellite)
-  enough micro-steps remain in the open batch;
-* streaming batches: ready groups are admitted oldest version first, cells claim micro-steps,
-  the join window closes before the single optimizer update;
+  the open batch still has enough work for it to pay for its switches (cost-aware join, from
+  the switch and pass seconds the driver measures, `gyre.schedule.costs`);
+* streaming batches: ready groups are admitted oldest version first, cells claim micro-step
+  passes (a prepass, then a gradient pass once its executions are summed), the join window
+  closes before the single optimizer update;
 * burst end: satellites return, the core publishes, then stays only if the next burst's
   supply check and C_R >= W hold.
+
+Per event the work is proportional to what the event changed (a role, an engine, a claim),
+never to the number of cells or executions: roles, capacities, the training prefix and the
+idle training cells are kept incrementally.
 """
 
 from __future__ import annotations
@@ -24,11 +30,12 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gyre.errors import SchedulerError
 from gyre.schedule.config import Config
+from gyre.schedule.costs import CostEstimates, join_pays
 from gyre.schedule.events import (
     Action,
     AdmitGroup,
@@ -36,7 +43,10 @@ from gyre.schedule.events import (
     ClaimMicroStep,
     CloseJoinWindow,
     Dispatch,
+    EngineLost,
+    EngineRestored,
     Event,
+    GradientsReady,
     GroupReady,
     Launch,
     Launched,
@@ -53,8 +63,14 @@ from gyre.schedule.events import (
     Terminated,
     Tick,
     WeightsPublished,
+    Work,
 )
 from gyre.schedule.policy import Policy
+from gyre.schedule.routing import Engine, Engines
+
+__all__ = ["Batch", "Engine", "Phase", "Scheduler"]
+
+_TRAINING = (Role.TRAIN, Role.TO_TRAIN)
 
 
 class Phase(enum.Enum):
@@ -66,18 +82,13 @@ class Phase(enum.Enum):
 
 
 @dataclass(slots=True)
-class Engine:
-    """A rollout engine: a cell's (while it is in ROLLOUT) or a standalone one."""
-
-    index: int
-    cell: int | None
-    capacity: int
-    running: set[int] = field(default_factory=set)
-
-
-@dataclass(slots=True)
 class Batch:
-    """The batch being trained: B groups streamed in as micro-steps."""
+    """The batch being trained: B groups streamed in as micro-steps, two passes each.
+
+    `queued`/`claimed`/`done` count prepasses, `ready`/`grad_claimed`/`grad_done` gradient
+    passes; every micro-step gets both, so the batch is complete when all B groups are
+    packed and `grad_done == queued`.
+    """
 
     index: int
     admitted: int = 0
@@ -85,8 +96,21 @@ class Batch:
     queued: int = 0
     claimed: int = 0
     done: int = 0
+    ready: int = 0
+    grad_claimed: int = 0
+    grad_done: int = 0
     window_open: bool = True
     updating: bool = False
+
+    @property
+    def unclaimed(self) -> int:
+        """Passes queued and not yet claimed (prepasses plus ready gradient passes)."""
+        return self.queued - self.claimed + self.ready - self.grad_claimed
+
+    @property
+    def complete(self) -> bool:
+        """Every pass of every queued micro-step has finished."""
+        return self.done == self.queued and self.grad_done == self.queued
 
 
 class Scheduler:
@@ -95,20 +119,16 @@ class Scheduler:
     def __init__(self, config: Config, policy: Policy) -> None:
         self.config = config
         self.policy = policy
-        k, cap = config.cells, config.concurrency_per_cell
-        self.roles = [Role.ROLLOUT] * k
-        for c in policy.fixed_train:
-            self.roles[c] = Role.TRAIN
-        self.engines = [Engine(i, i, cap) for i in range(k)]
-        self.engines += [Engine(k + j, None, cap) for j in range(config.standalone_engines)]
-        # §4.3: standalone engines first, then rollout cells in descending cell order.
-        self.reroute_order = self.engines[k:] + self.engines[k - 1 :: -1]
+        k = config.cells
+        self.routing = Engines(k, config.standalone_engines, config.concurrency_per_cell)
+        self.engines = self.routing.engines
+        self.route = self.routing.route  # running execution -> engine
+        self.costs = CostEstimates(config)
         self.d = self.p = self.f = 0
         self.version = 0  # v: optimizer updates applied so far
         self.published = 0  # latest published version (recorded at dispatch)
         self.group_version: list[int] = []
         self.group_closed: list[int] = []
-        self.route: dict[int, int] = {}  # running execution -> engine
         self.queue: deque[int] = deque()
         self.ready: list[tuple[int, int]] = []  # heap of (v_d, group): oldest version first
         self.soon_ready = 0  # groups with all N terminated, outcome not settled yet
@@ -118,21 +138,45 @@ class Scheduler:
         self.phase = Phase.IDLE
         self.publishing = False
         self.started = False
-        self.busy = [False] * k
+        self.busy: list[Work | None] = [None] * k  # the pass each cell is computing
         self.microsteps_packed = 0
         self.groups_packed = 0
+        self.wasted_switches = 0
+        """Satellite switches to training that returned without claiming a single pass."""
+        self._init_roles(k)
         self._handlers: dict[type, Callable[[Any, list[Action]], None]] = {
             Start: self._on_start,
             Launched: self._on_launched,
             Terminated: self._on_terminated,
             GroupReady: self._on_group_ready,
             MicroStepsQueued: self._on_microsteps_queued,
+            GradientsReady: self._on_gradients_ready,
             MicroStepDone: self._on_microstep_done,
             BatchDone: self._on_batch_done,
             SwitchDone: self._on_switch_done,
             WeightsPublished: self._on_weights_published,
+            EngineLost: self._on_engine_lost,
+            EngineRestored: self._on_engine_restored,
             Tick: lambda e, out: None,
         }
+
+    def _init_roles(self, k: int) -> None:
+        """Roles and the counters derived from them (kept in step by `_set_role`)."""
+        units = self.policy.units
+        self.roles = [Role.ROLLOUT] * k
+        self._unit_of = {c: u for u, unit in enumerate(units) for c in unit}
+        self._unit_rollout = [len(unit) for unit in units]  # cells of each unit in ROLLOUT
+        self.satellites = tuple(c for unit in units[1:] for c in unit)
+        self._is_satellite = [c in self.satellites for c in range(k)]
+        self._away = 0  # satellites not in ROLLOUT
+        self._training = 0  # cells in TRAIN or TO_TRAIN
+        self._prefix = 0  # the longest prefix 0..m-1 of cells in TRAIN
+        self._idle: set[int] = set()  # cells in TRAIN computing no pass
+        self._idle_order: list[int] = []  # heap of them (and stale entries): lowest cell first
+        self._worked = [True] * k  # satellite claimed a pass since it left rollout
+        self._next_unit = 1  # the next unit to join the burst, in order
+        for c in self.policy.fixed_train:
+            self._set_role(c, Role.TRAIN)
 
     # ------------------------------------------------------------------ public state
 
@@ -144,7 +188,7 @@ class Scheduler:
     @property
     def rollout_capacity(self) -> int:
         """C_R: concurrency of the engines that accept executions now."""
-        return sum(e.capacity for e in self.engines if self._accepting(e))
+        return self.routing.capacity
 
     def training_cells(self) -> tuple[int, ...]:
         return tuple(c for c, r in enumerate(self.roles) if r is Role.TRAIN)
@@ -155,12 +199,9 @@ class Scheduler:
         Units leave in order, but their switches may finish out of order (a cell whose
         engine drains slowly is still TO_TRAIN while a later one is in TRAIN); the
         reduction runs over a prebuilt prefix communicator, so a later cell waits out this
-        update (its claimed micro-steps were phase A only, and phase B is reassigned).
+        update (it may claim prepasses meanwhile; gradient passes go to the prefix only).
         """
-        m = 0
-        while m < len(self.roles) and self.roles[m] is Role.TRAIN:
-            m += 1
-        return tuple(range(m))
+        return tuple(range(self._prefix))
 
     # ------------------------------------------------------------------ entry point
 
@@ -183,7 +224,15 @@ class Scheduler:
             raise SchedulerError("Start received twice")
         self.started = True
         cfg = self.config
-        self._dispatch(cfg.extra_groups + cfg.mu * cfg.batch_groups, out)
+        n = cfg.group_size
+        for v_d in event.carried:  # groups of a resumed job: closed and ready already
+            g = len(self.group_version)
+            self.group_version.append(v_d)
+            self.group_closed.append(n + 1)
+            self.d, self.p, self.f = self.d + n, self.p + n, self.f + n
+            heapq.heappush(self.ready, (v_d, g))
+        depth = cfg.extra_groups + cfg.mu * cfg.batch_groups
+        self._dispatch(max(0, depth - len(event.carried)), out)
 
     def _on_launched(self, event: Launched, out: list[Action]) -> None:
         if event.execution not in self.route:
@@ -191,10 +240,8 @@ class Scheduler:
 
     def _on_terminated(self, event: Terminated, out: list[Action]) -> None:
         x = event.execution
-        engine = self.route.pop(x, None)
-        if engine is None:
+        if self.routing.remove(x) is None:
             raise SchedulerError(f"Terminated: execution {x} is not running (f counts once)")
-        self.engines[engine].running.discard(x)
         self.f += 1
         g = x // self.config.group_size
         self.group_closed[g] += 1
@@ -218,12 +265,26 @@ class Scheduler:
         self.groups_packed += 1
         self.microsteps_packed += event.count
 
+    def _on_gradients_ready(self, event: GradientsReady, out: list[Action]) -> None:
+        batch = self._current(event.batch, "GradientsReady")
+        if event.count < 0 or batch.ready + event.count > batch.done:
+            raise SchedulerError(f"GradientsReady: {event!r} exceeds the finished prepasses")
+        batch.ready += event.count
+
     def _on_microstep_done(self, event: MicroStepDone, out: list[Action]) -> None:
         batch = self._current(event.batch, "MicroStepDone")
-        if not self.busy[event.cell]:
-            raise SchedulerError(f"MicroStepDone: cell {event.cell} claimed nothing")
-        self.busy[event.cell] = False
-        batch.done += 1
+        c = event.cell
+        work = self.busy[c] if 0 <= c < len(self.busy) else None
+        if work is None:
+            raise SchedulerError(f"MicroStepDone: cell {c} claimed nothing")
+        self.costs.passed(work, event.seconds)
+        self.busy[c] = None
+        if self.roles[c] is Role.TRAIN:
+            self._make_idle(c)
+        if work is Work.PREPASS:
+            batch.done += 1
+        else:
+            batch.grad_done += 1
 
     def _on_batch_done(self, event: BatchDone, out: list[Action]) -> None:
         batch = self._current(event.batch, "BatchDone")
@@ -234,21 +295,41 @@ class Scheduler:
         self.step_in_burst += 1
         if self.step_in_burst == self.config.mu:
             self.phase = Phase.ENDING
-            for c in self._satellites():
+            for c in self.satellites:
                 if self.roles[c] is Role.TRAIN:
                     self._switch_cell(c, Role.ROLLOUT, out)
 
     def _on_switch_done(self, event: SwitchDone, out: list[Action]) -> None:
         c = event.cell
-        if self.roles[c] is Role.TO_TRAIN:
-            self.roles[c] = Role.TRAIN
-            late = c in self._satellites() and self.phase is not Phase.BURST
+        role = self.roles[c] if 0 <= c < len(self.roles) else None
+        if role is Role.TO_TRAIN:
+            self.costs.switched(c, Role.TRAIN, event.seconds)
+            self._set_role(c, Role.TRAIN)
+            late = self._is_satellite[c] and self.phase is not Phase.BURST
             if late or (self.policy.switches and self.phase is Phase.IDLE):
                 self._switch_cell(c, Role.ROLLOUT, out)  # the burst it switched for is over
-        elif self.roles[c] is Role.TO_ROLLOUT:
-            self.roles[c] = Role.ROLLOUT
+        elif role is Role.TO_ROLLOUT:
+            self.costs.switched(c, Role.ROLLOUT, event.seconds)
+            self._set_role(c, Role.ROLLOUT)
         else:
-            raise SchedulerError(f"SwitchDone: cell {c} is not switching ({self.roles[c].value})")
+            what = role.value if role is not None else "no such cell"
+            raise SchedulerError(f"SwitchDone: cell {c} is not switching ({what})")
+
+    def _on_engine_lost(self, event: EngineLost, out: list[Action]) -> None:
+        """A dead engine is no destination; its executions move where there is room."""
+        self._engine(event.engine, "EngineLost")
+        for x, dest in self.routing.set_up(event.engine, False):
+            out.append(Reroute(execution=x, source=event.engine, destination=dest))
+
+    def _on_engine_restored(self, event: EngineRestored, out: list[Action]) -> None:
+        self._engine(event.engine, "EngineRestored")
+        self.routing.set_up(event.engine, True)
+
+    def _engine(self, index: int, what: str) -> None:
+        if not 0 <= index < len(self.engines):
+            raise SchedulerError(
+                f"{what}: no engine {index}; engines are 0..{len(self.engines) - 1}"
+            )
 
     def _on_weights_published(self, event: WeightsPublished, out: list[Action]) -> None:
         if not self.publishing or event.version != self.version:
@@ -260,7 +341,7 @@ class Scheduler:
         self._dispatch(self.config.mu * self.config.batch_groups, out)
         if self.policy.switches and self.roles[0] is Role.TRAIN:
             if self._supply_ok() and self.rollout_capacity >= self.waterlevel:
-                self.phase = Phase.BURST  # core retention
+                self._begin_burst()  # core retention
             else:  # cells still arriving (TO_TRAIN) turn back on their SwitchDone
                 for c in self.policy.units[0]:
                     if self.roles[c] is Role.TRAIN:
@@ -269,30 +350,45 @@ class Scheduler:
     # ------------------------------------------------------------------ decisions
 
     def _advance(self, out: list[Action]) -> None:
-        self._launch(out)
+        """Every decision the new state may allow; each step returns at once when its
+        precondition is unchanged (the guards here keep a quiet event cheap)."""
+        if self.queue:
+            self._launch(out)
         if self.phase is Phase.IDLE:
             self._maybe_start_burst(out)
         if self.phase is Phase.BURST:
-            self._maybe_open_batch(out)
-            self._admit(out)
-            self._maybe_join(out)
-            self._claim(out)
-            self._maybe_update(out)
+            if self.batch is None:
+                self._maybe_open_batch(out)
+            batch = self.batch
+            if batch is not None:
+                if self.ready and batch.admitted < self.config.batch_groups:
+                    self._admit(out)
+                if batch.window_open and self._next_unit < len(self.policy.units):
+                    self._maybe_join(out)
+                if self._idle:
+                    self._claim(out)
+                if batch.packed == self.config.batch_groups and batch.claimed == batch.queued:
+                    self._maybe_update(out)
         if self.phase is Phase.ENDING:
             self._maybe_publish(out)
-        self._launch(out)
+        if self.queue:
+            self._launch(out)
+
+    def _begin_burst(self) -> None:
+        self.phase = Phase.BURST
+        self._next_unit = 1
 
     def _maybe_start_burst(self, out: list[Action]) -> None:
         if not self._supply_ok():
             return
         if not self.policy.switches:
-            self.phase = Phase.BURST
+            self._begin_burst()
             return
         unit = self.policy.units[0]
-        if all(self.roles[c] is Role.ROLLOUT for c in unit) and self._waterlevel_ok(unit):
+        if self._unit_rollout[0] == len(unit) and self._waterlevel_ok(0):
             for c in unit:
                 self._switch_cell(c, Role.TRAIN, out)
-            self.phase = Phase.BURST
+            self._begin_burst()
 
     def _maybe_open_batch(self, out: list[Action]) -> None:
         if self.batch is not None or self.roles[0] is not Role.TRAIN:
@@ -313,63 +409,92 @@ class Scheduler:
             out.append(AdmitGroup(group=g, batch=batch.index, staleness=self.version - v_d))
 
     def _maybe_join(self, out: list[Action]) -> None:
+        """Satellite units leave rollout in order while Eq. 6 holds and the join pays."""
         batch = self.batch
-        if batch is None or not batch.window_open or len(self.policy.units) < 2:
+        if batch is None or not batch.window_open:
             return
-        for unit in self.policy.units[1:]:
-            role = self._unit_role(unit)
-            if role is Role.TRAIN or role is Role.TO_TRAIN:
-                continue
-            if role is not Role.ROLLOUT:
+        units = self.policy.units
+        while self._next_unit < len(units):
+            u = self._next_unit
+            if self._unit_rollout[u] != len(units[u]):
                 return  # still returning from an earlier burst: keep the cell order
-            if not self._waterlevel_ok(unit):
+            if not self._waterlevel_ok(u) or not self._join_pays(units[u], batch):
                 return
-            if self._remaining_microsteps(batch) < self.config.join_min_microsteps:
-                return
-            for c in unit:
+            for c in units[u]:
                 self._switch_cell(c, Role.TRAIN, out)
+            self._next_unit += 1
 
-    def _unit_role(self, unit: tuple[int, ...]) -> Role | None:
-        """The unit's role if all its cells share it (TRAIN counts with TO_TRAIN), else None."""
-        first = self.roles[unit[0]]
-        training = (Role.TRAIN, Role.TO_TRAIN)
-        for c in unit[1:]:
-            role = self.roles[c]
-            if role is not first and not (role in training and first in training):
-                return None
-        return first
+    def _join_pays(self, unit: tuple[int, ...], batch: Batch) -> bool:
+        """Enough passes left (`join_min_microsteps`) and, in measured seconds, a micro-step
+        left to start and enough work to cover the unit's switches (`costs.join_pays`)."""
+        if batch.packed < batch.admitted or not self.groups_packed:
+            return False  # decide on counted micro-steps: every admitted group's, and m̄
+        prepasses, gradients = self._passes_left(batch)
+        cfg = self.config
+        if prepasses + gradients < cfg.join_min_microsteps:
+            return False
+        if cfg.join_payback == 0:
+            return True
+        costs = self.costs
+        t_pre, t_grad = costs.pass_s(Work.PREPASS), costs.pass_s(Work.GRADIENT)
+        return join_pays(
+            work_s=prepasses * t_pre + gradients * t_grad,
+            microsteps=prepasses,
+            trainers=self._training,
+            joining=len(unit),
+            switch_in_s=max(costs.switch_s(c, Role.TRAIN) for c in unit),
+            switch_out_s=max(costs.switch_s(c, Role.ROLLOUT) for c in unit),
+            chain_s=t_pre + t_grad,
+            payback=cfg.join_payback,
+        )
 
     def _claim(self, out: list[Action]) -> None:
+        """Idle training cells claim a pass, in cell order: a ready gradient if they are in
+        the training prefix (prefix cells prefer it: it is most of the work), else a prepass."""
         batch = self.batch
-        if batch is None:
+        if batch is None or not self._idle:
             return
-        for c, role in enumerate(self.roles):
-            if batch.claimed == batch.queued:
-                return
-            if role is Role.TRAIN and not self.busy[c]:
-                self.busy[c] = True
+        gradients = batch.ready - batch.grad_claimed
+        prepasses = batch.queued - batch.claimed
+        if gradients <= 0 and prepasses <= 0:
+            return
+        heap, idle = self._idle_order, self._idle
+        while heap and (gradients > 0 or prepasses > 0):
+            c = heap[0]
+            if c not in idle:  # it left TRAIN, or claimed, since it was pushed
+                heapq.heappop(heap)
+                continue
+            if c < self._prefix and gradients > 0:
+                work, gradients = Work.GRADIENT, gradients - 1
+                batch.grad_claimed += 1
+            elif prepasses > 0:
+                work, prepasses = Work.PREPASS, prepasses - 1
                 batch.claimed += 1
-                out.append(ClaimMicroStep(cell=c, batch=batch.index))
+            else:
+                return  # only gradient passes left, and every idle cell is past the prefix
+            heapq.heappop(heap)
+            idle.discard(c)
+            self.busy[c] = work
+            self._worked[c] = True
+            out.append(ClaimMicroStep(cell=c, batch=batch.index, work=work))
 
     def _maybe_update(self, out: list[Action]) -> None:
         batch = self.batch
         b = self.config.batch_groups
         if batch is None or batch.packed < b or batch.claimed < batch.queued:
             return
-        if batch.window_open:
-            batch.window_open = False
+        if batch.done == batch.queued and batch.grad_claimed == batch.queued and batch.window_open:
+            batch.window_open = False  # every pass is claimed: nothing left to join for
             out.append(CloseJoinWindow(batch.index))
-        if batch.done == batch.queued and not batch.updating:
+        if batch.complete and not batch.updating:  # (the window closed just above)
             batch.updating = True
             out.append(OptimizerUpdate(batch=batch.index, cells=self.update_cells()))
 
     def _maybe_publish(self, out: list[Action]) -> None:
-        if self.publishing:
-            return
-        if any(self.roles[c] is not Role.ROLLOUT for c in self._satellites()):
+        if self.publishing or self._away:
             return
         self.publishing = True
-        engines = tuple(e.index for e in self.engines if self._accepting(e))
+        engines = tuple(e.index for e in self.engines if e.open)
         out.append(Publish(version=self.version, engines=engines))
 
     # ------------------------------------------------------------------ mechanics
@@ -386,80 +511,80 @@ class Scheduler:
             out.append(Dispatch(group=g, executions=executions, version=self.published))
 
     def _launch(self, out: list[Action]) -> None:
-        if not self.queue:
-            return
-        open_engines = [e for e in self.engines if self._accepting(e)]
-        while self.queue:
-            best = max(open_engines, key=lambda e: e.capacity - len(e.running), default=None)
-            if best is None or len(best.running) >= best.capacity:
+        queue = self.queue
+        while queue:
+            engine = self.routing.place(queue[0])
+            if engine is None:
                 return
-            x = self.queue.popleft()
-            best.running.add(x)
-            self.route[x] = best.index
+            x = queue.popleft()
             self.p += 1
-            out.append(Launch(execution=x, engine=best.index))
+            out.append(Launch(execution=x, engine=engine))
 
     def _switch_cell(self, c: int, role: Role, out: list[Action]) -> None:
         if role is Role.TRAIN:
-            self.roles[c] = Role.TO_TRAIN
+            self._set_role(c, Role.TO_TRAIN)
+            self._worked[c] = not self._is_satellite[c]
             out.append(SwitchCell(cell=c, role=Role.TRAIN))
-            self._reroute(self.engines[c], out)
+            # §4.3: the source stopped accepting; destinations are reserved, calls retried
+            for x, dest in self.routing.reroute(c):
+                out.append(Reroute(execution=x, source=c, destination=dest))
         else:
-            self.roles[c] = Role.TO_ROLLOUT
+            if not self._worked[c]:
+                self.wasted_switches += 1  # it left rollout and trained nothing
+            self._set_role(c, Role.TO_ROLLOUT)
             out.append(SwitchCell(cell=c, role=Role.ROLLOUT))
 
-    def _reroute(self, source: Engine, out: list[Action]) -> None:
-        """Source stops accepting; reserve destinations; calls are cancelled and retried."""
-        for x in sorted(source.running):
-            dest = next(
-                (
-                    e
-                    for e in self.reroute_order
-                    if self._accepting(e) and len(e.running) < e.capacity
-                ),
-                None,
-            )
-            if dest is None:
-                raise SchedulerError(f"no rollout capacity left to reroute execution {x}")
-            dest.running.add(x)
-            self.route[x] = dest.index
-            out.append(Reroute(execution=x, source=source.index, destination=dest.index))
-        source.running.clear()
+    def _set_role(self, c: int, role: Role) -> None:
+        """Change a cell's role and every counter derived from roles."""
+        old = self.roles[c]
+        self.roles[c] = role
+        u = self._unit_of.get(c)
+        if u is not None:
+            self._unit_rollout[u] += (role is Role.ROLLOUT) - (old is Role.ROLLOUT)
+        if self._is_satellite[c]:
+            self._away += (old is Role.ROLLOUT) - (role is Role.ROLLOUT)
+        self._training += (role in _TRAINING) - (old in _TRAINING)
+        self.routing.set_accepting(c, role is Role.ROLLOUT)
+        if role is Role.TRAIN:
+            if self.busy[c] is None:
+                self._make_idle(c)
+            while self._prefix < len(self.roles) and self.roles[self._prefix] is Role.TRAIN:
+                self._prefix += 1
+        else:
+            self._idle.discard(c)
+            if old is Role.TRAIN and c < self._prefix:
+                self._prefix = c
+
+    def _make_idle(self, c: int) -> None:
+        if c not in self._idle:
+            self._idle.add(c)
+            heapq.heappush(self._idle_order, c)
 
     # ------------------------------------------------------------------ checks
 
-    def _accepting(self, engine: Engine) -> bool:
-        return engine.cell is None or self.roles[engine.cell] is Role.ROLLOUT
-
-    def _waterlevel_ok(self, unit: tuple[int, ...]) -> bool:
+    def _waterlevel_ok(self, u: int) -> bool:
         """C_R - C_u >= W: the engines left in rollout still serve every outstanding execution."""
-        staying = sum(
-            e.capacity
-            for e in self.engines
-            if e.cell is None or (self.roles[e.cell] is Role.ROLLOUT and e.cell not in unit)
-        )
-        return staying >= self.waterlevel
+        leaving = self._unit_rollout[u] * self.config.concurrency_per_cell
+        return self.routing.capacity - leaving >= self.waterlevel
 
     def _supply_ok(self) -> bool:
-        """Enough data to keep a training cell busy: B ready groups, or ⌈σB⌉ (soon-)ready."""
+        """May a burst start: with streaming ⌈σB⌉ groups ready or soon ready (training
+        streams the rest in); without, every group of the burst's remaining steps ready, as
+        a baseline's burst trains its μ steps back to back on completed groups."""
         b = self.config.batch_groups
         if not self.policy.streaming:
-            return len(self.ready) >= b
+            return len(self.ready) >= b * (self.config.mu - self.step_in_burst)
         need = max(1, math.ceil(self.config.supply_fraction * b))
         return len(self.ready) + self.soon_ready >= need
 
-    def _remaining_microsteps(self, batch: Batch) -> float:
-        per_group = (
-            self.microsteps_packed / self.groups_packed
-            if self.groups_packed
-            else self.config.group_size
-        )
+    def _passes_left(self, batch: Batch) -> tuple[float, float]:
+        """(prepasses, gradient passes) a joining cell could still claim: those of the queued
+        micro-steps not claimed yet, and both of the groups still to be packed (m̄ each, the
+        mean so far; a join waits for the run's first packed group)."""
+        per_group = self.microsteps_packed / max(1, self.groups_packed)
         to_admit = min(self.config.batch_groups - batch.admitted, len(self.ready) + self.soon_ready)
-        future = to_admit + batch.admitted - batch.packed
-        return batch.queued - batch.claimed + per_group * future
-
-    def _satellites(self) -> tuple[int, ...]:
-        return tuple(c for unit in self.policy.units[1:] for c in unit)
+        future = per_group * (to_admit + batch.admitted - batch.packed)
+        return batch.queued - batch.claimed + future, batch.queued - batch.grad_claimed + future
 
     def _current(self, index: int, what: str) -> Batch:
         if self.batch is None or self.batch.index != index:

@@ -59,9 +59,15 @@ class CostConfig:
     pipeline_fill_s: float = 20.0
     """One pipeline startup + final drain per cell per batch."""
     train_tokens_per_node_s: float = 3_000.0
-    """Forward-backward throughput of one node, tokens per second."""
+    """Gradient-pass (forward + backward) throughput of one node, tokens per second."""
+    prepass_ratio: float = 1 / 3
+    """A prepass (no-grad forward) costs this share of a gradient pass over the same tokens."""
+    microstep_tokens: float = 0.0
+    """Tokens packed into one micro-step; 0: one micro-step per execution."""
     reroute_penalty_s: float = 30.0
     """Extra generation time of a rerouted execution (prefix recomputation)."""
+    startup_s: float = 0.0
+    """Job start-up before the first dispatch, added to the total (replays fit it)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -34,6 +34,8 @@ class SimResult:
     train_share: list[float]
     executions: int
     reroutes: int
+    switches: int
+    wasted_switches: int
     workload: dict[str, float]
     wall_s: float
     timeline: list[tuple[float, int, str]] = field(default_factory=list)
@@ -63,6 +65,8 @@ def summarize(sim: Simulator, wall_s: float) -> SimResult:
         train_share=_train_share(sim.timeline, sc.cells, total),
         executions=sum(1 for t in sim.launch_t if t >= 0),
         reroutes=sim.reroutes,
+        switches=sum(1 for _, _, role in sim.timeline if role in ("to_train", "to_rollout")),
+        wasted_switches=sim.scheduler.wasted_switches,
         workload=_workload_stats(sim),
         wall_s=wall_s,
         timeline=list(sim.timeline),
@@ -70,19 +74,20 @@ def summarize(sim: Simulator, wall_s: float) -> SimResult:
 
 
 def _ideal_s(sim: Simulator, groups: list[int]) -> float:
-    """Perfect overlap at the same budget: (rollout + training node-seconds) / nodes."""
+    """Perfect overlap at the same budget: (rollout + training node-seconds) / nodes.
+
+    Rollout counts each consumed execution's work at the reference load (every engine
+    full), training its tokens' gradient pass and prepass at the node throughput."""
     sc, costs = sim.sched_config, sim.config.costs
     n = sc.group_size
-    timeout = sim.config.workload.harness_timeout_h * HOUR
     slot_s = tokens = 0.0
     for g in groups:
         for x in range(g * n, (g + 1) * n):
-            run = min(sim.nominal[x], timeout)
-            slot_s += run
+            slot_s += min(sim.nominal[x], sim.timeout_s)
             if sim.valid[x]:
-                tokens += sim.workload.train_tokens(sim.end_t[x] - sim.launch_t[x])
+                tokens += sim.tokens[x]
     rollout_node_s = slot_s * sc.nodes_per_cell / sc.concurrency_per_cell
-    train_node_s = tokens / costs.train_tokens_per_node_s
+    train_node_s = tokens * (1 + costs.prepass_ratio) / costs.train_tokens_per_node_s
     return (rollout_node_s + train_node_s) / (sc.nodes + sc.standalone_nodes)
 
 

@@ -3,16 +3,20 @@
 The simulator owns time; `gyre.schedule.Scheduler` owns every decision. Each scheduler action
 is carried out with a duration from the workload/cost model and answered with the event the
 coordinator would send (Launch -> Terminated, SwitchCell -> SwitchDone, ClaimMicroStep ->
-MicroStepDone, ...). Usage:
+MicroStepDone, ...), with the same measured seconds the runtime reports, so the scheduler's
+cost-aware joins see the true costs. Usage:
 
     result = Simulator(load_sim_config("templates/sim/nl2repo.yaml"), "elastic").run()
     print(result.total_h, result.mean_staleness)
+
+Training work comes from each execution's tokens, sampled at dispatch (or recorded, in a
+replay), never from how long it happened to run: a harness timeout trains on the share of its
+work done by then.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,19 +27,29 @@ from gyre.schedule import events as ev
 from gyre.schedule.machine import Scheduler
 from gyre.schedule.policy import make_policy
 from gyre.sim.config import SimConfig
-from gyre.sim.engines import EnginePool
+from gyre.sim.engines import EngineModel, EnginePool
 from gyre.sim.report import SimResult, summarize
-from gyre.sim.workload import HOUR, Workload
+from gyre.sim.workload import HOUR, EmpiricalWorkload, GroupSample, Workload
 
+INF = float("inf")
 # kinds of timed events on the queue
 ENGINE, TIMEOUT, EVALUATED, SWITCH, MICRO, UPDATE, PUBLISH = range(7)
 
 
 class Simulator:
-    """Runs one policy of a `SimConfig` for `steps` training steps."""
+    """Runs one policy of a `SimConfig` for `steps` training steps.
+
+    `groups`, when given, replaces the synthetic workload by recorded groups drawn with
+    replacement (`gyre sim --replay`).
+    """
 
     def __init__(
-        self, config: SimConfig, policy: str, steps: int | None = None, seed: int | None = None
+        self,
+        config: SimConfig,
+        policy: str,
+        steps: int | None = None,
+        seed: int | None = None,
+        groups: list[GroupSample] | None = None,
     ) -> None:
         self.config = config
         self.sched_config, policy_config = config.scheduler_for(policy)
@@ -43,30 +57,43 @@ class Simulator:
         self.scheduler = Scheduler(self.sched_config, self.policy)
         self.steps = steps if steps is not None else config.steps
         self.seed = seed if seed is not None else config.seed
-        n = self.sched_config.group_size
-        self.workload = Workload(config.workload, n, self.seed)
-        sc, wl = self.sched_config, config.workload
-        self.pool = EnginePool(
-            sc.cells + sc.standalone_engines,
-            sc.concurrency_per_cell,
-            wl.generation_share,
-            wl.saturation_half,
+        sc, wl, costs = self.sched_config, config.workload, config.costs
+        self.workload: Workload | EmpiricalWorkload = (
+            EmpiricalWorkload(groups, self.seed)
+            if groups is not None
+            else Workload(wl, sc.group_size, self.seed)
         )
-        self.cell_tokens_s = sc.nodes_per_cell * config.costs.train_tokens_per_node_s
+        model = EngineModel.for_size(sc.nodes_per_cell, sc.concurrency_per_cell,
+                                     wl.generation_share, wl.saturation_half_per_node)  # fmt: skip
+        engines = sc.cells + sc.standalone_engines
+        self.pool = EnginePool(engines, model)
+        self.armed_at = [INF] * engines  # time of each engine's armed completion timer
+        self.armed_id = [0] * engines
+        self.cell_tokens_s = sc.nodes_per_cell * costs.train_tokens_per_node_s
+        self.timeout_s = wl.harness_timeout_h * HOUR
         self.now = 0.0
         self.queue: list[tuple[float, int, int, int, int]] = []
-        self.seq = itertools.count()
+        self.seq = 0  # tie-breaker: equal times keep their scheduling order
         self.pending: deque[ev.Event] = deque()
+        self.feeding = False
         # per execution (index = execution id)
         self.nominal: list[float] = []
+        self.full_tokens: list[float] = []
+        self.tokens: list[float] = []  # admitted training tokens (0 until it ended)
         self.eval_s: list[float] = []
         self.launch_t: list[float] = []
         self.end_t: list[float] = []
         self.valid: list[bool] = []
         self.outcome: list[str] = []
-        self.evaluated: list[int] = []  # per group
-        self.batch_tokens: dict[int, deque[float]] = {}
+        self.evaluated: list[int] = []  # per group: executions ended
+        self.settled: list[float] = []  # per group: when its last outcome is settled
+        self.batch_tokens: dict[int, deque[float]] = {}  # micro-steps awaiting their prepass
+        self.batch_gradients: dict[int, deque[float]] = {}  # ... awaiting their gradient pass
+        self.packing: dict[int, list[float]] = {}  # batch -> [groups admitted, tokens held]
+        self.prepassing: dict[int, float] = {}  # cell -> tokens of the prepass it computes
+        self.running: dict[int, float] = {}  # cell -> seconds of the pass it computes
         self.filled: set[tuple[int, int]] = set()
+        self.recomputed: dict[int, float] = {}  # execution -> reroute penalties, seconds
         # records
         self.step_end: list[float] = []
         self.staleness: list[int] = []
@@ -82,49 +109,58 @@ class Simulator:
         started = time.perf_counter()
         for c in range(self.sched_config.cells):
             self.timeline.append((0.0, c, self.scheduler.roles[c].value))
+        self.now = self.config.costs.startup_s
         self._feed(ev.Start())
+        queue, on_timer = self.queue, self._on_timer
         while len(self.step_end) < self.steps:
-            if not self.queue:
+            if not queue:
                 raise SchedulerError(
                     f"simulation stalled after {len(self.step_end)} steps "
                     f"(waterlevel {self.scheduler.waterlevel}, phase {self.scheduler.phase.value})"
                 )
-            t, _, kind, a, b = heapq.heappop(self.queue)
+            t, _, kind, a, b = heapq.heappop(queue)
             self.now = t
-            self._on_timer(kind, a, b)
+            on_timer(kind, a, b)
         return summarize(self, time.perf_counter() - started)
 
     def _at(self, delay: float, kind: int, a: int = 0, b: int = 0) -> None:
-        heapq.heappush(self.queue, (self.now + delay, next(self.seq), kind, a, b))
+        self.seq += 1
+        heapq.heappush(self.queue, (self.now + delay, self.seq, kind, a, b))
 
     def _feed(self, event: ev.Event) -> None:
-        self.pending.append(event)
-        if len(self.pending) > 1:
-            return  # an outer _feed is draining the queue
-        while self.pending:
-            for action in self.scheduler.handle(self.pending[0]):
-                self._apply(action)
-            self.pending.popleft()
+        """Hand an event to the scheduler and carry out its actions; an event an action
+        raises (AdmitGroup -> MicroStepsQueued) waits until the current one is done."""
+        if self.feeding:
+            self.pending.append(event)
+            return
+        self.feeding = True
+        handle, actions, pending = self.scheduler.handle, _ACTIONS, self.pending
+        try:
+            for action in handle(event):
+                actions[type(action)](self, action)
+            while pending:
+                for action in handle(pending.popleft()):
+                    actions[type(action)](self, action)
+        finally:
+            self.feeding = False
 
     # ------------------------------------------------------------------ timers
 
     def _on_timer(self, kind: int, a: int, b: int) -> None:
         if kind == ENGINE:
-            if b == self.pool.stamp[a]:
+            if b == self.armed_id[a]:
+                self.armed_at[a] = INF
                 self._engine_due(a)
+        elif kind == MICRO:
+            self._micro_done(a, b)
+        elif kind == EVALUATED:
+            self._feed(ev.GroupReady(a))
         elif kind == TIMEOUT:
             if self.pool.engine_of(a) is not None:
                 self._terminate(a, ev.Outcome.HARNESS_TIMEOUT)
-        elif kind == EVALUATED:
-            g = a // self.sched_config.group_size
-            self.evaluated[g] += 1
-            if self.evaluated[g] == self.sched_config.group_size:
-                self._feed(ev.GroupReady(g))
         elif kind == SWITCH:
-            self._feed(ev.SwitchDone(a))
+            self._feed(ev.SwitchDone(a, seconds=self._switch_s(b)))
             self.timeline.append((self.now, a, self.scheduler.roles[a].value))
-        elif kind == MICRO:
-            self._feed(ev.MicroStepDone(cell=a, batch=b))
         elif kind == UPDATE:
             self.step_end.append(self.now)
             self._feed(ev.BatchDone(a))
@@ -136,90 +172,142 @@ class Simulator:
         if nxt is None:
             return
         when, x = nxt
-        if when > self.now + 1e-6:
-            self._at(when - self.now, ENGINE, e, self.pool.stamp[e])
+        if when > self.now + 1e-6:  # the engine slowed down since the timer was armed
+            self._retime(e)
             return
         self._terminate(x, ev.Outcome.COMPLETED)
 
     def _retime(self, e: int) -> None:
+        """Arm the engine's timer for its next completion, unless one is armed earlier (a
+        timer that fires early re-arms; only a completion that moved earlier needs a new
+        one, so a launch, which slows the engine down, costs no timer)."""
         nxt = self.pool.next_completion(e)
-        if nxt is not None:
-            self._at(max(0.0, nxt[0] - self.now), ENGINE, e, self.pool.stamp[e])
+        if nxt is not None and nxt[0] < self.armed_at[e] - 1e-6:
+            self.armed_at[e] = nxt[0]
+            self._at(max(0.0, nxt[0] - self.now), ENGINE, e, self.seq + 1)
+            self.armed_id[e] = self.seq
 
     def _terminate(self, x: int, outcome: ev.Outcome) -> None:
         e = self.pool.where[x]
-        self.pool.remove(x, self.now)
+        left = self.pool.remove(x, self.now)
         self._retime(e)
         self.end_t[x] = self.now
         self.outcome[x] = outcome.value
+        work = self.nominal[x] + self.recomputed.get(x, 0.0)
+        done = 1.0 - left / work if work > 0 else 1.0
+        self.tokens[x] = self.full_tokens[x] * min(1.0, max(0.0, done))
         deadline = self.launch_t[x] + self.config.workload.overall_timeout_h * HOUR
-        done = self.now + self.eval_s[x]
-        self.valid[x] = done <= deadline
-        self._at(min(done, deadline) - self.now, EVALUATED, x)
+        scored = self.now + self.eval_s[x]
+        self.valid[x] = scored <= deadline
+        g = x // self.sched_config.group_size
+        self.settled[g] = max(self.settled[g], min(scored, deadline))
+        self.evaluated[g] += 1
+        if self.evaluated[g] == self.sched_config.group_size:  # the last one ended: one timer
+            self._at(self.settled[g] - self.now, EVALUATED, g)
         self._feed(ev.Terminated(x, outcome))
 
     # ------------------------------------------------------------------ actions
 
-    def _apply(self, action: ev.Action) -> None:
-        handler = _ACTIONS[type(action)]
-        handler(self, action)
-
     def _dispatch(self, a: ev.Dispatch) -> None:
         sample = self.workload.sample_group()
         self.nominal.extend(sample.nominal_s.tolist())
+        self.full_tokens.extend(sample.tokens.tolist())
         self.eval_s.extend(sample.eval_s.tolist())
         n = len(a.executions)
+        self.tokens.extend([0.0] * n)
         self.launch_t.extend([-1.0] * n)
         self.end_t.extend([-1.0] * n)
         self.valid.extend([False] * n)
         self.outcome.extend([""] * n)
         self.evaluated.append(0)
+        self.settled.append(0.0)
 
     def _launch(self, a: ev.Launch) -> None:
         x = a.execution
         self.launch_t[x] = self.now
         self.pool.add(x, a.engine, self.nominal[x], self.now)
         self._retime(a.engine)
-        timeout = self.config.workload.harness_timeout_h * HOUR
-        if self.nominal[x] > timeout:  # rate >= 1 at loads <= the limit: others finish first
-            self._at(timeout, TIMEOUT, x)
+        if self.nominal[x] > self.timeout_s:  # rate >= 1 at loads <= the limit: others end first
+            self._at(self.timeout_s, TIMEOUT, x)
 
     def _reroute(self, a: ev.Reroute) -> None:
         self.reroutes += 1
         remaining = self.pool.remove(a.execution, self.now)
         penalty = self.config.costs.reroute_penalty_s
-        self.pool.add(a.execution, a.destination, remaining + penalty, self.now)
+        x = a.execution
+        self.pool.add(x, a.destination, remaining + penalty, self.now)
+        self.recomputed[x] = self.recomputed.get(x, 0.0) + penalty  # work, not progress
+        if self.nominal[x] <= self.timeout_s < self.now - self.launch_t[x] + remaining + penalty:
+            self._at(self.launch_t[x] + self.timeout_s - self.now, TIMEOUT, x)  # now it may
         self._retime(a.source)
         self._retime(a.destination)
 
     def _switch(self, a: ev.SwitchCell) -> None:
-        costs = self.config.costs
-        cost = costs.switch_to_train_s if a.role is ev.Role.TRAIN else costs.switch_to_rollout_s
         self.timeline.append((self.now, a.cell, self.scheduler.roles[a.cell].value))
-        self._at(cost, SWITCH, a.cell)
+        to_train = int(a.role is ev.Role.TRAIN)
+        self._at(self._switch_s(to_train), SWITCH, a.cell, to_train)
+
+    def _switch_s(self, to_train: int) -> float:
+        costs = self.config.costs
+        return costs.switch_to_train_s if to_train else costs.switch_to_rollout_s
 
     def _admit(self, a: ev.AdmitGroup) -> None:
         self.staleness.append(a.staleness)
         self.batch_groups.setdefault(a.batch, []).append(a.group)
         n = self.sched_config.group_size
-        tokens = [
-            self.workload.train_tokens(self.end_t[x] - self.launch_t[x])
-            for x in range(a.group * n, (a.group + 1) * n)
-            if self.valid[x]
-        ]
-        self.batch_tokens.setdefault(a.batch, deque()).extend(tokens)
-        self._feed(ev.MicroStepsQueued(batch=a.batch, group=a.group, count=len(tokens)))
+        tokens = [self.tokens[x] for x in range(a.group * n, (a.group + 1) * n) if self.valid[x]]
+        steps = self._pack(a.batch, tokens)
+        self.batch_tokens.setdefault(a.batch, deque()).extend(steps)
+        self._feed(ev.MicroStepsQueued(batch=a.batch, group=a.group, count=len(steps)))
+
+    def _pack(self, batch: int, tokens: list[float]) -> list[float]:
+        """Micro-steps (their tokens) the packing buffer emits for one more group: one per
+        execution, or `microstep_tokens` each with the partial last one held until the
+        batch's B-th group (as the runtime's stream packing buffer does)."""
+        size = self.config.costs.microstep_tokens
+        if size <= 0:
+            return tokens
+        state = self.packing.setdefault(batch, [0.0, 0.0])
+        state[0] += 1
+        state[1] += sum(tokens)
+        steps = []
+        while state[1] >= size:
+            steps.append(size)
+            state[1] -= size
+        if state[0] == self.sched_config.batch_groups and state[1] > 0:
+            steps.append(state[1])
+            state[1] = 0.0
+        return steps
 
     def _claim(self, a: ev.ClaimMicroStep) -> None:
-        tokens = self.batch_tokens[a.batch].popleft()
-        duration = tokens / self.cell_tokens_s
+        """A prepass costs one forward (`prepass_ratio` of forward + backward), a gradient
+        pass a forward + backward, both of the micro-step's tokens (docs/training.md)."""
+        if a.work is ev.Work.PREPASS:
+            tokens = self.batch_tokens[a.batch].popleft()
+            self.prepassing[a.cell] = tokens
+            duration = tokens * self.config.costs.prepass_ratio / self.cell_tokens_s
+        else:
+            tokens = self.batch_gradients[a.batch].popleft()
+            duration = tokens / self.cell_tokens_s
         if (a.cell, a.batch) not in self.filled:
             self.filled.add((a.cell, a.batch))
             duration += self.config.costs.pipeline_fill_s
+        self.running[a.cell] = duration
         self._at(duration, MICRO, a.cell, a.batch)
+
+    def _micro_done(self, cell: int, batch: int) -> None:
+        """A simulated micro-step's rows belong to its own executions, so its gradient is
+        ready right after its own prepass."""
+        tokens = self.prepassing.pop(cell, None)
+        self._feed(ev.MicroStepDone(cell=cell, batch=batch, seconds=self.running.pop(cell)))
+        if tokens is not None:
+            self.batch_gradients.setdefault(batch, deque()).append(tokens)
+            self._feed(ev.GradientsReady(batch=batch, count=1))
 
     def _update(self, a: ev.OptimizerUpdate) -> None:
         self.batch_tokens.pop(a.batch, None)
+        self.batch_gradients.pop(a.batch, None)
+        self.packing.pop(a.batch, None)
         self._at(self.config.costs.update_s, UPDATE, a.batch)
 
     def _publish(self, a: ev.Publish) -> None:

@@ -44,8 +44,9 @@ class WorkloadConfig:
     """Pareto shape of that factor (smaller = heavier)."""
     generation_share: float = 0.6
     """Share of nominal time spent waiting for model calls (the rest is tool time)."""
-    saturation_half: float = 144.0
-    """Engine load at which per-call generation time doubles (throughput saturation)."""
+    saturation_half_per_node: float = 36.0
+    """Load per engine node at which per-call generation time doubles (throughput
+    saturation); an engine of n nodes saturates at n times this (one model per size)."""
     harness_timeout_h: float = 4.0
     """Harness timeout from launch; the execution is killed and still scored."""
     overall_timeout_h: float = 4.5
@@ -55,13 +56,17 @@ class WorkloadConfig:
     eval_fail_prob: float = 0.5
     """Probability that an evaluation attempt fails and is retried."""
     train_tokens_per_hour: float = 160_000.0
-    """Admitted trainable-context tokens per nominal hour of execution (after J_max)."""
+    """Admitted training tokens (rows of ≤ J_max trajectories) per hour of execution work."""
+    tokens_sigma: float = 0.0
+    """Log-normal spread of an execution's tokens around that (sampled at dispatch)."""
 
     def __post_init__(self) -> None:
-        for name in ("query_median_h", "hard_query_factor", "tail_alpha", "saturation_half"):
+        for name in ("query_median_h", "hard_query_factor", "tail_alpha",
+                     "saturation_half_per_node"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: {getattr(self, name)}; allowed > 0")
-        for name in ("query_sigma", "execution_sigma", "eval_minutes", "train_tokens_per_hour"):
+        for name in ("query_sigma", "execution_sigma", "eval_minutes", "train_tokens_per_hour",
+                     "tokens_sigma"):  # fmt: skip
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name}: {getattr(self, name)}; allowed >= 0")
         for name in ("hard_query_prob", "tail_prob", "generation_share"):
@@ -84,6 +89,9 @@ class GroupSample:
     """Nominal run time of each execution, seconds (before the harness timeout)."""
     eval_s: np.ndarray
     """Total evaluation time until the first valid score (if the budget allows)."""
+    tokens: np.ndarray
+    """Training tokens of each execution if it runs to its end (a timeout trains on the
+    share of its work done)."""
 
 
 class Workload:
@@ -103,10 +111,26 @@ class Workload:
         tail = rng.random(n) < cfg.tail_prob
         noise = np.where(tail, noise * (1.0 + rng.pareto(cfg.tail_alpha, n)), noise)
         attempts = rng.geometric(1.0 - cfg.eval_fail_prob, n)
-        return GroupSample(nominal_s=q * noise * HOUR, eval_s=attempts * cfg.eval_minutes * 60.0)
+        nominal = q * noise
+        tokens = cfg.train_tokens_per_hour * nominal
+        if cfg.tokens_sigma > 0:
+            tokens = tokens * np.exp(cfg.tokens_sigma * rng.standard_normal(n))
+        return GroupSample(
+            nominal_s=nominal * HOUR, eval_s=attempts * cfg.eval_minutes * 60.0, tokens=tokens
+        )
 
-    def train_tokens(self, run_s: float) -> float:
-        return self.config.train_tokens_per_hour * run_s / HOUR
+
+class EmpiricalWorkload:
+    """Recorded groups drawn with replacement (trace replay); same seed, same draws."""
+
+    def __init__(self, groups: list[GroupSample], seed: int) -> None:
+        if not groups:
+            raise ValueError("an empirical workload needs at least one recorded group")
+        self.groups = groups
+        self.rng = np.random.default_rng(seed)
+
+    def sample_group(self) -> GroupSample:
+        return self.groups[int(self.rng.integers(len(self.groups)))]
 
 
 def nominal_stats(config: WorkloadConfig, group_size: int, groups: int, seed: int) -> dict:

@@ -1,8 +1,9 @@
 """A tiny random 'world' that answers the scheduler's actions in arbitrary order (tests only).
 
 It holds every outstanding obligation (running executions, pending group outcomes, packing,
-claimed micro-steps, switches, updates, publications) and fulfils one chosen by `rng` per
-step, checking the scheduler's invariants after each event.
+claimed micro-step passes, prepassed micro-steps whose gradient pass is not yet ready,
+switches, updates, publications) and fulfils one chosen by `rng` per step, checking the
+scheduler's invariants after each event.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import random
 from typing import Any
 
 from gyre.schedule import events as ev
-from gyre.schedule.machine import Scheduler
+from gyre.schedule.machine import Phase, Scheduler
+
+from .reference import JoinReference
 
 
 class World:
@@ -22,7 +25,8 @@ class World:
         self.closed: dict[int, int] = {}
         self.ready_pending: list[int] = []
         self.packing: list[tuple[int, int]] = []
-        self.micro: list[tuple[int, int]] = []
+        self.micro: list[tuple[int, int, ev.Work]] = []
+        self.unready: list[int] = []  # batch of each prepassed micro-step not yet ready
         self.switching: list[int] = []
         self.update: list[int] = []
         self.publish: list[int] = []
@@ -35,11 +39,22 @@ class World:
         self.admitted: set[int] = set()
         self.versions: dict[int, int] = {}
         self.publications = 0
+        self.ref = JoinReference(scheduler.config, scheduler.policy)
 
     def feed(self, event: ev.Event) -> None:
+        self.ref.on_event(event)
         for action in self.s.handle(event):
+            complaint = self.ref.on_action(action)
+            assert complaint is None, complaint
             self.apply(action)
         check_invariants(self.s, self)
+        missed = self.ref.missed_join(self.s.phase is Phase.BURST)
+        assert missed is None, missed
+        assert self.s.wasted_switches == self.ref.wasted
+
+    def seconds(self, high: float) -> float | None:
+        """A measured duration, or none (drivers may leave it out)."""
+        return None if self.rng.random() < 0.2 else self.rng.uniform(0.0, high)
 
     def apply(self, a: ev.Action) -> None:
         self.log.append(a)
@@ -47,6 +62,7 @@ class World:
             self.versions[a.group] = a.version
             assert a.version == self.s.published
         elif isinstance(a, ev.Launch):
+            assert self.s.engines[a.engine].up, f"launch on lost engine {a.engine}"
             self.running.append(a.execution)
         elif isinstance(a, ev.SwitchCell):
             self.switching.append(a.cell)
@@ -55,7 +71,10 @@ class World:
             self.admitted.add(a.group)
             self.packing.append((a.batch, a.group))
         elif isinstance(a, ev.ClaimMicroStep):
-            self.micro.append((a.cell, a.batch))
+            assert self.s.roles[a.cell].value == "train"
+            if a.work is ev.Work.GRADIENT:
+                assert a.cell < len(self.s.update_cells()), "gradient claim outside the prefix"
+            self.micro.append((a.cell, a.batch, a.work))
         elif isinstance(a, ev.OpenJoinWindow):
             self.window_open[a.batch] = True
         elif isinstance(a, ev.CloseJoinWindow):
@@ -70,7 +89,14 @@ class World:
             self.publish.append(a.version)
 
     def step(self) -> bool:
-        """Fulfil one random obligation; False when nothing is outstanding."""
+        """Fulfil one random obligation; False when nothing is outstanding.
+
+        Now and then an engine dies, or a dead one comes back (as the runtime reports it).
+        """
+        if self.rng.random() < 0.03 and self.s.started:
+            e = self.rng.randrange(len(self.s.engines))
+            down = not self.s.engines[e].up
+            self.feed(ev.EngineRestored(e) if down else ev.EngineLost(e))
         pools: list[list[Any]] = [
             p
             for p in (
@@ -78,6 +104,7 @@ class World:
                 self.ready_pending,
                 self.packing,
                 self.micro,
+                self.unready,
                 self.switching,
                 self.update,
                 self.publish,
@@ -85,6 +112,10 @@ class World:
             if p
         ]
         if not pools:
+            down = [e for e in self.s.engines if not e.up]
+            if down:  # nothing moves while engines are lost: one comes back
+                self.feed(ev.EngineRestored(down[0].index))
+                return True
             return False
         pool = self.rng.choice(pools)
         item = pool.pop(self.rng.randrange(len(pool)))
@@ -96,10 +127,17 @@ class World:
             batch, group = item
             self.feed(ev.MicroStepsQueued(batch=batch, group=group, count=self.rng.randrange(4)))
         elif pool is self.micro:
-            cell, batch = item
-            self.feed(ev.MicroStepDone(cell=cell, batch=batch))
+            cell, batch, work = item
+            if work is ev.Work.PREPASS:
+                self.unready.append(batch)
+            self.feed(ev.MicroStepDone(cell=cell, batch=batch, seconds=self.seconds(30.0)))
+        elif pool is self.unready:  # release it and any others of its batch, at random
+            extra = [b for b in self.unready if b == item and self.rng.random() < 0.5]
+            for b in extra:
+                self.unready.remove(b)
+            self.feed(ev.GradientsReady(batch=item, count=1 + len(extra)))
         elif pool is self.switching:
-            self.feed(ev.SwitchDone(item))
+            self.feed(ev.SwitchDone(item, seconds=self.seconds(20.0)))
         elif pool is self.update:
             self.feed(ev.BatchDone(item))
             if self.s.step_in_burst == self.s.config.mu or self.s.phase.value == "ending":
@@ -130,7 +168,7 @@ def check_invariants(s: Scheduler, world: World) -> None:
     for e in s.engines:
         assert len(e.running) <= e.capacity
         if e.running:
-            assert s._accepting(e), f"executions left on non-rollout engine {e.index}"
+            assert e.accepting, f"executions left on non-rollout engine {e.index}"
     if s.policy.name == "elastic" and s.phase.value == "burst":
         # during a burst the cells training or joining form a prefix (core first)
         training = [c for c, r in enumerate(s.roles) if r.value in ("train", "to_train")]

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.sim.config import load_sim_config
-from gyre.sim.engines import EnginePool
+from gyre.sim.engines import EngineModel, EnginePool
 from gyre.sim.workload import nominal_stats
 
 from .paths import TEMPLATE
@@ -25,7 +25,7 @@ def reference_finish_times(
         while pending and pending[0][1][0] <= t + 1e-12:
             i, (_, work) = pending.pop(0)
             remaining[i] = work
-        rate = pool.base / pool._cost(len(remaining)) if remaining else 0.0
+        rate = pool.model.rate(len(remaining)) if remaining else 0.0
         for i in list(remaining):
             remaining[i] -= rate * dt
             if remaining[i] <= 1e-9:
@@ -44,8 +44,9 @@ def reference_finish_times(
     )
 )
 def test_virtual_clock_matches_time_stepping(jobs: list[tuple[float, float]]) -> None:
-    pool = EnginePool(1, reference_load=4, generation_share=0.6, half=2.0)
-    ref = reference_finish_times(jobs, EnginePool(1, 4, 0.6, 2.0), dt=0.001)
+    model = EngineModel(reference_load=4, half=2.0, generation_share=0.6)
+    pool = EnginePool(1, model)
+    ref = reference_finish_times(jobs, EnginePool(1, model), dt=0.001)
     # event-driven: arrivals and completions in time order
     arrivals = sorted(enumerate(jobs), key=lambda j: j[1][0])
     finish: dict[int, float] = {}
@@ -66,9 +67,19 @@ def test_virtual_clock_matches_time_stepping(jobs: list[tuple[float, float]]) ->
 
 
 def test_rate_is_one_at_reference_load_and_faster_below() -> None:
-    pool = EnginePool(1, reference_load=144, generation_share=0.6, half=144.0)
-    assert pool.base / pool._cost(144) == pytest.approx(1.0)
-    assert pool.base / pool._cost(1) > 1.2
+    model = EngineModel.for_size(4, 144, generation_share=0.6, half_per_node=36.0)
+    assert model.rate(144) == pytest.approx(1.0)
+    assert model.rate(1) > 1.2
+
+
+def test_one_cost_model_per_engine_size() -> None:
+    """An idle 8-node, 288-slot engine speeds a lone execution up as much as an idle 4-node,
+    144-slot one (it used to be 2.19x against 1.59x with one curve for every size)."""
+    small = EngineModel.for_size(4, 144, generation_share=0.6, half_per_node=36.0)
+    large = EngineModel.for_size(8, 288, generation_share=0.6, half_per_node=36.0)
+    assert large.rate(1) == pytest.approx(small.rate(1), rel=0.01)
+    assert large.rate(144) == pytest.approx(small.rate(72), rel=0.01)  # same load per node
+    assert 1.5 < small.rate(1) < 1.7
 
 
 def test_template_is_calibrated_to_paper_figures() -> None:

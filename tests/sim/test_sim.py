@@ -11,6 +11,7 @@ import pytest
 from gyre.cli import main
 from gyre.errors import ConfigError
 from gyre.schedule.config import Config
+from gyre.schedule.events import Role, Work
 from gyre.sim import SimConfig, Simulator, load_sim_config
 from gyre.sim.config import PolicySpec
 
@@ -151,3 +152,44 @@ def test_every_table1_configuration_loads_and_runs_a_step() -> None:
     for name in PAPER_TIME_OVER_E0:
         result = run_ablation(name, steps=1)
         assert result.steps == 1 and result.total_h > 0
+
+
+def test_training_work_comes_from_sampled_tokens_not_wall_time() -> None:
+    """The same group trains the same tokens under every policy, however long it ran."""
+    cfg = small(steps=4)
+    sims = {p: Simulator(cfg, p, seed=2) for p in ("elastic", "async")}
+    for sim in sims.values():
+        sim.run()
+    a, b = sims["elastic"], sims["async"]
+    both = [x for x in range(min(len(a.outcome), len(b.outcome)))
+            if a.outcome[x] == b.outcome[x] == "completed"]  # fmt: skip
+    assert len(both) > 8
+    differ = 0
+    for x in both:
+        assert a.full_tokens[x] == b.full_tokens[x]
+        assert a.tokens[x] == pytest.approx(b.tokens[x]) == pytest.approx(a.full_tokens[x])
+        differ += abs((a.end_t[x] - a.launch_t[x]) - (b.end_t[x] - b.launch_t[x])) > 1.0
+    assert differ > len(both) // 4  # they ran at other speeds, and trained the same
+
+
+def test_the_scheduler_learns_the_simulated_costs() -> None:
+    sim = Simulator(small(steps=6), "elastic")
+    sim.run()
+    costs, est = sim.config.costs, sim.scheduler.costs
+    assert est.switch_s(0, Role.TRAIN) == pytest.approx(costs.switch_to_train_s)
+    assert est.switch_s(0, Role.ROLLOUT) == pytest.approx(costs.switch_to_rollout_s)
+    assert est.gradient.count > 0 and est.pass_s(Work.GRADIENT) > est.pass_s(Work.PREPASS)
+
+
+def test_satellites_stay_in_rollout_when_a_switch_costs_more_than_it_saves() -> None:
+    """Switches that take longer than the batch's work: the cost-aware rule keeps the
+    satellites serving; the paper's rule alone (payback 0) sends them and wastes switches."""
+    slow = dataclasses.replace(small(steps=6).costs, switch_to_train_s=20_000.0)
+    cfg = small(steps=6, costs=slow)
+    aware = Simulator(cfg, "elastic").run()
+    blind_sched = dataclasses.replace(cfg.scheduler, join_payback=0.0)
+    blind = Simulator(dataclasses.replace(cfg, scheduler=blind_sched), "elastic").run()
+    assert aware.wasted_switches == 0
+    assert blind.wasted_switches > 0
+    assert aware.switches < blind.switches
+    assert aware.total_h < blind.total_h

@@ -1,0 +1,142 @@
+"""Trace replay: a recorded run's workload and costs are fitted, replayed and compared."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from gyre.cli import main
+from gyre.errors import StoreError
+from gyre.sim.replay import fit, read_run
+from gyre.trajectory.store import TraceWriter
+from gyre.trajectory.tree import TrajectoryTree
+
+T0 = 1_000_000.0
+CONFIG = {
+    "name": "synthetic",
+    "topology": {"cells": 2, "ranks_per_cell": 1, "standalone_engines": 0},
+    "schedule": {"policy": "elastic", "streaming": None, "train_cells": 1,
+                 "concurrency_per_cell": 2, "group_size": 2, "batch_groups": 1, "phi": 0.0,
+                 "mu": 1, "supply_fraction": 1.0, "join_min_microsteps": 1},
+    "harness": {"harness_timeout_s": 50.0, "overall_timeout_s": 60.0},
+    "train": {"j_max": 5},
+}  # fmt: skip
+
+
+def _tree(eid: str, start: float, calls: list[tuple[float, float, int]]) -> TrajectoryTree:
+    tree = TrajectoryTree(eid)
+    for i, (t0, t1, n) in enumerate(calls):
+        tree.add_node(
+            parent_id=i, input_ids=np.arange(n, dtype=np.int32) % 50,
+            input_provenance=np.full(n, 2, np.uint8), output_ids=np.array([7, 8], np.int32),
+            output_logprobs=np.array([-0.5, -0.5], np.float32), role="main", policy_version=0,
+            engine_id="e0", t_start=start + t0, t_end=start + t1, finish_reason="stop",
+            input_key=bytes([i]), output_key=bytes([i + 100]),
+        )  # fmt: skip
+    return tree
+
+
+def write_run(run_dir: Path) -> Path:
+    """Two steps of a 2-cell run: 4 groups of 2; one execution times out at 50 s."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "trace.h5"
+    now = [T0]
+    with TraceWriter(path, run_meta={"config": yaml.safe_dump(CONFIG)},
+                     clock=lambda: now[0]) as w:  # fmt: skip
+        for g in range(4):
+            start = T0 + 1.0 + 20.0 * g
+            w.append("groups", [{"group_id": f"g{g}", "task_id": "t", "execution_id": f"g{g}-e{e}",
+                                 "policy_version": 0, "t_dispatch": start} for e in range(2)])  # fmt: skip
+            for e in range(2):
+                eid = f"g{g}-e{e}"
+                now[0] = start
+                w.open_execution(eid, {"group": f"g{g}"})
+                now[0] = start + 12.0  # closed after a 3 s (e0) or 1 s (e1) evaluation
+                timed_out = g == 3 and e == 1
+                calls = [(1.0, 4.0, 100), (5.0, 9.0 + 2 * e, 100)]  # 2 calls, 6-7 s generating
+                w.close_execution(eid, _tree(eid, start, calls),
+                                  status="timed_out" if timed_out else "completed",
+                                  meta={"verdict": "scored", "reward": 0.5})  # fmt: skip
+        w.append("steps", [{"step": s, "t": T0 + 60.0 * s, "name": n, "value": v}
+                           for s in (1, 2) for n, v in (("elapsed_s", 60.0 * s),
+                           ("prepass_s", 1.0), ("gradient_s", 3.0), ("microsteps", 2.0),
+                           ("train_cells", 1.0), ("train_wall_s", 4.5))])  # fmt: skip
+        w.append("events", [
+            {"t": T0, "kind": "admit", "detail": json.dumps({"group": "g0", "batch": 0})},
+            {"t": T0, "kind": "admit", "detail": json.dumps({"group": "g1", "batch": 1})},
+            {"t": T0, "kind": "publish", "detail": json.dumps({"version": 1, "seconds": 0.8})},
+        ])  # fmt: skip
+        w.append("roles", [
+            {"cell": 0, "role": "to_train", "t_start": T0 + 10, "t_end": T0 + 12},
+            {"cell": 1, "role": "to_train", "t_start": T0 + 10, "t_end": T0 + 14},
+            {"cell": 1, "role": "to_rollout", "t_start": T0 + 20, "t_end": T0 + 21},
+        ])  # fmt: skip
+    return run_dir
+
+
+def test_fit_reads_the_run_s_own_figures(tmp_path: Path) -> None:
+    run = read_run(write_run(tmp_path / "run"))
+    assert len(run.executions) == 8 and len(run.steps) == 2
+    x = next(x for x in run.executions if x.group == "g0")
+    assert x.run_s == pytest.approx(9.0) and x.calls == 2  # open at +0, last call ends at +9
+    assert x.eval_s == pytest.approx(3.0)
+    assert sum(x.timed_out for x in run.executions) == 1
+    f = fit(run)
+    costs, sched = f.template["costs"], f.template["scheduler"]
+    assert costs["switch_to_train_s"] == pytest.approx(3.0)  # (2 + 4) / 2
+    assert costs["switch_to_rollout_s"] == pytest.approx(1.0)
+    assert costs["publish_s"] == pytest.approx(0.8)
+    assert costs["prepass_ratio"] == pytest.approx(1 / 3)
+    tokens_g0 = sum(x.tokens for x in run.executions if x.group in ("g0", "g1"))
+    assert costs["train_tokens_per_node_s"] == pytest.approx(tokens_g0 / 6.0)  # 2 x 3 s
+    assert costs["microstep_tokens"] == pytest.approx(tokens_g0 / 4.0)
+    assert costs["update_s"] == pytest.approx(0.5)  # 4.5 s wall - (1 + 3) s of passes
+    assert sched["cells"] == 2 and sched["concurrency_per_cell"] == 2
+    assert f.template["workload"]["harness_timeout_h"] == pytest.approx(50 / 3600)
+    assert f.recorded["wall_s"] == 120.0 and len(f.groups) == 4
+    assert f.groups[3].nominal_s[1] > 50.0  # the timeout stays a timeout in the replay
+
+
+def test_replay_cli_prints_the_fit_beside_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = write_run(tmp_path / "run")
+    assert main(["sim", "--replay", str(run_dir), "--seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "mean execution s" in out and "switch to train s" in out
+    assert "wall time: run 120.0 s, replay (recorded groups)" in out
+    assert main(["sim", "--replay", str(run_dir / "trace.h5"), "--json", "--seed", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recorded"]["executions"] == 8 and len(data["replay_wall_s"]) == 1
+    # any other topology on the fit
+    assert main(["sim", "--replay", str(run_dir), "scheduler.cells=1", "scheduler.nodes=1",
+                 "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["policies"]["elastic"]["total_h"] > 0
+
+
+def test_corrupt_or_foreign_files_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import h5py
+
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    foreign = tmp_path / "foreign.h5"
+    with h5py.File(foreign, "w") as f:
+        f["x"] = [1]
+    trace = write_run(tmp_path / "run") / "trace.h5"
+    cut = tmp_path / "cut.h5"
+    cut.write_bytes(trace.read_bytes()[:3000])
+    for bad, message in ((text, "cannot open as HDF5"), (foreign, "not a Gyre trace"),
+                         (cut, "truncated"), (tmp_path / "missing", "no such trace")):  # fmt: skip
+        assert main(["sim", "--replay", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        with pytest.raises(StoreError):
+            read_run(bad)
+    assert main(["sim", str(trace)]) == 2  # a trace given as a template
+    assert "use --replay" in capsys.readouterr().err
