@@ -3,8 +3,8 @@
     python tools/bench_training.py [--json] [--quick]
 
 Reports
-* micro-step throughput (target tokens/s) of a streaming batch with 1, 2 and 3 training cells
-  (a real mpiexec world: coordinator + cells; all cells join at the start);
+* the training throughput (target tokens/s) of real `gyre run` jobs with 1, 2 and 3 cells
+  fixed in training (the runtime's own batch protocol, docs/training.md);
 * weight-snapshot pull time core -> satellite for a ~100 MB buffer, Mooncake TCP vs MPI;
 * target tokens, row tokens and forward-backward time with J_max = 1, 5 and unlimited on
   synthetic branching executions, as fractions of the uncapped case (the paper reports
@@ -48,53 +48,43 @@ def _world(n: int, args: list[str]) -> dict:
         return json.loads(out.read_text())
 
 
-def child_throughput(cells: int, quick: bool, out: Path) -> None:
-    """MPI program: stream batches through `cells` cells; rank 0 writes tokens/s."""
-    import torch
-    from mpi4py import MPI
+def bench_throughput(cells: int, quick: bool) -> dict:
+    """Target tokens per second of the batches of a real `gyre run` with `cells` training cells.
 
-    from gyre.train.cell import CoreOptimizer, OptimConfig, TorchCell
-    from gyre.train.comm import build_communicators
-    from gyre.train.objective import ObjectiveConfig
-    from gyre.train.packing import pack_rows
-    from gyre.train.stream import FixedStream
-    from gyre.train.synthetic import TinyCausalLM, random_batch
-    from gyre.train.transfer import make_transport
-    from gyre.train.world import CellWorker, Coordinator
+    The run is the local job on a training-heavy model (tiny:256x4), Async with `cells`
+    cells fixed in training and rollout on the others plus one standalone engine, so the
+    training prefix is the same in every batch; each batch's work is `train_wall_s`, from its
+    first pass to its finished update (the first batch, which pays start-up, is left out).
+    """
+    import yaml
 
-    torch.set_num_threads(1)
-    world = MPI.COMM_WORLD
-    comms = build_communicators(world, cell_of_rank=[None, *range(cells)])
-    obj = ObjectiveConfig()
-    cell = None
-    if comms.cell_id is not None:
-        cell = TorchCell(TinyCausalLM(vocab=2048, dim=128), objective=obj)
-    transport = make_transport("mpi", world, core_rank=1, flat=cell.flat_params if cell else None)
-    if comms.cell_id is None:
-        coord = Coordinator(comms, cell_ranks=list(range(1, cells + 1)), objective=obj)
-        rates = []
-        for b in range(2 if quick else 3):
-            rows, info = random_batch(
-                np.random.default_rng(b), executions=12 if quick else 24, vocab=2048,
-                length=(64, 256),
-            )  # fmt: skip
-            steps = pack_rows(rows, token_budget=1024)
-            t0 = time.perf_counter()
-            coord.run_batch(
-                FixedStream(steps, info, chunk=2),
-                end_of_burst=False,
-                on_progress=lambda co, _h: [co.join(c) for c in range(cells)],
-            )
-            if b > 0:  # batch 0 warms up (satellites pull the snapshot)
-                rates.append(sum(r.num_targets for r in rows) / (time.perf_counter() - t0))
-        coord.stop()
-        out.write_text(json.dumps({"target_tokens_per_s": float(np.mean(rates))}))
-    else:
-        assert cell is not None
-        opt = CoreOptimizer(cell, OptimConfig()) if comms.cell_id == 0 else None
-        CellWorker(comms, cell, transport, coordinator_rank=0, optimizer=opt).serve()
-    world.Barrier()
-    transport.close()
+    from gyre.trajectory.reader import TraceReader
+
+    cfg = yaml.safe_load((ROOT / "templates" / "local.yaml").read_text())
+    cfg["model"] = "tiny:256x4"
+    cfg["steps"] = 3 if quick else 5
+    cfg["topology"].update({"cells": 3, "standalone_engines": 1})
+    cfg["schedule"].update({"policy": "async", "train_cells": cells, "phi": 1.0})
+    cfg["train"]["token_budget"] = 2048  # several micro-steps per batch: work to share
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg["runs_dir"] = tmp
+        path = Path(tmp) / "run.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        run_dir = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "gyre", "run", str(path), "--run-dir", str(run_dir), "--quiet"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}")
+        with TraceReader(run_dir / "trace.h5") as r:
+            rows = r.rows("steps")
+    by_step: dict[int, dict[str, float]] = {}
+    for row in rows:
+        by_step.setdefault(int(row["step"]), {})[row["name"]] = float(row["value"])
+    later = [v for k, v in sorted(by_step.items()) if k > 1]
+    tokens = sum(v["targets"] for v in later)
+    wall = sum(v["train_wall_s"] for v in later)
+    return {"target_tokens_per_s": tokens / wall, "batches": len(later),
+            "train_wall_s_per_batch": wall / len(later)}  # fmt: skip
 
 
 def child_pull(out: Path) -> None:
@@ -163,7 +153,7 @@ def bench_jmax(quick: bool) -> dict:
         t0 = time.perf_counter()
         sc = execution_scalars(merge_sums([cell.prepass(s) for s in steps]), info, cell.objective)
         for s in steps:
-            cell.accumulate(s, sc, len(info))
+            cell.accumulate(s, sc)
         out[name] = {
             "trajectories": len(rows),
             "target_tokens": sum(r.num_targets for r in rows),
@@ -181,12 +171,9 @@ def run_child(argv: list[str]) -> int:
     """One rank of a benchmark world; any error aborts the whole world instead of hanging it."""
     from mpi4py import MPI
 
-    kind, *rest = argv
+    _kind, *rest = argv  # "pull": the one MPI child
     try:
-        if kind == "throughput":
-            child_throughput(int(rest[0]), rest[1] == "1", Path(rest[2]))
-        else:
-            child_pull(Path(rest[0]))
+        child_pull(Path(rest[0]))
     except BaseException:
         import traceback
 
@@ -204,9 +191,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         return run_child(args.child)
-    q = "1" if args.quick else "0"
     report = {
-        "throughput": {k: _world(k + 1, ["throughput", str(k), q]) for k in (1, 2, 3)},
+        "throughput": {k: bench_throughput(k, args.quick) for k in (1, 2, 3)},
         "snapshot": _world(3, ["pull"]),
         "j_max": bench_jmax(args.quick),
         "machine": f"{os.cpu_count()} CPUs, one rank per cell, OMP_NUM_THREADS=1",

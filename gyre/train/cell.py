@@ -8,9 +8,9 @@ Per batch (see docs/training.md):
 
 * phase A — `prepass(step)`: a no-grad forward returning per-execution sums of
   (log pi_theta - behaviour log-prob) over the step's targets;
-* phase B — `accumulate(step, scalars, num_executions)`: forward + backward of the step's loss;
-  gradients add up in `flat_grads`;
-* core only — `CoreOptimizer.step(summed_grads)`: clip at `grad_clip` norm, one AdamW step.
+* phase B — `accumulate(step, scalars)`: forward + backward of the step's loss; gradients add
+  up in `flat_grads` (without the batch factor 1/E, applied once to the sum);
+* core only — `CoreOptimizer.step(grad)`: clip at `grad_clip` norm, one AdamW step.
 
 Works on CPU and GPU (`device`); the dtype is the model's.
 """
@@ -43,7 +43,7 @@ class StepStats:
     """What one phase-B micro-step reports."""
 
     targets: int
-    objective: float  # sum of c_t: this step's share of J at the current point
+    objective: float  # sum of c_t: this step's share of E * J at the current point
 
 
 def _logits(model: Any, st: Any) -> torch.Tensor:
@@ -101,12 +101,10 @@ class TorchCell:
         logp, st = self._logprobs(step, grad=False)
         return ratio_sums(logp, st)
 
-    def accumulate(
-        self, step: MicroStep, scalars: Mapping[str, ExecutionScalar], num_executions: int
-    ) -> StepStats:
-        """Phase B: forward + backward; the gradient adds into `flat_grads`."""
+    def accumulate(self, step: MicroStep, scalars: Mapping[str, ExecutionScalar]) -> StepStats:
+        """Phase B: forward + backward; the gradient (without 1/E) adds into `flat_grads`."""
         logp, st = self._logprobs(step, grad=True)
-        coeff = token_coefficients(logp, st, scalars, num_executions, self.objective)
+        coeff = token_coefficients(logp, st, scalars, self.objective)
         step_loss(logp, coeff).backward()
         return StepStats(targets=int(st.targets.sum()), objective=float(coeff.sum()))
 

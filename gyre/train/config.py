@@ -1,15 +1,19 @@
 """Typed configuration of the training plane (no torch import: safe for CLI modules).
 
-`TrainConfig` gathers the trainer's parts; each part validates itself in `__post_init__` and
-`gyre.config.load(TrainConfig, data, path="train")` reports unknown keys and bad values with
-their key path:
+`TrainConfig` is the run YAML's `train:` section, flat, strict like every Gyre config
+(`gyre.config.load(TrainConfig, data, path="train")` names a bad key and what is allowed):
 
     train:
+      lr: 1.0e-6                 # the core's AdamW (beta1, beta2, eps, weight_decay, grad_clip)
+      clip_low: 0.995            # execution-level sequence clipping
+      clip_high: 1.005
+      token_weight_cap: 5.0      # the IS cap on token weights
+      j_max: 5                   # trajectories admitted per execution
+      token_budget: 16384        # padded tokens per micro-step
       transport: mooncake        # or mpi
-      stream: {groups_per_batch: 32, group_size: 16, token_budget: 16384,
-               admission: {j_max: 5, role_priority: [main, compaction, subagent]}}
-      objective: {token_weight_cap: 5.0, clip_low: 0.995, clip_high: 1.005}
-      optim: {lr: 1.0e-6, beta1: 0.9, beta2: 0.95, eps: 1.0e-15, weight_decay: 0.01}
+
+Its parts (`ObjectiveConfig`, `OptimConfig`, admission, advantages, the packing buffer's
+`StreamConfig`) are derived from it, so there is one source for each value.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gyre.errors import ConfigError
+from gyre.train.admission import DEFAULT_ROLE_PRIORITY, AdmissionConfig
+from gyre.train.rewards import AdvantageConfig
 from gyre.train.stream import StreamConfig
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True)
 class ObjectiveConfig:
     """Parameters of the execution-level GSPO objective."""
 
@@ -48,7 +54,7 @@ class ObjectiveConfig:
             )
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True)
 class OptimConfig:
     """The core's optimizer (paper appendix defaults)."""
 
@@ -76,23 +82,70 @@ class OptimConfig:
             raise ConfigError("weight_decay/grad_clip: must be >= 0")
 
 
-@dataclass(kw_only=True, slots=True)
-class TrainConfig:
-    """Everything the streaming trainer needs."""
+@dataclass(kw_only=True)
+class TrainConfig(OptimConfig, ObjectiveConfig):
+    """The trainer: the run YAML's `train:` section, flat (`train.clip_high`, `train.lr`, ...).
 
-    stream: StreamConfig = field(default_factory=StreamConfig)
-    """Batch shape, packing, admission and advantages."""
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    """The execution-level GSPO objective."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """The core's optimizer."""
-    transport: Literal["mooncake", "mpi"] = "mooncake"
-    """How satellites pull the core's weight snapshot."""
+    One place for the objective (its fields: `ObjectiveConfig`), the core's optimizer
+    (`OptimConfig`), admission, packing and placement; the cells and the coordinator take
+    their parts from it (`objective`, `optim`, `admission`, `advantage`, `stream`).
+    Defaults are the paper's (appendix B, §6.1).
+    """
+
+    scale_by_std: bool = True
+    """Divide centred group rewards by the group's std (GRPO/GSPO); false: Dr.GRPO."""
+    j_max: int | None = 5
+    """J_max: most trajectories admitted per execution (null: unlimited)."""
+    role_priority: list[str] = field(default_factory=lambda: list(DEFAULT_ROLE_PRIORITY))
+    """Admission's role classes, highest priority first."""
+    token_budget: int = 16384
+    """Most padded tokens (rows x longest row) in one micro-step."""
+    seed: int = 0
+    """Seed of admission sampling and of task-instance draws."""
     device: str = "cpu"
-    """Torch device of the cells ("cpu", "cuda", "cuda:0", ...)."""
+    """Torch device of the cells (cpu, cuda, cuda:N)."""
+    transport: Literal["mpi", "mooncake"] = "mpi"
+    """How satellites pull the core's weight snapshot."""
+    keep_policies: int = 3
+    """Publications kept as Hugging Face model directories under RUN_DIR/policies (>= 1)."""
+    record_batches: bool = False
+    """Write every batch's micro-steps and the core's gradient to RUN_DIR/batches (audits)."""
 
     def __post_init__(self) -> None:
-        if self.transport not in ("mooncake", "mpi"):
-            raise ConfigError(f"transport: {self.transport!r}; allowed mooncake, mpi")
+        OptimConfig.__post_init__(self)
+        ObjectiveConfig.__post_init__(self)
+        AdmissionConfig(j_max=self.j_max, role_priority=list(self.role_priority))  # validates
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device: {self.device!r}; allowed cpu, cuda, cuda:N")
+        if self.token_budget < 1:
+            raise ConfigError(f"token_budget: {self.token_budget}; allowed an integer >= 1")
+        if self.keep_policies < 1:
+            raise ConfigError(f"keep_policies: {self.keep_policies}; allowed an integer >= 1")
+
+    @property
+    def objective(self) -> ObjectiveConfig:
+        """The execution-level GSPO objective's parameters (this config is one)."""
+        return self
+
+    @property
+    def optim(self) -> OptimConfig:
+        """The core's AdamW (this config is one)."""
+        return self
+
+    @property
+    def admission(self) -> AdmissionConfig:
+        """The admission rule (J_max, role priority)."""
+        return AdmissionConfig(j_max=self.j_max, role_priority=list(self.role_priority))
+
+    @property
+    def advantage(self) -> AdvantageConfig:
+        """Group-relative advantage normalization."""
+        return AdvantageConfig(scale_by_std=self.scale_by_std)
+
+    def stream(self, *, groups_per_batch: int, group_size: int) -> StreamConfig:
+        """The packing buffer's config for a batch shape (B groups of N executions)."""
+        return StreamConfig(
+            groups_per_batch=groups_per_batch, group_size=group_size,
+            token_budget=self.token_budget, seed=self.seed, admission=self.admission,
+            advantage=self.advantage,
+        )  # fmt: skip

@@ -11,7 +11,8 @@ log-probs b_t (recorded by the rollout engine) and current log-probs l_t = log p
     gradient            grad J = (1/E) * sum_i (g_i * A_i / L_i) * sum_{t in T_i} rho_t * grad l_t
 
 The loss a micro-step backpropagates is `-sum_t c_t * l_t` with the detached coefficient
-`c_t = g_i * A_i * rho_t / (L_i * E)`. g_i couples all rows of an execution, so it is computed
+`c_t = g_i * A_i * rho_t / L_i`; the core multiplies the batch's summed gradient by 1/E
+(`batch_gradient`), since E is known only once the batch closes. g_i couples all rows of an execution, so it is computed
 in a no-grad *prepass* over the whole batch first (phase A, `ratio_sums` per micro-step, summed
 per execution), then every micro-step's backward (phase B) is independent: gradient sums are
 the same for any split of rows into micro-steps and any assignment of micro-steps to cells.
@@ -142,18 +143,17 @@ def token_coefficients(
     logp: torch.Tensor,
     st: StepTensors,
     scalars: Mapping[str, ExecutionScalar],
-    num_executions: int,
     cfg: ObjectiveConfig,
 ) -> torch.Tensor:
-    """Detached c_t = g_i A_i rho_t / (L_i E) at targets, 0 elsewhere (float64 [n, T])."""
-    if num_executions < 1:
-        raise TrainingError(f"num_executions: {num_executions}; a batch needs >= 1 execution")
+    """Detached c_t = g_i A_i rho_t / L_i at targets, 0 elsewhere (float64 [n, T]).
+
+    The batch factor 1/E is not in c_t: E is final only when the batch closes, so the core
+    divides the summed gradient by E before clipping (`batch_gradient`).
+    """
     rows = [scalars[e] for e in st.executions]
     dev = st.behaviour.device
     per_row = torch.tensor(
-        [s.gate * s.advantage / (s.num_targets * num_executions) for s in rows],
-        dtype=torch.float64,
-        device=dev,
+        [s.gate * s.advantage / s.num_targets for s in rows], dtype=torch.float64, device=dev
     )
     if cfg.token_weight == "sequence_ratio":
         rho = torch.tensor([math.exp(s.log_ratio) for s in rows], dtype=torch.float64, device=dev)
@@ -162,6 +162,13 @@ def token_coefficients(
         d = logp.detach().double() - st.behaviour
         rho = torch.exp(d.clamp(max=math.log(cfg.token_weight_cap)))
     return torch.where(st.targets, per_row[:, None] * rho, torch.zeros_like(rho))
+
+
+def batch_gradient(summed: torch.Tensor, num_executions: int) -> torch.Tensor:
+    """grad J: the micro-steps' summed gradient times 1/E (a new tensor)."""
+    if num_executions < 1:
+        raise TrainingError(f"num_executions: {num_executions}; a batch needs >= 1 execution")
+    return summed / num_executions
 
 
 def step_loss(logp: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:

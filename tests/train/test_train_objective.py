@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import train_batch_reference
 
 from gyre.errors import TrainingError
 from gyre.train.cell import CoreOptimizer, OptimConfig, TorchCell
-from gyre.train.local import train_batch_local
 from gyre.train.objective import (
     ObjectiveConfig,
     execution_scalars,
@@ -41,9 +41,9 @@ def _inputs(seed: int, spread: float):
 def _fast_grad(logp, st_, info, cfg):
     sums = ratio_sums(logp, st_)
     sc = execution_scalars(sums, info.executions, cfg)
-    coeff = token_coefficients(logp, st_, sc, info.num_executions, cfg)
+    coeff = token_coefficients(logp, st_, sc, cfg)
     (g,) = torch.autograd.grad(step_loss(logp, coeff), logp)
-    return -g, sc
+    return -g / info.num_executions, sc
 
 
 def _reference_grad(rows, logp, info, cfg, mode: str) -> torch.Tensor:
@@ -117,7 +117,7 @@ def test_gradient_and_update_independent_of_split_and_cells(
     def run(steps, owners, n):
         cells = [TorchCell(copy.deepcopy(tiny64_base), objective=cfg) for _ in range(n)]
         opt = CoreOptimizer(cells[0], opt_cfg)
-        stats = train_batch_local(cells, opt, steps, info, objective=cfg, assignment=owners)
+        stats = train_batch_reference(cells, opt, steps, info, objective=cfg, assignment=owners)
         return stats.grad_sum, cells[0].flat_params.clone(), cells[-1].flat_params.clone()
 
     g_ref, p_ref, _ = run([MicroStep(index=0, rows=tuple(rows))], [0], 1)
@@ -141,11 +141,11 @@ def test_nan_current_logprobs_and_empty_batch_are_errors(tiny64) -> None:
     cell = TorchCell(tiny64, objective=ObjectiveConfig())
     opt = CoreOptimizer(cell, OptimConfig())
     with pytest.raises(TrainingError, match="empty batch"):
-        train_batch_local([cell], opt, [], info, objective=ObjectiveConfig())
+        train_batch_reference([cell], opt, [], info, objective=ObjectiveConfig())
     cell.flat_params[:100] = float("nan")  # a poisoned embedding row set
     steps = pack_rows(rows, token_budget=10_000)
     with pytest.raises(TrainingError, match="not finite"):
-        train_batch_local([cell], opt, steps, info, objective=ObjectiveConfig())
+        train_batch_reference([cell], opt, steps, info, objective=ObjectiveConfig())
     assert opt.steps == 0 and torch.equal(cell.flat_grads, torch.zeros_like(cell.flat_grads))
 
 

@@ -90,7 +90,7 @@ def test_ten_paths_and_one_path_with_equal_targets_carry_equal_weight() -> None:
     logp = st_.behaviour.clone()
     info = {"wide": (0.7, 100), "chain": (0.7, 100)}
     sc = execution_scalars(ratio_sums(logp, st_), info, ObjectiveConfig())
-    coeff = token_coefficients(logp, st_, sc, 2, ObjectiveConfig())
+    coeff = token_coefficients(logp, st_, sc, ObjectiveConfig()) / 2
     per_exec = {e: float(coeff[k].sum()) for k, e in enumerate(st_.executions)}
     totals = {e: sum(float(coeff[k].sum()) for k, x in enumerate(st_.executions) if x == e)
               for e in per_exec}  # fmt: skip

@@ -5,7 +5,7 @@ no Transformer Engine needed) from a Hugging Face Qwen2 / Llama config dict; Meg
 `parallel_state` must be initialized first (`init_model_parallel`). `MegatronCell` is a
 `gyre.train.cell.TorchCell` over that model: the same flat parameter / gradient buffers,
 phase-A prepass and phase-B accumulate of the same micro-steps and objective, so the world
-protocol (`gyre.train.world`) and transports work unchanged. With tensor parallelism the
+protocol (`gyre.runtime.training`, docs/training.md) and transports work unchanged. With tensor parallelism the
 logits are vocabulary-sharded and target log-probs come from Megatron's vocab-parallel
 cross-entropy. `ModelParallelOptimizer` is the core's optimizer: AdamW on each rank's shard,
 with the global gradient norm summed over the cell's model-parallel group (replicated
