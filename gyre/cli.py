@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "plan": "gyre.schedule.cli",
     "sim": "gyre.sim.cli",
     "run": "gyre.runtime.cli",
+    "eval": "gyre.runtime.cli",
     "report": "gyre.runtime.cli",
     "render": "gyre.launch.cli",
     "submit": "gyre.launch.cli",

@@ -12,14 +12,23 @@ dict[str, ...], Literal[...], enums and nested dataclasses.
 
 Validation in `__post_init__` raises `ConfigError("field: value ... ; allowed ...")`, its
 message starting with the field name; `load` prefixes the key path.
+
+Command-line overrides (`gyre run CONFIG train.lr=3e-4 schedule.policy=async`) are applied
+to the raw mapping before `load`, so a mistyped key fails in the same strict loader:
+
+    data = apply_overrides(read_mapping("templates/local.yaml"), ["train.lr=3e-4"])
+    cfg = load(RunConfig, data, path="run")
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
+import re
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,6 +65,67 @@ def read_mapping(file: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping at the top level")
     return data
+
+
+class _OverrideLoader(yaml.SafeLoader):
+    """YAML for override values with YAML 1.2 numbers: `3e-4` is a float (YAML 1.1 reads a
+    string) and `2:00:00` a string (YAML 1.1 reads the base-60 integer 7200)."""
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_OverrideLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_OverrideLoader.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0x[0-9a-fA-F_]+)$"), list("-+0123456789")
+)
+_OverrideLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+"
+        r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|\.(?:inf|Inf|INF))|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`KEY.PATH=VALUE` -> (["KEY", "PATH"], VALUE parsed as YAML); ConfigError if malformed."""
+    key, sep, raw = text.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(p.strip() for p in parts):
+        raise ConfigError(f"override {text!r}: expected KEY.PATH=VALUE (e.g. train.lr=3e-4)")
+    try:
+        value = yaml.load(raw, Loader=_OverrideLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({e})") from None
+    return [p.strip() for p in parts], value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of `data` with each `KEY.PATH=VALUE` set, in order (later ones win).
+
+    Missing intermediate mappings are created; unknown keys are left for `load` to refuse
+    (naming the key path and the allowed keys). Only a path through a non-mapping value
+    (e.g. `steps.x=1`) is refused here.
+    """
+    out = copy.deepcopy(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:  # absent, or an empty section (`train:`): start a mapping
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(
+                    f"override {text!r}: {where} is {child!r}, not a mapping with keys"
+                )
+            node = child
+        node[parts[-1]] = value
+    return out
 
 
 def to_dict(obj: Any) -> Any:

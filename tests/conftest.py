@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+# shared test helpers (`import processes`) and the train tests' reference (`train.reference`)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -7,11 +7,14 @@ Each policy runs `gyre run` (one MPI world: coordinator, proxy node with the har
 cells) on the same config, the same cell count and the same task draw, with (φ, μ) chosen by
 `gyre.schedule.plan_for` so that every policy has the same expected staleness
 E[d] = φ + (μ-1)/2. Steps must be a multiple of every policy's μ. Reported per policy: the
-coordinator's wall time for S steps (process start-up excluded), mean staleness, switches,
-reroutes; and the ratios async/elastic and colocate/elastic (> 1: elastic is faster), for
-the whole wall time and for the steady state: seconds per step after the first burst every
-policy completes (the lcm of the μs), which leaves out start-up and the pipeline fill, as
-an hours-long run would (its steps are mostly steady).
+coordinator's wall time for S steps (process start-up excluded), mean staleness, switches
+(and wasted ones: satellites that trained nothing), switch seconds per direction, reroutes;
+and the ratios async/elastic and colocate/elastic (> 1: elastic is faster), for the whole
+wall time and for the steady state: seconds per step after the first burst every policy
+completes (the lcm of the μs), which leaves out start-up and the pipeline fill, as an
+hours-long run would (its steps are mostly steady). With `--eval-every K` every K-th
+policy is evaluated on held-out instances (`gyre.runtime.evaluation`, the code `gyre eval`
+runs) and the time each policy takes to reach `--target` held-out reward is compared too.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def run_policy(base: dict[str, Any], policy: str, steps: int, staleness: float,
     cfg["steps"] = steps
     cfg["schedule"].update(policy=policy, phi=plan.phi, mu=plan.mu)
     cfg["runs_dir"] = str(work / "runs")
+    cfg["train"]["keep_policies"] = steps  # every publication kept, for the held-out evals
     path = work / f"{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run_dir = work / policy
@@ -54,9 +58,51 @@ def run_policy(base: dict[str, Any], policy: str, steps: int, staleness: float,
     return {
         "policy": policy, "phi": plan.phi, "mu": plan.mu, "wall_s": summary["wall_s"],
         "staleness_mean": sum(stale) / len(stale), "switches": summary["switches"],
-        "reroutes": summary["reroutes"], "run_dir": str(run_dir),
+        "wasted_switches": summary["wasted_switches"], "reroutes": summary["reroutes"],
+        "switch_s": _switch_seconds(run_dir), "run_dir": str(run_dir),
         "elapsed_s": [st["elapsed_s"] for st in summary["steps"]],
+        "reward": [st["reward_mean"] for st in summary["steps"]],
     }  # fmt: skip
+
+
+def _switch_seconds(run_dir: Path) -> dict[str, float]:
+    """Mean seconds of the whole transition, per direction (the `switch` events)."""
+    from gyre.trajectory.reader import TraceReader
+
+    with TraceReader(run_dir / "trace.h5") as r:
+        rows = [json.loads(e["detail"]) for e in r.rows("events") if e["kind"] == "switch"]
+    out = {}
+    for to in ("train", "rollout"):
+        got = [d["seconds"] for d in rows if d["to"] == to]
+        if got:
+            out[to] = sum(got) / len(got)
+    return out
+
+
+def held_out(row: dict[str, Any], every: int, instances: int) -> list[tuple[int, float]]:
+    """(version, held-out reward) of every `every`-th kept policy of the run, and the final."""
+    from gyre.runtime import policies
+    from gyre.runtime.config import load_run_config
+    from gyre.runtime.evaluation import Target, evaluate
+
+    run_dir = Path(row["run_dir"])
+    cfg = load_run_config(run_dir / "config.yaml")
+    chosen = [(v, d) for v, d in policies.published(run_dir) if v % every == 0]
+    out = []
+    for v, d in chosen:
+        res = evaluate(cfg, Target(d.name, str(d), v), run_dir / "eval" / d.name,
+                       tasks=cfg.harness.tasks, instances=instances,
+                       concurrency=cfg.engine.max_batch_size)  # fmt: skip
+        out.append((v, res.mean))
+    return out
+
+
+def time_to(row: dict[str, Any], target: float) -> float | None:
+    """Seconds of run until the first evaluated policy at or above `target` was trained."""
+    for v, mean in row.get("held_out", []):
+        if mean >= target and 1 <= v <= len(row["elapsed_s"]):
+            return float(row["elapsed_s"][v - 1])
+    return None
 
 
 def steady(row: dict[str, Any], first: int) -> float | None:
@@ -75,6 +121,14 @@ def main() -> int:
     p.add_argument("--min-phi", type=float, default=1.0,
                    help="Elastic's smallest φ (gyre plan --min-phi); 1.0 gives μ = 1 at E[d] = 1, "
                         "a publication per step, which is cheap on one machine")  # fmt: skip
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="evaluate every K-th policy on held-out instances (0: no evals)",
+    )
+    p.add_argument("--target", type=float, default=0.5, help="held-out reward to reach")
+    p.add_argument("--instances", type=int, default=8, help="held-out instances per eval")
     p.add_argument("--json", action="store_true")
     p.add_argument("--keep", metavar="DIR", help="keep the runs (traces, summaries) under DIR")
     args = p.parse_args()
@@ -93,6 +147,10 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="gyre-bench-") as tmp:
             rows = [run_policy(base, pol, args.steps, args.staleness, Path(tmp), args.min_phi)
                     for pol in POLICIES]  # fmt: skip
+    if args.eval_every:
+        for r in rows:
+            r["held_out"] = held_out(r, args.eval_every, args.instances)
+            r["time_to_target_s"] = time_to(r, args.target)
     elastic = rows[0]["wall_s"]
     ratios = {f"{r['policy']}/elastic": r["wall_s"] / elastic for r in rows[1:]}
     for r in rows:  # steady state: from the end of the first burst every policy completes
@@ -101,23 +159,34 @@ def main() -> int:
     if rows[0]["steady_s_per_step"]:
         steady_ratios = {f"{r['policy']}/elastic": r["steady_s_per_step"] / rows[0]["steady_s_per_step"]
                          for r in rows[1:]}  # fmt: skip
+    target_ratios = {}
+    if args.eval_every and rows[0].get("time_to_target_s"):
+        target_ratios = {f"{r['policy']}/elastic": (r["time_to_target_s"] or float("inf"))
+                         / rows[0]["time_to_target_s"] for r in rows[1:]}  # fmt: skip
     if args.json:
         print(json.dumps({"steps": args.steps, "staleness": args.staleness, "runs": rows,
-                          "ratios": ratios, "steady_ratios": steady_ratios}, indent=2))  # fmt: skip
+                          "ratios": ratios, "steady_ratios": steady_ratios,
+                          "time_to_target_ratios": target_ratios}, indent=2))  # fmt: skip
         return 0
     print(f"{args.steps} steps, target E[d] = {args.staleness}, cells = "
           f"{base['topology']['cells']}")  # fmt: skip
     print(f"{'policy':10} {'phi':>5} {'mu':>3} {'wall_s':>8} {'steady_s':>8} {'E[d]':>6} "
-          f"{'switches':>8} {'reroutes':>8}")  # fmt: skip
+          f"{'switches':>8} {'wasted':>6} {'to_train_s':>10} {'to_roll_s':>9} {'reroutes':>8}")  # fmt: skip
     for r in rows:
         st = r["steady_s_per_step"]
+        sw = r["switch_s"]
         print(f"{r['policy']:10} {r['phi']:5.2f} {r['mu']:3d} {r['wall_s']:8.1f} "
               f"{'-' if st is None else f'{st:.1f}':>8} {r['staleness_mean']:6.2f} "
-              f"{r['switches']:8d} {r['reroutes']:8d}")  # fmt: skip
+              f"{r['switches']:8d} {r['wasted_switches']:6d} {sw.get('train', 0):10.2f} "
+              f"{sw.get('rollout', 0):9.2f} {r['reroutes']:8d}")  # fmt: skip
+        if "held_out" in r:
+            print(f"  held-out {r['held_out']}, time to {args.target}: {r['time_to_target_s']}")
     for name, value in ratios.items():
         line = f"{name}: {value:.2f}x wall"
         if name in steady_ratios:
             line += f", {steady_ratios[name]:.2f}x steady (steps {lcm + 1}..{args.steps})"
+        if name in target_ratios:
+            line += f", {target_ratios[name]:.2f}x time to held-out reward {args.target}"
         print(line)
     return 0
 

@@ -108,10 +108,10 @@ def run_batch(cell: Any, steps: list, info: Any) -> dict[str, Any]:
     sums = merge_sums([cell.prepass(s) for s in steps])
     scalars = execution_scalars(sums, info.executions, obj)
     cell.zero_grad()
-    done = [cell.accumulate(s, scalars, info.num_executions) for s in steps]
+    done = [cell.accumulate(s, scalars) for s in steps]
     return {
         "objective": sum(d.objective for d in done),
-        "grad_norm": float(cell.flat_grads.double().norm()),
+        "grad_norm": float(cell.flat_grads.double().norm()) / info.num_executions,
         "log_ratio_sum": sum(sums.values()),
     }
 
@@ -186,11 +186,11 @@ def section_parity(args: argparse.Namespace) -> dict[str, Any]:
 # ----- (b) training speed -----------------------------------------------------------------
 def time_steps(cell: Any, step: Any, scalars: Any, n: int, device: str) -> dict[str, float]:
     for _ in range(2):
-        cell.accumulate(step, scalars, 1)
+        cell.accumulate(step, scalars)
     sync(device)
     t0 = time.perf_counter()
     for _ in range(n):
-        cell.accumulate(step, scalars, 1)
+        cell.accumulate(step, scalars)
     sync(device)
     fb = (time.perf_counter() - t0) / n
     t0 = time.perf_counter()
@@ -381,7 +381,7 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
             sc = {r.execution_id: ExecutionScalar(advantage=1.0, num_targets=r.num_targets,
                                                   log_ratio=0.0, gate=1.0)
                   for s in steps for r in s.rows}  # fmt: skip
-            cell.accumulate(steps[0], sc, 4)
+            cell.accumulate(steps[0], sc)
             sync(args.device)
             points["training_step_done"] = used(args.device)
             off = CellOffload()

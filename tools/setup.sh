@@ -51,6 +51,12 @@ log "pip install -e .[$extras]"
 if ((want_test)) && [ -f tools/install_claude.sh ]; then
   bash tools/install_claude.sh >/dev/null || log "Claude Code not installed (its test will be skipped)"
 fi
+if ((want_test)) && [ -f tools/install_codex.sh ]; then
+  bash tools/install_codex.sh >/dev/null || log "Codex CLI not installed (its tests will be skipped)"
+fi
+if ((want_test)) && [ -f tools/install_mini_swe_agent.sh ]; then
+  bash tools/install_mini_swe_agent.sh >/dev/null || log "mini-swe-agent not installed (its tests will be skipped)"
+fi
 # pyenv-managed Pythons see new console scripts (`gyre`) only after a rehash.
 command -v pyenv >/dev/null 2>&1 && { pyenv rehash 2>/dev/null || true; }
 log "ready: $("$py" -m gyre --version)"

@@ -3,9 +3,12 @@
     gyre render templates/cluster/paper-32.yaml -o job.sbatch && sbatch job.sbatch
     gyre render templates/local.yaml --check          # also check the partitions (sinfo)
     gyre submit templates/local.yaml                  # through submitit; follows the job
+    gyre render templates/cluster/nl2repo-32.yaml topology.cells=4 slurm.time_limit=2:00:00
 
 Both validate the whole run config first; `submit` (and `render --check`) also check it
 against the cluster's partitions, so a job the cluster cannot run is never submitted.
+`KEY.PATH=VALUE` overrides follow CONFIG; the merged config is written under
+`<runs_dir>/configs/` and the job's tasks read that file.
 """
 
 from __future__ import annotations
@@ -15,16 +18,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+OVERRIDES_HELP = "set config keys (after CONFIG), e.g. train.lr=3e-4 topology.cells=4"
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("render", help="print the sbatch script of a run config")
     p.add_argument("config", help="run YAML (templates/local.yaml, templates/cluster/*.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help=OVERRIDES_HELP)
     p.add_argument("-o", "--output", help="write the script here instead of stdout")
     p.add_argument("--check", action="store_true", help="check against the cluster (sinfo)")
     p.set_defaults(func=render_main)
 
     s = sub.add_parser("submit", help="submit a run as a heterogeneous job through submitit")
     s.add_argument("config", help="run YAML")
+    s.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help=OVERRIDES_HELP)
     s.add_argument("--folder", help="submitit folder (default: <runs_dir>/submitit)")
     s.add_argument("--steps", type=int, default=None, help="override the config's steps")
     s.add_argument("--entry", default=None, help="task module (default gyre.runtime.main)")
@@ -38,7 +45,7 @@ def render_main(args: argparse.Namespace) -> int:
     from gyre.launch.render import RenderOptions, render_script
     from gyre.launch.spec import job_spec, load_launch
 
-    spec = job_spec(load_launch(args.config))
+    spec = job_spec(load_launch(args.config, args.overrides))
     if args.check:
         from gyre.launch.cluster import query_cluster, validate
 
@@ -57,7 +64,7 @@ def submit_main(args: argparse.Namespace) -> int:
     from gyre.launch.spec import job_spec, load_launch
     from gyre.launch.submit import follow, submit
 
-    launch = load_launch(args.config)
+    launch = load_launch(args.config, args.overrides)
     if not args.no_check:
         from gyre.launch.cluster import query_cluster, validate
 

@@ -4,7 +4,8 @@ Gyre runs as one heterogeneous Slurm job (docs/slurm.md): component 0 the coordi
 component 1 the proxy / harness node, then one component per cell (`nodes_per_cell` nodes
 sharing the cell's R ranks), then an optional standalone rollout pool. This dataclass holds
 everything the rendered sbatch script needs beyond the run's topology (cells, ranks per cell,
-standalone engines), which the runtime's `RunConfig` owns:
+standalone engines), which the runtime's `RunConfig` owns (`gyre.runtime.layout.TopologyConfig`;
+the runtime keeps the `slurm:` section as data and only the launcher reads it):
 
     slurm:
       partition: gpu
@@ -24,6 +25,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gyre.errors import ConfigError
+from gyre.runtime.layout import TopologyConfig
+
+__all__ = ["MPI_PLUGINS", "RESERVED_OPTIONS", "SlurmConfig", "TopologyConfig"]
 
 MPI_PLUGINS = ("pmi2", "pmix")
 
@@ -53,37 +57,6 @@ RESERVED_OPTIONS = (
     "--no-requeue",
     "--open-mode",
 )
-
-
-@dataclass(kw_only=True, slots=True)
-class TopologyConfig:
-    """Which processes the MPI world holds besides the coordinator and the proxy node.
-
-    Shared by the launcher (which sizes the job from it) and the runtime. A cluster cell
-    holds one rank per GPU; the embedded CPU runtime runs one rank per cell and checks that
-    when it starts (`gyre.runtime.layout.check_embedded`), not here, so that a cluster
-    config loads and renders on any machine.
-    """
-
-    cells: int = 3
-    """K: elastic cells; cell 0 is the core."""
-    ranks_per_cell: int = 1
-    """R: MPI ranks of one cell (on a GPU cluster: one per GPU of the cell)."""
-    standalone_engines: int = 0
-    """Rollout engines that never switch (one rank each)."""
-
-    def __post_init__(self) -> None:
-        if self.cells < 1:
-            raise ConfigError(f"cells: {self.cells}; allowed: an integer >= 1")
-        if self.ranks_per_cell < 1:
-            raise ConfigError(f"ranks_per_cell: {self.ranks_per_cell}; allowed: an integer >= 1")
-        if self.standalone_engines < 0:
-            raise ConfigError(f"standalone_engines: {self.standalone_engines}; allowed: >= 0")
-
-    @property
-    def world_size(self) -> int:
-        """1 coordinator + 1 proxy node + K*R cell ranks + the standalone engines."""
-        return 2 + self.cells * self.ranks_per_cell + self.standalone_engines
 
 
 @dataclass(kw_only=True, slots=True)

@@ -13,10 +13,15 @@ inside `srun --het-group=0-N` is component order, so world ranks come out exactl
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from gyre.config import load, read_mapping
+import yaml
+
+from gyre.config import apply_overrides, load, read_mapping
 from gyre.errors import ConfigError
 from gyre.launch.config import SlurmConfig, TopologyConfig
 
@@ -90,19 +95,33 @@ class JobSpec:
         return f"0-{len(self.components) - 1}"
 
 
-def load_launch(path: str | Path) -> Launch:
+def load_launch(path: str | Path, overrides: Sequence[str] = ()) -> Launch:
     """Read and fully validate a run config; return what the launcher needs.
 
     The whole file is validated as a `gyre.runtime.config.RunConfig`, so a bad key is found
-    before submission.
+    before submission. With `KEY.PATH=VALUE` overrides, the merged config is written to
+    `<runs_dir>/configs/<name>-<hash>.yaml` (named by its content) and `Launch.path` points
+    there, so every task of the job reads exactly the config validated here.
     """
     from gyre.runtime.config import RunConfig
 
     p = Path(path)
-    run = load(RunConfig, read_mapping(p), path="run")
-    return Launch(
-        path=p, name=run.name, runs_dir=run.runs_dir, topology=run.topology, slurm=run.slurm
-    )
+    data = apply_overrides(read_mapping(p), overrides)
+    run = load(RunConfig, data, path="run")
+    slurm = load(SlurmConfig, run.slurm, path="run.slurm")
+    if overrides:
+        p = _write_merged(data, p, Path(run.runs_dir) / "configs", run.name)
+    return Launch(path=p, name=run.name, runs_dir=run.runs_dir, topology=run.topology, slurm=slurm)
+
+
+def _write_merged(data: dict[str, Any], source: Path, folder: Path, name: str) -> Path:
+    """The merged config as a YAML file named by its content (rewritten only if new)."""
+    text = f"# {source} with command-line overrides\n" + yaml.safe_dump(data, sort_keys=False)
+    out = folder / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:10]}.yaml"
+    if not out.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    return out
 
 
 def job_spec(launch: Launch) -> JobSpec:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gyre.errors import ConfigError
+from gyre.runtime.checkpoint import EXIT_CHECKPOINTED
 
-EXIT_CHECKPOINTED = 75
-"""Exit status of rank 0 after a checkpoint-and-exit: the job should be requeued."""
+__all__ = ["EXIT_CHECKPOINTED", "component_of", "het_group_sizes", "locate", "restart_count"]
 
 
 def het_group_sizes(env: Mapping[str, str]) -> list[int] | None:

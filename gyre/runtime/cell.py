@@ -3,47 +3,59 @@
 The cell keeps two states in one long-lived process: the embedded engine (a child process,
 `EngineProcess`) and the training replica (`gyre.train.cell.TorchCell`; on the core also the
 optimizer). A switch to TRAIN aborts the engine's outstanding calls and releases its memory;
-a satellite then pulls the core's weights. A switch to ROLLOUT resumes the engine and loads
-the replica's weights into it if they are newer. Each switch reports its measured duration.
-Processes and communicators live across switches; only model state moves.
+a switch to ROLLOUT resumes the engine. A satellite's replica pulls the core's weights
+lazily, at its first pass of a batch whose weight version it does not hold: the core's
+weights are fixed while any pass is outstanding, so a pull never sees an update half done.
+Each switch reports its measured duration. Processes and communicators live across
+switches; only model state moves.
 
-Commands from the coordinator (tag DOWN): to_train, to_rollout, prepass, train, publish,
-respawn, reload, stop. Reports (tag UP): engine_ready, switched, prepassed, updated, published,
-engine_lost. A standalone engine rank runs the same loop without a replica.
+The cell answers the coordinator's messages (`gyre.runtime.messages`, one handler per type):
+ToTrain, ToRollout, Prepass, Accumulate, Reduce, Publish, SavePolicy, Respawn, Reload,
+SaveCheckpoint, Stop. A standalone engine rank runs the same loop without a replica.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gyre.errors import TrainingError
-from gyre.runtime import checkpoint, wire
+from gyre.errors import EngineError, TrainingError
+from gyre.rollout.kvmigrate import execution_prefix, migrate_kv
+from gyre.runtime import audit, checkpoint, policies, wire
+from gyre.runtime import messages as msg
 from gyre.runtime.config import RunConfig
 from gyre.runtime.engine_host import EngineProcess, push_weights
 from gyre.runtime.layout import COORDINATOR_RANK
-from gyre.train.cell import CoreOptimizer, OptimConfig, TorchCell
+from gyre.train.cell import CoreOptimizer, TorchCell
 from gyre.train.comm import Communicators, broadcast_from_core, reduce_to_core
-from gyre.train.objective import ObjectiveConfig
-
-PUBLISHED = "published.pt"
+from gyre.train.objective import batch_gradient
 
 
-def build_replica(cfg: RunConfig, core: bool) -> tuple[TorchCell, CoreOptimizer | None]:
+@dataclass(slots=True)
+class Replica:
+    """A cell's training state: the model replica, its tokenizer, the core's optimizer."""
+
+    cell: TorchCell
+    tokenizer: Any
+    optimizer: CoreOptimizer | None = None
+
+
+def build_replica(cfg: RunConfig, core: bool) -> Replica:
     """The cell's training replica (and, on the core, the optimizer)."""
     from gyre.models import load_model
 
-    model, _ = load_model(cfg.model)
-    model.train()
-    replica = TorchCell(model, objective=ObjectiveConfig())
-    if not core:
-        return replica, None
-    optim = OptimConfig(lr=cfg.train.lr, grad_clip=cfg.train.grad_clip)
-    return replica, CoreOptimizer(replica, optim)
+    model, tokenizer = load_model(cfg.model)
+    module: torch.nn.Module = model
+    module.to(torch.device(cfg.train.device)).train()
+    cell = TorchCell(model, objective=cfg.train.objective)
+    return Replica(cell, tokenizer, CoreOptimizer(cell, cfg.train.optim) if core else None)
 
 
 class CellProcess:
@@ -57,82 +69,113 @@ class CellProcess:
         comms: Communicators | None,
         run_dir: Path,
         engine: EngineProcess,
-        replica: TorchCell | None = None,
-        optimizer: CoreOptimizer | None = None,
+        replica: Replica | None = None,
         transport: Any = None,
         version: int = 0,
     ) -> None:
         self.cfg, self.index, self.comms, self.run_dir = cfg, engine_index, comms, run_dir
-        self.engine, self.replica, self.optimizer = engine, replica, optimizer
-        self.transport = transport
-        self.world = comms.world if comms is not None else None
+        self.engine, self.replica, self.transport = engine, replica, transport
+        self.link: wire.Link | None = None
         self.version = version  # version of the replica's weights (> 0 after a resume)
         self.lost_reported = False
+        self.handlers: dict[type, Callable[[Any], None]] = {
+            msg.ToTrain: self.to_train,
+            msg.ToRollout: self.to_rollout,
+            msg.Prepass: self.prepass,
+            msg.Accumulate: self.accumulate,
+            msg.Reduce: self.reduce,
+            msg.Publish: self.publish,
+            msg.SavePolicy: self.save_policy,
+            msg.Respawn: self.respawn,
+            msg.Reload: self.reload,
+            msg.SaveCheckpoint: self.save_checkpoint,
+        }
+
+    @property
+    def core(self) -> bool:
+        return self.index == 0
 
     # ------------------------------------------------------------------ loop
 
-    def serve(self, world: Any) -> int:
-        """Report the engine, then obey commands until `stop`; returns the stop status."""
-        self.world = world
-        url = self.engine.wait_ready(self.cfg.timeouts.startup_s)
+    def serve(self, link: wire.Link) -> int:
+        """Report the engine, then obey messages until `Stop`; returns the stop status."""
+        self.link = link
+        url = self._start_engine()
         if self.version > 0:  # resumed from a checkpoint: the engine serves its weights
-            named = self._checkpoint_weights()
-            self.engine.load_weights(named, self.version)
-            if self.index == 0:  # what a restarted engine loads
-                torch.save({"version": self.version, "named": named}, self.run_dir / PUBLISHED)
-        self._up(("engine_ready", self.index, url, self.engine.version))
-        handlers: dict[str, Callable[..., None]] = {
-            "to_train": self._to_train,
-            "to_rollout": self._to_rollout,
-            "prepass": self._prepass,
-            "train": self._train,
-            "publish": self._publish,
-            "respawn": self._respawn,
-            "reload": self._reload,
-            "checkpoint": self._checkpoint,
-        }
+            self.engine.load_weights(self._checkpoint_weights(), self.version)
+        self._up(msg.EngineReady(self.index, url, self.engine.version))
         while True:
             self._watch_engine()
-            msg = wire.poll(world, COORDINATOR_RANK, wire.DOWN, timeout=0.05)
-            if msg is None:
+            m = link.recv(timeout=0.05)  # a blocked wait; wakes to watch the engine
+            if m is None:
                 continue
-            if msg[0] == "stop":
+            if isinstance(m, msg.Stop):
                 self.engine.stop()
-                return int(msg[1])
-            handlers[msg[0]](*msg[1:])
+                return m.status
+            self.handlers[type(m)](m)
 
-    def _up(self, msg: tuple) -> None:
-        wire.send(self.world, msg, COORDINATOR_RANK, wire.UP)
+    def _start_engine(self, tries: int = 3) -> str:
+        """Wait for the engine; one that dies while starting (SIGKILL, OOM) is started again.
+
+        Only a start that fails `tries` times in a row (a broken model or environment, not
+        a lost process) fails the job, with the engine's own log tail.
+        """
+        for attempt in range(1, tries + 1):
+            try:
+                return self.engine.wait_ready(self.cfg.timeouts.startup_s)
+            except EngineError:
+                if attempt == tries or self.engine.dead() is None:
+                    raise  # hung rather than died, or died every time
+                self.engine.stop()
+                self.engine.spawn()
+        raise AssertionError("unreachable")
+
+    def _up(self, m: msg.Message) -> None:
+        assert self.link is not None
+        self.link.send(m, COORDINATOR_RANK)
 
     def _watch_engine(self) -> None:
         rc = self.engine.dead()
         if rc is not None and not self.lost_reported:
             self.lost_reported = True
-            self._up(("engine_lost", self.index, rc))
+            self._up(msg.EngineLost(self.index, rc))
+
+    def _replica(self) -> Replica:
+        if self.replica is None:
+            raise TrainingError(f"engine {self.index}: a standalone engine cannot train")
+        return self.replica
 
     # ------------------------------------------------------------------ role switches
 
-    def _to_train(self, version: int) -> None:
+    def to_train(self, m: msg.ToTrain) -> None:
+        """Running calls' KV to their new engines first, then abort and release (§4.3)."""
         t0 = time.perf_counter()
-        self._engine_call(self.engine.release)
-        if self.replica is None:
-            raise TrainingError(f"engine {self.index}: a standalone engine cannot train")
-        if self.index != 0 and self.transport is not None:
-            self.transport.pull(self.replica.flat_params)  # the core's current weights
-            self.version = version
-        self.replica.zero_grad()
-        self._up(("switched", self.index, "train", time.perf_counter() - t0))
+        self._replica()
+        detail: dict[str, Any] = {}
 
-    def _to_rollout(self, published: int) -> None:
+        def switch() -> None:
+            if m.routes:  # never fatal: a failed handoff means the new engine recomputes
+                moved = migrate_kv(self.engine.url,
+                                   {execution_prefix(e): u for e, u in m.routes.items()},
+                                   timeout=30)  # fmt: skip
+                detail["kv_migrated"] = sum(1 for r in moved.values() if r.outcome == "migrated")
+                detail["kv_tokens"] = sum(r.tokens for r in moved.values())
+                detail["kv_s"] = time.perf_counter() - t0
+            self.engine.release()
+
+        self._engine_call(switch)
+        self._up(msg.Switched(self.index, "train", time.perf_counter() - t0, detail))
+
+    def to_rollout(self, m: msg.ToRollout) -> None:
         t0 = time.perf_counter()
 
         def restore() -> None:
             self.engine.resume()
-            if self.replica is not None and self.engine.version < published:
+            if self.core and self.engine.version < m.published:  # the core after a publication
                 self.engine.load_weights(self._named(), self.version)
 
         self._engine_call(restore)
-        self._up(("switched", self.index, "rollout", time.perf_counter() - t0))
+        self._up(msg.Switched(self.index, "rollout", time.perf_counter() - t0))
 
     def _engine_call(self, call: Callable[[], None]) -> None:
         """Run a switch's engine step unless the engine is dead or dies during it.
@@ -150,89 +193,129 @@ class CellProcess:
             if self.engine.dead() is None:
                 raise
 
-    def _checkpoint_weights(self) -> list[tuple[str, torch.Tensor]]:
-        if self.replica is not None:
-            return self._named()
-        return list(torch.load(self.run_dir / checkpoint.WEIGHTS, weights_only=True)["named"])
-
-    def _checkpoint(self) -> None:
-        """Core: save weights + optimizer state for a resumed job."""
-        checkpoint.save_core(self.run_dir, self._named(), self.optimizer, self.version)
-        self._up(("checkpointed", self.version))
-
-    def _named(self) -> list[tuple[str, torch.Tensor]]:
-        assert self.replica is not None
-        return [(n, p.detach()) for n, p in self.replica.model.named_parameters()]
-
     # ------------------------------------------------------------------ training
 
-    def _prepass(self, batch: int, step: Any) -> None:
-        assert self.replica is not None
-        sums = self.replica.prepass(step)
-        self._up(("prepassed", self.index, batch, step.index, sums))
+    def _sync(self, version: int) -> None:
+        """Hold the batch's weights: a satellite behind `version` pulls the core's snapshot."""
+        if self.version == version:
+            return
+        if self.core or self.transport is None:
+            raise TrainingError(
+                f"cell {self.index}: holds v{self.version}, the batch needs v{version}"
+            )
+        self.transport.pull(self._replica().cell.flat_params)
+        self.version = version
 
-    def _train(self, batch: int, steps: list, scalars: dict, num_exec: int, m: int) -> None:
-        """Phase B on this cell's share, reduce over prefix[m], core update, broadcast."""
-        assert self.replica is not None and self.comms is not None
+    def prepass(self, m: msg.Prepass) -> None:
         t0 = time.perf_counter()
-        objective, targets = 0.0, 0
-        for step in steps:
-            stats = self.replica.accumulate(step, scalars, num_exec)
-            objective += stats.objective
-            targets += stats.targets
-        total = reduce_to_core(self.comms, self.replica.flat_grads, participants=m)
-        info: dict[str, Any] = {}
-        if self.index == 0:
-            assert self.optimizer is not None
-            info["grad_norm"] = self.optimizer.step(total)
-        broadcast_from_core(self.comms, self.replica.flat_params, participants=m)
-        self.replica.zero_grad()
+        self._sync(m.version)
+        sums = self._replica().cell.prepass(m.step)
+        self._up(msg.Prepassed(self.index, m.batch, m.step.index, sums, time.perf_counter() - t0))
+
+    def accumulate(self, m: msg.Accumulate) -> None:
+        t0 = time.perf_counter()
+        self._sync(m.version)
+        stats = self._replica().cell.accumulate(m.step, m.scalars)
+        self._up(msg.Accumulated(self.index, m.batch, m.step.index, stats.objective,
+                                 stats.targets, time.perf_counter() - t0))  # fmt: skip
+
+    def reduce(self, m: msg.Reduce) -> None:
+        """Sum gradients over prefix[m] at the core, 1/E, clip, AdamW, broadcast."""
+        assert self.comms is not None
+        t0 = time.perf_counter()
+        replica = self._replica()
+        cell = replica.cell
+        total = reduce_to_core(self.comms, cell.flat_grads, participants=m.cells)
+        norm = None
+        if replica.optimizer is not None:
+            before = cell.flat_params.detach().clone() if self.cfg.train.record_batches else None
+            opt_before = (
+                copy.deepcopy(replica.optimizer.opt.state_dict()) if before is not None else None
+            )
+            norm = replica.optimizer.step(batch_gradient(total, m.num_executions))
+            if self.transport is not None:
+                self.transport.expose(cell.flat_params)
+            if before is not None:
+                audit.record_update(self.run_dir, m.batch, {
+                    "version": self.version, "params_before": before, "grad_sum": total.clone(),
+                    "optimizer_before": opt_before,
+                    "grad_norm": norm, "params_after": cell.flat_params.detach().clone(),
+                    "objective": dataclasses.asdict(cell.objective)})  # fmt: skip
+        broadcast_from_core(self.comms, cell.flat_params, participants=m.cells)
+        cell.zero_grad()
         self.version += 1
-        self._up(("updated", self.index, batch, objective, targets, time.perf_counter() - t0, info))
+        self._up(msg.Updated(self.index, m.batch, norm, time.perf_counter() - t0))
 
-    def _publish(self, version: int, targets: list[tuple[int, str]]) -> None:
-        """Core: push the weights to every rollout engine; keep a copy for restarts.
+    def publish(self, m: msg.Publish) -> None:
+        """Core: keep the policy, then push it to every rollout engine.
 
-        The copy is written first, so an engine that dies around the publication (its push
-        fails, or it restarts before it) loads this version when it comes back. Engines
-        whose push failed are reported, never fatal: the coordinator has them reload.
+        The policy directory is written first, so an engine that dies around the
+        publication (its push fails, or it restarts before it) loads this version when it
+        comes back. Engines whose push failed are reported, never fatal: the coordinator has
+        them reload.
         """
         t0 = time.perf_counter()
+        self._save(policies.version_name(m.version), keep=self.cfg.train.keep_policies)
         named = self._named()
-        torch.save({"version": version, "named": named}, self.run_dir / PUBLISHED)
         missed = []
-        for engine, url in targets:
+        for engine, url in m.targets:
             try:
-                push_weights(url, named, version)
+                push_weights(url, named, m.version)
             except OSError:  # refused / reset / timed out: the engine died or is dying
                 missed.append(engine)
-        self._up(("published", version, time.perf_counter() - t0, missed))
+        self._up(msg.Published(m.version, time.perf_counter() - t0, missed))
+
+    def save_policy(self, m: msg.SavePolicy) -> None:
+        path = self._save(m.name, keep=None)
+        self._up(msg.PolicySaved(self.version, str(path)))
+
+    def _save(self, name: str, keep: int | None) -> Path:
+        replica = self._replica()
+        return policies.save_policy(self.run_dir, name, replica.cell.model, replica.tokenizer,
+                                    version=self.version, keep=keep)  # fmt: skip
+
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach()) for n, p in self._replica().cell.model.named_parameters()]
 
     # ------------------------------------------------------------------ engine loss
 
-    def _respawn(self, role: str) -> None:
-        """Restart a lost engine with the last published weights; released if training."""
+    def respawn(self, m: msg.Respawn) -> None:
+        """Restart a lost engine with the latest policy; released again if the cell trains."""
         self.engine.stop()
         self.engine.spawn()
-        url = self.engine.wait_ready(self.cfg.timeouts.startup_s)
-        saved = self.run_dir / PUBLISHED
-        if saved.exists():
-            data = torch.load(saved, weights_only=True)
-            self.engine.load_weights(data["named"], int(data["version"]))
-        if role != "rollout":
+        url = self._start_engine()
+        self._load_latest()
+        if m.role != "rollout":
             self.engine.release()
         self.lost_reported = False
-        self._up(("engine_ready", self.index, url, self.engine.version))
+        self._up(msg.EngineReady(self.index, url, self.engine.version))
 
-    def _reload(self) -> None:
-        """Load the last published weights if this engine missed them (a failed push).
+    def reload(self, m: msg.Reload) -> None:
+        """Load the latest policy if this engine missed it (a failed push).
 
-        A dead engine is left alone (its restart loads them); a released one is too (its
-        return to rollout loads the replica's weights).
+        A dead engine is left alone (its restart loads it); a released one is too (its return
+        to rollout, or the next publication, brings it up to date).
         """
-        saved = self.run_dir / PUBLISHED
-        if self.engine.dead() is not None or self.engine.released or not saved.exists():
-            return
-        data = torch.load(saved, weights_only=True)
-        if int(data["version"]) > self.engine.version:
-            self._engine_call(lambda: self.engine.load_weights(data["named"], int(data["version"])))
+        if self.engine.dead() is None and not self.engine.released:
+            self._engine_call(self._load_latest)
+
+    def _load_latest(self) -> None:
+        kept = policies.latest(self.run_dir)
+        if kept is not None and kept[0] > self.engine.version:
+            self.engine.load_weights(policies.load_weights(kept[1]), kept[0])
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_weights(self) -> list[tuple[str, torch.Tensor]]:
+        if self.replica is not None:
+            return self._named()
+        data = checkpoint.load_core(self.run_dir)
+        assert data is not None, "a resumed standalone engine needs a checkpoint"
+        return list(data["named"])
+
+    def save_checkpoint(self, m: msg.SaveCheckpoint) -> None:
+        """Core: weights + optimizer state into the checkpoint directory being written."""
+        t0 = time.perf_counter()
+        size = checkpoint.save_core(Path(m.folder), self._named(), self._replica().optimizer,
+                                    self.version)  # fmt: skip
+        self._up(msg.Checkpointed(self.version, m.folder, size, time.perf_counter() - t0))

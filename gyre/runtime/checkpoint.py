@@ -1,74 +1,109 @@
-"""Preemption: checkpoint at SIGUSR1, exit for requeue, resume from the same run directory.
+"""Checkpoints and resume: periodic, atomic, the newest `checkpoint.keep` kept; any crash resumes.
 
-Slurm signals every task (`--signal=USR1@T`); only the coordinator acts on it (the other
-ranks ignore SIGUSR1). At the next message boundary the coordinator stops starting work,
-cancels the running harnesses and still closes, scores and records them, asks the core to
-save its weights and optimizer state (`checkpoint.pt`), writes the driver state
-(`checkpoint.json`: updates done, policy version), closes the trace and stops every rank
-with `EXIT_CHECKPOINTED` (the Slurm launcher's requeue status). A job started again with
-the same run directory resumes: every replica and engine loads the checkpoint weights, the
-core its optimizer, and the scheduler starts from that policy version; the resumed segment
-writes `trace.<n>.h5` next to the first trace. Groups that were ready but not yet trained
-at the checkpoint are recorded in the trace and not carried over.
+A checkpoint is taken right after an optimizer update — every `checkpoint.every_steps`
+updates and/or `checkpoint.every_minutes` — and when Slurm's SIGUSR1 announces the time
+limit. It is one directory, written beside its final name and renamed into place:
+
+    RUN_DIR/checkpoints/v<version>/core.pt     the core's weights and AdamW state
+    RUN_DIR/checkpoints/v<version>/state.json  updates done, policy version, the groups
+                                               trained so far, the next group index
+
+Everything else a resume needs is already in the run's one trace (`trace.h5`), journaled
+as it happened: every dispatched group, every closed execution with its tree and verdict,
+and the journaled nodes of executions still open when the job died. `gyre run --resume
+RUN_DIR` (or the same command with the same `--run-dir`, as a requeued Slurm job runs it)
+therefore continues after *any* crash — SIGKILL of every process included:
+
+* weights, optimizer and policy version come from the newest checkpoint (none: the start);
+* the trace is reopened and appended to (`TraceWriter.reopen` repairs a killed writer's
+  tail); executions left open are recovered from the journal and their preserved
+  workspaces scored like a timed-out execution's, or closed as unrecoverable with the
+  reason; executions that never launched are closed as such;
+* every dispatched group not trained by the checkpointed weights is carried into the new
+  scheduler, ready, with its original dispatch version (`Start(carried=...)`), and trained.
+
+Only work in flight is redone: the updates after the newest checkpoint (their groups are
+carried again) and the rest of the executions that were running.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
-from gyre.launch.task import EXIT_CHECKPOINTED
-
-WEIGHTS = "checkpoint.pt"
-STATE = "checkpoint.json"
+EXIT_CHECKPOINTED = 75
+"""Exit status of rank 0 after a checkpoint-and-exit (EX_TEMPFAIL): the job should be requeued."""
+CHECKPOINTS = "checkpoints"
+CORE, STATE = "core.pt", "state.json"
 PREEMPT = threading.Event()  # set by the coordinator's SIGUSR1 handler
 
-__all__ = ["EXIT_CHECKPOINTED", "PREEMPT", "load_state", "restore_replica", "save_core",
-           "save_state", "trace_path"]  # fmt: skip
+__all__ = ["EXIT_CHECKPOINTED", "PREEMPT", "begin", "commit", "latest", "load_core", "save_core"]
 
 
-def load_state(run_dir: Path) -> dict[str, Any] | None:
-    """The driver state of a checkpoint in `run_dir`, or None for a fresh run."""
-    path = run_dir / STATE
-    return json.loads(path.read_text()) if path.exists() else None
+def begin(run_dir: Path, version: int) -> Path:
+    """A fresh temporary directory for the checkpoint of `version` (renamed by `commit`)."""
+    root = run_dir / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".v{version:05d}-", dir=root))
 
 
-def save_state(run_dir: Path, state: dict[str, Any]) -> None:
-    tmp = run_dir / (STATE + ".tmp")
-    tmp.write_text(json.dumps(state))
-    tmp.replace(run_dir / STATE)
-
-
-def trace_path(run_dir: Path) -> Path:
-    """`trace.h5` for a fresh run, `trace.<n>.h5` for the n-th resumed segment."""
-    path, n = run_dir / "trace.h5", 1
-    while path.exists():
-        path, n = run_dir / f"trace.{n}.h5", n + 1
-    return path
-
-
-def save_core(run_dir: Path, named: list, optimizer: Any, version: int) -> None:
-    """The core's weights and AdamW state, written atomically."""
+def save_core(folder: Path, named: list[tuple[str, Any]], optimizer: Any, version: int) -> int:
+    """The core's weights and AdamW state into `folder` (its `begin` directory); bytes written."""
     import torch
 
-    tmp = run_dir / (WEIGHTS + ".tmp")
     opt = optimizer.opt.state_dict() if optimizer is not None else None
-    torch.save({"version": version, "named": named, "optimizer": opt}, tmp)
-    tmp.replace(run_dir / WEIGHTS)
+    torch.save({"version": version, "named": named, "optimizer": opt}, folder / CORE)
+    return (folder / CORE).stat().st_size
+
+
+def commit(run_dir: Path, folder: Path, state: dict[str, Any], keep: int) -> Path:
+    """Write the driver state, rename the checkpoint into place, prune to the newest `keep`."""
+    (folder / STATE).write_text(json.dumps(state))
+    final = run_dir / CHECKPOINTS / f"v{int(state['version']):05d}"
+    if final.exists():
+        shutil.rmtree(final)
+    folder.rename(final)
+    for old in _committed(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _committed(run_dir: Path) -> list[Path]:
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(d for d in root.iterdir() if d.name.startswith("v") and (d / STATE).exists())
+
+
+def latest(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """(directory, driver state) of the newest complete checkpoint, or None."""
+    done = _committed(run_dir)
+    if not done:
+        return None
+    return done[-1], json.loads((done[-1] / STATE).read_text())
+
+
+def load_core(run_dir: Path) -> dict[str, Any] | None:
+    """The newest checkpoint's core file (`version`, `named`, `optimizer`), or None."""
+    import torch
+
+    found = latest(run_dir)
+    if found is None:
+        return None
+    return dict(torch.load(found[0] / CORE, weights_only=True))
 
 
 def restore_replica(run_dir: Path, model: Any, optimizer: Any) -> int:
-    """Load checkpoint weights (and, on the core, the optimizer) in place; returns the version."""
-    import torch
-
+    """Load the newest checkpoint into a replica in place (the core: its optimizer too)."""
     from gyre.rollout.weights import load_named_tensors
 
-    path = run_dir / WEIGHTS
-    if not path.exists():
+    data = load_core(run_dir)
+    if data is None:
         return 0
-    data = torch.load(path, weights_only=True)
     load_named_tensors(model, data["named"])
     if optimizer is not None and data["optimizer"] is not None:
         optimizer.opt.load_state_dict(data["optimizer"])

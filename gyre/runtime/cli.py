@@ -1,6 +1,8 @@
-"""`gyre run` and `gyre report`: the whole job on one machine, and its plots.
+"""`gyre run`, `gyre eval` and `gyre report`: the whole job on one machine, its policy on
+held-out tasks, and its plots.
 
     gyre run [CONFIG] [--steps S] [--policy elastic|async|colocate] [--run-dir D]
+    gyre eval RUN_DIR [--initial] [--policies all] [--instances N]
     gyre report RUN_DIR
 
 `gyre run` checks the config (unknown keys, topology, harness binary, tasks) before any
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.errors import ConfigError
-from gyre.launch.task import EXIT_CHECKPOINTED
+from gyre.runtime.checkpoint import EXIT_CHECKPOINTED
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "templates" / "local.yaml"
 
@@ -35,11 +37,56 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     if "run" not in subparsers.choices:
         p = subparsers.add_parser("run", help="run a whole Gyre job on this machine (MPI)")
         p.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="run YAML")
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="KEY.PATH=VALUE",
+            help="config overrides right after CONFIG, e.g. train.lr=3e-4",
+        )
         p.add_argument("--steps", type=int, default=None, help="optimizer updates")
         p.add_argument("--policy", default=None, help="elastic | async | colocate")
         p.add_argument("--run-dir", default=None, help="default: runs/<name>-<policy>-<time>")
+        p.add_argument(
+            "--resume",
+            metavar="RUN_DIR",
+            default=None,
+            help="continue a run after a crash or preemption, from its newest "
+            "checkpoint and its trace (config: RUN_DIR/config.yaml + overrides)",
+        )
         p.add_argument("--quiet", action="store_true", help="no live display; summary only")
         p.set_defaults(func=run)
+    if "eval" not in subparsers.choices:
+        e = subparsers.add_parser(
+            "eval", help="a policy on held-out task instances (no training)",
+            description="Evaluate a run's policies, a model directory or a model spec on "
+            "held-out instances of the run's tasks, with the run's harness and evaluator.",
+        )  # fmt: skip
+        e.add_argument("target", help="RUN_DIR | MODEL_DIR | tiny | tiny:HxL | smollm2-135m")
+        e.add_argument(
+            "--config",
+            default=None,
+            help="run YAML (default: the run's config.yaml, else the local template)",
+        )
+        e.add_argument("--tasks", nargs="+", default=None, help="task names (default: the run's)")
+        e.add_argument("--instances", type=int, default=16, help="held-out instances per task")
+        e.add_argument(
+            "--initial", action="store_true", help="also evaluate the model the run started from"
+        )
+        e.add_argument(
+            "--policies",
+            choices=["final", "all"],
+            default="final",
+            help="all: every kept policy of the run (the report's eval points)",
+        )
+        e.add_argument(
+            "--concurrency",
+            type=int,
+            default=None,
+            help="executions at once (default: engine.max_batch_size)",
+        )
+        e.add_argument("--out", default=None, help="work directory (default RUN_DIR/eval)")
+        e.add_argument("--json", action="store_true", help="one JSON line per policy")
+        e.set_defaults(func=evaluate)
     if "report" not in subparsers.choices:
         r = subparsers.add_parser("report", help="plots + HTML page of a run directory")
         r.add_argument("run_dir", help="a run directory holding trace.h5")
@@ -58,37 +105,56 @@ def find_mpiexec() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gyre.runtime.config import load_run_config
+    from gyre.runtime.config import dump_run_config, load_run_config
     from gyre.runtime.layout import check_embedded
     from gyre.runtime.main import default_run_dir
     from gyre.runtime.proxy_node import check_harness
 
-    cfg = load_run_config(args.config, {"steps": args.steps, "policy": args.policy})
+    config, overrides = _split_overrides(args.config, args.overrides)
+    if args.resume is not None:
+        config, args.run_dir = _resumable(Path(args.resume), args.run_dir), args.resume
+    cfg = load_run_config(config, overrides, steps=args.steps, policy=args.policy)
     check_embedded(cfg.topology)
     check_harness(cfg)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
+    merged = run_dir / "config.yaml"  # what every rank reads: the file plus the overrides
+    merged.write_text(dump_run_config(cfg))
     cmd = [find_mpiexec(), "-n", str(cfg.topology.world_size), sys.executable, "-m",
-           "gyre.runtime.main", str(args.config), "--run-dir", str(run_dir)]  # fmt: skip
-    if args.steps is not None:
-        cmd += ["--steps", str(args.steps)]
-    if args.policy is not None:
-        cmd += ["--policy", args.policy]
+           "gyre.runtime.main", str(merged), "--run-dir", str(run_dir)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "HF_HUB_OFFLINE": "1"}  # fmt: skip
     rc, summary, tail = _supervise(cmd, env, run_dir, quiet=args.quiet, limit=cfg.timeouts.run_s)
     if rc == EXIT_CHECKPOINTED and summary is not None:
-        print(f"gyre run: checkpointed after {summary['steps_done']} steps; run the same "
-              f"command with --run-dir {run_dir} to resume")  # fmt: skip
+        print(f"gyre run: checkpointed after {summary['steps_done']} steps; resume with "
+              f"gyre run --resume {run_dir}")  # fmt: skip
         return rc
     if rc != 0 or summary is None:
         print("".join(tail), file=sys.stderr)
-        print(f"gyre run: error: the job failed (exit {rc}); logs in {run_dir}", file=sys.stderr)
+        print(f"gyre run: error: the job failed (exit {rc}); logs in {run_dir}; what it closed "
+              f"is in its trace: continue with gyre run --resume {run_dir}", file=sys.stderr)  # fmt: skip
         return rc or 1
     print(f"gyre run: {summary['steps_done']} steps in {summary['wall_s']:.1f}s "
           f"({summary['policy']}); trace {run_dir / 'trace.h5'}")  # fmt: skip
     print(json.dumps(summary))
     return 0
+
+
+def _resumable(run_dir: Path, other: str | None) -> str:
+    """The config of a run directory `gyre run --resume` can continue."""
+    if other is not None and Path(other) != run_dir:
+        raise ConfigError(f"--resume {run_dir} and --run-dir {other}: give one run directory")
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        raise ConfigError(f"--resume: {run_dir} is not a run directory (no config.yaml)")
+    return str(config)
+
+
+def _split_overrides(config: str, overrides: list[str]) -> tuple[str, list[str]]:
+    """`gyre run train.lr=3e-4`: the first "config" may be an override of the default one."""
+    if "=" in config and not Path(config).exists():
+        return str(DEFAULT_CONFIG), [config, *overrides]
+    return config, list(overrides)
 
 
 def _supervise(
@@ -202,6 +268,27 @@ def _table(p: dict[str, Any]) -> Any:
     t.add_row(*[_fmt(p[k]) for k in ("waterlevel", "version", "reward", "staleness", "loss",
                                      "reroutes", "switches")], *p["roles"])  # fmt: skip
     return t
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    from gyre.runtime.evaluation import run_eval
+
+    if args.instances < 1:
+        raise ConfigError(f"--instances: {args.instances}; allowed: >= 1")
+    results = run_eval(
+        args.target, config=args.config, tasks=args.tasks, instances=args.instances,
+        initial=args.initial, every=args.policies == "all", concurrency=args.concurrency,
+        out=args.out,
+    )  # fmt: skip
+    for r in results:
+        d = r.to_dict()
+        if args.json:
+            print(json.dumps(d))
+        else:
+            print(f"gyre eval: {r.name:>8} (v{r.version}) held-out reward {r.mean:.3f} "
+                  f"± {r.std:.3f} over {d['n']} executions ({d['excluded']} excluded), "
+                  f"{r.wall_s:.0f}s")  # fmt: skip
+    return 0
 
 
 def report(args: argparse.Namespace) -> int:

@@ -1,31 +1,37 @@
 """The run config: one YAML file describing a whole Gyre job (`gyre run CONFIG`).
 
 Sections: `topology` (cells, ranks per cell, standalone engines), `schedule` (the scheduler's
-batch shape and the placement policy), `harness` (adapter, tasks, budgets), `train`
-(optimizer, packing, objective), `engine` (embedded engine knobs), `proxy` (the proxy's own
+batch shape and the placement policy), `harness` (adapter, tasks, budgets), `train` (the
+trainer's own config, `gyre.train.config.TrainConfig`: objective, optimizer, admission,
+packing, device, transport), `engine` (embedded engine knobs), `proxy` (the proxy's own
 config, `gyre.proxy.config.Config`), `timeouts` (every blocking wait is bounded) and `slurm`
-(`gyre.launch.config.SlurmConfig`, read only by the Slurm launcher). Loading is strict: an
-unknown key or a bad value is a `ConfigError` naming the key path and what is allowed.
+(kept as data here; `gyre.launch` validates it as its `SlurmConfig` when it renders or
+submits), `checkpoint` (how often a resumable checkpoint is taken) and `tracking`
+(experiment trackers). Loading is strict: an unknown key or a bad value is a `ConfigError` naming the key
+path and what is allowed.
 
-    cfg = load_run_config("templates/local.yaml", overrides={"steps": 2, "policy": "async"})
+    cfg = load_run_config("templates/local.yaml", ["train.lr=3e-4"], steps=2, policy="async")
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from gyre.config import load
+from gyre.config import apply_overrides, load, read_mapping
 from gyre.errors import ConfigError
-from gyre.launch.config import SlurmConfig, TopologyConfig
 from gyre.proxy.config import Config as ProxyConfig
+from gyre.runtime.layout import TopologyConfig
 from gyre.schedule.config import POLICIES, PolicyConfig
 from gyre.schedule.config import Config as SchedulerConfig
 from gyre.tasks.suite import ToolLatency
+from gyre.tracking import TrackingConfig
+from gyre.train.config import TrainConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,6 +58,8 @@ class ScheduleConfig:
     """Streaming supply check, as a fraction of B."""
     join_min_microsteps: int = 1
     """A satellite joins a batch only if this many micro-steps are left for it."""
+    join_payback: float = 1.0
+    """Cost-aware joins: the work left must repay this many round-trip switches (0: off)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -71,6 +79,7 @@ class ScheduleConfig:
             mu=self.mu,
             supply_fraction=self.supply_fraction,
             join_min_microsteps=self.join_min_microsteps,
+            join_payback=self.join_payback,
         )
         streaming = self.streaming if self.streaming is not None else self.policy == "elastic"
         pc = PolicyConfig(name=self.policy, streaming=streaming, train_cells=self.train_cells)
@@ -88,7 +97,7 @@ class HarnessConfig:
     adapters: dict[str, Any] = field(default_factory=dict)
     """Extra adapters of this run (same keys as gyre/harness/adapters.yaml), by name."""
     suite: str = "builtin"
-    """Task suite: builtin | a suite directory / YAML file."""
+    """Task suite: builtin | learn (shipped) | a suite directory / YAML file."""
     tasks: list[str] = field(default_factory=list)
     """Task names to draw groups from (round robin); empty: every task of the suite."""
     harness_timeout_s: float = 60.0
@@ -127,28 +136,6 @@ class HarnessConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainConfig:
-    """The embedded torch trainer."""
-
-    lr: float = 1e-4
-    """AdamW learning rate of the core."""
-    grad_clip: float = 1.0
-    """Clip the batch gradient at this global norm."""
-    token_budget: int = 16384
-    """Most padded tokens in one micro-step."""
-    j_max: int = 4
-    """J_max: most trajectories admitted per execution."""
-    seed: int = 0
-    """Admission sampling seed."""
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ConfigError(f"lr: {self.lr}; allowed: > 0")
-        if self.token_budget < 1 or self.j_max < 1:
-            raise ConfigError("token_budget / j_max: allowed: integers >= 1")
-
-
-@dataclass(kw_only=True, slots=True)
 class EngineConfig:
     """The embedded rollout engine each cell runs as a child process."""
 
@@ -162,6 +149,24 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.threads < 1 or self.max_batch_size < 1 or self.prefix_cache_mb < 0:
             raise ConfigError("threads / max_batch_size >= 1, prefix_cache_mb >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Periodic checkpoints (docs/runtime.md "Crashes and resume"); SIGUSR1 always makes one."""
+
+    every_steps: int = 10
+    """Checkpoint after every this many optimizer updates (0: not by count)."""
+    every_minutes: float = 0.0
+    """... and/or when this many minutes passed since the last one (0: not by time)."""
+    keep: int = 2
+    """Newest checkpoints kept (older ones are deleted once a newer one is complete)."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0 or not self.every_minutes >= 0:
+            raise ConfigError("every_steps / every_minutes: allowed >= 0 (0 switches it off)")
+        if self.keep < 1:
+            raise ConfigError(f"keep: {self.keep}; allowed: an integer >= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -191,14 +196,12 @@ class RunConfig:
     """Run name (prefix of the run directory)."""
     model: str = "tiny"
     """tiny | tiny:HIDDENxLAYERS (e.g. tiny:256x4) | smollm2-135m | a local HF model directory."""
-    model_name: str = "gyre-tiny"
+    model_name: str = "gyre"
     """Model name harnesses send (the proxy serves this one)."""
     steps: int = 2
     """S: optimizer updates to run."""
     runs_dir: str = "runs"
     """Where run directories are created."""
-    transport: Literal["mpi", "mooncake"] = "mpi"
-    """Core -> satellite weight snapshots."""
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     """Processes of the MPI world."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -206,15 +209,19 @@ class RunConfig:
     harness: HarnessConfig = field(default_factory=HarnessConfig)
     """Harness pool and tasks."""
     train: TrainConfig = field(default_factory=TrainConfig)
-    """Embedded trainer."""
+    """The trainer: objective, optimizer, admission, packing, device (gyre.train.config)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Embedded engines."""
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     """The harness-facing proxy."""
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     """Bounds on blocking waits."""
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
-    """Cluster launch (read by `gyre.launch`, ignored on one machine)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Periodic checkpoints a crashed or preempted run resumes from."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Experiment trackers fed the per-step metrics: TensorBoard, W&B, MLflow (docs/tracking.md)."""
+    slurm: dict[str, Any] = field(default_factory=dict)
+    """Cluster launch: `gyre.launch.config.SlurmConfig`, validated by the launcher only."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -233,24 +240,19 @@ class RunConfig:
         make_policy(*self.schedule.scheduler(self.topology))  # the scheduler validates both
 
 
-def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read a run YAML; `overrides` sets `steps` / `policy` (from the command line)."""
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(p)!r} does not exist") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping at the top level")
-    for key, value in (overrides or {}).items():
-        if value is None:
-            continue
-        if key == "policy":
-            data.setdefault("schedule", {})["policy"] = value
-        else:
-            data[key] = value
+def load_run_config(
+    path: str | Path, overrides: Sequence[str] = (), *, steps: int | None = None,
+    policy: str | None = None,
+) -> RunConfig:  # fmt: skip
+    """Read a run YAML, apply `KEY.PATH=VALUE` overrides and `--steps` / `--policy`.
+
+    Overrides go through the same strict loader: an unknown key names the allowed ones.
+    """
+    data = apply_overrides(read_mapping(path), overrides)
+    if steps is not None:
+        data["steps"] = steps
+    if policy is not None:
+        data.setdefault("schedule", {})["policy"] = policy
     return load(RunConfig, data, path="run")
 
 

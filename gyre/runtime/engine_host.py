@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from gyre.errors import EngineError
+from gyre.lifetime import die_with_parent
 from gyre.runtime.config import EngineConfig
 
 
@@ -55,8 +56,9 @@ class EngineProcess:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(cfg.threads),
                **self.labels}  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as err:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)
+        with open(self.log_path, "ab") as err:  # the engine dies with its cell rank
+            self.proc = subprocess.Popen(die_with_parent(cmd), stdout=subprocess.PIPE, stderr=err,
+                                         env=env)  # fmt: skip
         self.url, self.released = "", False
 
     def wait_ready(self, timeout: float) -> str:

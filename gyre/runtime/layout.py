@@ -1,4 +1,5 @@
-"""Which component each rank of the one MPI world runs (pure; used by main and the launcher).
+"""The topology of the one MPI world and which component each rank runs (pure; the runtime
+and the launcher both use it).
 
 World layout (docs/runtime.md): rank 0 the coordinator, rank 1 the proxy node (with the
 harness pool), ranks 2 .. 2+K*R-1 the cells (cell c holds ranks 2+c*R .. 2+c*R+R-1, R ranks
@@ -13,10 +14,40 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gyre.errors import ConfigError
-from gyre.launch.config import TopologyConfig
 
 COORDINATOR_RANK = 0
 PROXY_RANK = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class TopologyConfig:
+    """Which processes the MPI world holds besides the coordinator and the proxy node.
+
+    Shared by the runtime and the launcher (which sizes the job from it). A cluster cell
+    holds one rank per GPU; the embedded CPU runtime runs one rank per cell and checks that
+    when it starts (`check_embedded`), not here, so that a cluster config loads and renders
+    on any machine.
+    """
+
+    cells: int = 3
+    """K: elastic cells; cell 0 is the core."""
+    ranks_per_cell: int = 1
+    """R: MPI ranks of one cell (on a GPU cluster: one per GPU of the cell)."""
+    standalone_engines: int = 0
+    """Rollout engines that never switch (one rank each)."""
+
+    def __post_init__(self) -> None:
+        if self.cells < 1:
+            raise ConfigError(f"cells: {self.cells}; allowed: an integer >= 1")
+        if self.ranks_per_cell < 1:
+            raise ConfigError(f"ranks_per_cell: {self.ranks_per_cell}; allowed: an integer >= 1")
+        if self.standalone_engines < 0:
+            raise ConfigError(f"standalone_engines: {self.standalone_engines}; allowed: >= 0")
+
+    @property
+    def world_size(self) -> int:
+        """1 coordinator + 1 proxy node + K*R cell ranks + the standalone engines."""
+        return 2 + self.cells * self.ranks_per_cell + self.standalone_engines
 
 
 @dataclass(frozen=True, slots=True)

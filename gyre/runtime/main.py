@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     component: Component | None = None
     try:
         args = parse(argv)
-        cfg = load_run_config(args.config, {"steps": args.steps, "policy": args.policy})
+        cfg = load_run_config(args.config, steps=args.steps, policy=args.policy)
         check_embedded(cfg.topology)
         components = layout(world.Get_size(), cfg.topology)
         component = components[rank]
@@ -110,10 +110,13 @@ def run_component(
     from gyre.train.transfer import make_transport
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    comms = build_communicators(world, cell_of_rank=cell_of_rank(components))
-    from gyre.runtime.checkpoint import load_state, restore_replica
+    from gyre.runtime import wire
 
-    replica = optimizer = engine = None
+    comms = build_communicators(world, cell_of_rank=cell_of_rank(components))
+    link = wire.connect(world)  # the control channel (MPI stays for collectives)
+    from gyre.runtime.checkpoint import latest, restore_replica
+
+    replica = engine = None
     version = 0
     if me.kind in ("cell", "standalone"):
         engine = _start_engine(cfg, me, run_dir)
@@ -123,18 +126,20 @@ def run_component(
             from gyre.runtime.cell import build_replica
 
             torch.set_num_threads(1)
-            replica, optimizer = build_replica(cfg, core=me.index == 0)
-            version = restore_replica(run_dir, replica.model, optimizer)
-        elif load_state(run_dir) is not None:
-            version = int(load_state(run_dir)["version"])  # type: ignore[index]
-    flat = replica.flat_params if replica is not None else None
-    transport = make_transport(cfg.transport, world, core_rank=cell_ranks(components)[0], flat=flat)
+            replica = build_replica(cfg, core=me.index == 0)
+            version = restore_replica(run_dir, replica.cell.model, replica.optimizer)
+        elif (found := latest(run_dir)) is not None:
+            version = int(found[1]["version"])
+    flat = replica.cell.flat_params if replica is not None else None
+    transport = make_transport(
+        cfg.train.transport, world, core_rank=cell_ranks(components)[0], flat=flat
+    )
     if me.kind == "coordinator":
-        status = _run_coordinator(cfg, world, components, run_dir)
+        status = _run_coordinator(cfg, link, components, run_dir)
     elif me.kind == "proxy":
         from gyre.runtime.proxy_node import run_proxy_node
 
-        status = run_proxy_node(cfg, world, run_dir)
+        status = run_proxy_node(cfg, link, run_dir)
     else:
         from gyre.runtime.cell import CellProcess
 
@@ -143,10 +148,11 @@ def run_component(
         index = me.index if me.kind == "cell" else k + me.index
         status = CellProcess(
             cfg, engine_index=index, comms=comms, run_dir=run_dir, engine=engine,
-            replica=replica, optimizer=optimizer, transport=transport, version=version,
-        ).serve(world)  # fmt: skip
+            replica=replica, transport=transport, version=version,
+        ).serve(link)  # fmt: skip
     _debug(f"{me.kind} {me.index} stopped")
     transport.close()  # collective: every rank gets here once its component stopped
+    link.close()
     return status
 
 
@@ -173,11 +179,15 @@ def _start_engine(cfg: RunConfig, me: Component, run_dir: Path) -> Any:
     return engine
 
 
-def _run_coordinator(cfg: RunConfig, world: Any, components: list[Component], run_dir: Path) -> int:
+def _run_coordinator(cfg: RunConfig, link: Any, components: list[Component], run_dir: Path) -> int:
     from gyre.runtime.coordinator import Coordinator
 
     meta = {"config": dump_run_config(cfg), "world_size": len(components)}
-    summary = Coordinator(cfg, world, run_dir, engine_ranks(components), meta).run()
+    coordinator = Coordinator(cfg, link, run_dir, engine_ranks(components), meta)
+    try:
+        summary = coordinator.run()
+    finally:  # a failed run still leaves its trackers' files closed
+        coordinator.tracker.close()
     print("GYRE-SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "steps"}),
           flush=True)  # fmt: skip
     return int(summary["status"])

@@ -1,18 +1,17 @@
 """The proxy node (world rank 1): the proxy, the harness pool and the evaluator.
 
-One asyncio/Tornado loop hosts the `ProxyApp` (harness-facing APIs, TITO recording, routes),
-a `HarnessRunner` (one subprocess per execution, in its own workspace) and the `Evaluator`
-(scores each preserved workspace after its execution ends). A thread receives the
-coordinator's commands over MPI and hands them to the loop:
+One asyncio/Tornado loop hosts an `ExecutionHost`: the `ProxyApp` (harness-facing APIs,
+TITO recording, routes), a `HarnessRunner` (one subprocess per execution, in its own
+workspace) and the `Evaluator` (scores each preserved workspace after its execution ends);
+`gyre eval` runs the same host without training. A thread receives the
+coordinator's messages over MPI and hands them to the loop (one handler per type):
+`SetEngines`, `Drain`, `Undrain`, `StartExecution` (register the execution's key, route it,
+run its harness on its task instance), `Cancel`, `Stop`.
 
-* engines {id: url} / lost id / drain id routes / undrain id / route {execution: engine};
-* launch x id task engine: register the execution (its key), route it, run its harness;
-* cancel id; stop.
-
-For each execution the node reports, in this order, `terminated` (outcome, timings) and
-`assessed` (the closed trajectory tree, the verdict and every assessment). A switch's
-reroute: `drain` marks the source engine so the proxy starts no new call there and sets
-the reserved destinations, then acks with `drained`; the cell aborts its calls afterwards,
+For each execution the node reports, in this order, `HarnessEnded` (outcome, timings) and
+`Assessed` (the closed trajectory tree, the verdict and every assessment). A switch's
+reroute: `Drain` marks the source engine so the proxy starts no new call there and sets
+the reserved destinations, then acks with `Drained`; the cell aborts its calls afterwards,
 and the router retries each aborted call at its execution's new route (one node, attempts
 counted), so the harness never sees the switch.
 """
@@ -26,21 +25,24 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gyre.errors import ConfigError
 from gyre.harness import ExecutionSpec, HarnessRunner, Terminated
 from gyre.proxy.app import ProxyApp
+from gyre.runtime import messages as msg
 from gyre.runtime import wire
 from gyre.runtime.config import RunConfig
 from gyre.runtime.layout import COORDINATOR_RANK
-from gyre.tasks import AssessmentLog, Evaluator, TaskSuite, builtin_suite, load_suite
+from gyre.tasks import AssessmentLog, Evaluator, TaskSuite
+from gyre.tasks.suite import Task, named_suite
 
 
 def load_tasks(cfg: RunConfig) -> tuple[TaskSuite, list[str]]:
     """The suite and the task names groups are drawn from (checked against the suite)."""
-    suite = builtin_suite() if cfg.harness.suite == "builtin" else load_suite(cfg.harness.suite)
+    suite = named_suite(cfg.harness.suite)
     if cfg.harness.tool_latency is not None:
         latency = cfg.harness.tool_latency
         tasks = tuple(dataclasses.replace(t, tool_latency=latency) for t in suite.tasks)
@@ -72,11 +74,15 @@ def check_harness(cfg: RunConfig) -> None:
     load_tasks(cfg)
 
 
-class ProxyNode:
-    """Everything rank 1 runs, on one event loop."""
+class ExecutionHost:
+    """The proxy, the harness pool and the evaluator: runs executions end to end.
 
-    def __init__(self, cfg: RunConfig, comm: Any, run_dir: Path) -> None:
-        self.cfg, self.comm, self.run_dir = cfg, comm, run_dir
+    The proxy node of a run drives it from the coordinator's messages; `gyre eval` drives
+    the same object directly, so an evaluation runs exactly what a training run runs.
+    """
+
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
         self.suite, _ = load_tasks(cfg)
         self.adapter = cfg.harness.adapter_object()
         h = cfg.harness
@@ -92,95 +98,56 @@ class ProxyNode:
         self.evaluator = Evaluator(
             Evaluator.Config(max_attempts=h.eval_attempts), log=AssessmentLog()
         )
-        self.tasks: set[asyncio.Task[None]] = set()
         self.app: ProxyApp | None = None
         self.url = ""
 
-    async def serve(self) -> int:
+    async def start(self, engines: dict[str, str], journal: Any = None) -> str:
+        """Load the tokenizer, listen on a free port; returns the proxy's URL.
+
+        `journal` receives every recorded node as it is made (`record_node(eid, node)`), on
+        the event loop, in order (a run's proxy node forwards them to the coordinator).
+        """
         from gyre.models import load_tokenizer
 
         loop = asyncio.get_running_loop()
         tokenizer = await loop.run_in_executor(None, load_tokenizer, self.cfg.model)
         self.app = ProxyApp(
-            self.cfg.proxy, tokenizer=tokenizer, engines={}, admin_token=secrets.token_hex(16)
-        )
+            self.cfg.proxy, tokenizer=tokenizer, engines=engines,
+            admin_token=secrets.token_hex(16),
+        )  # fmt: skip
+        if journal is not None:
+            self.app.service.store = journal
         self.url = f"http://127.0.0.1:{self.app.listen(0)}"
-        gc.freeze()  # start-up objects (tokenizer, modules) leave the collector's scans
-        inbox: asyncio.Queue[tuple] = asyncio.Queue()
-        threading.Thread(target=self._receive, args=(loop, inbox), daemon=True).start()
-        self._up(("proxy_ready", self.url))
-        while True:
-            msg = await inbox.get()
-            if msg[0] == "stop":
-                break
-            self._handle(msg)
-        status = int(msg[1])
-        for eid in self.runner.running:
-            self.runner.cancel(eid, "run stopped")
-        for task in list(self.tasks):
-            task.cancel()
-        self.app.stop()
-        return status
+        return self.url
 
-    def _receive(self, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[tuple]) -> None:
-        while True:  # polled, not a blocking recv: that busy-polls a core in MPICH
-            msg = wire.poll(self.comm, COORDINATOR_RANK, wire.DOWN, timeout=60.0)
-            if msg is None:
-                continue
-            loop.call_soon_threadsafe(inbox.put_nowait, msg)
-            if msg[0] == "stop":
-                return
+    @property
+    def proxy(self) -> ProxyApp:
+        assert self.app is not None, "ExecutionHost.start() first"
+        return self.app
 
-    def _up(self, msg: tuple) -> None:
-        wire.send(self.comm, msg, COORDINATOR_RANK, wire.UP)
+    async def execute(
+        self, eid: str, task: Task, engine_id: str,
+        ended: Callable[[Terminated], None] | None = None,
+    ) -> tuple[Terminated, Any, dict[str, Any]]:  # fmt: skip
+        """One execution: key, route, harness, close, score -> (ended, tree, verdict).
 
-    # ------------------------------------------------------------------ commands
-
-    def _handle(self, msg: tuple) -> None:
-        app = self.app
-        assert app is not None
-        kind = msg[0]
-        if kind == "engines":
-            for engine_id, url in msg[1].items():
-                app.add_engine(engine_id, url)
-        elif kind == "drain":  # drain engine, routes, ack (a switch waits for the ack)
-            app.set_draining(msg[1], True)
-            for eid, dest in msg[2].items():
-                app.set_route(eid, dest)
-            if msg[3]:
-                self._up(("drained", msg[1]))
-        elif kind == "undrain":
-            app.set_draining(msg[1], False)
-        elif kind == "launch":
-            _, x, eid, task_name, engine_id = msg
-            task = asyncio.ensure_future(self._execute(x, eid, task_name, engine_id))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-        elif kind == "cancel":
-            for eid in msg[1]:
-                self.runner.cancel(eid, "cancelled at the end of the run")
-        else:
-            raise wire.RuntimeFailure(f"proxy node: unknown command {kind!r}")
-
-    async def _execute(self, x: int, eid: str, task_name: str, engine_id: str) -> None:
-        """One execution: key, route, harness, close, score; reports terminated + assessed."""
-        app = self.app
-        assert app is not None
-        task = self.suite[task_name]
-        key = app.register_execution(eid, role="main", meta={"task": task_name})
+        `ended` is called as soon as the harness ends, before the tree is closed and scored.
+        """
+        app = self.proxy
+        key = app.register_execution(eid, role="main", meta={"task": task.instance_id})
         app.set_route(eid, engine_id)
         spec = ExecutionSpec(
             execution_id=eid, task=task, adapter=self.adapter, proxy_url=self.url,
             api_key=key, model=self.cfg.model_name, params=dict(self.cfg.harness.params),
         )  # fmt: skip
         term = await self.runner.run(spec)
-        self._up(("terminated", x, term.outcome.value, term.t_launch, term.t, term.reason))
+        if ended is not None:
+            ended(term)
         tree = app.close_execution(eid, term.outcome.value)
         app.service.router.forget(eid)
-        verdict = await self._assess(term, task)
-        self._up(("assessed", x, tree, verdict, _errors(term)))
+        return term, tree, await self._assess(term, task)
 
-    async def _assess(self, term: Terminated, task: Any) -> dict[str, Any]:
+    async def _assess(self, term: Terminated, task: Task) -> dict[str, Any]:
         t0 = time.time()
         try:
             v = await self.evaluator.assess(term, task)
@@ -191,11 +158,150 @@ class ProxyNode:
         return {"status": v.status, "reward": v.reward, "error": v.assessment.error,
                 "assessments": rows, "t": time.time()}  # fmt: skip
 
+    async def rescore(self, eid: str, task: Task) -> dict[str, Any]:
+        """Score an execution's preserved workspace after the job running it died."""
+        from gyre.harness.events import Outcome
+
+        workspace = Path(self.runner.config.workspace_root) / eid / "workspace"
+        now = time.time()
+        term = Terminated(
+            execution_id=eid, outcome=Outcome.FAILED, returncode=None, t=now, t_launch=None,
+            reason="the job running it died; scored from its preserved workspace",
+            deadline=now + self.cfg.harness.overall_timeout_s,
+            workspace=str(workspace) if workspace.is_dir() else None,
+            stdout_path=None, stderr_path=None, assessable=workspace.is_dir(),
+        )  # fmt: skip
+        return await self._assess(term, task)
+
+    def stop(self) -> None:
+        for eid in self.runner.running:
+            self.runner.cancel(eid, "stopped")
+        if self.app is not None:
+            self.app.stop()
+
+
+class ProxyNode:
+    """Everything rank 1 runs, on one event loop: an `ExecutionHost` driven over MPI."""
+
+    def __init__(self, cfg: RunConfig, link: wire.Link, run_dir: Path) -> None:
+        self.cfg, self.link = cfg, link
+        self.host = ExecutionHost(cfg, run_dir)
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def serve(self) -> int:
+        loop = asyncio.get_running_loop()
+        url = await self.host.start({}, journal=_Journal(self._up))
+        gc.freeze()  # start-up objects (tokenizer, modules) leave the collector's scans
+        inbox: asyncio.Queue[Any] = asyncio.Queue()  # messages, or the link's failure
+        threading.Thread(target=self._receive, args=(loop, inbox), daemon=True).start()
+        self._up(msg.ProxyReady(url))
+        handlers: dict[type, Any] = {
+            msg.SetEngines: self.set_engines, msg.Drain: self.drain, msg.Undrain: self.undrain,
+            msg.StartExecution: self.start_execution, msg.Cancel: self.cancel,
+            msg.Rescore: self.rescore,
+        }  # fmt: skip
+        while True:
+            m = await inbox.get()
+            if isinstance(m, Exception):  # the coordinator is gone: fail the job loudly
+                raise m
+            if isinstance(m, msg.Stop):
+                break
+            handlers[type(m)](m)
+        for task in list(self.tasks):
+            task.cancel()
+        self.host.stop()
+        return m.status
+
+    def _receive(self, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[Any]) -> None:
+        while True:  # blocks in select: waiting costs nothing
+            try:
+                m = self.link.recv(timeout=60.0)
+            except wire.RuntimeFailure as e:
+                loop.call_soon_threadsafe(inbox.put_nowait, e)
+                return
+            if m is None:
+                continue
+            loop.call_soon_threadsafe(inbox.put_nowait, m)
+            if isinstance(m, msg.Stop):
+                return
+
+    def _up(self, m: msg.Message) -> None:
+        self.link.send(m, COORDINATOR_RANK)
+
+    # ------------------------------------------------------------------ messages
+
+    def set_engines(self, m: msg.SetEngines) -> None:
+        for engine_id, url in m.urls.items():
+            self.host.proxy.add_engine(engine_id, url)
+
+    def drain(self, m: msg.Drain) -> None:
+        """No new call at the engine; set the reserved routes; ack (a switch waits for it)."""
+        self.host.proxy.set_draining(m.engine, True)
+        for eid, dest in m.routes.items():
+            self.host.proxy.set_route(eid, dest)
+        if m.ack:
+            self._up(msg.Drained(m.engine))
+
+    def undrain(self, m: msg.Undrain) -> None:
+        self.host.proxy.set_draining(m.engine, False)
+
+    def start_execution(self, m: msg.StartExecution) -> None:
+        task = asyncio.ensure_future(self._execute(m))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def cancel(self, m: msg.Cancel) -> None:
+        for eid in m.execution_ids:
+            self.host.runner.cancel(eid, "cancelled at the end of the run")
+
+    def rescore(self, m: msg.Rescore) -> None:
+        async def run() -> None:
+            task = self.host.suite[m.task].instantiate(m.instance)
+            verdict = await self.host.rescore(m.execution_id, task)
+            self._up(msg.Assessed(m.execution, verdict, 0))
+
+        task = asyncio.ensure_future(run())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _execute(self, m: msg.StartExecution) -> None:
+        """Run one execution; reports `HarnessEnded`, then `Assessed`."""
+        task = self.host.suite[m.task].instantiate(m.instance)
+
+        def ended(term: Terminated) -> None:
+            self._up(msg.HarnessEnded(m.execution, term.outcome.value, term.t_launch, term.t,
+                                      term.reason))  # fmt: skip
+
+        term, _, verdict = await self.host.execute(m.execution_id, task, m.engine, ended)
+        self._up(msg.Assessed(m.execution, verdict, _errors(term)))
+
+
+class _Journal:
+    """The proxy service's store inside a run: every recorded node goes to the coordinator.
+
+    The coordinator writes the run's one trace; it opened the execution at launch and
+    closes it on `Assessed` with exactly these nodes, so this store only forwards nodes.
+    Sends happen on the event loop, in recording order, before the execution's
+    `HarnessEnded`: MPI keeps them in that order.
+    """
+
+    def __init__(self, up: Callable[[msg.Message], None]) -> None:
+        self.up = up
+
+    def open_execution(self, execution_id: str, meta: Any) -> None:
+        return None
+
+    def record_node(self, execution_id: str, node: Any) -> None:
+        self.up(msg.JournalNode(execution_id, node))
+
+    def close_execution(self, execution_id: str, tree: Any, *, status: str, meta: Any) -> None:
+        return None
+
 
 def _errors(term: Terminated) -> int:
     """Harness-side errors: a harness that failed (non-zero exit: it gave up on an API error)."""
     return 1 if term.outcome.value == "failed" else 0
 
 
-def run_proxy_node(cfg: RunConfig, comm: Any, run_dir: Path) -> int:
-    return asyncio.run(ProxyNode(cfg, comm, run_dir).serve())
+def run_proxy_node(cfg: RunConfig, link: wire.Link, run_dir: Path) -> int:
+    return asyncio.run(ProxyNode(cfg, link, run_dir).serve())

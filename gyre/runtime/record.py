@@ -10,7 +10,7 @@ maps runtime facts onto the store's declared tables:
 * `steps` — per optimizer step: loss, reward mean, staleness, micro-steps, duration, ...;
 * `groups`, `rewards`, `assessments` — who ran what, designated rewards and validity;
 * one closed trajectory tree per dispatched execution (not-launched ones: an empty tree
-  with status "not_launched").
+  with status "not_launched"), its nodes journaled as the proxy recorded them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ class RunRecorder:
     """Thin, typed helpers over one `TraceWriter`."""
 
     def __init__(self, path: Path, run_meta: dict[str, Any], cells: int) -> None:
-        self.writer = TraceWriter(path, run_meta=run_meta)
+        """A new trace, or — when `path` exists (a resumed run) — the same one, continued."""
+        self.writer = (
+            TraceWriter.reopen(path) if path.exists() else TraceWriter(path, run_meta=run_meta)
+        )
         now = time.time()
         self.role_since = [(role, now) for role in ["rollout"] * cells]
 
@@ -89,6 +92,13 @@ class RunRecorder:
 
     def open_execution(self, eid: str, meta: dict[str, Any]) -> None:
         self.writer.open_execution(eid, meta)
+
+    def journal(self, eid: str, node: Any) -> None:
+        """One model call of a running execution, on disk at once (a crash loses nothing)."""
+        self.writer.record_node(eid, node)
+
+    def journaled_tree(self, eid: str) -> TrajectoryTree:
+        return self.writer.journaled_tree(eid)
 
     def close_execution(
         self, eid: str, group_id: str, tree: TrajectoryTree, status: str, verdict: dict[str, Any]

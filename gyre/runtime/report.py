@@ -3,9 +3,13 @@
 * `timeline.png` — the role timeline per cell (as the paper's Figure 6): rollout, training
   and the transitions between them, with optimizer steps marked;
 * `train_share.png` — each cell's share of wall time spent training;
-* `steps.png` — reward mean and staleness per step;
+* `steps.png` — learning per step: the training reward with held-out eval points and
+  their spread (`gyre eval RUN_DIR --policies all` writes them), the learning signal
+  (grad norm; groups whose rewards tie; clipped executions) and staleness;
 * `durations.png` — the distribution of execution durations (launch to close);
-* `index.html` — the four plots and the run summary.
+* `stats_*.png` — `gyre trace stats`' plots: staleness, tokens by role and provenance,
+  tree shapes, outcomes (docs/trace-format.md);
+* `index.html` — the plots and the run summary.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "trace.h5"
     if not path.exists():
         raise StoreError(f"{path} does not exist; give a run directory written by `gyre run`")
+    from gyre.runtime.evaluation import load_results
+
     with TraceReader(path) as r:
         execs = [(i.execution_id, i.status, i.t_open, i.t_close) for i in r.executions()]
         return {
@@ -35,6 +41,7 @@ def load_run(run_dir: Path) -> dict[str, Any]:
             "steps": r.rows("steps"),
             "events": r.rows("events"),
             "executions": execs,
+            "evals": load_results(run_dir),
         }
 
 
@@ -50,12 +57,15 @@ def write_report(run_dir: Path) -> Path:
     shares = _train_share(data, out / "train_share.png")
     _steps(data, out / "steps.png")
     _durations(data, out / "durations.png")
+    from gyre.trajectory.stats import plot_stats, run_stats
+
+    extra = [p.name for p in plot_stats(run_stats(run_dir), out)]
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary.pop("steps", None)
     summary["train_share"] = {f"cell {c}": round(s, 3) for c, s in shares.items()}
     page = out / "index.html"
-    page.write_text(_html(run_dir, summary))
+    page.write_text(_html(run_dir, summary, extra))
     return page
 
 
@@ -106,20 +116,43 @@ def _train_share(data: dict[str, Any], path: Path) -> dict[int, float]:
 
 
 def _steps(data: dict[str, Any], path: Path) -> None:
+    """Learning per step: training reward with held-out eval points (mean ± std band over
+    the eval instances), the learning signal (grad norm, tied groups) and staleness."""
     import matplotlib.pyplot as plt
 
     series: dict[str, dict[int, float]] = {}
     for r in data["steps"]:
         series.setdefault(r["name"], {})[r["step"]] = r["value"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3))
-    for ax, name in zip(axes, ("reward_mean", "staleness_mean")):
-        points = sorted(series.get(name, {}).items())
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
-        ax.set_xlabel("step")
-        ax.set_ylabel(name)
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
+    _plot(axes[0], series, "reward_mean", "training reward")
+    evals = sorted((e for e in data["evals"] if e.get("version") is not None),
+                   key=lambda e: e["version"])  # fmt: skip
+    if evals:
+        x = [e["version"] for e in evals]
+        mean = [e["mean"] for e in evals]
+        lo = [e["mean"] - e["std"] for e in evals]
+        hi = [e["mean"] + e["std"] for e in evals]
+        axes[0].fill_between(x, lo, hi, color="#e8574c", alpha=0.2, label="held-out ± std")
+        axes[0].plot(x, mean, "s-", color="#e8574c", label="held-out eval")
+    axes[0].set_ylim(-0.05, 1.05)
+    axes[0].legend(loc="lower right", fontsize=8)
+    _plot(axes[1], series, "grad_norm", "grad norm (0: no signal)")
+    _plot(axes[2], series, "tied_groups", "groups whose rewards tie")
+    _plot(axes[2], series, "gated_executions", "clipped executions")
+    axes[2].set_ylim(-0.05, 1.05)
+    axes[2].legend(loc="upper right", fontsize=8)
+    _plot(axes[3], series, "staleness_mean", "mean staleness")
+    for ax in axes:
+        ax.set_xlabel("step (policy version)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot(ax: Any, series: dict[str, dict[int, float]], name: str, label: str) -> None:
+    points = sorted(series.get(name, {}).items())
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=label)
+    ax.set_ylabel(label)
 
 
 def _durations(data: dict[str, Any], path: Path) -> None:
@@ -135,7 +168,7 @@ def _durations(data: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _html(run_dir: Path, summary: dict[str, Any]) -> str:
+def _html(run_dir: Path, summary: dict[str, Any], extra: list[str]) -> str:
     rows = "".join(
         f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
         for k, v in summary.items()
@@ -145,8 +178,9 @@ def _html(run_dir: Path, summary: dict[str, Any]) -> str:
         for name, title in (
             ("timeline.png", "Role timeline"),
             ("train_share.png", "Training time share per cell"),
-            ("steps.png", "Reward and staleness per step"),
+            ("steps.png", "Learning: reward (training, held-out), signal and staleness per step"),
             ("durations.png", "Execution durations"),
+            *((name, "Run statistics: " + name[6:-4]) for name in extra),
         )
     )
     return (

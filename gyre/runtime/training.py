@@ -1,90 +1,239 @@
-"""The coordinator's side of streaming training: packing buffer, micro-step queue, scalars.
+"""The coordinator's side of streaming training: one batch's life, from ready groups to one update.
 
-Mapping of the scheduler's actions onto the two-phase objective (docs/objective.md):
+This is the one implementation of the training protocol (docs/training.md); `gyre run`, the
+real-`mpiexec` invariance tests and `tools/bench_training.py` all drive it. The scheduler
+decides *who* works *when*; this object decides *what* the work is:
 
-* `AdmitGroup` — the group's outcomes and trees enter the `StreamPackingBuffer`, which
-  runs admission (≤ J_max trajectories per execution) and packs new micro-steps;
-* `ClaimMicroStep(cell)` — the cell runs phase A on the next micro-step (no-grad forward:
-  per-execution log-ratio sums) while the batch is still streaming in;
-* `OptimizerUpdate(cells)` — with every sum in, the coordinator computes each execution's
-  sequence ratio and gate; the training cells (a prefix 0..m-1) split the micro-steps for
-  phase B, sum gradients to the core over `prefix[m]`, the core steps AdamW once and
-  broadcasts the parameters.
+* `admit` — a ready group enters the `StreamPackingBuffer` (admission ≤ J_max, packing);
+  its new micro-steps queue for their **prepass**;
+* `claim(cell, PREPASS)` — the cell gets the next micro-step for a no-grad forward and
+  returns per-execution sums of l_t − b_t (`prepassed`);
+* once every micro-step holding rows of an execution is prepassed, that execution's
+  sequence ratio and gate are final; a micro-step whose executions are all final is
+  **ready** for its gradient pass (`prepassed` returns how many became ready);
+* `claim(cell, GRADIENT)` — a cell of the training prefix gets the next ready micro-step
+  with its executions' scalars and accumulates its gradient (`accumulated`);
+* `update(cells)` — when every pass is done, cells 0..m−1 sum their gradients at the core,
+  which scales by 1/E, clips, steps AdamW once and broadcasts (`updated`).
+
+Whichever cells claim whichever passes, the update is the same: every micro-step's gradient
+pass depends only on the batch's weights and its executions' final scalars.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gyre.errors import TrainingError
-from gyre.train.admission import AdmissionConfig
-from gyre.train.objective import ObjectiveConfig, execution_scalars, merge_sums
+from gyre.runtime import audit
+from gyre.runtime import messages as msg
+from gyre.schedule.events import Work
+from gyre.train.config import TrainConfig
+from gyre.train.objective import ExecutionScalar, execution_scalars
 from gyre.train.packing import MicroStep
 from gyre.train.rewards import ExecutionOutcome, Status
-from gyre.train.stream import ReadyGroup, StreamConfig, StreamPackingBuffer
+from gyre.train.stream import ReadyGroup, StreamPackingBuffer
+
+SendToCell = Callable[[int, msg.Message], None]
 
 
-class TrainingDriver:
-    """Batch book-keeping on the coordinator."""
+@dataclass(slots=True)
+class BatchStats:
+    """What one batch reports (the trace's `steps` rows)."""
 
-    def __init__(self, *, groups_per_batch: int, group_size: int, token_budget: int,
-                 j_max: int, seed: int) -> None:  # fmt: skip
+    objective: float = 0.0  # E * J at the batch's weights (sum of c_t)
+    targets: int = 0
+    grad_norm: float = math.nan
+    microsteps: int = 0
+    executions: int = 0  # E
+    gated: int = 0  # executions whose clipping gate is 0
+    groups: int = 0
+    tied_groups: int = 0  # groups whose valid rewards all tie: no learning signal
+    rewards: list[float] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    prepass_s: float = 0.0
+    gradient_s: float = 0.0
+    passes_by_cell: dict[int, int] = field(default_factory=dict)
+
+
+class TrainingPlane:
+    """Batch book-keeping on the coordinator; sends work to cells through `send`."""
+
+    def __init__(
+        self, cfg: TrainConfig, *, groups_per_batch: int, group_size: int, send: SendToCell,
+        audit_dir: Path | None = None,
+    ) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.audit_dir = audit_dir if cfg.record_batches else None
+        self.objective = cfg.objective
         self.buffer = StreamPackingBuffer(
-            StreamConfig(
-                groups_per_batch=groups_per_batch,
-                group_size=group_size,
-                token_budget=token_budget,
-                seed=seed,
-                admission=AdmissionConfig(j_max=j_max),
-            )
+            cfg.stream(groups_per_batch=groups_per_batch, group_size=group_size)
         )
-        self.objective = ObjectiveConfig()
+        self.send = send
         self.batch = -1
-        self.queue: deque[MicroStep] = deque()
-        self.steps: list[MicroStep] = []
-        self.sums: dict[int, dict[str, float]] = {}
-        self.staleness: list[int] = []
-        self.rewards: list[float] = []
+        self.version = 0
+        self._reset()
 
-    def begin(self, batch: int) -> None:
+    def _reset(self) -> None:
+        self.prepass_queue: deque[MicroStep] = deque()
+        self.gradient_queue: deque[MicroStep] = deque()
+        self.steps: dict[int, MicroStep] = {}
+        self.sums: dict[str, float] = {}
+        self.rows_left: dict[str, int] = {}  # execution -> rows not yet prepassed
+        self.scalars: dict[str, ExecutionScalar] = {}
+        self.waiting: dict[int, set[str]] = {}  # step -> executions not yet final
+        self.stats = BatchStats()
+        self.updaters: set[int] = set()
+        self.passes: dict[int, dict[str, int]] = {}  # step -> {"prepass": cell, "gradient": cell}
+        self.t_first: float | None = None  # when the batch's first pass was sent
+        self.t_done: float | None = None  # when its update finished
+
+    # ------------------------------------------------------------------ the batch
+
+    def begin(self, batch: int, version: int) -> None:
+        """A new batch at the core's weights of `version` (the join window opened)."""
         self.buffer.begin_batch()
-        self.batch = batch
-        self.queue.clear()
-        self.steps, self.sums, self.staleness, self.rewards = [], {}, [], []
+        self.batch, self.version = batch, version
+        self._reset()
 
-    def admit(self, group_id: str, version: int, staleness: int,
-              outcomes: list[ExecutionOutcome], trees: dict[str, Any]) -> int:  # fmt: skip
-        """Take a ready group; returns how many micro-steps became claimable."""
-        self.staleness.append(staleness)
-        self.rewards += [
-            o.reward for o in outcomes if o.status is Status.VALID and o.reward is not None
-        ]
+    def admit(
+        self, group_id: str, version: int, staleness: int, outcomes: list[ExecutionOutcome],
+        trees: dict[str, Any],
+    ) -> int:  # fmt: skip
+        """Take a ready group; returns how many micro-steps were queued for their prepass."""
+        st = self.stats
+        st.groups += 1
+        st.staleness.append(staleness)
+        valid = [o.reward for o in outcomes if o.status is Status.VALID and o.reward is not None]
+        st.rewards += valid
+        usable = [0.0 if o.status is Status.PLACEHOLDER else o.reward for o in outcomes
+                  if o.status is not Status.EXCLUDED]  # fmt: skip
+        if len(set(usable)) <= 1:
+            st.tied_groups += 1
         self.buffer.add_ready(
             ReadyGroup(group_id=group_id, policy_version=version, outcomes=outcomes, trees=trees)
         )
         new = self.buffer.pull()
-        self.steps += new
-        self.queue.extend(new)
+        info = self.buffer.batch_info()
+        for eid, rows in info.rows.items():
+            self.rows_left.setdefault(eid, rows)
+        for step in new:
+            self.steps[step.index] = step
+            self.waiting[step.index] = {r.execution_id for r in step.rows}
+        self.prepass_queue.extend(new)
+        st.microsteps += len(new)
         return len(new)
 
-    def claim(self) -> MicroStep:
-        if not self.queue:
-            raise TrainingError(f"batch {self.batch}: a claim found no queued micro-step")
-        return self.queue.popleft()
+    def claim(self, cell: int, work: Work) -> None:
+        """Send `cell` its pass: the next prepass, or the next ready gradient pass."""
+        if self.t_first is None:
+            self.t_first = time.time()
+        if work is Work.PREPASS:
+            step = self._pop(self.prepass_queue, "prepass")
+            self.send(cell, msg.Prepass(batch=self.batch, version=self.version, step=step))
+            return
+        step = self._pop(self.gradient_queue, "gradient")
+        mine = {e: self.scalars[e] for e in {r.execution_id for r in step.rows}}
+        self.send(cell, msg.Accumulate(batch=self.batch, version=self.version, step=step,
+                                       scalars=mine))  # fmt: skip
 
-    def prepassed(self, index: int, sums: dict[str, float]) -> None:
-        self.sums[index] = sums
+    def _pop(self, queue: deque[MicroStep], what: str) -> MicroStep:
+        if not queue:
+            raise TrainingError(f"batch {self.batch}: a {what} claim found nothing queued")
+        return queue.popleft()
 
-    def assignments(self, cells: tuple[int, ...]) -> tuple[dict[int, list[MicroStep]], dict, int]:
-        """Phase B: micro-steps per cell (round robin), per-execution scalars and E."""
-        if len(self.sums) != len(self.steps):
-            raise TrainingError(f"batch {self.batch}: phase A incomplete before the update")
+    def prepassed(self, m: msg.Prepassed) -> int:
+        """Record a prepass; returns how many micro-steps became ready for their gradient."""
+        step = self.steps[m.index]
+        self._count(m.cell, m.index, m.seconds, Work.PREPASS)
+        for eid, value in sorted(m.sums.items()):
+            self.sums[eid] = self.sums.get(eid, 0.0) + value
+        for row in step.rows:
+            self.rows_left[row.execution_id] -= 1
+        final = {r.execution_id for r in step.rows if self.rows_left[r.execution_id] == 0}
+        if final:
+            self._finalize(final)
+        ready = [i for i, left in self.waiting.items() if not (left - self.scalars.keys())]
+        for i in sorted(ready):
+            del self.waiting[i]
+            self.gradient_queue.append(self.steps[i])
+        return len(ready)
+
+    def _finalize(self, executions: set[str]) -> None:
+        """Sequence ratio and gate of executions whose every row is prepassed."""
+        info = self.buffer.batch_info().executions
+        new = execution_scalars(
+            {e: self.sums[e] for e in executions}, {e: info[e] for e in executions},
+            self.objective,
+        )  # fmt: skip
+        self.scalars.update(new)
+        self.stats.gated += sum(1 for s in new.values() if s.gate == 0.0)
+
+    def accumulated(self, m: msg.Accumulated) -> None:
+        self._count(m.cell, m.index, m.seconds, Work.GRADIENT)
+        self.stats.objective += m.objective
+        self.stats.targets += m.targets
+
+    def _count(self, cell: int, index: int, seconds: float, work: Work) -> None:
+        st = self.stats
+        st.passes_by_cell[cell] = st.passes_by_cell.get(cell, 0) + 1
+        self.passes.setdefault(index, {})[work.value] = cell
+        if work is Work.GRADIENT:
+            st.gradient_s += seconds
+        else:
+            st.prepass_s += seconds
+
+    def update(self, cells: tuple[int, ...]) -> None:
+        """Every pass is done: cells 0..m-1 reduce to the core, which updates once."""
+        if cells != tuple(range(len(cells))):
+            raise TrainingError(f"training cells {cells} are not a prefix 0..m-1")
+        if self.waiting or self.prepass_queue or self.gradient_queue:
+            raise TrainingError(f"batch {self.batch}: update before every pass was done")
         info = self.buffer.batch_info()
-        scalars = execution_scalars(
-            merge_sums([self.sums[s.index] for s in self.steps]), info.executions, self.objective
-        )
-        share: dict[int, list[MicroStep]] = {c: [] for c in cells}
-        for k, step in enumerate(sorted(self.steps, key=lambda s: -s.padded_tokens)):
-            share[cells[k % len(cells)]].append(step)
-        return share, scalars, info.num_executions
+        e = info.num_executions
+        self.stats.executions = e
+        self.updaters = set(cells)
+        if self.audit_dir is not None:
+            audit.record_steps(self.audit_dir, self.batch, {
+                "version": self.version, "steps": [self.steps[i] for i in sorted(self.steps)],
+                "executions": dict(info.executions), "num_executions": e, "cells": cells,
+                "passes": self.passes, "scalars": dict(self.scalars)})  # fmt: skip
+        for c in cells:
+            self.send(c, msg.Reduce(batch=self.batch, cells=len(cells), num_executions=e))
+
+    def updated(self, m: msg.Updated) -> bool:
+        """A cell's part of the update; True once every updater reported."""
+        if m.grad_norm is not None:
+            self.stats.grad_norm = m.grad_norm
+        self.updaters.discard(m.cell)
+        if not self.updaters:
+            self.t_done = time.time()
+        return not self.updaters
+
+    def metrics(self) -> dict[str, float]:
+        """The batch's step metrics (the trace's `steps` table; docs/runtime.md)."""
+        st = self.stats
+        e = max(1, st.executions)
+        rewards = st.rewards or [math.nan]
+        return {
+            "loss": -st.objective / e / max(1, st.targets),
+            "objective": st.objective / e,
+            "targets": float(st.targets),
+            "grad_norm": st.grad_norm,
+            "reward_mean": sum(rewards) / len(rewards),
+            "tied_groups": st.tied_groups / max(1, st.groups),
+            "gated_executions": st.gated / e,
+            "staleness_mean": sum(st.staleness) / max(1, len(st.staleness)),
+            "staleness_max": float(max(st.staleness, default=0)),
+            "microsteps": float(st.microsteps),
+            "executions": float(st.executions),
+            "prepass_s": st.prepass_s,
+            "gradient_s": st.gradient_s,
+            "train_wall_s": (self.t_done or math.nan) - (self.t_first or math.nan),
+        }

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gyre.errors import GyreError
+from gyre.lifetime import die_with_parent
 
 if TYPE_CHECKING:
     from gyre.tasks.suite import Task
@@ -72,7 +73,7 @@ async def run_limited(argv: list[str], cwd: Path, timeout_s: float) -> tuple[int
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv, cwd=cwd, env=scoring_env(cwd), stdin=asyncio.subprocess.DEVNULL,
+                *die_with_parent(argv), cwd=cwd, env=scoring_env(cwd), stdin=asyncio.subprocess.DEVNULL,
                 stdout=out, stderr=err, start_new_session=True,
             )  # fmt: skip
         except OSError as e:

@@ -27,8 +27,10 @@ the key, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import random
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +41,9 @@ from gyre.config import load
 from gyre.errors import ConfigError
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
+LEARN_DIR = Path(__file__).parent / "learn"
+SHIPPED = {"builtin": BUILTIN_DIR, "learn": LEARN_DIR}
+"""The suites that ship with Gyre, by name: coding tasks with hidden tests, and learnable ones."""
 DIFFICULTIES = ("easy", "medium", "hard")
 
 
@@ -132,10 +137,26 @@ class TaskConfig:
     difficulty: Literal["easy", "medium", "hard"] = "medium"
     # per-tool-call latency knob; None inherits the suite default
     tool_latency: ToolLatency | None = None
+    # task instances: each draws one value per variable from its seed; `{name}` in the
+    # instruction and in the scoring command is replaced by it (empty: one fixed instance)
+    variables: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.instruction.strip():
             raise ConfigError("instruction: must not be empty")
+        for name, values in self.variables.items():
+            if not name.isidentifier() or not values:
+                raise ConfigError(
+                    f"variables.{name}: {values!r}; allowed: an identifier with a non-empty "
+                    "list of values"
+                )
+        if self.variables:
+            unknown = _placeholders(self.instruction) - set(self.variables)
+            if unknown:
+                raise ConfigError(
+                    f"instruction: placeholder {sorted(unknown)[0]!r} is not a variable; "
+                    f"allowed: {', '.join(sorted(self.variables))}"
+                )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,7 +181,7 @@ class SuiteConfig:
 
 @dataclass(frozen=True, slots=True)
 class Task:
-    """A loaded task with absolute, checked paths."""
+    """A loaded task with absolute, checked paths; with variables, a family of instances."""
 
     name: str
     instruction: str
@@ -169,11 +190,67 @@ class Task:
     difficulty: str
     tool_latency: ToolLatency
     suite: str = ""
+    directory: Path | None = None  # the task's own directory (`{task_dir}` in commands)
+    variables: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    instance: int | None = None  # the seed of this instance; None: not instantiated
 
     @property
     def hidden_paths(self) -> tuple[Path, ...]:
-        """Files the harness must not see (hidden tests)."""
-        return (Path(self.scoring.tests),) if self.scoring.tests else ()
+        """Files the harness must not see: hidden tests, the task's `hidden/` directory."""
+        folder = self.directory / "hidden" if self.directory is not None else None
+        out = [folder] if folder is not None and folder.is_dir() else []
+        tests = Path(self.scoring.tests) if self.scoring.tests else None
+        if tests is not None and not any(tests.is_relative_to(d) for d in out):
+            out.append(tests)
+        return tuple(out)
+
+    @property
+    def instance_id(self) -> str:
+        """`name@seed` of an instance (the trace's task id), the name otherwise."""
+        return self.name if self.instance is None else f"{self.name}@{self.instance}"
+
+    def instantiate(self, seed: int) -> Task:
+        """The instance drawn by `seed`: variables chosen, placeholders filled.
+
+        The draw depends only on the task's name, its variables and the seed, so the same
+        instance comes back on every process, in every run.
+        """
+        rng = random.Random(f"{self.name}:{seed}")
+        values = {name: rng.choice(choices) for name, choices in self.variables}
+        fill = {"task_dir": str(self.directory or ""), **values}
+        scoring = dataclasses.replace(
+            self.scoring, command=[_fill(arg, fill) for arg in self.scoring.command]
+        )
+        instruction = self.instruction.format(**values) if self.variables else self.instruction
+        return dataclasses.replace(self, instruction=instruction, scoring=scoring, instance=seed)
+
+
+HELDOUT_BASE = 1 << 31
+"""Seeds of training instances lie below this, held-out (evaluation) seeds from it up."""
+
+
+def instance_seed(seed: int, group: int) -> int:
+    """The training instance of a run's group number `group`: a seed < HELDOUT_BASE."""
+    digest = hashlib.sha256(f"{seed}:{group}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % HELDOUT_BASE
+
+
+def heldout_seed(k: int) -> int:
+    """The k-th held-out instance seed (never drawn for training)."""
+    if k < 0:
+        raise ConfigError(f"held-out instance {k}; allowed: >= 0")
+    return HELDOUT_BASE + k
+
+
+def _placeholders(text: str) -> set[str]:
+    return {name for _, name, _, _ in string.Formatter().parse(text) if name}
+
+
+def _fill(arg: str, values: dict[str, str]) -> str:
+    """`{name}` replaced in a command argument (other braces left alone)."""
+    for name, value in values.items():
+        arg = arg.replace("{" + name + "}", value)
+    return arg
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +294,11 @@ def load_suite(path: str | Path) -> TaskSuite:
 def builtin_suite() -> TaskSuite:
     """Gyre's shipped suite of small Python tasks scored by hidden tests."""
     return load_suite(BUILTIN_DIR)
+
+
+def named_suite(name: str) -> TaskSuite:
+    """A shipped suite by name (builtin | learn), else a suite directory or YAML file."""
+    return load_suite(SHIPPED.get(name, name))
 
 
 def _load_directory(root: Path) -> TaskSuite:
@@ -267,6 +349,8 @@ def _resolve(cfg: TaskConfig, base: Path, defaults: SuiteDefaults, where: str) -
         scoring=scoring,
         difficulty=cfg.difficulty,
         tool_latency=cfg.tool_latency or defaults.tool_latency,
+        directory=base.resolve(),
+        variables=tuple((k, tuple(v)) for k, v in sorted(cfg.variables.items())),
     )
 
 

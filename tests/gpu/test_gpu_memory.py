@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from train.reference import train_batch_reference
 
 from gyre.errors import ConfigError, TrainingError
 from gyre.gpu.memory import Placement, measure, memory_stats
 from gyre.gpu.snapshot import CellOffload, PinnedSnapshot
 from gyre.train.cell import CoreOptimizer, TorchCell
 from gyre.train.config import ObjectiveConfig, OptimConfig
-from gyre.train.local import train_batch_local
 from gyre.train.packing import pack_rows
 from gyre.train.stream import BatchInfo
 from gyre.train.synthetic import TinyCausalLM, random_batch
@@ -70,10 +70,10 @@ def test_cell_release_resume_keeps_weights_and_training(device):
     assert torch.equal(cell.flat_params, before)
     # parameters are views of the flat buffer again: an update through it reaches the model
     steps, info = _batch()
-    a = train_batch_local([cell], CoreOptimizer(cell, OptimConfig(lr=1e-3)), steps, info,
-                          objective=obj)  # fmt: skip
-    b = train_batch_local([ref], CoreOptimizer(ref, OptimConfig(lr=1e-3)), steps, info,
-                          objective=obj)  # fmt: skip
+    a = train_batch_reference([cell], CoreOptimizer(cell, OptimConfig(lr=1e-3)), steps, info,
+                              objective=obj)  # fmt: skip
+    b = train_batch_reference([ref], CoreOptimizer(ref, OptimConfig(lr=1e-3)), steps, info,
+                              objective=obj)  # fmt: skip
     assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6)
     assert torch.allclose(cell.flat_params, ref.flat_params)
     first = next(cell.model.parameters())

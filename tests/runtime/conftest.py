@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gyre.tasks.suite import BUILTIN_DIR
+from gyre.tasks.suite import BUILTIN_DIR, LEARN_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,8 +29,8 @@ def small_config(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
 
 
 def crashing_suite(tmp_path: Path) -> Path:
-    """A suite with two real tasks and one whose evaluator always crashes."""
-    add, fizz = BUILTIN_DIR / "add", BUILTIN_DIR / "fizzbuzz"
+    """A suite with three real tasks (one learnable) and one whose evaluator always crashes."""
+    add, fizz, notes = BUILTIN_DIR / "add", BUILTIN_DIR / "fizzbuzz", LEARN_DIR / "notes"
     suite = {
         "name": "e2e",
         "defaults": {"tool_latency": {"dist": "lognormal", "mu": -2.0, "sigma": 1.0, "max_s": 2.0}},
@@ -45,6 +45,13 @@ def crashing_suite(tmp_path: Path) -> Path:
              "workspace": str(fizz / "workspace"),
              "scoring": {"rule": "hidden_tests",
                          "tests": str(fizz / "hidden" / "test_fizzbuzz.py")}},
+            # the learnable one: its rewards differ within a group, so updates have a gradient
+            {"name": "notes", "instruction": "Take notes on {focus}: one file per note, each "
+             "a markdown bullet.", "variables": {"focus": ["bugs", "ideas"]},
+             "workspace": str(notes / "workspace"),
+             "scoring": {"rule": "command",
+                         "command": ["python3", str(notes / "hidden" / "check_notes.py"),
+                                     "--initial", str(notes / "workspace")]}},
             {"name": "crashy", "instruction": "Implement add(a, b) in calc.py.",
              "workspace": str(add / "workspace"),
              "scoring": {"rule": "command",

@@ -2,8 +2,9 @@
 
 The core pushes new weights to every rollout engine. An engine SIGKILLed just before (its
 loss not yet seen by the coordinator) refuses the push; the core must report it as missed and
-go on, and the engine restarted afterwards must serve the published version, not the one it
-had before. Real engine processes, a real replica, real HTTP pushes.
+go on, and the engine restarted afterwards must serve the published version (from the policy
+directory the publication wrote first), not the one it had before. Real engine processes, a
+real replica, real HTTP pushes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from gyre.runtime.cell import PUBLISHED, CellProcess, build_replica
+from gyre.runtime import messages as msg
+from gyre.runtime import policies
+from gyre.runtime.cell import CellProcess, build_replica
 from gyre.runtime.config import load_run_config
 from gyre.runtime.engine_host import EngineProcess, http
 
@@ -23,9 +26,8 @@ from .conftest import small_config, write_config
 
 def _cell(tmp_path: Path, index: int, engine: EngineProcess, core: bool) -> CellProcess:
     cfg = load_run_config(write_config(tmp_path, small_config(tmp_path)))
-    replica, optim = build_replica(cfg, core=core)
     cell = CellProcess(cfg, engine_index=index, comms=None, run_dir=tmp_path, engine=engine,
-                       replica=replica, optimizer=optim)  # fmt: skip
+                       replica=build_replica(cfg, core=core))  # fmt: skip
     cell.sent = []  # type: ignore[attr-defined]
     cell._up = cell.sent.append  # type: ignore[attr-defined,method-assign]
     return cell
@@ -47,28 +49,33 @@ def test_publish_to_a_killed_engine_is_reported_and_its_restart_serves_the_new_v
         core = _cell(tmp_path, 0, live, core=True)
         victim = _cell(tmp_path, 2, doomed, core=False)
         with torch.no_grad():  # the core's weights after a step: different from version 0
-            for p in core.replica.model.parameters():  # type: ignore[union-attr]
+            for p in core.replica.cell.model.parameters():  # type: ignore[union-attr]
                 p.add_(0.01)
         assert doomed.proc is not None
         os.kill(doomed.proc.pid, signal.SIGKILL)
         doomed.proc.wait()
 
-        core._publish(1, [(0, live.url), (2, doomed.url)])
+        core.version = 1
+        core.publish(msg.Publish(version=1, targets=[(0, live.url), (2, doomed.url)]))
 
-        kind, version, _seconds, missed = core.sent[-1]  # type: ignore[attr-defined]
-        assert (kind, version, missed) == ("published", 1, [2])
+        done = core.sent[-1]  # type: ignore[attr-defined]
+        assert isinstance(done, msg.Published) and (done.version, done.missed) == (1, [2])
         assert http(live.url, "GET", "/get_weight_version")["weight_version"] == "1"
-        assert torch.load(tmp_path / PUBLISHED, weights_only=True)["version"] == 1
+        kept = policies.latest(tmp_path)
+        assert kept is not None and kept[0] == 1 and kept[1].name == "v00001"
 
-        # the dead engine's cell sees the loss; its restart loads the published copy
+        # the dead engine's cell sees the loss; its restart loads the published policy
         victim._watch_engine()
-        assert victim.sent[-1][0] == "engine_lost"  # type: ignore[attr-defined]
-        victim._respawn("rollout")
-        assert victim.sent[-1] == ("engine_ready", 2, doomed.url, 1)  # type: ignore[attr-defined]
+        assert isinstance(victim.sent[-1], msg.EngineLost)  # type: ignore[attr-defined]
+        victim.respawn(msg.Respawn("rollout"))
+        assert victim.sent[-1] == msg.EngineReady(2, doomed.url, 1)  # type: ignore[attr-defined]
         assert http(doomed.url, "GET", "/get_weight_version")["weight_version"] == "1"
+        served = dict(policies.load_weights(kept[1]))
+        name, want = next(iter(served.items()))
+        assert torch.equal(want, dict(core.replica.cell.model.state_dict())[name])  # type: ignore[union-attr]
 
         # a reload of an engine that already has the version changes nothing and never fails
-        victim._reload()
+        victim.reload(msg.Reload())
         assert doomed.version == 1
     finally:
         live.stop()
@@ -82,9 +89,11 @@ def test_a_switch_goes_on_when_the_engine_died_under_it(tmp_path: Path) -> None:
         assert engine.proc is not None
         os.kill(engine.proc.pid, signal.SIGKILL)
         engine.proc.wait()
-        cell._to_train(0)
-        assert cell.sent[-1][:3] == ("switched", 1, "train")  # type: ignore[attr-defined]
-        cell._to_rollout(0)
-        assert cell.sent[-1][:3] == ("switched", 1, "rollout")  # type: ignore[attr-defined]
+        cell.to_train(msg.ToTrain())
+        last = cell.sent[-1]  # type: ignore[attr-defined]
+        assert isinstance(last, msg.Switched) and (last.cell, last.role) == (1, "train")
+        cell.to_rollout(msg.ToRollout(0))
+        last = cell.sent[-1]  # type: ignore[attr-defined]
+        assert isinstance(last, msg.Switched) and (last.cell, last.role) == (1, "rollout")
     finally:
         engine.stop()

@@ -24,8 +24,25 @@ def test_templates_load() -> None:
     assert local.model == "tiny" and local.topology.world_size == 5
     smol = load_run_config(ROOT / "templates" / "smollm2.yaml")
     assert smol.model == "smollm2-135m"
-    over = load_run_config(ROOT / "templates" / "local.yaml", {"steps": 7, "policy": "async"})
+    over = load_run_config(ROOT / "templates" / "local.yaml", steps=7, policy="async")
     assert over.steps == 7 and over.schedule.policy == "async"
+
+
+def test_the_train_section_is_the_trainers_config(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
+    cfg["train"].update({"clip_low": 0.8, "clip_high": 1.01, "token_weight_cap": 2.0, "lr": 3e-4})
+    got = load_run_config(write_config(tmp_path, cfg), ["train.j_max=3", "train.beta2=0.99"])
+    assert (got.train.objective.clip_low, got.train.objective.clip_high) == (0.8, 1.01)
+    assert got.train.objective.token_weight_cap == 2.0
+    assert (got.train.optim.lr, got.train.optim.beta2) == (3e-4, 0.99)
+    assert got.train.admission.j_max == 3
+    assert load_run_config(ROOT / "templates" / "local.yaml").train.j_max == 5  # the paper's
+    with pytest.raises(
+        ConfigError, match=r"run\.train: unknown key 'clip_hi'; allowed keys: .*clip_high"
+    ):
+        load_run_config(write_config(tmp_path, cfg), ["train.clip_hi=1.2"])
+    with pytest.raises(ConfigError, match=r"run\.train\.clip_low/clip_high: 0.8/0.9"):
+        load_run_config(write_config(tmp_path, cfg), ["train.clip_high=0.9"])
 
 
 def test_unknown_key_names_the_path(tmp_path: Path) -> None:
@@ -37,7 +54,7 @@ def test_unknown_key_names_the_path(tmp_path: Path) -> None:
 
 def test_bad_policy_lists_the_allowed_ones(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"elastic.*async.*colocate"):
-        load_run_config(write_config(tmp_path, small_config(tmp_path)), {"policy": "fifo"})
+        load_run_config(write_config(tmp_path, small_config(tmp_path)), policy="fifo")
 
 
 def test_impossible_topologies(tmp_path: Path) -> None:

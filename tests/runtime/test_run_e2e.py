@@ -2,13 +2,16 @@
 
 One run (about a minute on 2 cores) checks what a user relies on:
 
-* the run completes S steps and exits 0; zero harness-side errors;
+* the run completes S steps and exits 0; zero harness-side errors; some update carried a
+  learning signal (non-zero gradient and objective);
 * the trace holds every dispatched execution with its tree, reward and validity — those
   whose evaluator crashes are marked invalid (excluded) with the evaluator's message;
 * the role timeline shows a cell going rollout -> train -> rollout while executions are live,
   and each switch's duration is recorded;
 * cell 2's engine is killed with SIGKILL mid-run: the loss is recorded, its calls are retried
   elsewhere (one node per agent call), every harness finishes, the run completes;
+* the final policy is a Hugging Face model directory: transformers loads it and
+  `gyre engine --model DIR` serves it;
 * `gyre report` renders the PNG plots and the HTML page.
 """
 
@@ -65,7 +68,10 @@ def _kill_engine_when_busy(proc: subprocess.Popen, run_dir: Path, index: int) ->
 def test_gyre_run_end_to_end_with_engine_kill(tmp_path: Path) -> None:
     cfg = small_config(tmp_path, steps=2)
     cfg["harness"]["suite"] = str(crashing_suite(tmp_path))
-    cfg["harness"]["tasks"] = ["add", "crashy", "fizzbuzz"]
+    # groups draw tasks round robin: the learnable notes often, so a batch's rewards differ
+    cfg["harness"]["tasks"] = ["notes", "add", "crashy", "notes", "fizzbuzz"]
+    cfg["harness"]["params"].update({"max_turns": "3", "max_tokens": "96", "delegate": "off"})
+    cfg["schedule"]["batch_groups"] = 3
     path = write_config(tmp_path, cfg)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -87,6 +93,7 @@ def test_gyre_run_end_to_end_with_engine_kill(tmp_path: Path) -> None:
     assert summary["engine_losses"] == 1
 
     with TraceReader(run_dir / "trace.h5") as r:
+        steps = r.rows("steps")
         execs = {i.execution_id: i for i in r.executions()}
         groups = r.rows("groups")
         rewards = {row["execution_id"]: row for row in r.rows("rewards")}
@@ -96,7 +103,7 @@ def test_gyre_run_end_to_end_with_engine_kill(tmp_path: Path) -> None:
         trees = {eid: r.tree(eid) for eid, i in execs.items() if i.status != "not_launched"}
 
     # every dispatched execution: a closed tree, a reward row, validity
-    dispatched = {g["execution_id"]: g["task_id"] for g in groups}
+    dispatched = {g["execution_id"]: g["task_id"].split("@")[0] for g in groups}
     assert set(dispatched) == set(execs) == set(rewards)
     assert all(i.closed for i in execs.values())
     for eid, task in dispatched.items():
@@ -108,11 +115,20 @@ def test_gyre_run_end_to_end_with_engine_kill(tmp_path: Path) -> None:
             assert "evaluator bug 42" in execs[eid].meta["error"]
         else:  # scored, timed-out and cancelled ones included
             assert rewards[eid]["valid"], (eid, status, execs[eid].meta)
-            assert 0.0 <= rewards[eid]["reward"] <= 1.0
+            if task == "notes":  # the reward is the checker's score of the preserved workspace
+                ws = run_dir / "workspaces" / eid / "workspace"
+                assert rewards[eid]["reward"] == pytest.approx(_notes_score(ws)), eid
     assert any(t == "crashy" and execs[e].status != "not_launched" for e, t in dispatched.items())
     assert {a["execution_id"] for a in assessments} >= {
         e for e, i in execs.items() if i.status != "not_launched"
     }
+
+    # the batches carried a learning signal
+    metric: dict[str, list[float]] = {}
+    for row in steps:
+        metric.setdefault(row["name"], []).append(row["value"])
+    assert len(metric["grad_norm"]) == 2 and max(metric["grad_norm"]) > 0, metric
+    assert any(abs(v) > 0 for v in metric["objective"]), metric["objective"]
 
     # one node per agent call, also for calls whose engine was killed or switched away
     for eid, tree in trees.items():
@@ -130,12 +146,66 @@ def test_gyre_run_end_to_end_with_engine_kill(tmp_path: Path) -> None:
     # a cell went rollout -> train -> rollout while executions were live
     assert _round_trip_while_live(roles, execs)
 
+    _final_policy_loads_and_serves(run_dir / "policies" / "final")
+
     # gyre report renders
     rep = subprocess.run([sys.executable, "-m", "gyre", "report", str(run_dir)],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert rep.returncode == 0, rep.stderr
     for name in ("timeline.png", "train_share.png", "steps.png", "durations.png", "index.html"):
         assert (run_dir / "report" / name).stat().st_size > 0
+
+
+def _notes_score(workspace: Path) -> float:
+    from gyre.tasks.suite import LEARN_DIR
+
+    sys.path.insert(0, str(LEARN_DIR / "notes" / "hidden"))
+    import check_notes
+
+    texts = check_notes.notes(workspace, LEARN_DIR / "notes" / "workspace")
+    bullets = sum(check_notes.is_bullet(t) for t in texts)
+    return min(1.0, (0.25 * len(texts) + 0.75 * bullets) / 2)
+
+
+def _final_policy_loads_and_serves(policy: Path) -> None:
+    """The run's product: transformers loads it; `gyre engine` serves it."""
+    import urllib.request
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(policy, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
+    assert tok.chat_template and "tools" in tok.chat_template
+    meta = json.loads((policy / "gyre-policy.json").read_text())
+    assert meta["version"] == 2 and (policy / "model.safetensors").exists()
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                  return_dict=True)["input_ids"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gyre", "engine", "--model", str(policy), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = ""
+        while "listening on" not in line:
+            line = proc.stdout.readline()
+            assert line, "gyre engine exited before serving the policy"
+        url = line.strip().rsplit(" ", 1)[-1]
+        body = json.dumps({"input_ids": list(ids), "return_logprob": True,
+                           "sampling_params": {"max_new_tokens": 4, "temperature": 0}})  # fmt: skip
+        req = urllib.request.Request(url + "/generate", data=body.encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    import torch
+
+    out = reply["meta_info"]["output_token_logprobs"]
+    first = out[0][1]  # greedy: the engine's first token is the model's own argmax
+    with torch.no_grad():
+        logits = model(torch.tensor([list(ids)])).logits[0, -1]
+    assert first == int(logits.argmax())
 
 
 def _round_trip_while_live(roles: list[dict], execs: dict) -> bool:

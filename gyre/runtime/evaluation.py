@@ -1,0 +1,186 @@
+"""`gyre eval`: a policy on held-out task instances — the run's harness, tasks and evaluator,
+no training.
+
+    gyre eval RUN_DIR                    # the run's final policy (policies/final)
+    gyre eval RUN_DIR --initial          # ... and the model it started from, for before/after
+    gyre eval RUN_DIR --policies all     # every kept policy: the report's eval points
+    gyre eval MODEL_DIR|tiny --config templates/local.yaml [--tasks notes] [--instances 16]
+
+One embedded engine serves the policy; an `ExecutionHost` (the very object a run's proxy
+node drives) runs one execution per task instance, `concurrency` at a time. Instances are
+drawn from held-out seeds (`gyre.tasks.suite.heldout_seed`, never used for training), the
+same ones for every policy, so before/after compare like with like. For a run directory
+the results are also written to `RUN_DIR/eval.json`, which `gyre report` plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gyre.errors import ConfigError
+from gyre.runtime import policies
+from gyre.runtime.config import RunConfig, load_run_config
+from gyre.tasks.suite import heldout_seed
+
+EVAL_FILE = "eval.json"
+
+
+@dataclass(slots=True)
+class EvalResult:
+    """One policy's held-out evaluation."""
+
+    name: str  # initial | final | v00012 | a model path
+    version: int | None  # policy version (updates applied); None for a model given by path
+    model: str
+    rewards: dict[str, float | None] = field(default_factory=dict)  # execution -> reward
+    wall_s: float = 0.0
+
+    @property
+    def scored(self) -> list[float]:
+        return [r for r in self.rewards.values() if r is not None]
+
+    @property
+    def mean(self) -> float:
+        got = self.scored
+        return sum(got) / len(got) if got else math.nan
+
+    @property
+    def std(self) -> float:
+        got = self.scored
+        if len(got) < 2:
+            return 0.0
+        m = self.mean
+        return math.sqrt(sum((r - m) ** 2 for r in got) / (len(got) - 1))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "model": self.model,
+                "mean": self.mean, "std": self.std, "n": len(self.scored),
+                "excluded": len(self.rewards) - len(self.scored), "rewards": self.rewards,
+                "wall_s": self.wall_s}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What to evaluate: a model (spec or directory) under a run config."""
+
+    name: str
+    model: str
+    version: int | None
+
+
+def targets_of(run_dir: Path, cfg: RunConfig, *, initial: bool, every: bool) -> list[Target]:
+    """The policies of a run directory to evaluate (initial first, final last)."""
+    out = [Target("initial", cfg.model, 0)] if initial else []
+    if every:
+        out += [Target(p.name, str(p), v) for v, p in policies.published(run_dir)]
+    final = policies.policy_dir(run_dir, "final")
+    if final.is_dir():
+        out.append(Target("final", str(final), policies.policy_version(final)))
+    elif not every:
+        kept = policies.latest(run_dir)
+        if kept is None:
+            raise ConfigError(f"{run_dir}: holds no policy (policies/final or a publication)")
+        out.append(Target(kept[1].name, str(kept[1]), kept[0]))
+    return out
+
+
+def evaluate(
+    cfg: RunConfig, target: Target, work_dir: Path, *, tasks: list[str], instances: int,
+    concurrency: int,
+) -> EvalResult:  # fmt: skip
+    """Run `instances` held-out instances of every task in `tasks` against `target`."""
+    from gyre.runtime.engine_host import EngineProcess
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    engine = EngineProcess(target.model, cfg.engine, work_dir / "engine.log", version=0)
+    engine.spawn()
+    try:
+        url = engine.wait_ready(cfg.timeouts.startup_s)
+        run_cfg = dataclasses.replace(cfg, model=target.model)
+        t0 = time.time()
+        rewards = asyncio.run(_run_all(run_cfg, work_dir, url, tasks, instances, concurrency))
+    finally:
+        engine.stop()
+    return EvalResult(target.name, target.version, target.model, rewards, time.time() - t0)
+
+
+async def _run_all(
+    cfg: RunConfig, work_dir: Path, url: str, tasks: list[str], instances: int, concurrency: int
+) -> dict[str, float | None]:
+    from gyre.runtime.proxy_node import ExecutionHost
+
+    host = ExecutionHost(cfg, work_dir)
+    await host.start({"e0": url})
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(task_name: str, k: int) -> tuple[str, float | None]:
+        task = host.suite[task_name].instantiate(heldout_seed(k))
+        eid = f"eval-{task_name}-{k}"
+        async with gate:
+            _, _, verdict = await host.execute(eid, task, "e0")
+        return eid, verdict["reward"] if verdict["status"] != "excluded" else None
+
+    try:
+        done = await asyncio.gather(*(one(t, k) for t in tasks for k in range(instances)))
+    finally:
+        host.stop()
+    return dict(done)
+
+
+def run_eval(
+    target: str, *, config: str | None, tasks: list[str] | None, instances: int,
+    initial: bool, every: bool, concurrency: int | None, out: str | None,
+) -> list[EvalResult]:  # fmt: skip
+    """The `gyre eval` command: resolve the target, evaluate, write RUN_DIR/eval.json."""
+    path = Path(target)
+    run_dir = path if (path / "config.yaml").is_file() else None
+    if run_dir is not None:
+        cfg = load_run_config(config or run_dir / "config.yaml")
+        todo = targets_of(run_dir, cfg, initial=initial, every=every)
+    else:
+        from gyre.runtime.cli import DEFAULT_CONFIG
+
+        cfg = load_run_config(config or DEFAULT_CONFIG)
+        todo = [Target(target, str(path.resolve()) if path.is_dir() else target, None)]
+    names = tasks or cfg.harness.tasks or list(_suite_names(cfg))
+    base = Path(out) if out else (run_dir / "eval" if run_dir else Path(tempfile.mkdtemp()))
+    limit = concurrency or cfg.engine.max_batch_size
+    results = [
+        evaluate(cfg, t, base / t.name, tasks=names, instances=instances, concurrency=limit)
+        for t in todo
+    ]
+    if run_dir is not None:
+        _merge(run_dir / EVAL_FILE, results, names, instances)
+    return results
+
+
+def _suite_names(cfg: RunConfig) -> list[str]:
+    from gyre.runtime.proxy_node import load_tasks
+
+    return load_tasks(cfg)[1]
+
+
+def _merge(path: Path, results: list[EvalResult], tasks: list[str], instances: int) -> None:
+    """Add (or replace, by name) these results in a run's eval.json."""
+    data = json.loads(path.read_text()) if path.exists() else {"results": []}
+    fresh = {r.name for r in results}
+    kept = [r for r in data["results"] if r["name"] not in fresh]
+    extra = {"tasks": tasks, "instances": instances, "t": time.time()}
+    data["results"] = kept + [{**r.to_dict(), **extra} for r in results]
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def load_results(run_dir: Path) -> list[dict[str, Any]]:
+    """The evaluations recorded for a run (eval.json), oldest first."""
+    path = run_dir / EVAL_FILE
+    return list(json.loads(path.read_text())["results"]) if path.exists() else []

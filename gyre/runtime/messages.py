@@ -1,0 +1,357 @@
+"""Every message between the ranks of a Gyre job: one frozen dataclass per kind.
+
+The coordinator (rank 0) talks to the proxy node (rank 1) and to the cells (ranks 2..) —
+nobody else talks to anybody. A message travels up (to the coordinator, MPI tag `UP`) or
+down (from it, tag `DOWN`); `gyre.runtime.wire` sends and receives these objects and each
+receiver dispatches on the type, so a reader can follow a message by its name from the
+sender to its one handler. MPI keeps messages between one pair of ranks on one tag in
+order, which the protocol relies on (a `HarnessEnded` always precedes its `Assessed`).
+
+`table()` renders the message table of docs/runtime.md (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+PROXY, CELL, COORDINATOR = "proxy node", "cell", "coordinator"
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message; `up` says its direction, `route` who sends it to whom."""
+
+    up: ClassVar[bool]
+    route: ClassVar[tuple[str, str]]
+
+
+# ------------------------------------------------------------------ proxy node -> coordinator
+
+
+@dataclass(frozen=True)
+class ProxyReady(Message):
+    """The proxy serves harnesses at `url`."""
+
+    up, route = True, (PROXY, COORDINATOR)
+    url: str
+
+
+@dataclass(frozen=True)
+class Drained(Message):
+    """The proxy starts no new call at `engine` and routes its executions elsewhere."""
+
+    up, route = True, (PROXY, COORDINATOR)
+    engine: str
+
+
+@dataclass(frozen=True)
+class HarnessEnded(Message):
+    """An execution's harness ended: completed, failed, timed_out or cancelled."""
+
+    up, route = True, (PROXY, COORDINATOR)
+    execution: int
+    outcome: str
+    t_launch: float | None
+    t_end: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class JournalNode(Message):
+    """One model call of a running execution, as recorded: the coordinator journals it."""
+
+    up, route = True, (PROXY, COORDINATOR)
+    execution_id: str
+    node: Any
+
+
+@dataclass(frozen=True)
+class Assessed(Message):
+    """An execution closed (its tree is its journaled nodes) with the evaluator's verdict."""
+
+    up, route = True, (PROXY, COORDINATOR)
+    execution: int
+    verdict: dict[str, Any]
+    errors: int
+
+
+# ------------------------------------------------------------------ cell -> coordinator
+
+
+@dataclass(frozen=True)
+class EngineReady(Message):
+    """Engine `engine` serves at `url` with weights of policy `version` (start or restart)."""
+
+    up, route = True, (CELL, COORDINATOR)
+    engine: int
+    url: str
+    version: int
+
+
+@dataclass(frozen=True)
+class EngineLost(Message):
+    """Engine `engine`'s process exited (`returncode`, negative: killed by that signal)."""
+
+    up, route = True, (CELL, COORDINATOR)
+    engine: int
+    returncode: int
+
+
+@dataclass(frozen=True)
+class Switched(Message):
+    """Cell `cell` finished its switch to `role` (train or rollout) in `seconds`."""
+
+    up, route = True, (CELL, COORDINATOR)
+    cell: int
+    role: str
+    seconds: float
+    detail: dict[str, Any] = field(default_factory=dict)  # where the time went; KV moved
+
+
+@dataclass(frozen=True)
+class Prepassed(Message):
+    """The prepass of micro-step `index`: per-execution sums of l_t - b_t over its targets."""
+
+    up, route = True, (CELL, COORDINATOR)
+    cell: int
+    batch: int
+    index: int
+    sums: dict[str, float]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Accumulated(Message):
+    """The gradient pass of micro-step `index` added into the cell's gradient buffer."""
+
+    up, route = True, (CELL, COORDINATOR)
+    cell: int
+    batch: int
+    index: int
+    objective: float
+    targets: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Updated(Message):
+    """Cell `cell` took part in the update of `batch`; the core reports the gradient norm."""
+
+    up, route = True, (CELL, COORDINATOR)
+    cell: int
+    batch: int
+    grad_norm: float | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Published(Message):
+    """The core pushed `version` to the rollout engines; `missed` ones did not take it."""
+
+    up, route = True, (CELL, COORDINATOR)
+    version: int
+    seconds: float
+    missed: list[int]
+
+
+@dataclass(frozen=True)
+class PolicySaved(Message):
+    """The core wrote policy `version` as a Hugging Face model directory at `path`."""
+
+    up, route = True, (CELL, COORDINATOR)
+    version: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Checkpointed(Message):
+    """The core saved its weights and optimizer state at `version` into `folder`."""
+
+    up, route = True, (CELL, COORDINATOR)
+    version: int
+    folder: str
+    bytes: int
+    seconds: float
+
+
+# ------------------------------------------------------------------ coordinator -> proxy node
+
+
+@dataclass(frozen=True)
+class SetEngines(Message):
+    """Engine id -> URL: engines to add (or whose URL changed after a restart)."""
+
+    up, route = False, (COORDINATOR, PROXY)
+    urls: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Drain(Message):
+    """Start no new call at `engine`; route these executions to new engines; ack if asked."""
+
+    up, route = False, (COORDINATOR, PROXY)
+    engine: str
+    routes: dict[str, str]
+    ack: bool
+
+
+@dataclass(frozen=True)
+class Undrain(Message):
+    """`engine` serves again (its cell is back in rollout)."""
+
+    up, route = False, (COORDINATOR, PROXY)
+    engine: str
+
+
+@dataclass(frozen=True)
+class StartExecution(Message):
+    """Run one execution of `task` (instance `instance`), its calls routed to `engine`."""
+
+    up, route = False, (COORDINATOR, PROXY)
+    execution: int
+    execution_id: str
+    task: str
+    instance: int
+    engine: str
+
+
+@dataclass(frozen=True)
+class Rescore(Message):
+    """Score the preserved workspace of an execution a dead job left running (a resume)."""
+
+    up, route = False, (COORDINATOR, PROXY)
+    execution: int
+    execution_id: str
+    task: str
+    instance: int
+
+
+@dataclass(frozen=True)
+class Cancel(Message):
+    """Cancel these executions' harnesses (they are still closed, scored and reported)."""
+
+    up, route = False, (COORDINATOR, PROXY)
+    execution_ids: list[str]
+
+
+@dataclass(frozen=True)
+class Stop(Message):
+    """Leave with exit status `status` (to the proxy node and every cell)."""
+
+    up, route = False, (COORDINATOR, f"{PROXY}, {CELL}")
+    status: int
+
+
+# ------------------------------------------------------------------ coordinator -> cell
+
+
+@dataclass(frozen=True)
+class ToTrain(Message):
+    """Hand running calls' KV to their new engines, abort, release; the replica trains."""
+
+    up, route = False, (COORDINATOR, CELL)
+    routes: dict[str, str] = field(default_factory=dict)  # execution -> new engine's URL
+
+
+@dataclass(frozen=True)
+class ToRollout(Message):
+    """Resume the engine; load the replica's weights into it if older than `published`."""
+
+    up, route = False, (COORDINATOR, CELL)
+    published: int
+
+
+@dataclass(frozen=True)
+class Prepass(Message):
+    """No-grad forward of `step` at the weights of `version` (pull them first if behind)."""
+
+    up, route = False, (COORDINATOR, CELL)
+    batch: int
+    version: int
+    step: Any
+
+
+@dataclass(frozen=True)
+class Accumulate(Message):
+    """Forward + backward of `step` with its executions' scalars, at `version`."""
+
+    up, route = False, (COORDINATOR, CELL)
+    batch: int
+    version: int
+    step: Any
+    scalars: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Reduce(Message):
+    """Sum gradients of cells 0..cells-1 at the core, scale by 1/E, clip, step, broadcast."""
+
+    up, route = False, (COORDINATOR, CELL)
+    batch: int
+    cells: int
+    num_executions: int
+
+
+@dataclass(frozen=True)
+class Publish(Message):
+    """Core: push policy `version` to these (engine, url) targets; keep it as a policy."""
+
+    up, route = False, (COORDINATOR, CELL)
+    version: int
+    targets: list[tuple[int, str]]
+
+
+@dataclass(frozen=True)
+class SavePolicy(Message):
+    """Core: write the current weights as policy directory `name` (e.g. "final")."""
+
+    up, route = False, (COORDINATOR, CELL)
+    name: str
+
+
+@dataclass(frozen=True)
+class Respawn(Message):
+    """Restart the lost engine with the latest policy; released again unless `role` is rollout."""
+
+    up, route = False, (COORDINATOR, CELL)
+    role: str
+
+
+@dataclass(frozen=True)
+class Reload(Message):
+    """Load the latest published policy into the engine if it missed it."""
+
+    up, route = False, (COORDINATOR, CELL)
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint(Message):
+    """Core: save weights and optimizer state into the checkpoint directory `folder`."""
+
+    up, route = False, (COORDINATOR, CELL)
+    folder: str
+
+
+ALL: tuple[type[Message], ...] = tuple(
+    cls
+    for cls in list(globals().values())
+    if isinstance(cls, type) and issubclass(cls, Message) and cls is not Message
+)
+
+
+def fields(cls: type[Message]) -> list[str]:
+    """The message's field names, in order."""
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def table() -> str:
+    """The markdown message table of docs/runtime.md."""
+    lines = ["| message | from → to | fields | meaning |", "|---|---|---|---|"]
+    for cls in ALL:
+        sender, receiver = cls.route
+        names = ", ".join(fields(cls)) or "—"
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        lines.append(f"| `{cls.__name__}` | {sender} → {receiver} | {names} | {doc} |")
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""The processes of one `gyre run`, found in /proc by what they carry (tests only).
+
+Ranks carry the run directory on their command line and PMI_RANK in their environment;
+engines carry GYRE_RUN_DIR / GYRE_ENGINE_INDEX; harnesses and scorers carry the run's
+workspace paths on their command line. A kill test finds its victim here and, afterwards,
+checks by pid that it is really gone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Proc:
+    pid: int
+    kind: str  # rank | engine | harness | scorer | other
+    index: int  # world rank, engine index, or -1
+    cmdline: str
+
+
+def _read(pid: str) -> tuple[list[bytes], dict[bytes, bytes]] | None:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+    if state == "Z":
+        return None  # a zombie has already died
+    env = dict(kv.split(b"=", 1) for kv in raw if b"=" in kv)
+    return cmd, env
+
+
+def scan(run_dir: Path) -> list[Proc]:
+    """Every live process of the run at `run_dir`."""
+    mark = str(run_dir.resolve()).encode()
+    mark_rel = str(run_dir).encode()
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        got = _read(entry.name)
+        if got is None:
+            continue
+        cmd, env = got
+        joined = b" ".join(cmd)
+        mine = mark in joined or mark_rel in joined or env.get(b"GYRE_RUN_DIR") == mark
+        if not mine or any(c.endswith(b"mpiexec") for c in cmd[:1]):
+            continue
+        out.append(_classify(int(entry.name), joined, env))
+    return out
+
+
+def _classify(pid: int, joined: bytes, env: dict[bytes, bytes]) -> Proc:
+    text = joined.decode(errors="replace")
+    if b"gyre.runtime.main" in joined and b"PMI_RANK" in env:
+        return Proc(pid, "rank", int(env[b"PMI_RANK"]), text)
+    if b"gyre.rollout.cli" in joined and b"GYRE_ENGINE_INDEX" in env:
+        return Proc(pid, "engine", int(env[b"GYRE_ENGINE_INDEX"]), text)
+    if b"reference_agent" in joined:
+        return Proc(pid, "harness", -1, text)
+    if b"check_" in joined or b"slow_score" in joined:
+        return Proc(pid, "scorer", -1, text)
+    return Proc(pid, "other", -1, text)
+
+
+def wait_for(run_dir: Path, kind: str, index: int = -1, timeout: float = 240) -> Proc:
+    """The first live process of `kind` (and `index`), polling until it exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in scan(run_dir):
+            if p.kind == kind and (index < 0 or p.index == index):
+                return p
+        time.sleep(0.05)
+    raise AssertionError(f"no {kind} {index} of {run_dir} within {timeout}s")
+
+
+def pids_with(marker: str) -> list[int]:
+    """Live processes whose command line contains `marker`."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        got = _read(entry.name)
+        if got is not None and marker.encode() in b" ".join(got[0]):
+            out.append(int(entry.name))
+    return out
+
+
+def all_gone(pids: set[int] | list[int], timeout: float = 10) -> bool:
+    return gone(list(pids), timeout)
+
+
+def gone(pids: list[int], timeout: float = 30) -> bool:
+    """True once none of `pids` is alive (zombies count as gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(_read(str(p)) is None for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
