@@ -9,4 +9,4 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFF
 echo "== ruff"; python3 -m ruff check gyre tests tools
 echo "== ruff format"; python3 -m ruff format --check gyre tests tools
 echo "== mypy"; python3 -m mypy
-echo "== pytest"; python3 -m pytest -q "$@"
+echo "== pytest"; python3 -m pytest -q --durations=15 "$@"

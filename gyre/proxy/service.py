@@ -289,10 +289,16 @@ class ProxyService:
         )
 
     def _marker_token(self, marker: str) -> int | None:
-        """The id of `marker` when the vocabulary holds it as one added token."""
-        tok = self.renderer.tok
-        tid = tok.convert_tokens_to_ids(marker)
-        return tid if isinstance(tid, int) and tid in tok.added_tokens_decoder else None
+        return marker_token(self.renderer.tok, marker)
+
+
+def marker_token(tok: Any, marker: str) -> int | None:
+    """The id of `marker` when the vocabulary holds it as one added token, else None."""
+    tid = tok.convert_tokens_to_ids(marker)
+    if not isinstance(tid, int) or tid not in tok.added_tokens_decoder:
+        return None
+    # an unknown marker maps to the unknown token (SmolLM2: <|endoftext|>, an added token)
+    return tid if tok.added_tokens_decoder[tid].content == marker else None
 
 
 def _check_meta(meta: Any) -> None:

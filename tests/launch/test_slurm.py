@@ -227,9 +227,12 @@ def test_runtime_through_sbatch_checkpoints_requeues_and_resumes(
     assert slurm_cluster.wait_state(job, ("COMPLETED",), 600, log) == "COMPLETED", tail(log)
     text = log.read_text()
     assert f"requeueing job {job}" in text and "restart 1" in text, tail(log)
-    state = json.loads((run_dir / "checkpoint.json").read_text())
-    assert 1 <= state["updates"] < steps  # preempted mid-run; the resumed job did the rest
-    assert len(list(run_dir.glob("trace*.h5"))) == 2
+    saved = sorted(run_dir.glob("checkpoints/v*/state.json"))
+    assert saved, "the USR1 checkpoint was not committed"
+    resumed = json.loads((run_dir / "summary.json").read_text())["resumed_from"]
+    assert resumed is not None and 1 <= resumed["updates"] < steps  # preempted mid-run
+    assert json.loads(saved[-1].read_text())["updates"] == resumed["updates"]
+    assert [p.name for p in run_dir.glob("trace*.h5")] == ["trace.h5"]  # one trace, continued
     assert_valid_trace(run_dir, steps)
 
 

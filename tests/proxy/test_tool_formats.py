@@ -152,3 +152,17 @@ def test_forced_call_in_each_format_from_the_real_engine(fmt: str, engine_url: s
     for name, value in args.items():
         kind = params["properties"][name]["type"]
         assert isinstance(value, {"string": str, "boolean": bool, "integer": int}[kind])
+
+
+@pytest.mark.smollm2
+def test_a_marker_the_vocabulary_lacks_is_spelled_out_not_its_unknown_token() -> None:
+    """SmolLM2 has no <tool_call> token and its unknown token is an added one
+    (<|endoftext|>): a forced call must be written with the literal marker, or the output
+    carries <|endoftext|> where the parser looks for <tool_call> and the call is lost."""
+    from gyre.models import load_tokenizer
+    from gyre.proxy.service import marker_token
+
+    tok = load_tokenizer("smollm2-135m")
+    assert marker_token(tok, "<tool_call>") is None
+    im_end = marker_token(tok, "<|im_end|>")
+    assert im_end is not None and tok.convert_ids_to_tokens(im_end) == "<|im_end|>"

@@ -48,7 +48,10 @@ def test_the_default_job_raises_the_held_out_reward(tmp_path: Path) -> None:
     metric: dict[str, dict[int, float]] = {}
     for row in rows:
         metric.setdefault(row["name"], {})[int(row["step"])] = float(row["value"])
-    assert all(v > 0 for v in metric["grad_norm"].values())  # every step carried signal
+    # a step carries signal unless every group's rewards tie (e.g. all solved: nothing to learn)
+    silent = [s for s, v in metric["grad_norm"].items() if not v > 0]
+    assert all(metric["tied_groups"][s] == 1.0 for s in silent), (silent, metric["tied_groups"])
+    assert len(silent) <= len(metric["grad_norm"]) // 4, silent
     reward = [metric["reward_mean"][s] for s in sorted(metric["reward_mean"])]
     assert sum(reward[-5:]) / 5 >= sum(reward[:5]) / 5 + 0.2, reward
     # the recorded held-out results are what `gyre report` plots
