@@ -171,11 +171,16 @@ class CellProcess:
 
         def restore() -> None:
             self.engine.resume()
-            if self.core and self.engine.version < m.published:  # the core after a publication
+            if self.engine.version >= m.published:
+                return
+            if self.core:  # the core after a publication: its replica holds those weights
                 self.engine.load_weights(self._named(), self.version)
+            else:  # a satellite back after a publication it was released for (colocate)
+                self._load_latest()
 
         self._engine_call(restore)
-        self._up(msg.Switched(self.index, "rollout", time.perf_counter() - t0))
+        detail = {"engine_version": self.engine.version}  # the weights it serves from now on
+        self._up(msg.Switched(self.index, "rollout", time.perf_counter() - t0, detail))
 
     def _engine_call(self, call: Callable[[], None]) -> None:
         """Run a switch's engine step unless the engine is dead or dies during it.

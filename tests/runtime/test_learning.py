@@ -5,8 +5,8 @@ Everything is the unmodified loop — harness → proxy (TITO) → trajectory tr
 scoring → admission → objective → streaming training on the runtime's cells → publication
 → the next rollouts — and the before/after numbers come from `gyre eval` on held-out task
 instances never trained on. Sampling and scheduling order are not deterministic, so the
-assertion keeps a wide margin: the measured gain is ~+0.4-0.6 (docs/results), the test
-asks for +0.2 and for the training reward to rise too.
+assertion keeps a wide margin: the measured gain is ~+0.7 (docs/runtime.md "Does it
+learn?"), the test asks for +0.2 and for the training reward to rise too.
 """
 
 from __future__ import annotations

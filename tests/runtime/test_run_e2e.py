@@ -224,3 +224,30 @@ def _round_trip_while_live(roles: list[dict], execs: dict) -> bool:
             if live:
                 return True
     return False
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_colocate_cells_serve_the_publication_they_were_released_for(tmp_path: Path) -> None:
+    """Colocate trains on every cell and publishes while all engines are released: each
+    cell's engine must come back serving the new weights (a satellite once came back with
+    its old ones, so two thirds of the rollouts never saw a trained policy)."""
+    cfg = small_config(tmp_path, steps=4)
+    cfg["schedule"].update(policy="colocate", phi=0.0, mu=2)
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "gyre", "run", str(write_config(tmp_path, cfg)),
+         "--run-dir", str(run_dir), "--quiet"],
+        capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    with TraceReader(run_dir / "trace.h5") as r:
+        events = [(e["kind"], json.loads(e["detail"])) for e in r.rows("events")]
+    published, returns = 0, []
+    for kind, detail in events:
+        if kind == "publish":
+            published = detail["version"]
+        elif kind == "switch" and detail["to"] == "rollout":
+            returns.append((detail["cell"], detail["engine_version"], published))
+    assert {c for c, _, p in returns if p > 0} == {0, 1, 2}, returns  # every cell came back
+    assert all(served == p for _, served, p in returns), returns
