@@ -103,11 +103,6 @@ class Batch:
     updating: bool = False
 
     @property
-    def unclaimed(self) -> int:
-        """Passes queued and not yet claimed (prepasses plus ready gradient passes)."""
-        return self.queued - self.claimed + self.ready - self.grad_claimed
-
-    @property
     def complete(self) -> bool:
         """Every pass of every queued micro-step has finished."""
         return self.done == self.queued and self.grad_done == self.queued
