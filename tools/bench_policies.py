@@ -12,9 +12,10 @@ coordinator's wall time for S steps (process start-up excluded), mean staleness,
 and the ratios async/elastic and colocate/elastic (> 1: elastic is faster), for the whole
 wall time and for the steady state: seconds per step after the first burst every policy
 completes (the lcm of the μs), which leaves out start-up and the pipeline fill, as an
-hours-long run would (its steps are mostly steady). With `--eval-every K` every K-th
-policy is evaluated on held-out instances (`gyre.runtime.evaluation`, the code `gyre eval`
-runs) and the time each policy takes to reach `--target` held-out reward is compared too.
+hours-long run would (its steps are mostly steady). With `--eval-every K` the policy
+each run had published by step K, 2K, ... and its final one are evaluated on held-out
+instances (`gyre.runtime.evaluation`, the code `gyre eval` runs) and the time each policy
+takes to reach `--target` held-out reward is compared too.
 """
 
 from __future__ import annotations
@@ -80,28 +81,31 @@ def _switch_seconds(run_dir: Path) -> dict[str, float]:
 
 
 def held_out(row: dict[str, Any], every: int, instances: int) -> list[tuple[int, float]]:
-    """(version, held-out reward) of every `every`-th kept policy of the run, and the final."""
+    """(step, held-out reward) every `every` steps and at the end: at step t, the newest
+    policy the run had published by then (Colocate publishes every μ-th step only)."""
     from gyre.runtime import policies
     from gyre.runtime.config import load_run_config
     from gyre.runtime.evaluation import Target, evaluate
 
     run_dir = Path(row["run_dir"])
     cfg = load_run_config(run_dir / "config.yaml")
-    chosen = [(v, d) for v, d in policies.published(run_dir) if v % every == 0]
+    steps = len(row["elapsed_s"])
+    kept = [*policies.published(run_dir), (steps, run_dir / policies.POLICIES / "final")]
     out = []
-    for v, d in chosen:
-        res = evaluate(cfg, Target(d.name, str(d), v), run_dir / "eval" / d.name,
+    for t in sorted({*range(every, steps + 1, every), steps}):
+        v, d = max((v, d) for v, d in kept if v <= t)
+        res = evaluate(cfg, Target(d.name, str(d), v), run_dir / "eval" / f"step{t}",
                        tasks=cfg.harness.tasks, instances=instances,
                        concurrency=cfg.engine.max_batch_size)  # fmt: skip
-        out.append((v, res.mean))
+        out.append((t, res.mean))
     return out
 
 
 def time_to(row: dict[str, Any], target: float) -> float | None:
-    """Seconds of run until the first evaluated policy at or above `target` was trained."""
-    for v, mean in row.get("held_out", []):
-        if mean >= target and 1 <= v <= len(row["elapsed_s"]):
-            return float(row["elapsed_s"][v - 1])
+    """Seconds of run until the first evaluated step whose policy is at or above `target`."""
+    for t, mean in row.get("held_out", []):
+        if mean >= target:
+            return float(row["elapsed_s"][t - 1])
     return None
 
 
@@ -125,7 +129,7 @@ def main() -> int:
         "--eval-every",
         type=int,
         default=0,
-        help="evaluate every K-th policy on held-out instances (0: no evals)",
+        help="evaluate the policy of every K-th step on held-out instances (0: no evals)",
     )
     p.add_argument("--target", type=float, default=0.5, help="held-out reward to reach")
     p.add_argument("--instances", type=int, default=8, help="held-out instances per eval")

@@ -128,6 +128,8 @@ class Coordinator:
         if self.resumed is not None:  # continue from the checkpoint's policy version
             self.updates = int(self.resumed["updates"])
             self.sched.version = self.sched.published = int(self.resumed["version"])
+            # batch k is update k+1: numbering goes on, so no batch's records are overwritten
+            self.sched.batches_opened = self.updates
         self.status = 0
         self.batch_t0 = time.time()
         self.stats = {"reroutes": 0, "switches": 0, "harness_errors": 0, "engine_losses": 0,

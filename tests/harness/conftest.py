@@ -1,14 +1,20 @@
-"""Fixtures for harness tests: runners over temporary workspace roots, a shell adapter."""
+"""Fixtures for harness tests: runners over temporary workspace roots, a shell adapter, and
+one scripted run of a real harness CLI through a real proxy."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from gyre.harness import Adapter, ExecutionSpec, HarnessRunner
-from gyre.tasks import TaskSuite, builtin_suite
+from gyre.harness import Adapter, ExecutionSpec, HarnessRunner, Terminated
+from gyre.models import tiny_tokenizer
+from gyre.proxy.config import Config
+from gyre.proxy.testing import ScriptedEngine, running_proxy
+from gyre.tasks import Task, TaskSuite, builtin_suite
+from gyre.trajectory import TrajectoryTree
 
 
 @pytest.fixture(scope="session")
@@ -65,3 +71,38 @@ def spec_for(suite, shell_adapter):
 
 def run(coro):
     return asyncio.run(coro)
+
+
+@dataclass
+class ProxiedRun:
+    term: Terminated
+    tree: TrajectoryTree  # the execution's recorded calls
+    other: TrajectoryTree  # a second registered execution's: must stay empty
+
+
+@pytest.fixture
+def run_scripted_harness(tmp_path: Path):
+    """Factory: run `adapter`'s real CLI on `task` against a proxy whose engine answers
+    `replies`. A second execution is registered beside it, so a test can check that the
+    harness's calls went to its own key's tree only."""
+    return lambda *args: _run_scripted(tmp_path, *args)
+
+
+def _run_scripted(
+    tmp_path: Path, adapter: Adapter, task: Task, replies: list[str], config: Config
+) -> ProxiedRun:
+    tok = tiny_tokenizer()
+    with running_proxy({"e0": ScriptedEngine(tok, replies)}, tokenizer=tok, config=config) as p:
+        key = p.call(p.app.register_execution, "run-1", "main")
+        p.call(p.app.register_execution, "run-other", "main")
+        runner = HarnessRunner(
+            HarnessRunner.Config(
+                workspace_root=str(tmp_path / "ws"), harness_timeout_s=180, overall_timeout_s=240
+            )
+        )
+        spec = ExecutionSpec(
+            execution_id="run-1", task=task, adapter=adapter, proxy_url=p.url, api_key=key,
+            model=config.model_names[0],
+        )  # fmt: skip
+        term = asyncio.run(runner.run(spec))
+        return ProxiedRun(term, p.call(p.app.tree, "run-1"), p.call(p.app.tree, "run-other"))

@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness import ExecutionSpec, HarnessRunner, Outcome, get_adapter
+from gyre.harness import Outcome, get_adapter
 from gyre.harness.codex import find_codex
-from gyre.models import tiny_tokenizer
 from gyre.proxy.config import Config
-from gyre.proxy.testing import ScriptedEngine, running_proxy
 from gyre.tasks import Evaluator
 
 pytestmark = pytest.mark.skipif(
@@ -33,26 +31,12 @@ def _call(name: str, args: dict[str, str]) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
-def test_codex_solves_a_task_through_the_adapter(tmp_path: Path, suite) -> None:
+def test_codex_solves_a_task_through_the_adapter(suite, run_scripted_harness) -> None:
     task = suite["add"]
-    tok = tiny_tokenizer()
-    engine = ScriptedEngine(tok, [_call("exec_command", {"cmd": SOLVE}), "calc.py now adds."])
+    replies = [_call("exec_command", {"cmd": SOLVE}), "calc.py now adds."]
     config = Config(model_names=[MODEL], max_context_tokens=65536)
-    with running_proxy({"e0": engine}, tokenizer=tok, config=config) as p:
-        key = p.call(p.app.register_execution, "codex-1", "main")
-        p.call(p.app.register_execution, "codex-other", "main")
-        runner = HarnessRunner(
-            HarnessRunner.Config(
-                workspace_root=str(tmp_path / "ws"), harness_timeout_s=180, overall_timeout_s=240
-            )
-        )
-        spec = ExecutionSpec(
-            execution_id="codex-1", task=task, adapter=get_adapter("codex"), proxy_url=p.url,
-            api_key=key, model=MODEL,
-        )  # fmt: skip
-        term = asyncio.run(runner.run(spec))
-        tree = p.call(p.app.tree, "codex-1")
-        other = p.call(p.app.tree, "codex-other")
+    run = run_scripted_harness(get_adapter("codex"), task, replies, config)
+    term, tree, other = run.term, run.tree, run.other
     err = Path(term.stderr_path).read_text()
     assert term.outcome is Outcome.COMPLETED, f"{term.reason}; stderr: {err[-1500:]}"
     assert "calc.py now adds." in Path(term.stdout_path).read_text()

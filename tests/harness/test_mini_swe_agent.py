@@ -16,10 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness import ExecutionSpec, HarnessRunner, Outcome, get_adapter
-from gyre.models import tiny_tokenizer
+from gyre.harness import Outcome, get_adapter
 from gyre.proxy.config import Config
-from gyre.proxy.testing import ScriptedEngine, running_proxy
 from gyre.tasks import Evaluator
 
 ADAPTER = get_adapter("mini_swe_agent")
@@ -36,26 +34,11 @@ def _bash(command: str) -> str:
     return f"Let me do it.\n<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
-def test_mini_swe_agent_solves_a_task_through_the_adapter(tmp_path: Path, suite) -> None:
-    task = suite["add"]
-    tok = tiny_tokenizer()
-    script = [_bash(SOLVE), _bash("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
-    engine = ScriptedEngine(tok, script)
-    with running_proxy({"e0": engine}, tokenizer=tok, config=Config(model_names=[MODEL])) as p:
-        key = p.call(p.app.register_execution, "mini-1", "main")
-        p.call(p.app.register_execution, "mini-other", "main")
-        runner = HarnessRunner(
-            HarnessRunner.Config(
-                workspace_root=str(tmp_path / "ws"), harness_timeout_s=180, overall_timeout_s=240
-            )
-        )
-        spec = ExecutionSpec(
-            execution_id="mini-1", task=task, adapter=ADAPTER, proxy_url=p.url, api_key=key,
-            model=MODEL,
-        )  # fmt: skip
-        term = asyncio.run(runner.run(spec))
-        tree = p.call(p.app.tree, "mini-1")
-        other = p.call(p.app.tree, "mini-other")
+def test_mini_swe_agent_solves_a_task_through_the_adapter(suite, run_scripted_harness) -> None:
+    replies = [_bash(SOLVE), _bash("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
+    config = Config(model_names=[MODEL])
+    run = run_scripted_harness(ADAPTER, suite["add"], replies, config)
+    term, tree, other, task = run.term, run.tree, run.other, suite["add"]
     err = Path(term.stderr_path).read_text()
     assert term.outcome is Outcome.COMPLETED, f"{term.reason}; stderr: {err[-1500:]}"
     assert [n.parent_id for n in tree.nodes] == [0, 1] and len(other) == 0

@@ -99,8 +99,11 @@ def test_sigusr1_checkpoints_and_the_same_command_resumes(tmp_path: Path) -> Non
     carried = json.loads(resumed[0]["detail"])["carried"]
     assert carried, "the groups scored but not trained before the preemption are trained after"
     # the resumed core's first update started from the checkpoint, exactly
-    batches = sorted((run_dir / "batches").glob("b*-core.pt"))
-    resumed_core = torch.load(batches[-1], weights_only=False)
+    # the first segment's batch 0 keeps its records; the resumed update is batch 1
+    assert sorted(p.name for p in (run_dir / "batches").glob("b*-core.pt")) == [
+        "b00000-core.pt", "b00001-core.pt"]  # fmt: skip
+    assert torch.load(run_dir / "batches" / "b00000-core.pt", weights_only=False)["version"] == 0
+    resumed_core = torch.load(run_dir / "batches" / "b00001-core.pt", weights_only=False)
     assert resumed_core["version"] == 1
     named = dict(saved["named"])
     flat = torch.cat([t.reshape(-1) for t in named.values()])
