@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = Path(world.bcast(str(run_dir or default_run_dir(cfg)), root=0))
         if rank == 0:
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(dump_run_config(cfg))
+            # atomically: on --resume the other ranks may be reading this very file
+            tmp = run_dir / "config.yaml.tmp"
+            tmp.write_text(dump_run_config(cfg))
+            os.replace(tmp, run_dir / "config.yaml")
         _install_signals(rank)
         world.Barrier()
         status = run_component(cfg, world, components, component, run_dir)
