@@ -35,10 +35,10 @@ def _bash(command: str) -> str:
 
 
 def test_mini_swe_agent_solves_a_task_through_the_adapter(suite, run_scripted_harness) -> None:
+    task = suite["add"]
     replies = [_bash(SOLVE), _bash("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
-    config = Config(model_names=[MODEL])
-    run = run_scripted_harness(ADAPTER, suite["add"], replies, config)
-    term, tree, other, task = run.term, run.tree, run.other, suite["add"]
+    run = run_scripted_harness(ADAPTER, task, replies, Config(model_names=[MODEL]))
+    term, tree, other = run.term, run.tree, run.other
     err = Path(term.stderr_path).read_text()
     assert term.outcome is Outcome.COMPLETED, f"{term.reason}; stderr: {err[-1500:]}"
     assert [n.parent_id for n in tree.nodes] == [0, 1] and len(other) == 0
