@@ -1,10 +1,23 @@
-"""Suite-wide test settings: offline, single-threaded math, no stray network."""
+"""Suite-wide test settings: offline, single-threaded math, no stray network; plus two reports
+the test command relies on.
+
+* **CPU per test**: every test's CPU seconds (its own process and every child it reaped:
+  engines, MPI worlds, harnesses) are printed beside its wall time at the end of the run, so a
+  slow test shows whether it computes or waits.
+* **No silent skip**: with `GYRE_NO_SKIP=1` (set by `tools/test.sh`) any skipped test fails
+  the run unless its reason names one of `ALLOWED_SKIPS` (the CUDA-only tests on a CPU
+  machine). A missing harness binary or library is an install failure, not a skip.
+"""
 
 from __future__ import annotations
 
 import os
+import resource
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 # shared test helpers (`import processes`) and the train tests' reference (`train.reference`)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -13,3 +26,93 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# the only skips a CPU machine may report: tests that need a CUDA device
+ALLOWED_SKIPS = ("needs a CUDA device",)
+TOP = 20
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`--dist loadgroup`): the Slurm tests share one local cluster, so they
+    run on one worker; the long tests (real MPI worlds, Slurm jobs) are handed out first, so the
+    short ones fill the gaps instead of leaving one long test alone at the end."""
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif "e2e_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("e2e"))  # one shared world, run once
+    rank = {"slurm": 0, "mpi": 1, "slow": 2}
+
+    def key(item: pytest.Item) -> int:
+        marks = [rank[m.name] for m in item.iter_markers() if m.name in rank]
+        return min(marks, default=3)
+
+    items.sort(key=key)
+
+
+@pytest.fixture(scope="session")
+def e2e_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The shared end-to-end `gyre run` (tests/worlds.py), run once for the session."""
+    from worlds import e2e_world
+
+    return e2e_world(tmp_path_factory.mktemp("e2e"))
+
+
+def _cpu_s() -> float:
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_START] = (_cpu_s(), time.monotonic())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[no-untyped-def]
+    if call.when == "teardown" and _START in item.stash:
+        cpu0, wall0 = item.stash[_START]
+        item.user_properties.append(("cpu_s", _cpu_s() - cpu0))
+        item.user_properties.append(("wall_s", time.monotonic() - wall0))
+    yield
+
+
+_START = pytest.StashKey[tuple[float, float]]()
+_timings: dict[str, tuple[float, float]] = {}
+_bad_skips: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    props = dict(report.user_properties)
+    if report.when == "teardown" and "cpu_s" in props:
+        _timings[report.nodeid] = (float(props["wall_s"]), float(props["cpu_s"]))
+    if report.skipped and os.environ.get("GYRE_NO_SKIP") == "1":
+        reason = (
+            str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        )
+        if not any(allowed in reason for allowed in ALLOWED_SKIPS):
+            _bad_skips.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    if _timings:
+        tr = terminalreporter
+        tr.section(f"slowest {TOP} tests: wall s, CPU s (own + reaped children)")
+        rows = sorted(_timings.items(), key=lambda kv: -kv[1][0])[:TOP]
+        for nodeid, (wall, cpu) in rows:
+            tr.write_line(f"{wall:8.1f} {cpu:8.1f}  {nodeid}")
+        total_cpu = sum(c for _, c in _timings.values())
+        tr.write_line(f"all {len(_timings)} tests: {total_cpu:.0f} CPU s")
+    if _bad_skips:
+        terminalreporter.section("skips that are not allowed (GYRE_NO_SKIP=1)", red=True)
+        for line in _bad_skips:
+            terminalreporter.write_line(line)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _bad_skips and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

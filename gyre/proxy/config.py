@@ -52,6 +52,9 @@ class Config:
     # prompt + output must fit; a longer prompt gets 400, max_tokens is cut to what fits
     default_temperature: float = 1.0
     # temperature when the request gives none (1.0 keeps behaviour log-probs on-policy)
+    sampling_seed: int | None = None
+    # base of every call's sampling seed (hash of it, the execution id and the call's index):
+    # a call is repeatable; None: engines draw fresh seeds. `gyre run` sets it to train.seed
     reroute_attempts: int = 8
     # engine attempts per call (aborts by a role switch, engine errors) before 503/529
     reroute_wait_s: float = 30.0
@@ -79,6 +82,8 @@ class Config:
             raise ConfigError(f"max_context_tokens: {self.max_context_tokens}; allowed: >= 2")
         if not 0 <= self.default_temperature <= 2:
             raise ConfigError(f"default_temperature: {self.default_temperature}; allowed: 0..2")
+        if self.sampling_seed is not None and not 0 <= self.sampling_seed < 2**63:
+            raise ConfigError(f"sampling_seed: {self.sampling_seed}; allowed: 0..2**63-1 or null")
         if self.reroute_attempts < 1:
             raise ConfigError(f"reroute_attempts: {self.reroute_attempts}; allowed: >= 1")
         if self.reroute_wait_s < 0 or self.engine_timeout_s <= 0:

@@ -17,6 +17,7 @@ with the retryable overloaded error and refuses later calls the same way.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import re
@@ -200,7 +201,11 @@ class ProxyService:
             )
         prep = ex.assemble(found, rendered)
         label = self.role_for(role, conv, ex)
-        sampling = self.sampling(req, len(prep.context_ids))
+        sampling = self.sampling(
+            req,
+            len(prep.context_ids),
+            call_seed(self.config.sampling_seed, ex.execution_id, len(ex.tree) + 1),
+        )
         t0 = self.clock()
         rid = f"{ex.execution_id}-{len(ex.tree) + 1}-{secrets.token_hex(4)}"
         served = await self.router.generate(ex.execution_id, prep.context_ids, sampling, rid)
@@ -261,8 +266,11 @@ class ProxyService:
                 return rule.role
         return ex.role
 
-    def sampling(self, req: CallRequest, context_len: int) -> SamplingParams:
-        """Engine sampling params: capped max_tokens, defaults, forced-tool-call grammar."""
+    def sampling(
+        self, req: CallRequest, context_len: int, seed: int | None = None
+    ) -> SamplingParams:
+        """Engine sampling params: capped max_tokens, defaults, forced-tool-call grammar, the
+        call's own sampling seed (None: the engine draws one)."""
         cfg = self.config
         room = cfg.max_context_tokens - context_len
         if room < 1:
@@ -286,10 +294,21 @@ class ProxyService:
             top_p=1.0 if req.top_p is None else req.top_p,
             stop_token_ids=[self.renderer.eos_id],
             ebnf=grammar,
+            sampling_seed=seed,
         )
 
     def _marker_token(self, marker: str) -> int | None:
         return marker_token(self.renderer.tok, marker)
+
+
+def call_seed(base: int | None, execution_id: str, call: int) -> int | None:
+    """The sampling seed of call `call` (1-based) of an execution: a 63-bit hash of the run's
+    base seed, the execution id and the call's index, so the same call of the same execution
+    samples the same tokens from the same weights, whatever else runs beside it."""
+    if base is None:
+        return None
+    digest = hashlib.blake2b(f"{base}:{execution_id}:{call}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def marker_token(tok: Any, marker: str) -> int | None:

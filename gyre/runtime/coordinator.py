@@ -170,10 +170,11 @@ class Coordinator:
         if m is not None:
             self.last_message = time.monotonic()
             return m
-        if stall_ok and time.monotonic() - self.last_message < self.cfg.timeouts.stall_s:
+        quiet = time.monotonic() - self.last_message
+        if stall_ok and quiet < self.cfg.timeouts.stall_s:
             return None
         raise wire.RuntimeFailure(
-            f"no progress for {wait:.0f}s (step {self.updates}, waterlevel "
+            f"no progress for {quiet:.0f}s (step {self.updates}, waterlevel "
             f"{self.sched.waterlevel}, phase {self.sched.phase.value}, roles "
             f"{[r.value for r in self.sched.roles]}); see the logs in {self.run_dir}"
         )

@@ -111,9 +111,11 @@ class ExecutionHost:
 
         loop = asyncio.get_running_loop()
         tokenizer = await loop.run_in_executor(None, load_tokenizer, self.cfg.model)
+        proxy = self.cfg.proxy
+        if proxy.sampling_seed is None:  # a run's sampling follows its seed (repeatable calls)
+            proxy = dataclasses.replace(proxy, sampling_seed=self.cfg.train.seed)
         self.app = ProxyApp(
-            self.cfg.proxy, tokenizer=tokenizer, engines=engines,
-            admin_token=secrets.token_hex(16),
+            proxy, tokenizer=tokenizer, engines=engines, admin_token=secrets.token_hex(16),
         )  # fmt: skip
         if journal is not None:
             self.app.service.store = journal

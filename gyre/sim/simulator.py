@@ -159,8 +159,11 @@ class Simulator:
             if self.pool.engine_of(a) is not None:
                 self._terminate(a, ev.Outcome.HARNESS_TIMEOUT)
         elif kind == SWITCH:
+            # the role it arrives in, recorded before the scheduler reacts: a satellite whose
+            # burst ended while it switched is sent straight back (a second entry, to_rollout)
+            arrived = ev.Role.TRAIN if b else ev.Role.ROLLOUT
+            self.timeline.append((self.now, a, arrived.value))
             self._feed(ev.SwitchDone(a, seconds=self._switch_s(b)))
-            self.timeline.append((self.now, a, self.scheduler.roles[a].value))
         elif kind == UPDATE:
             self.step_end.append(self.now)
             self._feed(ev.BatchDone(a))

@@ -1,55 +1,68 @@
-"""Rendered sbatch scripts are compared exactly with golden files.
+"""Rendered sbatch scripts are compared exactly with golden files, which the test only reads.
 
-Regenerate after an intended change (then review the diff):
+After an intended change to `gyre.launch` or a template, regenerate them on purpose (the
+command prints which files changed), then review the diff:
 
-    GYRE_UPDATE_GOLDEN=1 python -m pytest tests/launch/test_render.py
-    # slurm/gyre.sbatch is the rendered embedded config:
-    gyre render templates/local.yaml -o slurm/gyre.sbatch
+    python tools/update_golden.py
+
+The golden files include `slurm/gyre.sbatch`, the rendered embedded config. The test and the
+command render through the same function (`update_golden.render`).
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from gyre.launch.render import RenderOptions, render_script
-from gyre.launch.spec import job_spec, load_launch
-
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
 TEMPLATES = ["nl2repo-32", "swe-24", "nl2repo-192"]
 
 
-def rendered(config: str, script: str) -> str:
-    # paths as a user types them from the repository root, so the text is machine independent
-    cwd = Path.cwd()
-    os.chdir(ROOT)
-    try:
-        return render_script(job_spec(load_launch(config)), RenderOptions(script=script))
-    finally:
-        os.chdir(cwd)
+def _load_tool():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(
+        "update_golden", ROOT / "tools" / "update_golden.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
-def check_golden(text: str, golden: Path) -> None:
-    if os.environ.get("GYRE_UPDATE_GOLDEN"):
-        golden.write_text(text)
-    assert golden.exists(), f"missing {golden}; run with GYRE_UPDATE_GOLDEN=1"
-    assert text == golden.read_text(), f"{golden.name} differs; see the module docstring"
+update_golden = _load_tool()
 
 
-@pytest.mark.parametrize("name", TEMPLATES)
-def test_cluster_template_scripts_match_golden(name: str) -> None:
-    text = rendered(f"templates/cluster/{name}.yaml", f"{name}.sbatch")
-    check_golden(text, GOLDEN / f"{name}.sbatch")
+@pytest.mark.parametrize("golden", update_golden.GOLDEN, ids=lambda g: g.path.name)
+def test_rendered_scripts_match_their_golden_files(golden) -> None:  # type: ignore[no-untyped-def]
+    name = golden.path.relative_to(ROOT)
+    assert golden.path.exists(), f"missing {name}; run python tools/update_golden.py"
+    assert update_golden.render(golden) == golden.path.read_text(), (
+        f"{name} differs from its rendering; after an intended change run "
+        "python tools/update_golden.py and review the diff"
+    )
 
 
-def test_slurm_gyre_sbatch_is_the_rendered_embedded_config() -> None:
-    text = rendered("templates/local.yaml", "slurm/gyre.sbatch")
-    check_golden(text, ROOT / "slurm" / "gyre.sbatch")
+def test_every_template_and_the_embedded_config_have_a_golden_file() -> None:
+    paths = {g.path for g in update_golden.GOLDEN}
+    assert paths == {GOLDEN / f"{n}.sbatch" for n in TEMPLATES} | {ROOT / "slurm" / "gyre.sbatch"}
+
+
+def test_update_golden_rewrites_only_stale_files_and_names_them(tmp_path: Path) -> None:
+    fresh, stale = (dataclasses.replace(g, path=tmp_path / g.path.name)
+                    for g in update_golden.GOLDEN[:2])  # fmt: skip
+    fresh.path.write_text(update_golden.render(fresh))
+    stale.path.write_text("#!/bin/bash\n# an old rendering\n")
+    assert update_golden.update([fresh, stale], write=False) == [stale.path]
+    assert stale.path.read_text().endswith("an old rendering\n")  # --check writes nothing
+    assert update_golden.update([fresh, stale]) == [stale.path]
+    assert stale.path.read_text() == update_golden.render(stale)
+    assert update_golden.update([fresh, stale]) == []
 
 
 @pytest.mark.parametrize("name", TEMPLATES)

@@ -205,3 +205,33 @@ def test_call_is_recorded_even_if_answering_the_harness_fails(proxy: Any) -> Non
     assert len(sent) == 1 and len(ex.tree) == 1
     node = ex.tree.node(1)
     assert node.parent_id == 0 and len(node.output_ids) == sent[0].completion_tokens
+
+
+def test_seeded_calls_repeat_and_differ_by_execution_and_index(
+    engine_url: str, tokenizer: Any
+) -> None:
+    """With a sampling seed, the same call (execution id, index) samples the same tokens at
+    temperature 1 from the same weights; another execution or another index samples others."""
+    from gyre.proxy.config import Config
+    from gyre.proxy.service import call_seed
+    from gyre.proxy.testing import running_proxy
+
+    def outputs(seed: int | None, eid: str) -> list[list[int]]:
+        config = Config(model_names=["gyre-tiny"], sampling_seed=seed)
+        with running_proxy({"e0": engine_url}, tokenizer=tokenizer, config=config) as p:
+            key = p.call(p.app.register_execution, eid, "main")
+            client = openai.OpenAI(base_url=p.url + "/v1", api_key=key, max_retries=0)
+            for _ in range(2):  # two calls with one and the same prompt: indices 1 and 2
+                client.chat.completions.create(
+                    model="gyre-tiny", messages=[{"role": "user", "content": "Say something."}],
+                    max_tokens=12, temperature=1.0,
+                )  # fmt: skip
+            return [n.output_ids.tolist() for n in p.call(p.app.tree, eid).nodes]
+
+    first, again = outputs(7, "seeded"), outputs(7, "seeded")
+    assert first == again  # the run is repeatable call by call
+    assert first[0] != first[1]  # the call's index is part of its seed
+    assert outputs(7, "other")[0] != first[0]  # so is the execution
+    assert outputs(8, "seeded")[0] != first[0]  # and the run's seed
+    assert call_seed(None, "seeded", 1) is None  # no seed: the engine draws a fresh one
+    assert 0 <= call_seed(7, "seeded", 1) < 2**63  # type: ignore[operator]

@@ -9,26 +9,34 @@ The matrix (docs/runtime.md "Crashes and resume" holds the same table):
   the job stops (MPI takes every rank down; engines, harnesses and scorers die with their
   parents); `gyre run --resume RUN_DIR` continues from the newest checkpoint and the trace.
 
-Every victim is found by what it carries (tests/processes.py) and proven gone by pid. For
-the fatal kinds a chain of runs kills one kind per segment, then a last resume completes
-the run; every execution closed before any kill must still be closed in the final trace.
+Every victim is found by what it carries (tests/processes.py) and proven gone by pid. The
+absorbed kinds die in one world, at start-up and again mid-run. For the fatal kinds a chain
+of runs first preempts the job (SIGUSR1: checkpoint, exit 75, the same command resumes),
+then kills one kind per segment, then a last resume completes the run. Before and after
+every kill the closed executions are read from the trace — status, a digest of the tree,
+reward rows — and each one must survive unchanged into every later read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from processes import Proc, gone, scan, wait_for
 
+from gyre.errors import StoreError
+from gyre.runtime.checkpoint import EXIT_CHECKPOINTED, latest
 from gyre.trajectory.reader import TraceReader
 
 from .conftest import small_config, write_config
@@ -36,9 +44,10 @@ from .conftest import small_config, write_config
 STEPS = 3
 
 
-def _config(tmp_path: Path) -> Path:
+def _config(tmp_path: Path, record_batches: bool = False) -> Path:
     """A small world (coordinator, proxy node, core + one satellite) that starts quickly."""
     cfg = small_config(tmp_path, steps=STEPS)
+    cfg["train"]["record_batches"] = record_batches
     cfg["topology"]["cells"] = 2
     cfg["harness"]["params"].update({"max_turns": "2", "max_tokens": "96"})
     cfg["checkpoint"] = {"every_steps": 1, "keep": 2}
@@ -86,11 +95,6 @@ def _kill(victims: list[Proc]) -> list[int]:
     return [p.pid for p in victims]
 
 
-def _closed(run_dir: Path) -> dict[str, str]:
-    with TraceReader(run_dir / "trace.h5") as r:
-        return {i.execution_id: i.status for i in r.executions() if i.closed}
-
-
 def _finish(proc: subprocess.Popen[str], timeout: float = 400) -> tuple[int, str]:
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out
@@ -125,23 +129,26 @@ def _slow_scoring_suite(tmp_path: Path, run_dir: Path) -> Path:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", ["startup", "midrun"])
-def test_engine_harness_and_scorer_kills_are_absorbed(tmp_path: Path, phase: str) -> None:
+def test_engine_harness_and_scorer_kills_are_absorbed(tmp_path: Path) -> None:
+    """One world: the first engine, harness and scorer die during start-up, then another of
+    each mid-run; the run completes by itself and each killed harness's work is scored."""
     run_dir = tmp_path / "run"
     cfg = yaml.safe_load(_config(tmp_path).read_text())
     cfg["harness"].update({"suite": str(_slow_scoring_suite(tmp_path, run_dir)),
                            "tasks": ["notes"], "eval_attempts": 3})  # fmt: skip
     proc = _start([str(write_config(tmp_path, cfg)), "--run-dir", str(run_dir)])
+    killed: list[int] = []
+    harnesses: list[Proc] = []
     try:
-        if phase == "startup":  # the very first of each, as soon as it exists
-            victims = [wait_for(run_dir, "engine", 0)]
-        else:
-            _mid_run(run_dir, proc)
-            victims = [wait_for(run_dir, "engine", 1)]
-        killed = _kill(victims)
-        harness = wait_for(run_dir, "harness")
-        killed += _kill([harness])
-        killed += _kill([wait_for(run_dir, "scorer")])
+        for phase in ("startup", "midrun"):
+            if phase == "startup":  # the very first of each, as soon as it exists
+                killed += _kill([wait_for(run_dir, "engine", 0)])
+            else:
+                _mid_run(run_dir, proc)
+                killed += _kill([wait_for(run_dir, "engine", 1)])
+            harnesses.append(wait_for(run_dir, "harness", exclude=killed))
+            killed += _kill(harnesses[-1:])
+            killed += _kill([wait_for(run_dir, "scorer", exclude=killed)])
         rc, out = _finish(proc)
     finally:
         if proc.poll() is None:
@@ -155,14 +162,15 @@ def test_engine_harness_and_scorer_kills_are_absorbed(tmp_path: Path, phase: str
         rows = r.rows("assessments")
         events = [e["kind"] for e in r.rows("events")]
     assert all(i.closed for i in execs.values())
-    killed_eid = next(e for e in execs if f"/{e}/" in harness.cmdline)
-    assert execs[killed_eid].status == "failed"  # its harness died; the workspace was scored
-    assert execs[killed_eid].meta["verdict"] in ("scored", "placeholder")
-    retried = [r for r in rows if not r["valid"]]
-    assert retried, "the killed scorer's attempt is recorded unresolved and was retried"
-    assert any(r["valid"] and r["execution_id"] == retried[0]["execution_id"] for r in rows)
-    if phase == "midrun":
-        assert "engine_lost" in events and summary["engine_losses"] >= 1
+    for harness in harnesses:
+        killed_eid = next(e for e in execs if f"/{e}/" in harness.cmdline)
+        assert execs[killed_eid].status == "failed"  # its harness died; the workspace was scored
+        assert execs[killed_eid].meta["verdict"] in ("scored", "placeholder")
+    retried = {r["execution_id"] for r in rows if not r["valid"]}
+    assert len(retried) >= 2, "each killed scorer's attempt is recorded unresolved"
+    for eid in retried:
+        assert any(r["valid"] and r["execution_id"] == eid for r in rows), f"{eid} not retried"
+    assert events.count("engine_lost") >= 1 and summary["engine_losses"] >= 1
 
 
 # --------------------------------------------------------------------------- fatal kills
@@ -176,13 +184,100 @@ FATAL = {  # kind -> which processes to kill (world ranks: coordinator, proxy, c
 }
 
 
+def _closed(run_dir: Path) -> dict[str, Closed]:
+    """Every closed execution of the trace on disk: its status, tree digest and reward rows.
+    Read live (SWMR) before a kill as well as after it; empty while there is no trace yet."""
+    if not (run_dir / "trace.h5").exists():
+        return {}
+    with TraceReader(run_dir / "trace.h5") as r:
+        rewards: dict[str, list[tuple]] = {}
+        for row in r.rows("rewards"):
+            reward = float(row["reward"])  # NaN (no valid score) compares as None
+            key = (
+                row["group_id"],
+                None if reward != reward else round(reward, 9),
+                bool(row["valid"]),
+            )
+            rewards.setdefault(row["execution_id"], []).append(key)
+        return {
+            i.execution_id: Closed(i.status, _digest(r.tree(i.execution_id)),
+                                   frozenset(rewards.get(i.execution_id, ())))
+            for i in r.executions() if i.closed
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Closed:
+    status: str
+    tree: str  # sha256 of the tree's nodes: tokens, log-probs, parents, roles, versions
+    rewards: frozenset  # (group, reward, valid) rows recorded for it so far
+
+    def kept_in(self, later: Closed) -> bool:
+        """Nothing of it is lost in `later`: same status and tree, every reward row still there
+        (a resume may add the score of an execution that closed unscored)."""
+        return (self.status, self.tree) == (
+            later.status,
+            later.tree,
+        ) and self.rewards <= later.rewards
+
+
+def _closed_live(run_dir: Path, known: dict[str, Closed]) -> dict[str, Closed]:
+    """`_closed` of a running job's trace. The writer may hold the file outside SWMR mode for a
+    moment (while it opens it); then what is known from the last segment stands in for it."""
+    for _ in range(20):
+        try:
+            return _closed(run_dir)
+        except (StoreError, OSError):
+            time.sleep(0.1)
+    return known
+
+
+def _digest(tree: object) -> str:
+    data = tree.to_dict()  # type: ignore[attr-defined]
+    for node in data["nodes"]:  # wall-clock times are not content
+        node.pop("t_start", None), node.pop("t_end", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _lost(before: dict[str, Closed], after: dict[str, Closed]) -> list[str]:
+    """What of `before` is missing or changed in `after`, each as `id: before -> after`."""
+    return [f"{e}: {c} -> {after.get(e)}" for e, c in before.items()
+            if e not in after or not c.kept_in(after[e])]  # fmt: skip
+
+
+def _ranks(run_dir: Path) -> list[int]:
+    return [p.pid for p in scan(run_dir) if p.kind == "rank"]
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
-    """One run, resumed after each fatal kill: every kind, during start-up and mid-run."""
+    """One run: first preempted (SIGUSR1 -> checkpoint, exit 75), then resumed after each fatal
+    kill of every kind, during start-up and mid-run. Before every kill the closed executions
+    (status, tree digest, reward rows) are read from the live trace; after it, and at the end,
+    every one of them is still there, unchanged."""
     run_dir = tmp_path / "run"
-    args = [str(_config(tmp_path)), "--run-dir", str(run_dir)]
-    closed_before: dict[str, str] = {}
+    args = [str(_config(tmp_path, record_batches=True)), "--run-dir", str(run_dir)]
+
+    # segment 0: preemption after the first optimizer step (what Slurm's --signal=USR1@T does)
+    proc = _start(args)
+    try:
+        _wait_steps(run_dir, proc, 1)
+        before = _closed_live(run_dir, {})
+        for pid in _ranks(run_dir):
+            os.kill(pid, signal.SIGUSR1)
+        rc, out = _finish(proc, timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == EXIT_CHECKPOINTED, out[-3000:]
+    found = latest(run_dir)
+    assert found is not None and found[1]["updates"] == 1 and found[0].name == "v00001"
+    saved = torch.load(found[0] / "core.pt", weights_only=True)
+    closed = _closed(run_dir)
+    assert not _lost(before, closed), "preemption lost closed executions"
+    args = ["--resume", str(run_dir)]
+
     kills = [(kind, phase) for kind in FATAL for phase in ("startup", "midrun")]
     for kind, phase in kills:
         (run_dir / "job.log").unlink(missing_ok=True)  # the segment's own progress, from zero
@@ -195,6 +290,7 @@ def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
             victims = FATAL[kind](scan(run_dir))
             assert victims, f"no {kind} process to kill among {scan(run_dir)}"
             everything = [p.pid for p in scan(run_dir)]
+            before = _closed_live(run_dir, closed)
             _kill(victims)
             rc, out = _finish(proc, timeout=120)
         finally:
@@ -202,18 +298,33 @@ def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
                 proc.kill()
         assert rc != 0, f"{kind} killed {phase}: the job went on as if nothing happened"
         assert gone(everything), f"{kind} killed {phase}: processes outlived the job"
-        if (run_dir / "trace.h5").exists():
-            closed_now = _closed(run_dir)
-            assert closed_before.items() <= closed_now.items(), f"{kind} {phase}: lost executions"
-            closed_before = closed_now
-        args = ["--resume", str(run_dir)]
+        after = _closed(run_dir)
+        assert not _lost(before, after), f"{kind} killed {phase}: lost {_lost(before, after)}"
+        assert not _lost(closed, after), f"{kind} killed {phase}: lost an earlier segment's"
+        closed = after
     rc, out = _finish(_start(args))
     assert rc == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_done"] == STEPS
-    assert closed_before and closed_before.items() <= _closed(run_dir).items()
+    final = _closed(run_dir)
+    assert closed and not _lost(closed, final)
     with TraceReader(run_dir / "trace.h5") as r:
         assert all(i.closed for i in r.executions()), "an execution stayed open after the resume"
-        resumed = [e for e in r.rows("events") if e["kind"] == "resumed"]
+        events = [(e["kind"], json.loads(e["detail"] or "{}")) for e in r.rows("events")]
+    resumed = [d for k, d in events if k == "resumed"]
     # every mid-run segment continued a previous one (start-up kills may precede the takeover)
-    assert len(resumed) >= len(FATAL)
+    assert len(resumed) >= len(FATAL) and "preempted" in [k for k, _ in events]
+    assert resumed[0]["carried"], "groups scored but not trained before the preemption"
+
+    # the preemption's checkpoint is exactly where training went on: the first update after
+    # it (batch 1; batch 0 keeps the first segment's record) started from its parameters and
+    # AdamW state (step count and both moments)
+    assert torch.load(run_dir / "batches" / "b00000-core.pt", weights_only=False)["version"] == 0
+    resumed_core = torch.load(run_dir / "batches" / "b00001-core.pt", weights_only=False)
+    assert resumed_core["version"] == 1
+    flat = torch.cat([t.reshape(-1) for t in dict(saved["named"]).values()])
+    assert torch.equal(resumed_core["params_before"], flat)
+    got, want = resumed_core["optimizer_before"]["state"][0], saved["optimizer"]["state"][0]
+    assert int(got["step"]) == int(want["step"]) == 1
+    assert torch.equal(got["exp_avg"], want["exp_avg"])
+    assert torch.equal(got["exp_avg_sq"], want["exp_avg_sq"])

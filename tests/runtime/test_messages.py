@@ -1,20 +1,107 @@
-"""Every inter-process message is a type with one handler, and the docs' table is the types'."""
+"""Every inter-process message is a type whose one handler does what the message asks.
+
+Each message is delivered to its real receiver, and the test asserts the effect the handler
+exists to make (a state change, a reply, a message sent on), so an emptied handler fails:
+
+* coordinator — a real `Coordinator` on socket pairs (`CoordinatorWorld`); the test plays the
+  proxy node and the cells, answering every message as they would (`play`), up to the point
+  where the message under test is due, then delivers it through `MESSAGES`;
+* cell — a real `CellProcess` (the tiny model's replica, a real engine process) on a socket
+  pair; messages go through its `handlers`, `Stop` through `serve`; training messages come
+  from a real `TrainingPlane`, so the cell answers the coordinator's own protocol;
+* proxy node — a real `ProxyNode.serve` on its own event-loop thread (`ProxyNodeRig`), its
+  harnesses calling the same engine.
+
+`test_every_message_has_an_effect_test` keeps the list complete, and the docs' message table
+is checked against the types.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import math
 import pickle
 import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 
+from gyre.harness.workspace import prepare
+from gyre.runtime import checkpoint, policies, wire
 from gyre.runtime import messages as msg
-from gyre.runtime.cell import CellProcess
-from gyre.runtime.coordinator import MESSAGES
+from gyre.runtime.cell import CellProcess, Replica, build_replica
+from gyre.runtime.cli import DEFAULT_CONFIG
+from gyre.runtime.config import RunConfig, load_run_config
+from gyre.runtime.coordinator import MESSAGES, Coordinator
+from gyre.runtime.engine_host import EngineProcess, http
+from gyre.runtime.layout import COORDINATOR_RANK, PROXY_RANK
+from gyre.runtime.proxy_node import ProxyNode
+from gyre.runtime.training import TrainingPlane
+from gyre.schedule import events as ev
+from gyre.train.comm import Communicators
+from gyre.train.rewards import ExecutionOutcome, Status
+from gyre.trajectory.tree import Node, Provenance, TrajectoryTree
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "runtime.md"
+COVERED: set[type[msg.Message]] = set()
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def delivers(*kinds: type[msg.Message]) -> Callable[[F], F]:
+    """Marks a test as the effect test of these message types (see the last test)."""
+    COVERED.update(kinds)
+    return lambda test: test
+
+
+def _config(policy: str | None = None) -> RunConfig:
+    return load_run_config(DEFAULT_CONFIG, policy=policy)
+
+
+def _tree(eid: str, outputs: list[list[int]]) -> TrajectoryTree:
+    """A chain of model calls: each takes five user tokens after its parent, samples `outputs[i]`."""
+    tree = TrajectoryTree(eid)
+    for i, output in enumerate(outputs):
+        tree.add_node(
+            parent_id=i, input_ids=np.arange(10, 15), input_provenance=np.full(5, Provenance.USER),
+            output_ids=np.array(output), output_logprobs=np.full(len(output), -1.5, np.float32),
+            role="main", policy_version=0, engine_id="e0", t_start=1.0, t_end=2.0,
+            finish_reason="stop", input_key=b"in%d" % i, output_key=b"out%d" % i,
+        )  # fmt: skip
+    return tree
+
+
+def _node(eid: str, output: list[int]) -> Node:
+    """One recorded model call (an execution's first)."""
+    return _tree(eid, [output]).node(1)
+
+
+def _verdict(reward: float) -> dict[str, Any]:
+    return {"status": "scored", "reward": reward, "assessments": [], "t": 2.0}
+
+
+def _wait(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout:.0f}s")
+        time.sleep(0.02)
+
+
+def _expect(link: wire.Link, kind: type[msg.Message], timeout: float = 60.0) -> Any:
+    """The next message on `link` (skipping none): it must be a `kind`."""
+    m = link.recv(timeout=timeout)
+    assert isinstance(m, kind), f"expected {kind.__name__}, got {m!r:.300}"
+    return m
+
+
+# ------------------------------------------------------------------ the wire and the docs
 
 
 def test_docs_message_table_is_generated_from_the_types() -> None:
@@ -26,45 +113,569 @@ def test_docs_message_table_is_generated_from_the_types() -> None:
     assert documented == {cls.__name__ for cls in msg.ALL}
 
 
-def _sample(cls: type[msg.Message]) -> msg.Message:
-    kinds = {"int": 1, "str": "e1", "float": 0.5, "bool": True}
-    return cls(**{f.name: kinds.get(str(f.type).split(" ")[0]) for f in dataclasses.fields(cls)})
-
-
 @pytest.mark.parametrize("cls", msg.ALL, ids=lambda c: c.__name__)
-def test_every_message_survives_the_wire_and_has_a_handler(cls: type[msg.Message]) -> None:
-    m = _sample(cls)
+def test_every_message_survives_the_wire_unchanged(cls: type[msg.Message]) -> None:
+    kinds = {"int": 1, "str": "e1", "float": 0.5, "bool": True}
+    m = cls(**{f.name: kinds.get(str(f.type).split(" ")[0]) for f in dataclasses.fields(cls)})
     assert pickle.loads(pickle.dumps(m)) == m
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(m, "x", 1)  # noqa: B010 (frozen: nobody edits a message in flight)
-    receiver = cls.route[1]
-    if cls.up:
-        startup = {msg.ProxyReady, msg.EngineReady}
-        assert cls in MESSAGES or cls in startup, f"the coordinator ignores {cls.__name__}"
-        assert receiver == msg.COORDINATOR
-    elif receiver == msg.CELL:
-        assert cls in _cell_handlers(), f"cells ignore {cls.__name__}"
-    elif cls is not msg.Stop:
-        from gyre.runtime.proxy_node import ProxyNode
-
-        assert f"msg.{cls.__name__}: self." in _source(ProxyNode.serve), cls.__name__
 
 
-def _cell_handlers() -> set[type]:
-    cell = CellProcess.__new__(CellProcess)
-    CellProcess.__init__(cell, _config(), engine_index=0, comms=None, run_dir=Path("."),
-                         engine=None)  # type: ignore[arg-type]  # fmt: skip
-    return set(cell.handlers)
+# ------------------------------------------------------------------ coordinator
 
 
-def _config() -> Any:
-    from gyre.runtime.cli import DEFAULT_CONFIG
-    from gyre.runtime.config import load_run_config
+class CoordinatorWorld:
+    """A started coordinator (proxy node rank 1, cells on ranks 2..4); the test plays the rest."""
 
-    return load_run_config(DEFAULT_CONFIG)
+    def __init__(self, run_dir: Path, policy: str | None = None) -> None:
+        cfg = _config(policy)
+        self.ranks = [2, 3, 4]
+        socks = {r: socket.socketpair() for r in [PROXY_RANK, *self.ranks]}
+        link = wire.Link(COORDINATOR_RANK, {r: s[0] for r, s in socks.items()})
+        self.peers = {r: wire.Link(r, {COORDINATOR_RANK: s[1]}) for r, s in socks.items()}
+        self.c = Coordinator(cfg, link, run_dir, self.ranks, {"name": "messages"})
+        self.backlog: list[tuple[int, msg.Message]] = []
+        self.urls = [f"http://engine{i}" for i in range(len(self.ranks))]
+        self.peers[PROXY_RANK].send(msg.ProxyReady("http://proxy"), COORDINATOR_RANK)
+        for i, r in enumerate(self.ranks):
+            self.peers[r].send(msg.EngineReady(i, self.urls[i], 0), COORDINATOR_RANK)
+        self.c.startup()
+        self.c.feed(ev.Start(carried=()))
+
+    def handle(self, m: msg.Message) -> None:
+        MESSAGES[type(m)](self.c, m)
+
+    def _collect(self) -> None:
+        for r, peer in self.peers.items():
+            while (m := peer.recv(timeout=0.0)) is not None:
+                self.backlog.append((r, m))
+
+    def take(self, kind: type[msg.Message], rank: int | None = None) -> list[Any]:
+        """The `kind` messages the coordinator sent (to `rank`) and nobody answered yet."""
+        self._collect()
+        hit, keep = [], []
+        for r, m in self.backlog:
+            (hit if isinstance(m, kind) and rank in (None, r) else keep).append((r, m))
+        self.backlog = keep
+        return [m for _, m in hit]
+
+    def one(self, kind: type[msg.Message], rank: int) -> Any:
+        """The one `kind` message the coordinator sent to `rank` (an assertion if not one)."""
+        sent = self.take(kind, rank)
+        assert len(sent) == 1, f"expected one {kind.__name__} to rank {rank}, got {sent!r:.300}"
+        return sent[0]
+
+    def play(self, kind: type[msg.Message], when: Callable[[Any], bool] = bool) -> tuple[int, Any]:
+        """Answer as the peers would until the coordinator sends a `kind`; return it unanswered."""
+        for _ in range(10_000):
+            self._collect()
+            if not self.backlog:
+                raise AssertionError(f"the run stalled before a {kind.__name__} was sent")
+            r, m = self.backlog.pop(0)
+            if isinstance(m, kind) and when(m):
+                return r, m
+            for answer in self.answer(r, m):
+                self.handle(answer)
+        raise AssertionError(f"no {kind.__name__} after 10000 messages")
+
+    def answer(self, rank: int, m: msg.Message) -> list[msg.Message]:
+        """What the proxy node or a cell replies to `m` (no reply: an empty list)."""
+        cell = rank - self.ranks[0]
+        if isinstance(m, msg.StartExecution):
+            x, eid = m.execution, m.execution_id
+            return [msg.JournalNode(eid, _node(eid, [7, 8, 9])),
+                    msg.HarnessEnded(x, "completed", 1.0, 2.0, ""),
+                    msg.Assessed(x, _verdict(float(x % 2)), 0)]  # fmt: skip
+        if isinstance(m, msg.Drain):
+            return [msg.Drained(m.engine)] if m.ack else []
+        if isinstance(m, msg.ToTrain | msg.ToRollout):
+            return [msg.Switched(cell, "train" if isinstance(m, msg.ToTrain) else "rollout", 0.1)]
+        if isinstance(m, msg.Prepass):
+            sums = {r.execution_id: 0.0 for r in m.step.rows}
+            return [msg.Prepassed(cell, m.batch, m.step.index, sums, 0.1)]
+        if isinstance(m, msg.Accumulate):
+            return [msg.Accumulated(cell, m.batch, m.step.index, 1.0, m.step.num_targets, 0.1)]
+        if isinstance(m, msg.Reduce):
+            return [msg.Updated(cell, m.batch, 1.0 if cell == 0 else None, 0.1)]
+        if isinstance(m, msg.Publish):
+            return [msg.Published(m.version, 0.1, [])]
+        return []
 
 
-def _source(fn: Any) -> str:
-    import inspect
+@pytest.fixture
+def world(tmp_path: Path) -> CoordinatorWorld:
+    return CoordinatorWorld(tmp_path)
 
-    return inspect.getsource(fn)
+
+@delivers(msg.ProxyReady, msg.EngineReady)
+def test_startup_reports_give_the_proxy_every_engine(world: CoordinatorWorld) -> None:
+    assert world.c.proxy_url == "http://proxy"
+    urls = {f"e{i}": u for i, u in enumerate(world.urls)}
+    assert world.take(msg.SetEngines, PROXY_RANK) == [msg.SetEngines(urls)]
+    started = world.take(msg.StartExecution, PROXY_RANK)  # the first groups launched
+    assert {m.engine for m in started} == set(urls)
+
+
+@delivers(msg.HarnessEnded)
+def test_harness_ended_terminates_the_execution(world: CoordinatorWorld) -> None:
+    closed = world.c.sched.f
+    world.handle(msg.HarnessEnded(0, "timed_out", 1.0, 9.0, "tool too slow"))
+    x = world.c.executions[0]
+    assert (x.state, x.outcome, x.reason) == ("terminated", "timed_out", "tool too slow")
+    assert world.c.sched.f == closed + 1  # the scheduler counts it terminated
+
+
+@delivers(msg.JournalNode)
+def test_journal_node_lands_in_the_executions_journal(world: CoordinatorWorld) -> None:
+    world.handle(msg.JournalNode("g0-e1", _node("g0-e1", [4, 5, 6])))
+    tree = world.c.rec.journaled_tree("g0-e1")
+    assert len(tree) == 1 and tree.node(1).output_ids.tolist() == [4, 5, 6]
+
+
+@delivers(msg.Assessed)
+def test_assessed_records_the_verdict_and_a_complete_group_is_ready(
+    world: CoordinatorWorld,
+) -> None:
+    n = world.c.n
+    for x in range(n):
+        eid = world.c.executions[x].id
+        world.handle(msg.JournalNode(eid, _node(eid, [7, 8])))
+        world.handle(msg.HarnessEnded(x, "completed", 1.0, 2.0, ""))
+    world.handle(msg.Assessed(0, _verdict(1.0), errors=1))
+    first = world.c.executions[0]
+    assert first.state == "recorded" and first.verdict == _verdict(1.0)
+    assert first.tree is not None and len(first.tree) == 1  # the journaled calls
+    assert world.c.stats["harness_errors"] == 1 and world.c.groups[0].assessed == 1
+    assert world.c.sched.ready == []
+    for x in range(1, n):
+        world.handle(msg.Assessed(x, _verdict(float(x % 2)), errors=0))
+    assert world.c.sched.ready == [(0, 0)]  # group 0, dispatched at v0, waits for a batch
+
+
+@delivers(msg.Drained)
+def test_drained_sends_the_cell_to_train_with_its_kv_routes(world: CoordinatorWorld) -> None:
+    _, drain = world.play(msg.Drain, lambda m: m.ack)
+    cell = int(drain.engine[1:])
+    world.handle(msg.Drained(drain.engine))
+    assert drain.routes, "the switching engine had executions to move"
+    to_train = world.one(msg.ToTrain, world.ranks[cell])
+    # each moved execution's KV goes to its new engine's URL
+    assert to_train.routes == {eid: world.urls[int(e[1:])] for eid, e in drain.routes.items()}
+
+
+@delivers(msg.Switched)
+def test_switched_to_train_makes_the_cell_claim_training_work(world: CoordinatorWorld) -> None:
+    rank, _ = world.play(msg.ToTrain)
+    cell = rank - world.ranks[0]
+    world.handle(msg.Switched(cell, "train", 0.25))
+    assert world.c.sched.roles[cell] is ev.Role.TRAIN
+    assert len(world.c.switch_seconds) == 1
+    assert world.take(msg.Prepass, rank), "the cell in training got no pass"
+
+
+def test_switched_to_rollout_lets_the_proxy_route_to_the_engine_again(tmp_path: Path) -> None:
+    world = CoordinatorWorld(tmp_path, policy="colocate")  # every cell returns after a step
+    rank, _ = world.play(msg.ToRollout)
+    cell = rank - world.ranks[0]
+    world.handle(msg.Switched(cell, "rollout", 0.25))
+    assert world.c.sched.roles[cell] is ev.Role.ROLLOUT
+    assert world.take(msg.Undrain, PROXY_RANK) == [msg.Undrain(f"e{cell}")]
+
+
+@delivers(msg.Prepassed)
+def test_prepassed_makes_its_gradient_pass_ready(world: CoordinatorWorld) -> None:
+    rank, prepass = world.play(msg.Prepass)
+    executions = {r.execution_id for r in prepass.step.rows}
+    sums = {e: -0.5 for e in executions}
+    world.handle(msg.Prepassed(rank - 2, prepass.batch, prepass.step.index, sums, 0.3))
+    assert world.c.train.stats.prepass_s == 0.3
+    accumulate = world.one(msg.Accumulate, rank)
+    assert accumulate.step.index == prepass.step.index and set(accumulate.scalars) == executions
+    assert all(s.log_ratio != 0.0 for s in accumulate.scalars.values())  # the sums went in
+
+
+@delivers(msg.Accumulated)
+def test_accumulated_counts_the_pass_and_the_last_one_starts_the_update(
+    world: CoordinatorWorld,
+) -> None:
+    rank, acc = world.play(msg.Accumulate)
+    world.handle(msg.Accumulated(rank - 2, acc.batch, acc.step.index, 2.5, 7, 0.4))
+    assert world.c.train.stats.objective == 2.5 and world.c.train.stats.targets == 7
+    assert world.c.train.stats.gradient_s == 0.4
+    _, reduce = world.play(msg.Reduce)  # the remaining passes, answered as the cells would
+    assert reduce.batch == acc.batch
+
+
+@delivers(msg.Updated)
+def test_updated_counts_the_step_and_publishes_the_new_policy(world: CoordinatorWorld) -> None:
+    rank, reduce = world.play(msg.Reduce)
+    reduces = [(rank, reduce)] + [(r, m) for r in world.ranks for m in world.take(msg.Reduce, r)]
+    for r, m in reduces:
+        world.handle(msg.Updated(r - 2, m.batch, 3.0 if r == 2 else None, 0.5))
+    assert world.c.updates == 1 and world.c.step_rows[0]["grad_norm"] == 3.0
+    publish = world.one(msg.Publish, world.ranks[0])
+    assert publish.version == 1 == world.c.sched.version
+
+
+@delivers(msg.Published)
+def test_published_moves_the_served_version_and_reloads_missed_engines(
+    world: CoordinatorWorld,
+) -> None:
+    _, publish = world.play(msg.Publish)
+    world.handle(msg.Published(publish.version, 0.2, missed=[1]))
+    assert world.c.sched.published == publish.version
+    assert world.c.stats["publications"] == 1
+    assert world.take(msg.Reload, world.ranks[1]) == [msg.Reload()]
+
+
+@delivers(msg.PolicySaved)
+def test_policy_saved_is_listed_in_the_summary(world: CoordinatorWorld) -> None:
+    world.handle(msg.PolicySaved(3, "/runs/x/policies/final"))
+    assert world.c.summary()["policies"] == ["/runs/x/policies/final"]
+
+
+@delivers(msg.EngineLost)
+def test_engine_lost_moves_its_executions_and_restarts_it(world: CoordinatorWorld) -> None:
+    launched = world.take(msg.StartExecution, PROXY_RANK)
+    for x in [m.execution for m in launched if m.engine == "e2"][:2]:  # room at engine 2
+        world.handle(msg.HarnessEnded(x, "completed", 1.0, 2.0, ""))
+    world.handle(msg.EngineLost(1, -9))
+    assert world.c.stats["engine_losses"] == 1 and world.c.respawning == {1}
+    assert world.take(msg.Respawn, world.ranks[1]) == [msg.Respawn("rollout")]
+    drain = world.one(msg.Drain, PROXY_RANK)
+    assert drain.engine == "e1" and not drain.ack
+    on_e1 = [m.execution_id for m in launched if m.engine == "e1"]
+    assert drain.routes == dict.fromkeys(on_e1[:2], "e2")  # two of its executions fit there
+
+
+def test_engine_ready_after_a_restart_gives_the_proxy_its_new_url(
+    world: CoordinatorWorld,
+) -> None:
+    world.handle(msg.EngineLost(1, -9))
+    world.take(msg.SetEngines)
+    world.handle(msg.EngineReady(1, "http://engine1-again", 0))
+    assert world.c.respawning == set() and world.c.urls[1] == "http://engine1-again"
+    assert world.take(msg.SetEngines, PROXY_RANK) == [
+        msg.SetEngines({"e1": "http://engine1-again"})
+    ]
+
+
+@delivers(msg.Checkpointed)
+def test_checkpointed_commits_the_checkpoint(world: CoordinatorWorld) -> None:
+    world.c.start_checkpoint()
+    save = world.one(msg.SaveCheckpoint, world.ranks[0])
+    assert checkpoint.latest(world.c.run_dir) is None
+    world.handle(msg.Checkpointed(0, save.folder, 123, 0.1))
+    found = checkpoint.latest(world.c.run_dir)
+    assert found is not None and found[1]["version"] == 0
+    assert world.c.checkpoint_folder is None
+
+
+# ------------------------------------------------------------------ cell
+
+
+@pytest.fixture(scope="module")
+def engine_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    cfg = _config()
+    engine = EngineProcess(cfg.model, cfg.engine, tmp_path_factory.mktemp("engine") / "e.log", 0)
+    engine.spawn()
+    engine.wait_ready(cfg.timeouts.startup_s)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture
+def engine(engine_process: EngineProcess) -> EngineProcess:
+    """The module's engine, serving (restarted if a test stopped it, resumed if released)."""
+    if engine_process.dead() is not None:
+        engine_process.spawn()
+        engine_process.wait_ready(_config().timeouts.startup_s)
+    if engine_process.released:
+        engine_process.resume()
+    return engine_process
+
+
+@pytest.fixture(scope="module")
+def replica() -> Replica:
+    return build_replica(_config(), core=True)
+
+
+class CellRig:
+    """A core cell on a socket pair; `coordinator` is the other end."""
+
+    def __init__(self, run_dir: Path, engine: EngineProcess, replica: Replica) -> None:
+        a, b = socket.socketpair()
+        self.coordinator = wire.Link(COORDINATOR_RANK, {2: a})
+        # one cell trains: its reduce and broadcast involve no other rank (no MPI call is made)
+        comms = Communicators(world=None, cell=None, cell_id=0, shard=0, num_cells=1)
+        self.cell = CellProcess(_config(), engine_index=0, comms=comms, run_dir=run_dir,
+                                engine=engine, replica=replica)  # fmt: skip
+        self.cell.link = wire.Link(2, {COORDINATOR_RANK: b})
+
+    def deliver(self, m: msg.Message) -> None:
+        self.cell.handlers[type(m)](m)
+
+    def reply(self, kind: type[msg.Message]) -> Any:
+        return _expect(self.coordinator, kind, timeout=5.0)
+
+
+@pytest.fixture
+def rig(tmp_path: Path, engine: EngineProcess, replica: Replica) -> CellRig:
+    return CellRig(tmp_path, engine, replica)
+
+
+def _health(engine: EngineProcess) -> dict[str, Any]:
+    return dict(http(engine.url, "GET", "/health", timeout=10))
+
+
+def _served_version(engine: EngineProcess) -> int:
+    return int(http(engine.url, "GET", "/get_model_info", timeout=10)["weight_version"])
+
+
+@delivers(msg.ToTrain)
+def test_to_train_releases_the_engine(rig: CellRig) -> None:
+    rig.deliver(msg.ToTrain())
+    assert _health(rig.cell.engine)["released"] is True
+    switched = rig.reply(msg.Switched)
+    assert (switched.cell, switched.role) == (0, "train") and switched.seconds > 0
+
+
+@delivers(msg.ToRollout)
+def test_to_rollout_resumes_the_engine_with_the_published_weights(rig: CellRig) -> None:
+    engine = rig.cell.engine
+    engine.release()
+    rig.cell.version = engine.version + 1  # the core trained and published since
+    rig.deliver(msg.ToRollout(published=rig.cell.version))
+    assert _health(engine)["released"] is False
+    assert _served_version(engine) == rig.cell.version
+    switched = rig.reply(msg.Switched)
+    assert switched.role == "rollout" and switched.detail == {"engine_version": rig.cell.version}
+
+
+def _training_plane(rig: CellRig) -> tuple[TrainingPlane, list[msg.Message]]:
+    """The coordinator's side of one batch of one group (2 executions), admitted."""
+    sent: list[msg.Message] = []
+    plane = TrainingPlane(_config().train, groups_per_batch=1, group_size=2,
+                          send=lambda _, m: sent.append(m))  # fmt: skip
+    plane.begin(0, rig.cell.version)
+    trees = {eid: _tree(eid, [[30, 31, 32], [40, 41]]) for eid in ("g0-e0", "g0-e1")}
+    outcomes = [ExecutionOutcome(execution_id=e, status=Status.VALID, reward=r)
+                for e, r in (("g0-e0", 1.0), ("g0-e1", 0.0))]  # fmt: skip
+    assert plane.admit("g0", rig.cell.version, 0, outcomes, trees) == 1
+    return plane, sent
+
+
+@delivers(msg.Prepass, msg.Accumulate, msg.Reduce)
+def test_training_messages_prepass_accumulate_and_update_the_replica(rig: CellRig) -> None:
+    from gyre.schedule.events import Work
+
+    plane, sent = _training_plane(rig)
+    replica = rig.cell.replica
+    assert replica is not None
+    replica.cell.zero_grad()
+    plane.claim(0, Work.PREPASS)
+    prepass = sent.pop()
+    rig.deliver(prepass)
+    prepassed = rig.reply(msg.Prepassed)
+    assert prepassed.sums == pytest.approx(replica.cell.prepass(prepass.step))
+    assert set(prepassed.sums) == {"g0-e0", "g0-e1"}
+    assert plane.prepassed(prepassed) == 1
+
+    plane.claim(0, Work.GRADIENT)
+    rig.deliver(sent.pop())
+    accumulated = rig.reply(msg.Accumulated)
+    assert accumulated.targets == prepass.step.num_targets == 10
+    assert float(replica.cell.flat_grads.norm()) > 0  # the gradient went into the buffer
+
+    before, version = replica.cell.flat_params.clone(), rig.cell.version
+    plane.accumulated(accumulated)
+    plane.update((0,))
+    rig.deliver(sent.pop())
+    updated = rig.reply(msg.Updated)
+    assert updated.grad_norm is not None and updated.grad_norm > 0
+    assert not replica.cell.flat_params.equal(before)  # the optimizer stepped
+    assert rig.cell.version == version + 1 and float(replica.cell.flat_grads.norm()) == 0
+
+
+@delivers(msg.Publish)
+def test_publish_keeps_the_policy_and_pushes_it_reporting_missed_engines(rig: CellRig) -> None:
+    version = rig.cell.engine.version + 1
+    rig.cell.version = version
+    dead = "http://127.0.0.1:9"  # nothing listens: that engine misses the publication
+    rig.deliver(msg.Publish(version, targets=[(0, rig.cell.engine.url), (1, dead)]))
+    published = rig.reply(msg.Published)
+    assert (published.version, published.missed) == (version, [1])
+    assert _served_version(rig.cell.engine) == version
+    kept = policies.latest(rig.cell.run_dir)
+    assert kept is not None and kept[0] == version
+
+
+@delivers(msg.SavePolicy)
+def test_save_policy_writes_a_loadable_policy_directory(rig: CellRig) -> None:
+    rig.deliver(msg.SavePolicy("final"))
+    saved = rig.reply(msg.PolicySaved)
+    assert Path(saved.path) == policies.policy_dir(rig.cell.run_dir, "final")
+    assert policies.policy_version(Path(saved.path)) == rig.cell.version
+    assert policies.load_weights(Path(saved.path))
+
+
+@delivers(msg.Reload)
+def test_reload_brings_an_engine_that_missed_a_publication_up_to_date(rig: CellRig) -> None:
+    newer = rig.cell.engine.version + 1
+    rig.cell.version = newer
+    replica = rig.cell.replica
+    assert replica is not None  # a publication this engine missed:
+    policies.save_policy(rig.cell.run_dir, policies.version_name(newer), replica.cell.model,
+                         replica.tokenizer, version=newer, keep=None)  # fmt: skip
+    rig.deliver(msg.Reload())
+    assert _served_version(rig.cell.engine) == newer == rig.cell.engine.version
+
+
+@delivers(msg.SaveCheckpoint)
+def test_save_checkpoint_writes_weights_and_optimizer(rig: CellRig) -> None:
+    folder = checkpoint.begin(rig.cell.run_dir, 0)
+    rig.deliver(msg.SaveCheckpoint(str(folder)))
+    done = rig.reply(msg.Checkpointed)
+    assert done.folder == str(folder) and done.bytes > 0
+    assert sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) >= done.bytes
+
+
+@delivers(msg.Respawn)
+def test_respawn_restarts_the_engine_in_the_cells_role(rig: CellRig) -> None:
+    engine = rig.cell.engine
+    assert engine.proc is not None
+    old = engine.proc.pid
+    rig.cell.lost_reported = True
+    rig.deliver(msg.Respawn("train"))
+    ready = rig.reply(msg.EngineReady)
+    assert engine.proc.pid != old and engine.dead() is None
+    assert ready.url == engine.url and _health(engine)["released"] is True  # it trains
+    assert rig.cell.lost_reported is False  # a next loss is reported again
+
+
+# ------------------------------------------------------------------ proxy node
+
+
+class ProxyNodeRig:
+    """A real proxy node serving on its own thread; `coordinator` is the other end."""
+
+    def __init__(self, run_dir: Path) -> None:
+        a, b = socket.socketpair()
+        self.coordinator = wire.Link(COORDINATOR_RANK, {PROXY_RANK: a})
+        self.node = ProxyNode(_config(), wire.Link(PROXY_RANK, {COORDINATOR_RANK: b}), run_dir)
+        self.status: list[int] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        _expect(self.coordinator, msg.ProxyReady)
+
+    def _serve(self) -> None:
+        self.status.append(asyncio.run(self.node.serve()))
+
+    def send(self, m: msg.Message) -> None:
+        self.coordinator.send(m, PROXY_RANK)
+
+    def routes(self) -> dict[str, Any]:
+        return self.node.host.proxy.routes()
+
+    def stop(self, status: int = 0) -> None:
+        if self.thread.is_alive():
+            self.send(msg.Stop(status))
+            self.thread.join(timeout=30)
+
+
+@pytest.fixture
+def proxy_node(tmp_path: Path) -> Iterator[ProxyNodeRig]:
+    rig = ProxyNodeRig(tmp_path)
+    yield rig
+    rig.stop()
+
+
+@delivers(msg.SetEngines, msg.Undrain)
+def test_set_engines_and_undrain_change_the_proxys_engine_table(proxy_node: ProxyNodeRig) -> None:
+    proxy_node.send(msg.SetEngines({"e0": "http://127.0.0.1:9", "e1": "http://127.0.0.1:10"}))
+    _wait(lambda: proxy_node.routes()["engines"] == ["e0", "e1"], "engines in the table")
+    proxy_node.send(msg.Drain("e1", {}, ack=False))
+    _wait(lambda: proxy_node.routes()["draining"] == ["e1"], "drain mark")
+    proxy_node.send(msg.Undrain("e1"))
+    _wait(lambda: proxy_node.routes()["draining"] == [], "undrain")
+
+
+@delivers(msg.Drain)
+def test_drain_marks_the_engine_sets_the_routes_and_acks(proxy_node: ProxyNodeRig) -> None:
+    proxy_node.send(msg.SetEngines({"e0": "http://127.0.0.1:9", "e1": "http://127.0.0.1:10"}))
+    proxy_node.send(msg.Drain("e0", {"g3-e1": "e1"}, ack=True))
+    assert _expect(proxy_node.coordinator, msg.Drained) == msg.Drained("e0")
+    table = proxy_node.routes()
+    assert table["draining"] == ["e0"] and table["routes"] == {"g3-e1": "e1"}
+
+
+@delivers(msg.StartExecution)
+def test_start_execution_runs_the_harness_and_reports_it_in_order(
+    proxy_node: ProxyNodeRig, engine: EngineProcess
+) -> None:
+    proxy_node.send(msg.SetEngines({"e0": engine.url}))
+    proxy_node.send(msg.StartExecution(4, "g1-e0", "notes", instance=1, engine="e0"))
+    kinds, reports = [], []
+    while not kinds or kinds[-1] != "Assessed":
+        m = proxy_node.coordinator.recv(timeout=90)
+        assert m is not None, f"no Assessed; got {kinds}"
+        kinds.append(type(m).__name__)
+        reports.append(m)
+    assert kinds[0] == "JournalNode" and kinds[-2:] == ["HarnessEnded", "Assessed"]
+    calls = [m.node for m in reports if isinstance(m, msg.JournalNode)]
+    assert all(m.execution_id == "g1-e0" for m in reports if isinstance(m, msg.JournalNode))
+    assert all(n.engine_id == "e0" and len(n.output_ids) for n in calls)
+    ended, assessed = reports[-2], reports[-1]
+    assert ended.execution == assessed.execution == 4 and ended.outcome == "completed"
+    assert assessed.verdict["status"] == "scored" and 0.0 <= assessed.verdict["reward"] <= 1.0
+
+
+@delivers(msg.Cancel)
+def test_cancel_ends_a_running_harness_as_cancelled(proxy_node: ProxyNodeRig) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as hang:  # accepts, never answers
+        url = f"http://127.0.0.1:{hang.getsockname()[1]}"
+        proxy_node.send(msg.SetEngines({"hang": url}))
+        proxy_node.send(msg.StartExecution(2, "g0-e2", "notes", instance=1, engine="hang"))
+        hang.settimeout(60)
+        call, _ = hang.accept()  # the harness is inside its first model call
+        with call:
+            proxy_node.send(msg.Cancel(["g0-e2"]))
+            ended = _expect(proxy_node.coordinator, msg.HarnessEnded)
+    assert (ended.execution, ended.outcome) == (2, "cancelled")
+    assert _expect(proxy_node.coordinator, msg.Assessed).execution == 2
+
+
+@delivers(msg.Rescore)
+def test_rescore_scores_the_preserved_workspace(proxy_node: ProxyNodeRig) -> None:
+    task = proxy_node.node.host.suite["notes"].instantiate(3)
+    prepare(Path(proxy_node.node.host.runner.config.workspace_root), "g5-e1", task)
+    proxy_node.send(msg.Rescore(9, "g5-e1", "notes", instance=3))
+    assessed = _expect(proxy_node.coordinator, msg.Assessed)
+    assert assessed.execution == 9 and assessed.verdict["status"] == "scored"
+    assert math.isfinite(assessed.verdict["reward"])
+
+
+# ------------------------------------------------------------------ Stop (last: it ends the engine)
+
+
+@delivers(msg.Stop)
+def test_stop_ends_the_cell_loop_and_its_engine(rig: CellRig) -> None:
+    assert rig.cell.link is not None
+    result: list[int] = []
+    loop = threading.Thread(target=lambda: result.append(rig.cell.serve(rig.cell.link)))
+    loop.start()
+    assert rig.reply(msg.EngineReady).url == rig.cell.engine.url
+    rig.coordinator.send(msg.Stop(5), 2)
+    loop.join(timeout=30)
+    assert result == [5] and rig.cell.engine.dead() is not None
+
+
+def test_stop_ends_the_proxy_node_with_its_status(proxy_node: ProxyNodeRig) -> None:
+    proxy_node.stop(status=3)
+    assert not proxy_node.thread.is_alive() and proxy_node.status == [3]
+
+
+def test_every_message_has_an_effect_test() -> None:
+    missing = sorted(cls.__name__ for cls in set(msg.ALL) - COVERED)
+    assert not missing, f"messages without a test of their handler's effect: {missing}"

@@ -1,6 +1,7 @@
 """End to end: `gyre run` on a small config, one real MPI world, with a cell's engine SIGKILLed.
 
-One run (about a minute on 2 cores) checks what a user relies on:
+One run (about a minute on 2 cores; tests/worlds.py, shared with the trace export and stats
+tests) checks what a user relies on:
 
 * the run completes S steps and exits 0; zero harness-side errors; some update carried a
   learning signal (non-zero gradient and objective);
@@ -9,83 +10,38 @@ One run (about a minute on 2 cores) checks what a user relies on:
 * the role timeline shows a cell going rollout -> train -> rollout while executions are live,
   and each switch's duration is recorded;
 * cell 2's engine is killed with SIGKILL mid-run: the loss is recorded, its calls are retried
-  elsewhere (one node per agent call), every harness finishes, the run completes;
+  elsewhere (recorded with their engine attempts, one node per agent call), every harness
+  finishes, the run completes;
+* every configured tracker (TensorBoard, W&B offline, MLflow) holds each step's metrics;
 * the final policy is a Hugging Face model directory: transformers loads it and
   `gyre engine --model DIR` serves it;
-* `gyre report` renders the PNG plots and the HTML page.
+* `gyre report` renders the PNG plots and the HTML page, whose numbers are the run's.
 """
 
 from __future__ import annotations
 
+import ast
+import html
 import json
-import os
-import signal
+import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from worlds import World
 
 from gyre.trajectory.store import TraceReader
 
-from .conftest import crashing_suite, small_config, write_config
-
-
-def _engine_pid(run_dir: Path, index: int) -> int | None:
-    """The engine process of `run_dir` serving engine `index` (found by its labels)."""
-    want = {f"GYRE_RUN_DIR={run_dir.resolve()}".encode(), f"GYRE_ENGINE_INDEX={index}".encode()}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = set(Path(entry.path, "environ").read_bytes().split(b"\0"))
-            cmd = Path(entry.path, "cmdline").read_bytes()
-        except OSError:
-            continue
-        if want <= env and b"gyre.rollout.cli" in cmd:
-            return int(entry.name)
-    return None
-
-
-def _kill_engine_when_busy(proc: subprocess.Popen, run_dir: Path, index: int) -> bool:
-    """SIGKILL engine `index` once several harnesses run; False if the run ended first."""
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline and proc.poll() is None:
-        ws = run_dir / "workspaces"
-        if ws.exists() and len(list(ws.iterdir())) >= 4:
-            time.sleep(3.0)  # calls in flight on every engine
-            pid = _engine_pid(run_dir, index)
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                return True
-        time.sleep(0.2)
-    return False
+from .conftest import small_config, write_config
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_gyre_run_end_to_end_with_engine_kill(tmp_path: Path) -> None:
-    cfg = small_config(tmp_path, steps=2)
-    cfg["harness"]["suite"] = str(crashing_suite(tmp_path))
-    # groups draw tasks round robin: the learnable notes often, so a batch's rewards differ
-    cfg["harness"]["tasks"] = ["notes", "add", "crashy", "notes", "fizzbuzz"]
-    cfg["harness"]["params"].update({"max_turns": "3", "max_tokens": "96", "delegate": "off"})
-    cfg["schedule"]["batch_groups"] = 3
-    path = write_config(tmp_path, cfg)
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre", "run", str(path), "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        killed = _kill_engine_when_busy(proc, run_dir, index=2)
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-4000:]
-    assert killed, "the run ended before cell 2's engine could be killed"
+def test_gyre_run_end_to_end_with_engine_kill(e2e_run: World) -> None:
+    run_dir = e2e_run.run_dir
+    assert e2e_run.returncode == 0, e2e_run.output[-4000:]
+    assert e2e_run.engine_killed, "the run ended before cell 2's engine could be killed"
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_done"] == 2
@@ -137,9 +93,19 @@ def test_gyre_run_end_to_end_with_engine_kill(tmp_path: Path) -> None:
             report = json.loads(stdout.read_text().strip().splitlines()[-1])["report"]
             assert len(tree) == sum(report["calls"].values()), eid
 
-    # the engine loss is recorded; some calls needed a second engine attempt
+    # the engine loss is recorded; the calls it was serving needed a second engine attempt,
+    # and every such call was recorded once, served by a live engine
     kinds = [e["kind"] for e in events]
     assert "engine_lost" in kinds and "engine_restarted" in kinds
+    # the executions it was serving went on: each one's later calls were served (by another
+    # engine, or by the restarted one after a retry), and it closed like any other
+    assert e2e_run.live_on_killed, "the engine was killed while it served nobody"
+    moved = 0
+    for eid in e2e_run.live_on_killed:
+        later = [n for n in trees[eid].nodes if n.t_start > e2e_run.kill_t]
+        assert execs[eid].status != "failed", (eid, execs[eid].meta)  # the loss is not its failure
+        moved += any(n.engine_id != "e2" or n.attempts > 1 for n in later)
+    assert moved, "no call of the killed engine's executions was retried or served elsewhere"
     switches = [json.loads(e["detail"]) for e in events if e["kind"] == "switch"]
     assert switches and all(s["seconds"] > 0 for s in switches)
 
@@ -148,12 +114,56 @@ def test_gyre_run_end_to_end_with_engine_kill(tmp_path: Path) -> None:
 
     _final_policy_loads_and_serves(run_dir / "policies" / "final")
 
-    # gyre report renders
+    # every tracker got each step's metrics, as the trace has them
+    _trackers_have_the_steps(run_dir, steps)
+
+    # gyre report renders, and its page states the run's numbers
     rep = subprocess.run([sys.executable, "-m", "gyre", "report", str(run_dir)],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert rep.returncode == 0, rep.stderr
     for name in ("timeline.png", "train_share.png", "steps.png", "durations.png", "index.html"):
         assert (run_dir / "report" / name).stat().st_size > 0
+    page = dict(re.findall(r"<tr><th>(.*?)</th><td>(.*?)</td></tr>",
+                           (run_dir / "report" / "index.html").read_text()))  # fmt: skip
+    assert page["steps_done"] == "2" and page["engine_losses"] == "1"
+    assert page["harness_errors"] == "0"
+    shares = ast.literal_eval(html.unescape(page["train_share"]))
+    assert shares == {f"cell {c}": round(s, 3) for c, s in _train_share(roles).items()}
+    assert max(shares.values()) > 0
+
+
+def _train_share(roles: list[dict]) -> dict[int, float]:
+    """Per cell: seconds in the train role over seconds in any role, recounted from the trace."""
+    total: dict[int, float] = {}
+    train: dict[int, float] = {}
+    for r in roles:
+        total[r["cell"]] = total.get(r["cell"], 0.0) + r["t_end"] - r["t_start"]
+        if r["role"] == "train":
+            train[r["cell"]] = train.get(r["cell"], 0.0) + r["t_end"] - r["t_start"]
+    return {c: train.get(c, 0.0) / t for c, t in sorted(total.items())}
+
+
+def _trackers_have_the_steps(run_dir: Path, rows: list[dict]) -> None:
+    """TensorBoard, W&B (offline) and MLflow each hold grad_norm and reward_mean of steps 1-2,
+    read back with the trackers' own readers (tests/test_tracking.py)."""
+    from mlflow.tracking import MlflowClient
+    from test_tracking import tensorboard_scalars, wandb_records
+
+    want: dict[str, dict[int, float]] = {"grad_norm": {}, "reward_mean": {}}
+    for row in rows:
+        if row["name"] in want:
+            want[row["name"]][int(row["step"])] = float(row["value"])
+    assert all(sorted(steps) == [1, 2] for steps in want.values()), want
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    history = {r["history"]["step"]["num"]: r["history"]["item"]
+               for r in wandb_records(run_dir) if r["type"] == "history"}  # fmt: skip
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve() / 'mlflow' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("gyre").experiment_id])
+    for name, steps in want.items():
+        assert scalars[name] == pytest.approx(steps), ("tensorboard", name)
+        assert {s: history[s][name] for s in steps} == pytest.approx(steps), ("wandb", name)
+        logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+        assert logged == pytest.approx(steps), ("mlflow", name)
 
 
 def _notes_score(workspace: Path) -> float:

@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 import pyarrow.csv as pa_csv
 import pytest
-from real_run import ROOT, real_run
 from trajectory_strategies import make_tree
+from worlds import ROOT, World
 
 from gyre.errors import StoreError
 from gyre.trajectory.export import (
@@ -181,9 +181,11 @@ def test_bad_arguments_are_store_errors(tmp_path: Path) -> None:
         export_trace(tmp_path / "nothing", tmp_path / "out")
 
 
-@pytest.fixture(scope="session")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return real_run(tmp_path_factory.getbasetemp())
+@pytest.fixture
+def run_dir(e2e_run: World) -> Path:
+    """The shared end-to-end run (tests/worlds.py)."""
+    assert e2e_run.returncode == 0, e2e_run.output[-3000:]
+    return e2e_run.run_dir
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from real_run import real_run
+from worlds import World
 
 from gyre.trajectory.reader import TraceReader
 from gyre.trajectory.stats import plot_stats, run_stats
@@ -137,9 +137,11 @@ def test_plots_are_written(tmp_path: Path) -> None:
     )
 
 
-@pytest.fixture(scope="session")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return real_run(tmp_path_factory.getbasetemp())
+@pytest.fixture
+def run_dir(e2e_run: World) -> Path:
+    """The shared end-to-end run (tests/worlds.py)."""
+    assert e2e_run.returncode == 0, e2e_run.output[-3000:]
+    return e2e_run.run_dir
 
 
 @pytest.mark.slow
@@ -155,7 +157,7 @@ def test_stats_of_a_real_run(run_dir: Path, tmp_path: Path) -> None:
     with TraceReader(run_dir / "trace.h5") as reader:
         infos = reader.executions()
         kinds = [e["kind"] for e in reader.rows("events")]
-    assert s["executions"] == len(infos) and s["steps"] == 1
+    assert s["executions"] == len(infos) and s["steps"] == 2
     assert (
         s["tokens"]["total"] == s["trees"]["stored_tokens"] == sum(i.unique_tokens for i in infos)
     )
@@ -164,7 +166,7 @@ def test_stats_of_a_real_run(run_dir: Path, tmp_path: Path) -> None:
     assert s["scheduling"]["switches"] == kinds.count("switch") >= 1
     assert s["scheduling"]["role_seconds"]["train"] > 0
     assert sum(r["executions"] for r in s["outcomes"]["by_status"].values()) == len(infos)
-    assert [step["step"] for step in s["staleness"]["steps"]] == [1]
+    assert [step["step"] for step in s["staleness"]["steps"]] == [1, 2]
     table = gyre()
     for title in (
         "staleness",
