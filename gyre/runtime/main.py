@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         component = components[rank]
         _debug(f"rank {rank} is {component} (pid {os.getpid()})")
         run_dir = Path(args.run_dir) if args.run_dir else None
+        from gyre.train.comm import arrive  # barriers that sleep instead of spinning a core
+
+        arrive(world)
         run_dir = Path(world.bcast(str(run_dir or default_run_dir(cfg)), root=0))
         if rank == 0:
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -70,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(dump_run_config(cfg))
             os.replace(tmp, run_dir / "config.yaml")
         _install_signals(rank)
-        world.Barrier()
+        arrive(world)
         status = run_component(cfg, world, components, component, run_dir)
         _debug(f"rank {rank} finished its component (status {status})")
+        arrive(world)  # ranks finish at different times (the coordinator writes the policy)
+        # then a blocking barrier, which every rank now enters at once: a rank leaves (without
+        # MPI_Finalize) only when no peer still needs a message from it to finish the barrier
         world.Barrier()
     except BaseException as e:  # one boundary: a message, then abort the world
         if isinstance(e, SystemExit) and e.code in (0, None):

@@ -15,6 +15,7 @@ CUDA tensors are staged through host memory (the `mpich` wheel is not CUDA-aware
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,22 @@ from typing import Any
 import torch
 
 from gyre.errors import TrainingError
+
+
+def arrive(comm: Any, max_poll_s: float = 0.05) -> None:
+    """Wait, without spinning a core, until every rank of `comm` arrives here.
+
+    MPICH busy-polls inside blocking collectives: a rank that reaches a start-up `bcast` while
+    the core cell still builds its replica would burn a whole core for that time, taking it
+    from the ranks doing the work (on one machine, start-up took several times longer). So
+    every collective that ranks reach at very different times is preceded by this barrier,
+    which sleeps between tests of a nonblocking `Ibarrier`; the collective then finds every
+    rank present and returns at once."""
+    req = comm.Ibarrier()
+    delay = 0.001
+    while not req.Test():
+        time.sleep(delay)
+        delay = min(delay * 2, max_poll_s)
 
 
 @dataclass(slots=True)
@@ -50,6 +67,7 @@ def build_communicators(world: Any, *, cell_of_rank: Sequence[int | None]) -> Co
     if cells != list(range(len(cells))):
         raise TrainingError(f"cell_of_rank: cell ids must be 0..K-1, got {cells}")
     shard = [r for r, c in enumerate(cell_of_rank) if c == cid].index(rank)
+    arrive(world)  # the first collective: ranks finish importing at different times
     cell = world.Split(len(cells) if cid is None else cid, rank)
     comms = Communicators(world=world, cell=cell, cell_id=cid, shard=shard, num_cells=len(cells))
     for m in range(2, len(cells) + 1):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from gyre.errors import ConfigError, TrainingError
+from gyre.train.comm import arrive
 
 TransportKind = Literal["mooncake", "mpi"]
 
@@ -65,10 +66,12 @@ class MpiSnapshot:
         from mpi4py import MPI
 
         self._mpi = MPI
+        self._world = world
         self.core_rank = core_rank
         is_core = world.Get_rank() == core_rank
         self._buf = _host_buffer(flat if is_core else None)
         self._local = _host_buffer(flat) if flat is not None and not is_core else None
+        arrive(world)  # the core may still be building its replica: wait without spinning
         self.nbytes = world.bcast(self._buf.nbytes if is_core else None, root=core_rank)
         self.win = MPI.Win.Create(self._buf if self._buf.nbytes else None, 1, comm=world)
 
@@ -90,7 +93,8 @@ class MpiSnapshot:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        """Collective: free the window."""
+        """Collective: free the window (ranks stop at different times: arrive quietly first)."""
+        arrive(self._world)
         self.win.Free()
 
 
@@ -119,6 +123,7 @@ class MooncakeSnapshot:
         mine = None
         if is_core:
             mine = (f"{host}:{self.engine.get_rpc_port()}", self._buf.ctypes.data, self._buf.nbytes)
+        arrive(world)  # the core may still be building its replica: wait without spinning
         self.session, self.remote_ptr, self.nbytes = world.bcast(mine, root=core_rank)
 
     def expose(self, flat: torch.Tensor) -> None:
