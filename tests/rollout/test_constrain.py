@@ -140,9 +140,13 @@ PATTERN = st.recursive(
 )
 
 
+# derandomized: the brute-force oracle matches every vocabulary piece with `regex` (partial
+# matching), and a random nested-quantifier pattern once made that backtrack for many minutes
+# in CI; the same 20 generated patterns every run keep the oracle's cost known
 @settings(
-    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+    max_examples=20, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)  # fmt: skip
 @given(pattern=PATTERN, seed=st.integers(0, 1000))
 def test_generated_regexes_agree_with_brute_force(
     pattern: str, seed: int, compiler: GrammarCompiler, texts: dict[int, str], tiny: Any
