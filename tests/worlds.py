@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from processes import scan
 from runtime.conftest import crashing_suite, small_config, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,22 +36,6 @@ class World:
     engine_killed: bool  # cell 2's engine was SIGKILLed while harnesses ran
     kill_t: float  # unix time of the kill
     live_on_killed: tuple[str, ...]  # open executions whose last call that engine served
-
-
-def _engine_pid(run_dir: Path, index: int) -> int | None:
-    """The engine process of `run_dir` serving engine `index` (found by its labels)."""
-    want = {f"GYRE_RUN_DIR={run_dir.resolve()}".encode(), f"GYRE_ENGINE_INDEX={index}".encode()}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = set(Path(entry.path, "environ").read_bytes().split(b"\0"))
-            cmd = Path(entry.path, "cmdline").read_bytes()
-        except OSError:
-            continue
-        if want <= env and b"gyre.rollout.cli" in cmd:
-            return int(entry.name)
-    return None
 
 
 def _live_on(run_dir: Path, engine_id: str) -> list[str]:
@@ -75,7 +60,8 @@ def _kill_engine_when_busy(
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline and proc.poll() is None:
         live = _live_on(run_dir, f"e{index}") if (run_dir / "trace.h5").exists() else []
-        pid = _engine_pid(run_dir, index) if len(live) >= 2 else None
+        engines = [p.pid for p in scan(run_dir) if p.kind == "engine" and p.index == index]
+        pid = engines[0] if len(live) >= 2 and engines else None
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
             return True, time.time(), live

@@ -116,10 +116,7 @@ def _exact(sock: socket.socket, n: int) -> bytes | None:
 
 def connect(world: Any, coordinator: int = 0, timeout: float = 120.0) -> Link:
     """Collective over `world`: the coordinator's link to every rank, each rank's to it."""
-    from gyre.train.comm import arrive
-
     rank, size = world.Get_rank(), world.Get_size()
-    arrive(world)  # ranks finish importing at different times: wait without spinning
     hosts = world.allgather(socket.gethostname())
     local = len(set(hosts)) == 1
     if rank == coordinator:

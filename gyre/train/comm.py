@@ -67,7 +67,6 @@ def build_communicators(world: Any, *, cell_of_rank: Sequence[int | None]) -> Co
     if cells != list(range(len(cells))):
         raise TrainingError(f"cell_of_rank: cell ids must be 0..K-1, got {cells}")
     shard = [r for r, c in enumerate(cell_of_rank) if c == cid].index(rank)
-    arrive(world)  # the first collective: ranks finish importing at different times
     cell = world.Split(len(cells) if cid is None else cid, rank)
     comms = Communicators(world=world, cell=cell, cell_id=cid, shard=shard, num_cells=len(cells))
     for m in range(2, len(cells) + 1):
