@@ -100,7 +100,9 @@ def child_pull(out: Path) -> None:
     result = {}
     for kind in ("mooncake", "mpi"):
         try:
-            tr = make_transport(kind, world, core_rank=1, flat=flat if rank > 0 else None)
+            tr = make_transport(
+                kind, world, core_ranks=[1], shard=0, flat=flat if rank > 0 else None
+            )
         except Exception as e:  # report instead of failing the whole benchmark
             result[kind] = f"unavailable: {e}"
             continue

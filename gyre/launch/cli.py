@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,8 @@ def render_main(args: argparse.Namespace) -> int:
         from gyre.launch.cluster import query_cluster, validate
 
         validate(spec, query_cluster())
+    for line in spec.footprint():
+        print(f"gyre render: {line}", file=sys.stderr)
     text = render_script(spec, RenderOptions(script=args.output or "gyre.sbatch"))
     if args.output:
         Path(args.output).write_text(text)

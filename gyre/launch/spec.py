@@ -40,6 +40,8 @@ class Launch:
     """Cells, ranks per cell and standalone engines."""
     slurm: SlurmConfig
     """The `slurm:` section."""
+    harness_concurrency: int = 0
+    """Harnesses that may run at once on the proxy node (every rollout engine full)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,6 +92,28 @@ class JobSpec:
         return sum(c.ntasks for c in self.components)
 
     @property
+    def gpus(self) -> int:
+        return sum(c.nodes * c.gpus_per_node for c in self.components)
+
+    def footprint(self) -> list[str]:
+        """What the job takes (one line), then a line per warning, for `gyre render`."""
+        from gyre.launch.cluster import time_minutes
+
+        limit = self.launch.slurm.time_limit
+        minutes = time_minutes(limit)
+        hours = "unlimited" if minutes is None else f"{self.gpus * minutes / 60:g}"
+        lines = [f"{self.total_nodes} nodes, {self.gpus} GPUs, {self.world_size} ranks; "
+                 f"{hours} GPU-hours at the time limit {limit}"]  # fmt: skip
+        proxy = next(c for c in self.components if c.role == "proxy")
+        if self.launch.harness_concurrency > proxy.cpus_per_task:
+            lines.append(
+                f"warning: up to {self.launch.harness_concurrency} harnesses run at once on "
+                f"the proxy node, which has {proxy.cpus_per_task} CPUs "
+                "(slurm.proxy.cpus_per_task); harness tools will queue for CPU"
+            )
+        return lines
+
+    @property
     def het_groups(self) -> str:
         """The `srun --het-group=` value covering every component."""
         return f"0-{len(self.components) - 1}"
@@ -111,7 +135,9 @@ def load_launch(path: str | Path, overrides: Sequence[str] = ()) -> Launch:
     slurm = load(SlurmConfig, run.slurm, path="run.slurm")
     if overrides:
         p = _write_merged(data, p, Path(run.runs_dir) / "configs", run.name)
-    return Launch(path=p, name=run.name, runs_dir=run.runs_dir, topology=run.topology, slurm=slurm)
+    engines = run.topology.cells + run.topology.standalone_engines
+    return Launch(path=p, name=run.name, runs_dir=run.runs_dir, topology=run.topology, slurm=slurm,
+                  harness_concurrency=run.schedule.concurrency_per_cell * engines)  # fmt: skip
 
 
 def _write_merged(data: dict[str, Any], source: Path, folder: Path, name: str) -> Path:

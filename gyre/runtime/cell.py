@@ -9,9 +9,12 @@ weights are fixed while any pass is outstanding, so a pull never sees an update 
 Each switch reports its measured duration. Processes and communicators live across
 switches; only model state moves.
 
-The cell answers the coordinator's messages (`gyre.runtime.messages`, one handler per type):
-ToTrain, ToRollout, Prepass, Accumulate, Reduce, Publish, SavePolicy, Respawn, Reload,
-SaveCheckpoint, Stop. A standalone engine rank runs the same loop without a replica.
+A cell is R ranks on its cell communicator (`topology.ranks_per_cell`). Its leader (shard 0)
+hosts the engine and answers the coordinator's messages (`gyre.runtime.messages`, one
+handler per type): ToTrain, ToRollout, Prepass, Accumulate, Reduce, Publish, SavePolicy,
+Respawn, Reload, SaveCheckpoint, Stop. The other ranks (`CellFollower`) take their share of
+every training pass and update (`CellTrainer`, the one implementation of a rank's training
+work). A standalone engine rank runs the leader's loop without a replica.
 """
 
 from __future__ import annotations
@@ -33,9 +36,16 @@ from gyre.runtime import messages as msg
 from gyre.runtime.config import RunConfig
 from gyre.runtime.engine_host import EngineProcess, push_weights
 from gyre.runtime.layout import COORDINATOR_RANK
-from gyre.train.cell import CoreOptimizer, TorchCell
-from gyre.train.comm import Communicators, broadcast_from_core, reduce_to_core
+from gyre.train.cell import CoreOptimizer, StepStats, TorchCell
+from gyre.train.comm import (
+    Communicators,
+    broadcast_from_core,
+    broadcast_in_cell,
+    reduce_to_core,
+    sum_in_cell,
+)
 from gyre.train.objective import batch_gradient
+from gyre.train.packing import MicroStep
 
 
 @dataclass(slots=True)
@@ -48,7 +58,7 @@ class Replica:
 
 
 def build_replica(cfg: RunConfig, core: bool) -> Replica:
-    """The cell's training replica (and, on the core, the optimizer)."""
+    """A cell rank's training replica (and, on the core's leader, the optimizer)."""
     from gyre.models import load_model
 
     model, tokenizer = load_model(cfg.model)
@@ -56,6 +66,160 @@ def build_replica(cfg: RunConfig, core: bool) -> Replica:
     module.to(torch.device(cfg.train.device)).train()
     cell = TorchCell(model, objective=cfg.train.objective)
     return Replica(cell, tokenizer, CoreOptimizer(cell, cfg.train.optim) if core else None)
+
+
+IDLE_S = 0.05
+"""How long a cell rank waits for a message before it watches its engine and, on the core,
+serves snapshot pulls (`CellTrainer.idle`)."""
+
+
+def share(step: MicroStep, shard: int, ranks: int) -> MicroStep:
+    """Rank `shard`'s rows of a micro-step split over a cell's `ranks` ranks.
+
+    Rows are ordered longest first, so striding gives every rank a similar load; a rank
+    left without rows (a step with fewer rows than ranks) does no pass for it.
+    """
+    return dataclasses.replace(step, rows=step.rows[shard::ranks])
+
+
+class CellTrainer:
+    """One rank's part of its cell's training replica.
+
+    Every rank of a cell holds the whole model (torch data parallel inside the cell): each
+    pass's rows are split over the cell's ranks, whose results the leader (shard 0) gathers
+    and reports; an update sums gradients over the prefix communicator at every shard
+    position, then inside the core cell, steps the optimizer on the core's leader and
+    broadcasts back the same way. With one rank per cell every collective inside the cell
+    is a no-op and this is the single-rank cell.
+    """
+
+    def __init__(
+        self, cfg: RunConfig, replica: Replica, comms: Communicators, transport: Any, *,
+        version: int, run_dir: Path,
+    ) -> None:  # fmt: skip
+        self.cfg, self.replica, self.comms, self.transport = cfg, replica, comms, transport
+        self.version = version  # of the weights held (> 0 after a resume)
+        self.run_dir = run_dir
+        self.ranks = comms.cell.Get_size()
+
+    @property
+    def core(self) -> bool:
+        return self.comms.cell_id == 0
+
+    @property
+    def leader(self) -> bool:
+        return self.comms.shard == 0
+
+    def _sync(self, version: int) -> None:
+        """Hold the batch's weights: a satellite behind `version` pulls the core's snapshot."""
+        if self.version == version:
+            return
+        if self.core or self.transport is None:
+            raise TrainingError(
+                f"cell {self.comms.cell_id}: holds v{self.version}, the batch needs v{version}"
+            )
+        self.transport.pull(self.replica.cell.flat_params)
+        self.version = version
+
+    def idle(self) -> None:
+        """Between messages: a core rank serves the snapshot pulls waiting on it."""
+        if self.core and self.transport is not None:
+            self.transport.progress()
+
+    def _mine(self, step: MicroStep) -> MicroStep:
+        return share(step, self.comms.shard, self.ranks)
+
+    def prepass(self, m: msg.Prepass) -> dict[str, float] | None:
+        """This rank's rows' ratio sums; on the leader the cell's, gathered."""
+        self._sync(m.version)
+        mine = self._mine(m.step)
+        sums = self.replica.cell.prepass(mine) if mine.rows else {}
+        parts = self.comms.cell.gather(sums, root=0)
+        if parts is None:
+            return None
+        total: dict[str, float] = {}
+        for part in parts:
+            for eid, value in part.items():
+                total[eid] = total.get(eid, 0.0) + value
+        return total
+
+    def accumulate(self, m: msg.Accumulate) -> StepStats | None:
+        """Forward + backward of this rank's rows; on the leader the cell's stats, gathered."""
+        self._sync(m.version)
+        mine = self._mine(m.step)
+        stats = (self.replica.cell.accumulate(mine, m.scalars) if mine.rows
+                 else StepStats(targets=0, objective=0.0))  # fmt: skip
+        parts = self.comms.cell.gather((stats.targets, stats.objective), root=0)
+        if parts is None:
+            return None
+        return StepStats(targets=sum(p[0] for p in parts), objective=sum(p[1] for p in parts))
+
+    def reduce(self, m: msg.Reduce) -> float | None:
+        """Sum gradients over prefix[m] and the core cell, 1/E, clip, AdamW, broadcast.
+
+        Returns the pre-clip gradient norm on the core's leader, None elsewhere.
+        """
+        comms, replica = self.comms, self.replica
+        cell = replica.cell
+        total = reduce_to_core(comms, cell.flat_grads, participants=m.cells)  # my position
+        norm = None
+        if self.core:
+            total = sum_in_cell(comms, total)
+            if replica.optimizer is not None:  # the core's leader
+                norm = self._step(total, m)
+            broadcast_in_cell(comms, cell.flat_params)
+            if self.transport is not None:
+                self.transport.expose(cell.flat_params)
+        broadcast_from_core(comms, cell.flat_params, participants=m.cells)
+        cell.zero_grad()
+        self.version += 1
+        return norm
+
+    def _step(self, total: torch.Tensor, m: msg.Reduce) -> float:
+        replica, cell = self.replica, self.replica.cell
+        assert replica.optimizer is not None
+        record = self.cfg.train.record_batches
+        before = cell.flat_params.detach().clone() if record else None
+        opt_before = copy.deepcopy(replica.optimizer.opt.state_dict()) if record else None
+        norm = replica.optimizer.step(batch_gradient(total, m.num_executions))
+        if before is not None:
+            audit.record_update(self.run_dir, m.batch, {
+                "version": self.version, "params_before": before, "grad_sum": total.clone(),
+                "optimizer_before": opt_before,
+                "grad_norm": norm, "params_after": cell.flat_params.detach().clone(),
+                "objective": dataclasses.asdict(cell.objective)})  # fmt: skip
+        return norm
+
+
+class CellFollower:
+    """A cell rank other than the leader: takes its part of every training pass, no engine.
+
+    The coordinator sends the cell's training messages (Prepass, Accumulate, Reduce) and
+    Stop to every rank of the cell; only the leader answers.
+    """
+
+    def __init__(self, trainer: CellTrainer) -> None:
+        self.trainer = trainer
+
+    def serve(self, link: wire.Link) -> int:
+        t = self.trainer
+        handlers: dict[type, Callable[[Any], object]] = {
+            msg.Prepass: t.prepass, msg.Accumulate: t.accumulate, msg.Reduce: t.reduce,
+        }  # fmt: skip
+        while True:
+            m = link.recv(timeout=IDLE_S if t.core else 3600.0)
+            t.idle()
+            if m is None:
+                continue
+            if isinstance(m, msg.Stop):
+                return m.status
+            handler = handlers.get(type(m))
+            if handler is None:
+                raise TrainingError(
+                    f"cell {t.comms.cell_id} rank {t.comms.shard}: got {type(m).__name__}; "
+                    "a follower only takes Prepass, Accumulate, Reduce and Stop"
+                )
+            handler(m)
 
 
 class CellProcess:
@@ -74,9 +238,13 @@ class CellProcess:
         version: int = 0,
     ) -> None:
         self.cfg, self.index, self.comms, self.run_dir = cfg, engine_index, comms, run_dir
-        self.engine, self.replica, self.transport = engine, replica, transport
+        self.engine = engine
+        self.trainer = (
+            None if replica is None or comms is None
+            else CellTrainer(cfg, replica, comms, transport, version=version, run_dir=run_dir)
+        )  # fmt: skip
         self.link: wire.Link | None = None
-        self.version = version  # version of the replica's weights (> 0 after a resume)
+        self._version = version  # > 0 after a resume
         self.lost_reported = False
         self.handlers: dict[type, Callable[[Any], None]] = {
             msg.ToTrain: self.to_train,
@@ -106,7 +274,9 @@ class CellProcess:
         self._up(msg.EngineReady(self.index, url, self.engine.version))
         while True:
             self._watch_engine()
-            m = link.recv(timeout=0.05)  # a blocked wait; wakes to watch the engine
+            if self.trainer is not None:
+                self.trainer.idle()
+            m = link.recv(timeout=IDLE_S)  # a blocked wait; wakes to watch the engine
             if m is None:
                 continue
             if isinstance(m, msg.Stop):
@@ -140,10 +310,23 @@ class CellProcess:
             self.lost_reported = True
             self._up(msg.EngineLost(self.index, rc))
 
-    def _replica(self) -> Replica:
-        if self.replica is None:
+    def _trainer(self) -> CellTrainer:
+        if self.trainer is None:
             raise TrainingError(f"engine {self.index}: a standalone engine cannot train")
-        return self.replica
+        return self.trainer
+
+    def _replica(self) -> Replica:
+        return self._trainer().replica
+
+    @property
+    def replica(self) -> Replica | None:
+        """This rank's training replica (None on a standalone engine)."""
+        return self.trainer.replica if self.trainer is not None else None
+
+    @property
+    def version(self) -> int:
+        """Version of the weights this rank holds (the replica's; a standalone: its start)."""
+        return self.trainer.version if self.trainer is not None else self._version
 
     # ------------------------------------------------------------------ role switches
 
@@ -200,55 +383,22 @@ class CellProcess:
 
     # ------------------------------------------------------------------ training
 
-    def _sync(self, version: int) -> None:
-        """Hold the batch's weights: a satellite behind `version` pulls the core's snapshot."""
-        if self.version == version:
-            return
-        if self.core or self.transport is None:
-            raise TrainingError(
-                f"cell {self.index}: holds v{self.version}, the batch needs v{version}"
-            )
-        self.transport.pull(self._replica().cell.flat_params)
-        self.version = version
-
     def prepass(self, m: msg.Prepass) -> None:
         t0 = time.perf_counter()
-        self._sync(m.version)
-        sums = self._replica().cell.prepass(m.step)
+        sums = self._trainer().prepass(m)
+        assert sums is not None  # the leader holds the cell's sums
         self._up(msg.Prepassed(self.index, m.batch, m.step.index, sums, time.perf_counter() - t0))
 
     def accumulate(self, m: msg.Accumulate) -> None:
         t0 = time.perf_counter()
-        self._sync(m.version)
-        stats = self._replica().cell.accumulate(m.step, m.scalars)
+        stats = self._trainer().accumulate(m)
+        assert stats is not None
         self._up(msg.Accumulated(self.index, m.batch, m.step.index, stats.objective,
                                  stats.targets, time.perf_counter() - t0))  # fmt: skip
 
     def reduce(self, m: msg.Reduce) -> None:
-        """Sum gradients over prefix[m] at the core, 1/E, clip, AdamW, broadcast."""
-        assert self.comms is not None
         t0 = time.perf_counter()
-        replica = self._replica()
-        cell = replica.cell
-        total = reduce_to_core(self.comms, cell.flat_grads, participants=m.cells)
-        norm = None
-        if replica.optimizer is not None:
-            before = cell.flat_params.detach().clone() if self.cfg.train.record_batches else None
-            opt_before = (
-                copy.deepcopy(replica.optimizer.opt.state_dict()) if before is not None else None
-            )
-            norm = replica.optimizer.step(batch_gradient(total, m.num_executions))
-            if self.transport is not None:
-                self.transport.expose(cell.flat_params)
-            if before is not None:
-                audit.record_update(self.run_dir, m.batch, {
-                    "version": self.version, "params_before": before, "grad_sum": total.clone(),
-                    "optimizer_before": opt_before,
-                    "grad_norm": norm, "params_after": cell.flat_params.detach().clone(),
-                    "objective": dataclasses.asdict(cell.objective)})  # fmt: skip
-        broadcast_from_core(self.comms, cell.flat_params, participants=m.cells)
-        cell.zero_grad()
-        self.version += 1
+        norm = self._trainer().reduce(m)
         self._up(msg.Updated(self.index, m.batch, norm, time.perf_counter() - t0))
 
     def publish(self, m: msg.Publish) -> None:
@@ -312,7 +462,7 @@ class CellProcess:
     # ------------------------------------------------------------------ checkpoints
 
     def _checkpoint_weights(self) -> list[tuple[str, torch.Tensor]]:
-        if self.replica is not None:
+        if self.trainer is not None:
             return self._named()
         data = checkpoint.load_core(self.run_dir)
         assert data is not None, "a resumed standalone engine needs a checkpoint"

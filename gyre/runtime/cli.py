@@ -106,7 +106,6 @@ def find_mpiexec() -> str:
 
 def run(args: argparse.Namespace) -> int:
     from gyre.runtime.config import dump_run_config, load_run_config
-    from gyre.runtime.layout import check_embedded
     from gyre.runtime.main import default_run_dir
     from gyre.runtime.proxy_node import check_harness
 
@@ -114,7 +113,6 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         config, args.run_dir = _resumable(Path(args.resume), args.run_dir), args.resume
     cfg = load_run_config(config, overrides, steps=args.steps, policy=args.policy)
-    check_embedded(cfg.topology)
     check_harness(cfg)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -85,10 +85,14 @@ class Coordinator:
     """Scheduler + trace + training book-keeping, talking MPI to every other rank."""
 
     def __init__(
-        self, cfg: RunConfig, link: wire.Link, run_dir: Path, engine_ranks: list[int], meta: dict
-    ) -> None:
+        self, cfg: RunConfig, link: wire.Link, run_dir: Path, engine_ranks: list[int], meta: dict,
+        cell_members: list[list[int]] | None = None,
+    ) -> None:  # fmt: skip
         self.cfg, self.link, self.run_dir = cfg, link, run_dir
-        self.engine_ranks = engine_ranks
+        self.engine_ranks = engine_ranks  # the rank speaking for each engine (a cell's leader)
+        # every rank of each cell: training work goes to all of them, the leader answers
+        self.cell_members = cell_members or [[r] for r in engine_ranks[: cfg.topology.cells]]
+        self.hosts: list[str] = list(meta.get("hosts", []))  # per world rank: node or host
         sc, pc = cfg.schedule.scheduler(cfg.topology)
         self.sched = Scheduler(sc, make_policy(sc, pc))
         self.n = sc.group_size
@@ -105,7 +109,7 @@ class Coordinator:
         self.tracker = open_tracker(cfg.tracking, run_dir, run_config=to_dict(cfg))
         self.train = TrainingPlane(
             cfg.train, groups_per_batch=sc.batch_groups, group_size=sc.group_size,
-            send=lambda c, m: self.to_rank(self.engine_ranks[c], m), audit_dir=run_dir,
+            send=self.to_cell, audit_dir=run_dir,
         )  # fmt: skip
         self.pending: deque[ev.Event] = deque()
         self.urls: dict[int, str] = {}
@@ -268,6 +272,11 @@ class Coordinator:
 
     def to_rank(self, rank: int, m: msg.Message) -> None:
         self.link.send(m, rank)
+
+    def to_cell(self, cell: int, m: msg.Message) -> None:
+        """A training message to every rank of `cell` (each takes its share; the leader answers)."""
+        for rank in self.cell_members[cell]:
+            self.link.send(m, rank)
 
     # ------------------------------------------------------------------ scheduler driving
 
@@ -614,7 +623,8 @@ class Coordinator:
         self.tracker.log_summary(brief)
         self.tracker.close()
         self.to_proxy(msg.Stop(self.status))
-        for rank in self.engine_ranks:
+        followers = [r for members in self.cell_members for r in members[1:]]
+        for rank in self.engine_ranks + followers:
             self.to_rank(rank, msg.Stop(self.status))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -643,6 +653,10 @@ class Coordinator:
         return {
             "run_dir": str(self.run_dir),
             "policy": self.cfg.schedule.policy,
+            "ranks_per_cell": self.cfg.topology.ranks_per_cell,
+            "cell_hosts": [[self.hosts[r] for r in members] for members in self.cell_members]
+            if self.hosts
+            else None,
             "status": self.status,
             "resumed_from": None
             if self.resumed is None

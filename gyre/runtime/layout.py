@@ -24,9 +24,9 @@ class TopologyConfig:
     """Which processes the MPI world holds besides the coordinator and the proxy node.
 
     Shared by the runtime and the launcher (which sizes the job from it). A cluster cell
-    holds one rank per GPU; the embedded CPU runtime runs one rank per cell and checks that
-    when it starts (`check_embedded`), not here, so that a cluster config loads and renders
-    on any machine.
+    holds one rank per GPU; on CPU a cell's ranks are processes. Either way the R ranks of a
+    cell are one training replica (gradients summed inside the cell) and rank 0 of the cell,
+    its leader, hosts the cell's rollout engine and speaks for the cell.
     """
 
     cells: int = 3
@@ -59,15 +59,6 @@ class Component:
     shard: int = 0
 
 
-def check_embedded(topology: TopologyConfig) -> None:
-    """The embedded CPU runtime runs one rank per cell; refuse anything else at start-up."""
-    if topology.ranks_per_cell != 1:
-        raise ConfigError(
-            f"topology.ranks_per_cell: {topology.ranks_per_cell}; allowed: 1 (the embedded CPU "
-            "runtime runs one rank per cell; multi-rank cells need the GPU backends, docs/gpu.md)"
-        )
-
-
 def layout(world_size: int, topology: TopologyConfig) -> list[Component]:
     """The component of every rank; a world of the wrong size is a `ConfigError`."""
     expected = topology.world_size
@@ -91,8 +82,15 @@ def cell_of_rank(components: list[Component]) -> list[int | None]:
 
 
 def cell_ranks(components: list[Component]) -> list[int]:
-    """World rank of shard 0 of each cell, by cell id."""
+    """World rank of shard 0 (the leader) of each cell, by cell id."""
     return [r for r, c in enumerate(components) if c.kind == "cell" and c.shard == 0]
+
+
+def cell_members(components: list[Component]) -> list[list[int]]:
+    """World ranks of each cell, by cell id, in shard order (the leader first)."""
+    cells = max((c.index for c in components if c.kind == "cell"), default=-1) + 1
+    return [[r for r, c in enumerate(components) if c.kind == "cell" and c.index == i]
+            for i in range(cells)]  # fmt: skip
 
 
 def engine_ranks(components: list[Component]) -> list[int]:

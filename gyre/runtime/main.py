@@ -5,7 +5,8 @@ Started once per rank by `mpiexec -n W` (one machine, `gyre run`) or `srun --het
 (`gyre.runtime.layout`), builds the communicators once (per-cell `Split` and the K-1 prefix
 sets) and the core → satellite snapshot transport, then runs its component:
 
-    rank 0: Coordinator   rank 1: ProxyNode   ranks 2..: CellProcess (cells, standalone)
+    rank 0: Coordinator   rank 1: ProxyNode   ranks 2..: cells (R ranks each: CellProcess
+    on the leader, which hosts the engine, CellFollower on the others), standalone engines
 
 Any failure prints one line naming the rank and component and aborts the whole world, so a
 job never hangs on a dead peer. Exit status 0 after `steps` updates.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -24,9 +26,8 @@ from typing import Any
 from gyre.runtime.config import RunConfig, dump_run_config, load_run_config
 from gyre.runtime.layout import (
     Component,
+    cell_members,
     cell_of_rank,
-    cell_ranks,
-    check_embedded,
     engine_ranks,
     layout,
 )
@@ -57,7 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)
         cfg = load_run_config(args.config, steps=args.steps, policy=args.policy)
-        check_embedded(cfg.topology)
         components = layout(world.Get_size(), cfg.topology)
         component = components[rank]
         _debug(f"rank {rank} is {component} (pid {os.getpid()})")
@@ -123,32 +123,41 @@ def run_component(
 
     comms = build_communicators(world, cell_of_rank=cell_of_rank(components))
     link = wire.connect(world)  # the control channel (MPI stays for collectives)
+    # where every rank runs (the Slurm node, else the host): in the trace and the summary
+    hosts = world.allgather(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
     from gyre.runtime.checkpoint import latest, restore_replica
 
     replica = engine = None
     version = 0
-    if me.kind in ("cell", "standalone"):
-        engine = _start_engine(cfg, me, run_dir)
-        if me.kind == "cell":
-            import torch
+    if me.kind == "standalone" or (me.kind == "cell" and me.shard == 0):
+        engine = _start_engine(cfg, me, run_dir)  # the cell's leader hosts its engine
+    if me.kind == "cell":
+        import torch
 
-            from gyre.runtime.cell import build_replica
+        from gyre.runtime.cell import build_replica
 
-            torch.set_num_threads(1)
-            replica = build_replica(cfg, core=me.index == 0)
-            version = restore_replica(run_dir, replica.cell.model, replica.optimizer)
-        elif (found := latest(run_dir)) is not None:
-            version = int(found[1]["version"])
+        torch.set_num_threads(1)
+        replica = build_replica(cfg, core=me.index == 0 and me.shard == 0)
+        version = restore_replica(run_dir, replica.cell.model, replica.optimizer)
+    elif me.kind == "standalone" and (found := latest(run_dir)) is not None:
+        version = int(found[1]["version"])
     flat = replica.cell.flat_params if replica is not None else None
     transport = make_transport(
-        cfg.train.transport, world, core_rank=cell_ranks(components)[0], flat=flat
-    )
+        cfg.train.transport, world, core_ranks=cell_members(components)[0], shard=me.shard,
+        flat=flat,
+    )  # fmt: skip
     if me.kind == "coordinator":
-        status = _run_coordinator(cfg, link, components, run_dir)
+        status = _run_coordinator(cfg, link, components, run_dir, hosts)
     elif me.kind == "proxy":
         from gyre.runtime.proxy_node import run_proxy_node
 
         status = run_proxy_node(cfg, link, run_dir)
+    elif me.kind == "cell" and me.shard > 0:
+        from gyre.runtime.cell import CellFollower, CellTrainer
+
+        assert replica is not None
+        trainer = CellTrainer(cfg, replica, comms, transport, version=version, run_dir=run_dir)
+        status = CellFollower(trainer).serve(link)
     else:
         from gyre.runtime.cell import CellProcess
 
@@ -188,11 +197,14 @@ def _start_engine(cfg: RunConfig, me: Component, run_dir: Path) -> Any:
     return engine
 
 
-def _run_coordinator(cfg: RunConfig, link: Any, components: list[Component], run_dir: Path) -> int:
+def _run_coordinator(
+    cfg: RunConfig, link: Any, components: list[Component], run_dir: Path, hosts: list[str]
+) -> int:
     from gyre.runtime.coordinator import Coordinator
 
-    meta = {"config": dump_run_config(cfg), "world_size": len(components)}
-    coordinator = Coordinator(cfg, link, run_dir, engine_ranks(components), meta)
+    meta = {"config": dump_run_config(cfg), "world_size": len(components), "hosts": hosts}
+    coordinator = Coordinator(cfg, link, run_dir, engine_ranks(components), meta,
+                              cell_members=cell_members(components))  # fmt: skip
     try:
         summary = coordinator.run()
     finally:  # a failed run still leaves its trackers' files closed

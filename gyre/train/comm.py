@@ -1,7 +1,8 @@
 """Communicators of the training plane, built once at start (DESIGN.md "Processes").
 
 * `world` — every process (coordinator + all cell ranks), used for control messages;
-* `cell`  — `Split` by cell id (the ranks of one cell; the coordinator gets its own);
+* `cell`  — `Split` by cell id (the ranks of one cell, its leader first; the coordinator gets
+  its own): inside a cell the ranks split each pass's rows and sum their gradients;
 * `prefix[m]` for m = 2..K — ranks of cells 0..m-1 holding the same shard position, ordered by
   cell, so rank 0 of every prefix communicator is the core's rank at that position.
 
@@ -51,6 +52,14 @@ class Communicators:
     shard: int  # position within the cell
     num_cells: int
     prefix: dict[int, Any] = field(default_factory=dict)  # m -> communicator of cells 0..m-1
+
+    @classmethod
+    def alone(cls, cell_id: int) -> Communicators:
+        """A one-rank cell training by itself in this process (on MPI's COMM_SELF)."""
+        from mpi4py import MPI
+
+        return cls(world=MPI.COMM_SELF, cell=MPI.COMM_SELF, cell_id=cell_id, shard=0,
+                   num_cells=1)  # fmt: skip
 
 
 def build_communicators(world: Any, *, cell_of_rank: Sequence[int | None]) -> Communicators:
@@ -105,5 +114,29 @@ def broadcast_from_core(comms: Communicators, flat: torch.Tensor, *, participant
     comm = comms.prefix[participants]
     buf, host = _host(flat)
     comm.Bcast(buf, root=0)
+    if host is not flat:
+        flat.copy_(host)
+
+
+def sum_in_cell(comms: Communicators, t: torch.Tensor) -> torch.Tensor:
+    """Sum `t` over the ranks of this cell: the leader (shard 0) gets the sum, others `t`."""
+    from mpi4py import MPI
+
+    if comms.cell.Get_size() == 1:
+        return t
+    send, _ = _host(t)
+    recv = send.copy() if comms.shard == 0 else None
+    comms.cell.Reduce(send, recv, op=MPI.SUM, root=0)
+    if recv is None:
+        return t
+    return torch.from_numpy(recv).to(t.device)
+
+
+def broadcast_in_cell(comms: Communicators, flat: torch.Tensor) -> None:
+    """Overwrite `flat` on every rank of this cell with the leader's values (in place)."""
+    if comms.cell.Get_size() == 1:
+        return
+    buf, host = _host(flat)
+    comms.cell.Bcast(buf, root=0)
     if host is not flat:
         flat.copy_(host)

@@ -11,14 +11,19 @@ update). A satellite *pulls* it one-sidedly, without interrupting the core's tra
 * ``mpi`` — an MPI window over the core's buffer (collective `Win.Create` at start); `pull` is
   a passive-target `Lock(SHARED) / Get / Unlock`.
 
+In a cell of R ranks every rank of the core exposes its buffer and satellite rank s pulls
+from core rank s: a snapshot moves shard by shard, over R links at once.
+
 Both are created collectively over `world` by every process (coordinator included):
 
-    snap = make_transport("mooncake", comms.world, core_rank=1, flat=cell.flat_params)
-    snap.pull(cell.flat_params)      # on a satellite
+    snap = make_transport("mooncake", comms.world, core_ranks=[2, 3], shard=1,
+                          flat=cell.flat_params)
+    snap.pull(cell.flat_params)      # on a satellite: from world rank 3
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any, Literal, Protocol
 
@@ -36,6 +41,7 @@ class SnapshotTransport(Protocol):
 
     def expose(self, flat: torch.Tensor) -> None: ...
     def pull(self, into: torch.Tensor) -> float: ...
+    def progress(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -62,23 +68,37 @@ def torch_to_numpy(dtype: torch.dtype) -> Any:
 class MpiSnapshot:
     """Snapshot pull through an MPI window on the core's buffer."""
 
-    def __init__(self, world: Any, *, core_rank: int, flat: torch.Tensor | None) -> None:
+    def __init__(
+        self, world: Any, *, core_ranks: list[int], shard: int, flat: torch.Tensor | None
+    ) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
         self._world = world
-        self.core_rank = core_rank
-        is_core = world.Get_rank() == core_rank
+        self.core_rank = core_ranks[shard % len(core_ranks)]  # where this rank pulls from
+        is_core = world.Get_rank() in core_ranks
         self._buf = _host_buffer(flat if is_core else None)
         self._local = _host_buffer(flat) if flat is not None and not is_core else None
         arrive(world)  # the core may still be building its replica: wait without spinning
-        self.nbytes = world.bcast(self._buf.nbytes if is_core else None, root=core_rank)
+        self.nbytes = world.bcast(self._buf.nbytes if is_core else None, root=core_ranks[0])
         self.win = MPI.Win.Create(self._buf if self._buf.nbytes else None, 1, comm=world)
 
     def expose(self, flat: torch.Tensor) -> None:
         """Core: refresh the exposed buffer (only needed for device-resident weights)."""
         if flat.device.type != "cpu":
             self._buf[:] = flat.detach().cpu().numpy().view(np.uint8)
+
+    def progress(self) -> None:
+        """Core: serve pulls waiting on this rank (call it often while idle).
+
+        MPICH completes a passive-target Get only when the target itself enters an MPI call
+        on the window (measured: a Get on a core idling outside MPI took as long as the
+        idle, 6 s of 6; with this every 50 ms, 0.16 s); generic progress (Iprobe) does not
+        help. A lock of its own window is the cheapest such call."""
+        if self._buf.nbytes:
+            me = self._world.Get_rank()
+            self.win.Lock(me, self._mpi.LOCK_SHARED)
+            self.win.Unlock(me)
 
     def pull(self, into: torch.Tensor) -> float:
         """Satellite: copy the core's weights into `into`; returns seconds taken."""
@@ -102,8 +122,9 @@ class MooncakeSnapshot:
     """Snapshot pull through Mooncake Transfer Engine (TCP here, RDMA on clusters)."""
 
     def __init__(
-        self, world: Any, *, core_rank: int, flat: torch.Tensor | None, host: str = "127.0.0.1"
-    ) -> None:
+        self, world: Any, *, core_ranks: list[int], shard: int, flat: torch.Tensor | None,
+        host: str = "127.0.0.1",
+    ) -> None:  # fmt: skip
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
@@ -119,17 +140,20 @@ class MooncakeSnapshot:
                 raise TrainingError("mooncake: TransferEngine.initialize failed")
             if self.engine.register_memory(self._buf.ctypes.data, self._buf.nbytes) != 0:
                 raise TrainingError("mooncake: register_memory failed")
-        is_core = world.Get_rank() == core_rank
         mine = None
-        if is_core:
+        if world.Get_rank() in core_ranks:
             mine = (f"{host}:{self.engine.get_rpc_port()}", self._buf.ctypes.data, self._buf.nbytes)
         arrive(world)  # the core may still be building its replica: wait without spinning
-        self.session, self.remote_ptr, self.nbytes = world.bcast(mine, root=core_rank)
+        every = world.allgather(mine)
+        self.session, self.remote_ptr, self.nbytes = every[core_ranks[shard % len(core_ranks)]]
 
     def expose(self, flat: torch.Tensor) -> None:
         """Core: refresh the registered buffer (only needed for device-resident weights)."""
         if flat.device.type != "cpu":
             self._buf[:] = flat.detach().cpu().numpy().view(np.uint8)
+
+    def progress(self) -> None:
+        """Nothing to do: Mooncake serves reads from its own threads."""
 
     def pull(self, into: torch.Tensor) -> float:
         """Satellite: read the core's registered buffer into ours; returns seconds taken."""
@@ -151,11 +175,17 @@ class MooncakeSnapshot:
 
 
 def make_transport(
-    kind: str, world: Any, *, core_rank: int, flat: torch.Tensor | None
+    kind: str, world: Any, *, core_ranks: list[int], shard: int, flat: torch.Tensor | None
 ) -> SnapshotTransport:
-    """Collective over `world`: the snapshot transport `kind` ("mooncake" | "mpi")."""
+    """Collective over `world`: the snapshot transport `kind` ("mooncake" | "mpi").
+
+    `core_ranks`: world ranks of the core cell, by shard; `shard`: this rank's position in
+    its cell (it pulls from the core's rank at the same position)."""
     if kind == "mpi":
-        return MpiSnapshot(world, core_rank=core_rank, flat=flat)
+        return MpiSnapshot(world, core_ranks=core_ranks, shard=shard, flat=flat)
     if kind == "mooncake":
-        return MooncakeSnapshot(world, core_rank=core_rank, flat=flat)
+        # peers reach this rank's engine by its host name when the world spans several hosts
+        hosts = world.allgather(socket.gethostname())
+        host = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname()
+        return MooncakeSnapshot(world, core_ranks=core_ranks, shard=shard, flat=flat, host=host)
     raise ConfigError(f"transport: {kind!r}; allowed mooncake, mpi")

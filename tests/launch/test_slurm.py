@@ -4,6 +4,7 @@
   proxy, three cells on five nodes); first with the probe entry (every rank's component from
   SLURM_PROCID / SLURM_NTASKS_HET_GROUP_<n>, an allreduce), then the real runtime, which
   must leave a closed trace;
+* `gyre submit templates/cluster-cpu.yaml` runs 2-rank cells, each spread over two nodes;
 * SIGUSR1 mid-run checkpoints, requeues (same job id, SLURM_RESTART_COUNT=1) and resumes with
   no step lost or repeated;
 * `sbatch --test-only` accepts the paper-sized templates on a 200-node controller;
@@ -237,13 +238,21 @@ def test_runtime_through_sbatch_checkpoints_requeues_and_resumes(
 
 
 @pytest.mark.slow
-def test_runtime_end_to_end_through_gyre_submit(
+def test_multi_rank_cells_across_nodes_through_gyre_submit(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
+    """templates/cluster-cpu.yaml as an operator submits it: 2 cells of 2 ranks, each cell on
+    2 Slurm nodes, so every gradient sum and snapshot pull crosses a node boundary."""
     out = gyre(
-        slurm_cluster, tmp_path, "submit", LOCAL, "--steps", "1",
-        "--folder", str(tmp_path / "sub"), "--timeout", "420", timeout=480,
+        slurm_cluster, tmp_path, "submit", str(ROOT / "templates" / "cluster-cpu.yaml"),
+        "--steps", "1", "--folder", str(tmp_path / "sub"), "--timeout", "420", timeout=480,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     result = json.loads(out.stdout[out.stdout.index("{") :])
-    assert_valid_trace(Path(result["run_dir"]), 1)
+    run_dir = Path(result["run_dir"])
+    assert_valid_trace(run_dir, 1)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ranks_per_cell"] == 2
+    cells = summary["cell_hosts"]  # the Slurm node of every rank of every cell
+    assert len(cells) == 2 and all(len(set(nodes)) == 2 for nodes in cells), cells
+    assert len({n for nodes in cells for n in nodes}) == 4, cells

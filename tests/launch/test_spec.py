@@ -54,6 +54,23 @@ def test_local_template_is_five_single_task_components() -> None:
     ]
 
 
+def test_render_states_the_footprint_and_warns_on_an_overloaded_proxy(tmp_path: Path) -> None:
+    spec = job_spec(load_launch(CLUSTER / "nl2repo-192.yaml"))
+    # 4 cells x 48 nodes x 8 GPUs; the coordinator and proxy nodes have none; 3 days
+    assert spec.footprint()[0] == (
+        "194 nodes, 1536 GPUs, 1538 ranks; 110592 GPU-hours at the time limit 3-00:00:00"
+    )
+    # 4 cells x 96 harnesses on a proxy of 96 CPUs
+    assert (
+        "up to 384 harnesses run at once on the proxy node, which has 96 CPUs"
+        in (spec.footprint()[1])
+    )
+    roomy = variant(tmp_path, "nl2repo-192.yaml", slurm__proxy={"cpus_per_task": 384},
+                    slurm__time_limit="12:00:00")  # fmt: skip
+    lines = job_spec(load_launch(roomy)).footprint()
+    assert lines == ["194 nodes, 1536 GPUs, 1538 ranks; 18432 GPU-hours at the time limit 12:00:00"]
+
+
 def test_cell_layout_must_divide_nodes(tmp_path: Path) -> None:
     path = variant(tmp_path, "swe-24.yaml", topology__ranks_per_cell=30)
     with pytest.raises(ConfigError) as e:

@@ -20,14 +20,15 @@ from gyre.runtime import policies
 from gyre.runtime.cell import CellProcess, build_replica
 from gyre.runtime.config import load_run_config
 from gyre.runtime.engine_host import EngineProcess, http
+from gyre.train.comm import Communicators
 
 from .conftest import small_config, write_config
 
 
 def _cell(tmp_path: Path, index: int, engine: EngineProcess, core: bool) -> CellProcess:
     cfg = load_run_config(write_config(tmp_path, small_config(tmp_path)))
-    cell = CellProcess(cfg, engine_index=index, comms=None, run_dir=tmp_path, engine=engine,
-                       replica=build_replica(cfg, core=core))  # fmt: skip
+    cell = CellProcess(cfg, engine_index=index, comms=Communicators.alone(index), run_dir=tmp_path,
+                       engine=engine, replica=build_replica(cfg, core=core))  # fmt: skip
     cell.sent = []  # type: ignore[attr-defined]
     cell._up = cell.sent.append  # type: ignore[attr-defined,method-assign]
     return cell
@@ -55,7 +56,8 @@ def test_publish_to_a_killed_engine_is_reported_and_its_restart_serves_the_new_v
         os.kill(doomed.proc.pid, signal.SIGKILL)
         doomed.proc.wait()
 
-        core.version = 1
+        assert core.trainer is not None
+        core.trainer.version = 1
         core.publish(msg.Publish(version=1, targets=[(0, live.url), (2, doomed.url)]))
 
         done = core.sent[-1]  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gyre.errors import ConfigError
 from gyre.runtime.config import TopologyConfig, load_run_config
-from gyre.runtime.layout import cell_of_rank, cell_ranks, engine_ranks, layout
+from gyre.runtime.layout import cell_members, cell_of_rank, cell_ranks, engine_ranks, layout
 from gyre.runtime.proxy_node import check_harness
 
 from .conftest import ROOT, small_config, write_config
@@ -66,32 +66,37 @@ def test_impossible_topologies(tmp_path: Path) -> None:
         load_run_config(write_config(tmp_path, cfg))
     with pytest.raises(ConfigError, match=r"world size 4 does not match.*5 ranks"):
         layout(4, TopologyConfig(cells=3))
-    # a cluster config (one rank per GPU) loads anywhere; `gyre run` refuses it at start
+    # a cell of R ranks: the world grows by R per cell, the leader of each cell hosts its engine
     cfg = small_config(tmp_path, topology={"ranks_per_cell": 2})
-    path = write_config(tmp_path, cfg)
-    assert load_run_config(path).topology.world_size == 2 + 3 * 2
-    out = subprocess.run([sys.executable, "-m", "gyre", "run", str(path)],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert out.returncode == 2, out.stderr
-    assert "topology.ranks_per_cell: 2; allowed: 1" in out.stderr
+    topology = load_run_config(write_config(tmp_path, cfg)).topology
+    assert topology.world_size == 2 + 3 * 2
+    components = layout(topology.world_size, topology)
+    assert cell_members(components) == [[2, 3], [4, 5], [6, 7]]
+    assert engine_ranks(components) == [2, 4, 6]
 
 
 @given(
-    cells=st.integers(1, 6), standalone=st.integers(0, 3), extra=st.integers(-3, 3)
+    cells=st.integers(1, 6), ranks=st.integers(1, 4), standalone=st.integers(0, 3),
+    extra=st.integers(-3, 3),
 )  # fmt: skip
-def test_layout_maps_every_rank_once(cells: int, standalone: int, extra: int) -> None:
-    topo = TopologyConfig(cells=cells, standalone_engines=standalone)
-    size = 2 + cells + standalone + extra
+def test_layout_maps_every_rank_once(cells: int, ranks: int, standalone: int, extra: int) -> None:
+    topo = TopologyConfig(cells=cells, ranks_per_cell=ranks, standalone_engines=standalone)
+    size = 2 + cells * ranks + standalone + extra
     if extra != 0:
         with pytest.raises(ConfigError):
             layout(size, topo)
         return
     comps = layout(size, topo)
     assert comps[0].kind == "coordinator" and comps[1].kind == "proxy"
-    assert [c.index for c in comps if c.kind == "cell"] == list(range(cells))
-    assert cell_of_rank(comps) == [None, None, *range(cells), *[None] * standalone]
-    assert cell_ranks(comps) == list(range(2, 2 + cells))
-    assert engine_ranks(comps) == list(range(2, size))
+    # each cell: `ranks` consecutive world ranks, shards 0..R-1 in order
+    members = cell_members(comps)
+    assert members == [list(range(2 + c * ranks, 2 + (c + 1) * ranks)) for c in range(cells)]
+    assert all([comps[r].shard for r in m] == list(range(ranks)) for m in members)
+    assert cell_of_rank(comps) == [None, None, *[c for c in range(cells) for _ in range(ranks)],
+                                   *[None] * standalone]  # fmt: skip
+    assert cell_ranks(comps) == [m[0] for m in members]  # the leaders
+    first_standalone = 2 + cells * ranks
+    assert engine_ranks(comps) == [m[0] for m in members] + list(range(first_standalone, size))
 
 
 def test_missing_harness_binary_fails_before_anything_starts(tmp_path: Path) -> None:

@@ -5,8 +5,8 @@ The matrix (docs/runtime.md "Crashes and resume" holds the same table):
 * an engine, a harness, a scorer (evaluator attempt): the job absorbs it — the engine is
   restarted, the harness's execution is scored from its preserved workspace, the scorer's
   attempt is retried — and the run completes by itself;
-* the coordinator, the proxy node, the core's rank, a satellite's rank, everything at once:
-  the job stops (MPI takes every rank down; engines, harnesses and scorers die with their
+* the coordinator, the proxy node, the core cell's leader, a satellite cell's other rank
+  (the chain runs 2-rank cells), everything at once: the job stops (MPI takes every rank down; engines, harnesses and scorers die with their
   parents); `gyre run --resume RUN_DIR` continues from the newest checkpoint and the trace.
 
 Every victim is found by what it carries (tests/processes.py) and proven gone by pid. The
@@ -44,11 +44,11 @@ from .conftest import small_config, write_config
 STEPS = 3
 
 
-def _config(tmp_path: Path, record_batches: bool = False) -> Path:
+def _config(tmp_path: Path, record_batches: bool = False, ranks_per_cell: int = 1) -> Path:
     """A small world (coordinator, proxy node, core + one satellite) that starts quickly."""
     cfg = small_config(tmp_path, steps=STEPS)
     cfg["train"]["record_batches"] = record_batches
-    cfg["topology"]["cells"] = 2
+    cfg["topology"].update({"cells": 2, "ranks_per_cell": ranks_per_cell})
     cfg["harness"]["params"].update({"max_turns": "2", "max_tokens": "96"})
     cfg["checkpoint"] = {"every_steps": 1, "keep": 2}
     return write_config(tmp_path, cfg)
@@ -175,11 +175,12 @@ def test_engine_harness_and_scorer_kills_are_absorbed(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- fatal kills
 
-FATAL = {  # kind -> which processes to kill (world ranks: coordinator, proxy, core, satellite)
+FATAL = {  # kind -> which processes to kill, by world rank in a world of 2-rank cells:
+    # coordinator 0, proxy 1, core cell 2 (leader, hosts the engine) + 3, satellite 4 + 5
     "coordinator": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 0],
     "proxy node": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 1],
-    "core cell": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 2],
-    "satellite cell": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 3],
+    "core cell's leader": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 2],
+    "satellite cell's second rank": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 5],
     "everything": lambda ps: list(ps),
 }
 
@@ -257,7 +258,8 @@ def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
     (status, tree digest, reward rows) are read from the live trace; after it, and at the end,
     every one of them is still there, unchanged."""
     run_dir = tmp_path / "run"
-    args = [str(_config(tmp_path, record_batches=True)), "--run-dir", str(run_dir)]
+    args = [str(_config(tmp_path, record_batches=True, ranks_per_cell=2)), "--run-dir",
+            str(run_dir)]  # fmt: skip
 
     # segment 0: preemption after the first optimizer step (what Slurm's --signal=USR1@T does)
     proc = _start(args)

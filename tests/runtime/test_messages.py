@@ -407,8 +407,8 @@ class CellRig:
     def __init__(self, run_dir: Path, engine: EngineProcess, replica: Replica) -> None:
         a, b = socket.socketpair()
         self.coordinator = wire.Link(COORDINATOR_RANK, {2: a})
-        # one cell trains: its reduce and broadcast involve no other rank (no MPI call is made)
-        comms = Communicators(world=None, cell=None, cell_id=0, shard=0, num_cells=1)
+        # one cell of one rank trains: its reduce and broadcast involve no other rank
+        comms = Communicators.alone(cell_id=0)
         self.cell = CellProcess(_config(), engine_index=0, comms=comms, run_dir=run_dir,
                                 engine=engine, replica=replica)  # fmt: skip
         self.cell.link = wire.Link(2, {COORDINATOR_RANK: b})
@@ -445,7 +445,7 @@ def test_to_train_releases_the_engine(rig: CellRig) -> None:
 def test_to_rollout_resumes_the_engine_with_the_published_weights(rig: CellRig) -> None:
     engine = rig.cell.engine
     engine.release()
-    rig.cell.version = engine.version + 1  # the core trained and published since
+    rig.cell.trainer.version = engine.version + 1  # the core trained and published since
     rig.deliver(msg.ToRollout(published=rig.cell.version))
     assert _health(engine)["released"] is False
     assert _served_version(engine) == rig.cell.version
@@ -501,7 +501,7 @@ def test_training_messages_prepass_accumulate_and_update_the_replica(rig: CellRi
 @delivers(msg.Publish)
 def test_publish_keeps_the_policy_and_pushes_it_reporting_missed_engines(rig: CellRig) -> None:
     version = rig.cell.engine.version + 1
-    rig.cell.version = version
+    rig.cell.trainer.version = version
     dead = "http://127.0.0.1:9"  # nothing listens: that engine misses the publication
     rig.deliver(msg.Publish(version, targets=[(0, rig.cell.engine.url), (1, dead)]))
     published = rig.reply(msg.Published)
@@ -523,7 +523,7 @@ def test_save_policy_writes_a_loadable_policy_directory(rig: CellRig) -> None:
 @delivers(msg.Reload)
 def test_reload_brings_an_engine_that_missed_a_publication_up_to_date(rig: CellRig) -> None:
     newer = rig.cell.engine.version + 1
-    rig.cell.version = newer
+    rig.cell.trainer.version = newer
     replica = rig.cell.replica
     assert replica is not None  # a publication this engine missed:
     policies.save_policy(rig.cell.run_dir, policies.version_name(newer), replica.cell.model,

@@ -9,7 +9,8 @@ gradients through a fresh AdamW from the initial weights must give the core's we
 every update (its Adam state carried across batches). The objective the cells use is the
 run's: non-default clip bounds and IS cap given as `gyre run CONFIG train.clip_high=...`
 overrides, recorded in the run's config.yaml and read back from the core's records. Both
-snapshot transports run: MPI and Mooncake TCP.
+snapshot transports run, each with 2-rank cells (every pass's rows split over a cell's two
+ranks, gradients summed inside the cell, satellites pulling the core shard by shard).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ STEPS = 3
 OBJECTIVE = {"clip_low": 0.9, "clip_high": 1.2, "token_weight_cap": 3.0}
 
 
-def _run(tmp_path: Path, transport: str) -> Path:
+def _run(tmp_path: Path, transport: str, ranks: int) -> Path:
     cfg = small_config(tmp_path, steps=STEPS)
     cfg["harness"].update({"suite": "learn", "tasks": ["notes"]})
     cfg["harness"]["params"].update({"max_turns": "3", "max_tokens": "96"})
@@ -44,7 +45,8 @@ def _run(tmp_path: Path, transport: str) -> Path:
     run_dir = tmp_path / "run"
     path = write_config(tmp_path, cfg)
     # the objective and the transport come from the command line: `gyre run CONFIG KEY=VALUE`
-    overrides = [f"train.{k}={v}" for k, v in OBJECTIVE.items()] + [f"train.transport={transport}"]
+    overrides = [f"train.{k}={v}" for k, v in OBJECTIVE.items()] + [
+        f"train.transport={transport}", f"topology.ranks_per_cell={ranks}"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "gyre", "run", str(path), *overrides, "--run-dir", str(run_dir),
          "--quiet"], capture_output=True, text=True, timeout=400,
@@ -55,13 +57,15 @@ def _run(tmp_path: Path, transport: str) -> Path:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["mpi", "mooncake"])
-def test_every_update_equals_the_single_process_reference(tmp_path: Path, transport: str):
+@pytest.mark.parametrize("transport,ranks", [("mpi", 2), ("mooncake", 2)])
+def test_every_update_equals_the_single_process_reference(
+    tmp_path: Path, transport: str, ranks: int
+):
     if transport == "mooncake":
         pytest.importorskip(
             "mooncake.engine", reason="pip install mooncake-transfer-engine-non-cuda"
         )
-    run_dir = _run(tmp_path, transport)
+    run_dir = _run(tmp_path, transport, ranks)
     train = TrainConfig(**yaml.safe_load((run_dir / "config.yaml").read_text())["train"])
     assert {k: getattr(train, k) for k in OBJECTIVE} == OBJECTIVE
     from gyre.models import load_model
@@ -90,3 +94,4 @@ def test_every_update_equals_the_single_process_reference(tmp_path: Path, transp
     assert len(workers) >= 2, f"only cells {workers} trained: nothing was split"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_done"] == STEPS and summary["no_signal_steps"] < STEPS
+    assert summary["ranks_per_cell"] == ranks
