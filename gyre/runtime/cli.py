@@ -104,6 +104,24 @@ def find_mpiexec() -> str:
     return found
 
 
+RANKS_PER_CPU = 8
+"""`gyre run` starts every rank on this machine: at most this many per CPU (the default job
+runs 5 ranks + 3 engine processes on 2 CPUs, 2-rank cells 8 + 3)."""
+
+
+def check_fits_this_machine(world: int, cells: int, ranks: int, standalone: int) -> None:
+    """Refuse a world `gyre run` cannot start here (a cluster template), before anything runs."""
+    cpus = os.cpu_count() or 1
+    if world > RANKS_PER_CPU * cpus:
+        raise ConfigError(
+            f"topology: {world} ranks (1 coordinator + 1 proxy + {cells} cells x {ranks} ranks + "
+            f"{standalone} standalone engines); gyre run starts them all on this machine, which "
+            f"has {cpus} CPUs; allowed: at most {RANKS_PER_CPU * cpus} ranks here. Run a cluster "
+            "config with `gyre submit CONFIG` or `gyre render CONFIG -o job.sbatch && sbatch "
+            "job.sbatch`, or shrink it (topology.cells=3 topology.ranks_per_cell=1)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from gyre.runtime.config import dump_run_config, load_run_config
     from gyre.runtime.main import default_run_dir
@@ -113,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         config, args.run_dir = _resumable(Path(args.resume), args.run_dir), args.resume
     cfg = load_run_config(config, overrides, steps=args.steps, policy=args.policy)
+    check_fits_this_machine(cfg.topology.world_size, cfg.topology.cells,
+                            cfg.topology.ranks_per_cell, cfg.topology.standalone_engines)  # fmt: skip
     check_harness(cfg)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -159,16 +179,29 @@ def _supervise(
     cmd: list[str], env: dict[str, str], run_dir: Path, *, quiet: bool, limit: float
 ) -> tuple[int, dict[str, Any] | None, deque[str]]:
     """Run the MPI job, render progress, keep the log tail; kill it past `limit` + margin."""
+    import signal
+
     tail: deque[str] = deque(maxlen=60)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             text=True, start_new_session=True)  # fmt: skip
     display = _Display(quiet)
     deadline = time.monotonic() + limit + 120
     summary_box: list[dict[str, Any]] = []
-    with open(run_dir / "job.log", "w") as log:
-        _follow(proc, log, display, tail, deadline, summary_box)
+    # SIGTERM / SIGHUP (`timeout`, `kill`, a closed terminal) end `gyre run` through its
+    # cleanup, which takes the job down with it: the ranks run in their own session
+    previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with open(run_dir / "job.log", "w") as log:
+            _follow(proc, log, display, tail, deadline, summary_box)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     summary = summary_box[0] if summary_box else None
     return proc.returncode, summary, tail
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _leading_json(line: str) -> dict[str, Any]:
@@ -197,6 +230,10 @@ def _follow(
             if time.monotonic() > deadline:
                 tail.append("gyre run: the job exceeded its wall-clock limit; killed\n")
                 break
+    except BaseException:  # Ctrl-C, SIGTERM: stop the job now, not after a grace period
+        display.close()
+        _kill_tree(proc)
+        raise
     finally:
         display.close()
         if proc.poll() is None:

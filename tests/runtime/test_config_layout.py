@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -10,6 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from processes import gone, scan, wait_for
 
 from gyre.errors import ConfigError
 from gyre.runtime.config import TopologyConfig, load_run_config
@@ -97,6 +101,44 @@ def test_layout_maps_every_rank_once(cells: int, ranks: int, standalone: int, ex
     assert cell_ranks(comps) == [m[0] for m in members]  # the leaders
     first_standalone = 2 + cells * ranks
     assert engine_ranks(comps) == [m[0] for m in members] + list(range(first_standalone, size))
+
+
+def test_a_cluster_config_is_refused_by_gyre_run_before_anything_starts(tmp_path: Path) -> None:
+    """`gyre run` starts every rank here: a 194-rank cluster template is refused, naming the
+    way to run it (it used to start 194 ranks on this machine)."""
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "gyre", "run", str(ROOT / "templates/cluster/swe-24.yaml"),
+         "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "topology: 194 ranks (1 coordinator + 1 proxy + 6 cells x 32 ranks" in out.stderr
+    assert "gyre submit CONFIG" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.mpi
+def test_sigterm_to_gyre_run_takes_the_whole_job_down(tmp_path: Path) -> None:
+    """`timeout gyre run ...`, `kill PID`: the ranks run in their own session, yet none of
+    them, their engines or harnesses outlives `gyre run`."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gyre", "run", str(write_config(tmp_path, small_config(tmp_path))),
+         "--run-dir", str(run_dir), "--quiet"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for(run_dir, "engine", 1)  # every rank is up, engines are starting
+        everything = [p.pid for p in scan(run_dir)]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert gone(everything), [p for p in scan(run_dir)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for left in scan(run_dir):  # only when the test failed: leave nothing running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(left.pid, signal.SIGKILL)
 
 
 def test_missing_harness_binary_fails_before_anything_starts(tmp_path: Path) -> None:
