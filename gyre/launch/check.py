@@ -15,7 +15,7 @@ import sys
 from collections.abc import Mapping
 
 from gyre.errors import ConfigError, GyreError
-from gyre.launch.spec import JobSpec, job_spec, load_launch
+from gyre.launch.spec import JobSpec, check_suite, job_spec, load_launch
 from gyre.launch.task import het_group_sizes
 
 
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = job_spec(load_launch(args.config))
         check_allocation(spec, os.environ)
+        check_suite(spec.launch)
     except GyreError as e:
         print(f"gyre: error: {e}", file=sys.stderr)
         return 2

@@ -44,12 +44,13 @@ def register(sub: Any) -> None:
 
 def render_main(args: argparse.Namespace) -> int:
     from gyre.launch.render import RenderOptions, render_script
-    from gyre.launch.spec import job_spec, load_launch
+    from gyre.launch.spec import check_suite, job_spec, load_launch
 
     spec = job_spec(load_launch(args.config, args.overrides))
     if args.check:
         from gyre.launch.cluster import query_cluster, validate
 
+        check_suite(spec.launch)
         validate(spec, query_cluster())
     for line in spec.footprint():
         print(f"gyre render: {line}", file=sys.stderr)
@@ -64,13 +65,14 @@ def render_main(args: argparse.Namespace) -> int:
 
 def submit_main(args: argparse.Namespace) -> int:
     from gyre.launch.render import ENTRY
-    from gyre.launch.spec import job_spec, load_launch
+    from gyre.launch.spec import check_suite, job_spec, load_launch
     from gyre.launch.submit import follow, submit
 
     launch = load_launch(args.config, args.overrides)
     if not args.no_check:
         from gyre.launch.cluster import query_cluster, validate
 
+        check_suite(launch)
         validate(job_spec(launch), query_cluster())
     folder = Path(args.folder or Path(launch.runs_dir) / "submitit")
     job = submit(launch, folder, entry=args.entry or ENTRY, steps=args.steps)

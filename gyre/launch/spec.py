@@ -42,6 +42,8 @@ class Launch:
     """The `slurm:` section."""
     harness_concurrency: int = 0
     """Harnesses that may run at once on the proxy node (every rollout engine full)."""
+    suite: str = "builtin"
+    """The task suite (`harness.suite`): shipped name, directory or YAML file."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -137,7 +139,22 @@ def load_launch(path: str | Path, overrides: Sequence[str] = ()) -> Launch:
         p = _write_merged(data, p, Path(run.runs_dir) / "configs", run.name)
     engines = run.topology.cells + run.topology.standalone_engines
     return Launch(path=p, name=run.name, runs_dir=run.runs_dir, topology=run.topology, slurm=slurm,
-                  harness_concurrency=run.schedule.concurrency_per_cell * engines)  # fmt: skip
+                  harness_concurrency=run.schedule.concurrency_per_cell * engines,
+                  suite=run.harness.suite)  # fmt: skip
+
+
+def check_suite(launch: Launch) -> None:
+    """`ConfigError` unless the run's task suite loads here (before a job is submitted or
+    started: the templates name a suite path on the cluster's shared file system)."""
+    from gyre.tasks.suite import named_suite
+
+    try:
+        named_suite(launch.suite)
+    except ConfigError as e:
+        raise ConfigError(
+            f"harness.suite: {e}; point it at your task suite (docs/tasks.md), e.g. "
+            f"{launch.path} harness.suite=/path/to/suite"
+        ) from None
 
 
 def _write_merged(data: dict[str, Any], source: Path, folder: Path, name: str) -> Path:

@@ -164,9 +164,13 @@ def test_test_only_accepts_the_cluster_templates(
     big_controller: SlurmCluster, tmp_path: Path
 ) -> None:
     for name in ("nl2repo-32", "swe-24", "nl2repo-192"):
+        template = str(ROOT / "templates" / "cluster" / f"{name}.yaml")
         script = tmp_path / f"{name}.sbatch"
+        # the template names a suite on the cluster's shared file system, absent here
+        out = gyre(big_controller, tmp_path, "render", template, "--check", timeout=120)
+        assert out.returncode == 2 and "harness.suite: task suite '/shared/suites/" in out.stderr
         out = gyre(
-            big_controller, ROOT, "render", f"templates/cluster/{name}.yaml", "--check",
+            big_controller, tmp_path, "render", template, "harness.suite=builtin", "--check",
             "-o", str(script), timeout=120,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
@@ -176,7 +180,8 @@ def test_test_only_accepts_the_cluster_templates(
     data = yaml.safe_load((ROOT / "templates/cluster/swe-24.yaml").read_text())
     data["topology"]["cells"] = 50
     too_big.write_text(yaml.safe_dump(data))
-    out = gyre(big_controller, ROOT, "render", str(too_big), "--check", timeout=120)
+    out = gyre(big_controller, tmp_path, "render", str(too_big), "harness.suite=builtin", "--check",
+               timeout=120)  # fmt: skip
     assert out.returncode == 2
     assert "asks for 202 nodes in partition 'gpu'" in out.stderr and "which has 200" in out.stderr
 
