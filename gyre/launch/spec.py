@@ -44,6 +44,8 @@ class Launch:
     """Harnesses that may run at once on the proxy node (every rollout engine full)."""
     suite: str = "builtin"
     """The task suite (`harness.suite`): shipped name, directory or YAML file."""
+    warnings: tuple[str, ...] = ()
+    """The run config's own warnings (`RunConfig.warnings`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -113,7 +115,7 @@ class JobSpec:
                 f"the proxy node, which has {proxy.cpus_per_task} CPUs "
                 "(slurm.proxy.cpus_per_task); harness tools will queue for CPU"
             )
-        return lines
+        return lines + [f"warning: {w}" for w in self.launch.warnings]
 
     @property
     def het_groups(self) -> str:
@@ -140,7 +142,7 @@ def load_launch(path: str | Path, overrides: Sequence[str] = ()) -> Launch:
     engines = run.topology.cells + run.topology.standalone_engines
     return Launch(path=p, name=run.name, runs_dir=run.runs_dir, topology=run.topology, slurm=slurm,
                   harness_concurrency=run.schedule.concurrency_per_cell * engines,
-                  suite=run.harness.suite)  # fmt: skip
+                  suite=run.harness.suite, warnings=tuple(run.warnings()))  # fmt: skip
 
 
 def check_suite(launch: Launch) -> None:

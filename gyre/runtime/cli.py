@@ -134,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     check_fits_this_machine(cfg.topology.world_size, cfg.topology.cells,
                             cfg.topology.ranks_per_cell, cfg.topology.standalone_engines)  # fmt: skip
     check_harness(cfg)
+    for warning in cfg.warnings():
+        print(f"gyre run: warning: {warning}", file=sys.stderr)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     merged = run_dir / "config.yaml"  # what every rank reads: the file plus the overrides

@@ -239,6 +239,19 @@ class RunConfig:
         tiny_size(self.model)  # a malformed tiny:HxL is refused here, before any process starts
         make_policy(*self.schedule.scheduler(self.topology))  # the scheduler validates both
 
+    def warnings(self) -> list[str]:
+        """What loads but deserves the operator's attention (`gyre run` and `gyre render`
+        print these)."""
+        out = []
+        if self.proxy.max_context_tokens > self.train.token_budget:
+            out.append(
+                f"proxy.max_context_tokens {self.proxy.max_context_tokens} > train.token_budget "
+                f"{self.train.token_budget}: a path longer than the budget trains alone in a "
+                f"micro-step of its own length (up to {self.proxy.max_context_tokens} tokens); "
+                "one must fit in a cell's memory"
+            )
+        return out
+
 
 def load_run_config(
     path: str | Path, overrides: Sequence[str] = (), *, steps: int | None = None,

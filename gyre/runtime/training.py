@@ -36,7 +36,7 @@ from gyre.runtime import messages as msg
 from gyre.schedule.events import Work
 from gyre.train.config import TrainConfig
 from gyre.train.objective import ExecutionScalar, execution_scalars
-from gyre.train.packing import MicroStep
+from gyre.train.packing import MicroStep, oversize
 from gyre.train.rewards import ExecutionOutcome, Status
 from gyre.train.stream import ReadyGroup, StreamPackingBuffer
 
@@ -55,6 +55,7 @@ class BatchStats:
     gated: int = 0  # executions whose clipping gate is 0
     groups: int = 0
     tied_groups: int = 0  # groups whose valid rewards all tie: no learning signal
+    oversize_rows: int = 0  # paths longer than token_budget, each trained alone
     rewards: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     prepass_s: float = 0.0
@@ -128,6 +129,7 @@ class TrainingPlane:
             self.waiting[step.index] = {r.execution_id for r in step.rows}
         self.prepass_queue.extend(new)
         st.microsteps += len(new)
+        st.oversize_rows += oversize((r for step in new for r in step.rows), self.cfg.token_budget)
         return len(new)
 
     def claim(self, cell: int, work: Work) -> None:
@@ -232,6 +234,7 @@ class TrainingPlane:
             "staleness_mean": sum(st.staleness) / max(1, len(st.staleness)),
             "staleness_max": float(max(st.staleness, default=0)),
             "microsteps": float(st.microsteps),
+            "oversize_rows": float(st.oversize_rows),
             "executions": float(st.executions),
             "prepass_s": st.prepass_s,
             "gradient_s": st.gradient_s,

@@ -163,17 +163,19 @@ def balance_order(rows: Iterable[TokenRow]) -> list[TokenRow]:
 def pack_rows(
     rows: Sequence[TokenRow], *, token_budget: int, first_index: int = 0
 ) -> list[MicroStep]:
-    """Greedy packing of length-ordered rows into micro-steps of <= token_budget padded tokens."""
+    """Greedy packing of length-ordered rows into micro-steps of <= token_budget padded tokens.
+
+    A row longer than the budget (a path of an xLong execution) trains in a micro-step of its
+    own, as long as it is: never split (its targets need their whole context), never an
+    error (`oversize` counts them)."""
     if token_budget < 1:
         raise TrainingError(f"token_budget: {token_budget}; allowed an int >= 1")
     steps: list[MicroStep] = []
     current: list[TokenRow] = []
     for row in balance_order(rows):
-        if row.length > token_budget:
-            raise TrainingError(
-                f"row of execution {row.execution_id!r} has {row.length} tokens, more than the "
-                f"micro-step token_budget {token_budget}; raise the budget or cap context length"
-            )
+        if row.length > token_budget:  # longest first: these come before any packed step
+            steps.append(MicroStep(index=first_index + len(steps), rows=(row,)))
+            continue
         width = max([row.length] + [r.length for r in current])
         if current and (len(current) + 1) * width > token_budget:
             steps.append(MicroStep(index=first_index + len(steps), rows=tuple(current)))
@@ -182,3 +184,8 @@ def pack_rows(
     if current:
         steps.append(MicroStep(index=first_index + len(steps), rows=tuple(current)))
     return steps
+
+
+def oversize(rows: Iterable[TokenRow], token_budget: int) -> int:
+    """How many rows are longer than the micro-step budget (each trains alone)."""
+    return sum(1 for r in rows if r.length > token_budget)
