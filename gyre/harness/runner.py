@@ -77,6 +77,8 @@ class HarnessRunner:
         sandbox: Literal["none", "bwrap", "auto"] = "none"
         # names of runner environment variables passed through (e.g. OMP_NUM_THREADS)
         keep_env: list[str] = field(default_factory=list)
+        # directories a sandboxed harness must not see (e.g. the run directory)
+        hide: list[str] = field(default_factory=list)
 
         def __post_init__(self) -> None:
             if not self.workspace_root:
@@ -227,7 +229,7 @@ class HarnessRunner:
         env["PATH"] = os.pathsep.join([str(Path(program).parent), env["PATH"]])
         if self.sandbox == "bwrap":
             hidden = list(spec.task.hidden_paths)
-            argv = bwrap_prefix(ex, self.root, hidden) + argv
+            argv = bwrap_prefix(ex, self.root, hidden, [Path(d) for d in self.config.hide]) + argv
         return argv, env
 
     @staticmethod

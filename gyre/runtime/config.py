@@ -108,6 +108,11 @@ class HarnessConfig:
     """Seconds between SIGTERM and SIGKILL of a harness's process group."""
     eval_attempts: int = 2
     """Evaluator attempts per execution (0: as many as the overall budget allows)."""
+    sandbox: Literal["auto", "bwrap", "none"] = "auto"
+    """Confine every harness (bubblewrap): its workspace read-write, the system read-only; the
+    task's hidden files, the run directory, other executions and other processes invisible.
+    auto and bwrap refuse to start without a working bubblewrap; none runs harnesses
+    unconfined, where a harness can read and rewrite its task's checker (docs/harness.md)."""
     tool_latency: ToolLatency | None = None
     """Replaces every task's tool latency (benchmarks, what-if runs); None keeps the suite's."""
 

@@ -94,7 +94,7 @@ def targets_of(run_dir: Path, cfg: RunConfig, *, initial: bool, every: bool) -> 
 
 def evaluate(
     cfg: RunConfig, target: Target, work_dir: Path, *, tasks: list[str], instances: int,
-    concurrency: int,
+    concurrency: int, hide: tuple[Path, ...] = (),
 ) -> EvalResult:  # fmt: skip
     """Run `instances` held-out instances of every task in `tasks` against `target`."""
     from gyre.runtime.engine_host import EngineProcess
@@ -106,18 +106,19 @@ def evaluate(
         url = engine.wait_ready(cfg.timeouts.startup_s)
         run_cfg = dataclasses.replace(cfg, model=target.model)
         t0 = time.time()
-        rewards = asyncio.run(_run_all(run_cfg, work_dir, url, tasks, instances, concurrency))
+        rewards = asyncio.run(_run_all(run_cfg, work_dir, url, tasks, instances, concurrency, hide))
     finally:
         engine.stop()
     return EvalResult(target.name, target.version, target.model, rewards, time.time() - t0)
 
 
 async def _run_all(
-    cfg: RunConfig, work_dir: Path, url: str, tasks: list[str], instances: int, concurrency: int
-) -> dict[str, float | None]:
+    cfg: RunConfig, work_dir: Path, url: str, tasks: list[str], instances: int, concurrency: int,
+    hide: tuple[Path, ...],
+) -> dict[str, float | None]:  # fmt: skip
     from gyre.runtime.proxy_node import ExecutionHost
 
-    host = ExecutionHost(cfg, work_dir)
+    host = ExecutionHost(cfg, work_dir, hide)
     await host.start({"e0": url})
     gate = asyncio.Semaphore(concurrency)
 
@@ -150,11 +151,17 @@ def run_eval(
 
         cfg = load_run_config(config or DEFAULT_CONFIG)
         todo = [Target(target, str(path.resolve()) if path.is_dir() else target, None)]
+    from gyre.runtime.proxy_node import check_harness
+
+    check_harness(cfg)
     names = tasks or cfg.harness.tasks or list(_suite_names(cfg))
     base = Path(out) if out else (run_dir / "eval" if run_dir else Path(tempfile.mkdtemp()))
     limit = concurrency or cfg.engine.max_batch_size
+    hide = (base,) + ((run_dir,) if run_dir is not None else ())  # the run's policies, trace
     results = [
-        evaluate(cfg, t, base / t.name, tasks=names, instances=instances, concurrency=limit)
+        evaluate(
+            cfg, t, base / t.name, tasks=names, instances=instances, concurrency=limit, hide=hide
+        )
         for t in todo
     ]
     if run_dir is not None:

@@ -25,12 +25,13 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from gyre.errors import ConfigError
 from gyre.harness import ExecutionSpec, HarnessRunner, Terminated
+from gyre.harness.workspace import bwrap_works
 from gyre.proxy.app import ProxyApp
 from gyre.runtime import messages as msg
 from gyre.runtime import wire
@@ -71,6 +72,12 @@ def check_harness(cfg: RunConfig) -> None:
         adapter.check_params(cfg.harness.params)
     except ConfigError as exc:
         raise ConfigError(f"harness.{exc}") from None
+    if cfg.harness.sandbox != "none" and (why := bwrap_works()) is not None:
+        raise ConfigError(
+            f"harness.sandbox: {cfg.harness.sandbox}: {why}; allowed: a working bubblewrap, or "
+            "harness.sandbox=none to run harnesses unconfined (they can then read and rewrite "
+            "their task's checker: docs/harness.md)"
+        )
     load_tasks(cfg)
 
 
@@ -81,7 +88,9 @@ class ExecutionHost:
     the same object directly, so an evaluation runs exactly what a training run runs.
     """
 
-    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, hide: Sequence[Path] = ()) -> None:
+        """`run_dir` holds the executions' workspaces; it and `hide` are invisible to a
+        sandboxed harness."""
         self.cfg, self.run_dir = cfg, run_dir
         self.suite, _ = load_tasks(cfg)
         self.adapter = cfg.harness.adapter_object()
@@ -93,6 +102,8 @@ class ExecutionHost:
                 overall_timeout_s=h.overall_timeout_s,
                 kill_grace_s=h.kill_grace_s,
                 keep_env=["OMP_NUM_THREADS", "HF_HUB_OFFLINE"],
+                sandbox="none" if h.sandbox == "none" else "bwrap",
+                hide=[str(d) for d in (run_dir, *hide)],
             )
         )
         self.evaluator = Evaluator(
