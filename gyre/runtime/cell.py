@@ -106,10 +106,6 @@ class CellTrainer:
     def core(self) -> bool:
         return self.comms.cell_id == 0
 
-    @property
-    def leader(self) -> bool:
-        return self.comms.shard == 0
-
     def _sync(self, version: int) -> None:
         """Hold the batch's weights: a satellite behind `version` pulls the core's snapshot."""
         if self.version == version:
