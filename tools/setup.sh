@@ -2,7 +2,8 @@
 # Set up a fresh machine for Gyre: system packages, Python packages, optional harness binaries.
 #
 #   bash tools/setup.sh            # what `gyre run` needs
-#   bash tools/setup.sh --test     # + test tools (pytest, hypothesis, SDKs, ruff, mypy, Claude Code)
+#   bash tools/setup.sh --test     # + test tools (pytest, hypothesis, SDKs, ruff, mypy, Claude Code,
+#                                  #   the SGLang request-type check venv in .tools/sglang-check)
 #
 # Idempotent: re-running it only checks what is already there.
 set -euo pipefail
@@ -61,6 +62,9 @@ if ((want_test)); then
   bash tools/install_claude.sh >/dev/null || fail "Claude Code (tools/install_claude.sh)"
   bash tools/install_codex.sh >/dev/null || fail "Codex CLI (tools/install_codex.sh)"
   bash tools/install_mini_swe_agent.sh >/dev/null || fail "mini-swe-agent (tools/install_mini_swe_agent.sh)"
+  # the pinned SGLang without its GPU stack: tests/gpu/test_gpu_sglang_bodies.py checks
+  # Gyre's requests and launch flags with SGLang's own request types and parser (~20 s)
+  bash tools/install_sglang_check.sh >/dev/null || fail "SGLang check venv (tools/install_sglang_check.sh)"
   command -v bwrap >/dev/null 2>&1 || fail "bubblewrap (bwrap) is not on PATH"
 fi
 # pyenv-managed Pythons see new console scripts (`gyre`) only after a rehash.

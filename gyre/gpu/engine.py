@@ -11,8 +11,9 @@ whose initializer sets it) and in the engine's worker thread. `CudaEngine` makes
 to pinned host memory (tied weights stay tied) and the CUDA cache is emptied; `/resume_...`
 moves them back.
 
-For small models only: SGLang serves large ones (`gyre.rollout.sglang`). Seeded sampling
-(`sampling_seed`) and `regex` constraints are CPU-only for now (docs/gpu.md).
+For small models only: SGLang serves large ones (`gyre.rollout.sglang`). Samplers'
+generators are created on the model's device (`Engine.generator`); grammar masks are
+computed on the host and moved to the logits' device (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -30,11 +31,8 @@ from gyre.rollout import engine as engine_mod
 
 
 class CudaEngine(engine_mod.Engine):
-    """The embedded engine whose memory release frees device memory."""
-
-    def __init__(self, config: engine_mod.Config, model: Any, tokenizer: Any, device: str):
-        super().__init__(config, model, tokenizer)
-        self.device = device
+    """The embedded engine whose memory release frees device memory (its `device` is the
+    model's, as placed before construction; samplers' generators live there too)."""
 
     def _loop(self) -> None:
         torch.set_default_device(self.device)  # the worker thread creates per-step tensors
@@ -42,12 +40,12 @@ class CudaEngine(engine_mod.Engine):
 
     def release_memory(self) -> None:
         super().release_memory()
-        with self._step:
+        with self.at_boundary():
             _move_snapshot(self._snapshot or [], "cpu")
         release_cached(self.device)
 
     def resume_memory(self) -> None:
-        with self._step:
+        with self.at_boundary():
             _move_snapshot(self._snapshot or [], self.device)
         super().resume_memory()
 
@@ -76,7 +74,7 @@ def load_engine(config: engine_mod.Config, placement: Placement) -> CudaEngine:
     torch.set_num_threads(config.threads)
     model, tokenizer = load_model(config.model)
     placement.apply(model)
-    return CudaEngine(config, model, tokenizer, placement.device)
+    return CudaEngine(config, model, tokenizer)
 
 
 async def serve(config: Any, placement: Placement) -> None:

@@ -5,7 +5,7 @@
 
 Engines are `URL` (ids e0, e1, ... in order) or `ID=URL`. The tokenizer matching the
 engine comes from `--model` (tiny | smollm2-135m | a local HF directory) or, if omitted,
-from the first engine's /get_model_info. The admin token file is read, or created with a
+from the first engine's /model_info. The admin token file is read, or created with a
 fresh token. Prints ``gyre proxy listening on http://HOST:PORT`` on stdout once serving;
 stops on SIGINT/SIGTERM (open executions stay in the store's journal, see `recover`).
 No torch import at module level.
@@ -86,8 +86,8 @@ def admin_token(path: str) -> str:
 
 
 def model_info(engines: dict[str, str]) -> dict[str, Any]:
-    """The first engine's /get_model_info ({} if it does not answer)."""
-    url = next(iter(engines.values())) + "/get_model_info"
+    """The first engine's /model_info ({} if it does not answer)."""
+    url = next(iter(engines.values())) + "/model_info"
     try:
         with urllib.request.urlopen(url, timeout=30) as r:
             info = json.load(r)
@@ -101,7 +101,7 @@ def model_spec(args: argparse.Namespace, info: dict[str, Any]) -> str:
         return str(args.model)
     if not isinstance(info.get("model_path"), str):
         raise ConfigError(
-            "--model not given and the first engine's /get_model_info did not "
+            "--model not given and the first engine's /model_info did not "
             "name a model_path; pass --model"
         )
     return str(info["model_path"])

@@ -27,7 +27,18 @@ import numpy as np
 import orjson
 
 from gyre.errors import EngineError, ProtocolError
-from gyre.rollout.protocol import GenerateResult, KVImportResult, KVSegment, SamplingParams
+from gyre.rollout.protocol import (
+    CONTINUE,
+    Call,
+    GenerateResult,
+    KVImportResult,
+    KVSegment,
+    Procedure,
+    SamplingParams,
+    abort_call,
+    memory_call,
+    pause_call,
+)
 from gyre.rollout.transport import HttpTransport
 
 if TYPE_CHECKING:
@@ -88,18 +99,19 @@ class EngineClient:
             raise EngineError(f"engine {self.engine_id}: {e}") from e
 
     async def abort(self, rid: str) -> None:
-        await self._call("POST", "/abort_request", {"rid": rid})
+        await self.control(abort_call(rid))
 
     async def abort_all(self) -> None:
-        await self._call("POST", "/abort_request", {"abort_all": True})
+        await self.control(abort_call(None))
 
     async def pause(self, mode: str = "retract") -> None:
         """Hold generation at a step boundary; in-flight calls wait ("retract"/"in_place")
         or end as aborted ("abort")."""
-        await self._call("POST", "/pause_generation", {"mode": mode})
+        await self.control(pause_call(mode))
 
     async def resume(self) -> None:
-        await self._call("POST", "/continue_generation", {})
+        """Let paused generation continue (/continue_generation)."""
+        await self.control(CONTINUE)
 
     async def flush_cache(self) -> None:
         await self._call("POST", "/flush_cache", {})
@@ -113,30 +125,60 @@ class EngineClient:
         return True
 
     async def weight_version(self) -> str:
-        return str((await self._call("GET", "/get_weight_version", None))["weight_version"])
+        """The version the engine serves (`weight_version` of /model_info, as SGLang)."""
+        info = await self.model_info()
+        if not isinstance(info.get("weight_version"), str):
+            raise EngineError(f"engine {self.engine_id} /model_info: no weight_version: {info}")
+        return str(info["weight_version"])
 
     async def model_info(self) -> dict[str, Any]:
-        return dict(await self._call("GET", "/get_model_info", None))
+        return dict(await self._call("GET", "/model_info", None))
 
-    async def release_memory(self) -> None:
-        await self._call("POST", "/release_memory_occupation", {})
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """/release_memory_occupation alone: the engine must be idle (SGLang asserts it; the
+        embedded engine answers 409). `gyre.rollout.protocol.release_procedure` pauses first."""
+        await self.control(memory_call("/release_memory_occupation", tags))
 
-    async def resume_memory(self) -> None:
-        await self._call("POST", "/resume_memory_occupation", {})
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        await self.control(memory_call("/resume_memory_occupation", tags))
 
     async def update_weights_from_tensor(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str | None = None
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: str | None = None,
+        *,
+        tp_size: int = 1,
     ) -> None:
-        """Load named CPU tensors (embedded engine's torch_save wire format) and set version."""
-        from gyre.rollout.weights import encode_named_tensors
+        """Publish named tensors as `version` the way SGLang takes them (generation paused,
+        inside a weight-update session: `gyre.rollout.weights.publish_procedure`)."""
+        from gyre.rollout.weights import publish_procedure
 
-        body = {
-            "serialized_named_tensors": [encode_named_tensors(named_tensors)],
-            "load_format": "torch_save",
-            "flush_cache": True,
-            "weight_version": version,
-        }
-        await self._call("POST", "/update_weights_from_tensor", body)
+        await self.run(publish_procedure(named_tensors, version, tp_size=tp_size))
+
+    async def control(self, call: Call, *, timeout: float | None = None) -> Any:
+        """POST one control call; EngineError if it fails (HTTP error or success false)."""
+        reply = await self._call("POST", call.route, call.body, timeout=timeout)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            message = reply.get("message", reply)
+            raise EngineError(f"engine {self.engine_id} {call.route}: {message}")
+        return reply
+
+    async def run(self, procedure: Procedure, *, timeout: float | None = None) -> None:
+        """Make a procedure's calls, then its cleanup calls (always); raise the first error."""
+        error: EngineError | None = None
+        for call in procedure.calls:
+            try:
+                await self.control(call, timeout=timeout)
+            except EngineError as e:
+                error = e
+                break
+        for call in procedure.cleanup:
+            try:
+                await self.control(call, timeout=timeout)
+            except EngineError as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     async def request_log(self) -> list[dict[str, Any]]:
         """Embedded engine only: the /generate calls it received, oldest first

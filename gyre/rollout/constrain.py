@@ -168,7 +168,7 @@ class Constraint:
     def allowed(self) -> torch.Tensor:
         """Bool mask of the tokens allowed next (terminators only once the output is complete)."""
         if self._matcher.is_stopped() or self._matcher.is_error():
-            mask = torch.zeros(self._vocab_size, dtype=torch.bool)
+            mask = torch.zeros(self._vocab_size, dtype=torch.bool, device="cpu")
         else:
             self._fill(self._matcher, self._bitmask, 0)
             words = torch.from_numpy(self._bitmask[0]).unsqueeze(1)

@@ -10,20 +10,23 @@ submit requests and control operations. A loop iteration ("step") holds the step
    responses are delivered to the waiting handler.
 
 Control operations (abort, pause, weight updates, memory release, KV pins and imports)
-take the same lock, so they happen exactly at step boundaries. Sampling and behaviour
-log-probs: see gyre.rollout.sampling; grammar constraints (regex, ebnf, json_schema):
-gyre.rollout.constrain; KV-cache migration on reroute: gyre.rollout.kvstore (pin, read) and
-gyre.rollout.kvmigrate (the handoff).
+take the same lock through `at_boundary`, so they happen exactly at the next step boundary
+(the worker starts no step while one waits). Memory release and weight updates keep
+SGLang's preconditions (idle engine; inside a weight-update session): `EngineConflict`,
+HTTP 409. Sampling and behaviour log-probs: see gyre.rollout.sampling; grammar constraints
+(regex, ebnf, json_schema): gyre.rollout.constrain; KV-cache migration on reroute:
+gyre.rollout.kvstore (pin, read) and gyre.rollout.kvmigrate (the handoff).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +47,11 @@ Deliver = Callable[[dict[str, Any]], None]
 
 class EngineUnavailable(EngineError):
     """The engine cannot take work now (memory released, shutting down); HTTP 503."""
+
+
+class EngineConflict(EngineError):
+    """A control call the engine's state does not allow now (release while calls run, a
+    weight update outside a weight-update session); HTTP 409."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,6 +113,7 @@ class Engine:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
+        self.device = model.get_output_embeddings().weight.device
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.eos_id: int | None = tokenizer.eos_token_id
@@ -118,6 +127,8 @@ class Engine:
         self._running: list[Sequence] = []
         self._batch = KVBatch(self._cache_kwarg)
         self._paused = False
+        self._controls = 0  # control operations waiting for the step lock
+        self._updating = False  # a weight-update session is open
         self._stopping = False
         self._snapshot: weights.Snapshot | None = None
         self._log: collections.deque[tuple[str, np.ndarray, float]] = collections.deque()
@@ -158,12 +169,9 @@ class Engine:
         regex = None
         if req.sampling.constrained:
             regex = self._grammars.constraint(req.sampling, self._terminators(req))
-        seed = req.sampling.sampling_seed
         gen = None
         if req.sampling.temperature > 0:
-            gen = torch.Generator().manual_seed(
-                seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-            )
+            gen = self.generator(req.sampling.sampling_seed)
         seq = Sequence(
             req=req, deliver=deliver, tokens=list(req.input_ids), generator=gen, regex=regex
         )
@@ -180,8 +188,15 @@ class Engine:
             self._pending.append(seq)
             self._cond.notify_all()
 
+    def generator(self, seed: int | None) -> torch.Generator:
+        """A sampler's generator, on the device the logits are on (`torch.multinomial`
+        refuses a generator of another device); seed None draws a fresh one."""
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        return torch.Generator(device=self.device).manual_seed(seed)
+
     def _terminators(self, req: GenerateRequest) -> torch.Tensor:
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool, device="cpu")  # host-side masks
         ids = list(req.sampling.stop_token_ids)
         if self.eos_id is not None and not req.sampling.ignore_eos:
             ids.append(self.eos_id)
@@ -190,9 +205,24 @@ class Engine:
         return mask
 
     # ----- control (called from handler threads; each waits for a step boundary) -------
+    @contextlib.contextmanager
+    def at_boundary(self) -> Iterator[None]:
+        """Hold the step lock for a control operation, from the next step boundary on: the
+        worker starts no new step while one waits (a plain lock would let the worker take it
+        back step after step, holding a pause or an abort for the rest of the batch)."""
+        with self._cond:
+            self._controls += 1
+        try:
+            with self._step:
+                yield
+        finally:
+            with self._cond:
+                self._controls -= 1
+                self._cond.notify_all()
+
     def abort(self, rid: str | None, message: str = "aborted by request") -> int:
         """Abort `rid` (None: all); returns how many calls ended. Partial output is kept."""
-        with self._step, self._cond:
+        with self.at_boundary(), self._cond:
             return self._abort_locked(rid, message)
 
     def _abort_locked(self, rid: str | None, message: str) -> int:
@@ -211,7 +241,7 @@ class Engine:
         """Hold the loop. mode "abort" also aborts everything; "retract" drops the running
         sequences' KV caches and requeues them (re-prefilled on continue, so a weight update
         in between is seen by the whole context); "in_place" keeps them as they are."""
-        with self._step, self._cond:
+        with self.at_boundary(), self._cond:
             self._paused = True
             if mode == "abort":
                 self._abort_locked(None, "aborted by pause_generation")
@@ -230,11 +260,33 @@ class Engine:
 
     def flush_cache(self) -> None:
         """Drop the prefix cache (running calls keep their own KV)."""
-        with self._step:
+        with self.at_boundary():
             self._prefix.clear()
 
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session (SGLang takes weight updates only inside one)."""
+        with self.at_boundary():
+            if self._updating:
+                raise EngineConflict(
+                    "a weight-update session is already open; POST /end_weight_update first"
+                )
+            self._updating = True
+
+    def end_weight_update(self) -> None:
+        with self.at_boundary():
+            if not self._updating:
+                raise EngineConflict(
+                    "no weight-update session is open; POST /begin_weight_update first"
+                )
+            self._updating = False
+
     def update_weights(self, named: weights.NamedTensors, version: str | None) -> str:
-        with self._step:
+        with self.at_boundary():
+            if not self._updating:
+                raise EngineConflict(
+                    "update_weights_from_tensor must run between /begin_weight_update and "
+                    "/end_weight_update"
+                )
             if self._snapshot is not None:
                 raise EngineUnavailable("engine memory is released; resume it before updating")
             weights.load_named_tensors(self.model, named)
@@ -243,9 +295,16 @@ class Engine:
             return self._version
 
     def release_memory(self) -> None:
-        """Abort every call, drop the KV caches and the weights (kept in a CPU snapshot)."""
-        with self._step, self._cond:
-            self._abort_locked(None, "engine memory released")
+        """Drop the KV caches and the weights (kept in a CPU snapshot). Like SGLang, only
+        when idle: no call running, and none waiting unless generation is paused (a paused
+        engine's queued calls run after resume and continue)."""
+        with self.at_boundary(), self._cond:
+            busy = len(self._running) + (0 if self._paused else len(self._pending))
+            if busy:
+                raise EngineConflict(
+                    f"release_memory_occupation: {busy} calls in flight; the engine must be "
+                    'idle: POST /pause_generation {"mode": "abort"} (or abort them) first'
+                )
             self._prefix.clear()
             self._kv.expire(everything=True)
             if self._snapshot is None:
@@ -253,7 +312,7 @@ class Engine:
                 self._snapshot = weights.offload(self.model)
 
     def resume_memory(self) -> None:
-        with self._step, self._cond:
+        with self.at_boundary(), self._cond:
             if self._snapshot is not None:
                 weights.restore(self._snapshot)
                 self._snapshot = None
@@ -264,7 +323,7 @@ class Engine:
         """Pin the KV of the calls whose rid starts with one of `prefixes` or is in `rids`:
         the prompt of each running call, and the prefix-cache entries earlier calls left.
         A sequence another selected one extends is left out (the longer one serves both)."""
-        with self._step:
+        with self.at_boundary():
             if self._snapshot is not None:
                 raise EngineUnavailable("engine memory is released; nothing to pin")
             self._kv.expire()
@@ -315,7 +374,7 @@ class Engine:
             raise EngineUnavailable("engine memory is released")
 
     def _insert_segment(self, seg: KVSegment, tokens: np.ndarray, layers: kvstore.LayerKV) -> None:
-        with self._step:
+        with self.at_boundary():
             self._check_segment(seg)  # the version may have changed during the read
             if not self._prefix.insert(tokens, layers, seg.rid):
                 raise EngineError(
@@ -372,7 +431,8 @@ class Engine:
 
     # ----- the generation loop ------------------------------------------------------------
     def _ready(self) -> bool:
-        return not self._paused and self._snapshot is None and bool(self._pending or self._running)
+        idle = self._paused or self._controls or self._snapshot is not None
+        return not idle and bool(self._pending or self._running)
 
     def _loop(self) -> None:
         torch.set_num_threads(self.config.threads)

@@ -9,6 +9,11 @@ responses into `GenerateResult`. Field names are SGLang's, so the same client dr
             "return_logprob": True, "rid": "r1"}
     request = parse_generate(body, vocab_size=4096)
 
+The control calls (abort, pause / continue, memory release / resume, weight updates) are
+built here as `Call`s, and the sequences SGLang's preconditions require as `Procedure`s
+(`release_procedure`, `resume_procedure`, `weight_update_procedure`), made by the async
+`EngineClient.run` and the cell's blocking `gyre.runtime.engine_host.run_procedure` alike.
+
 The Gyre-only KV-cache migration routes (/gyre/kv/*) have their shapes here too:
 `KVSegment` (a pinned segment's descriptor), `parse_kv_pin`, `parse_kv_import`,
 `parse_kv_release`; the handoff itself is `gyre.rollout.kvmigrate`.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -211,6 +217,102 @@ def parse_sampling(raw: Any, *, vocab_size: int) -> SamplingParams:
         return SamplingParams(**kw)
     except ProtocolError as e:
         raise ProtocolError(f"sampling_params.{e}") from None
+
+
+# ----- control routes: SGLang's request types, and the call sequences Gyre makes ---------
+#
+# Every control body Gyre sends is built here (the generate body is `EngineClient.generate`'s,
+# the NCCL update group's `gyre.rollout.sglang.control`'s); tests/gpu/test_gpu_sglang_bodies.py
+# checks each against SGLang's own request types. SGLang's HTTP layer ignores unknown fields,
+# so a misspelt field would be silently dropped there: the field names matter.
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One control request: a POST route and its JSON body."""
+
+    route: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Procedure:
+    """Control calls made in order, stopping at the first failure; then the `cleanup` calls,
+    always, each one even if another failed. The first error is the one raised."""
+
+    calls: tuple[Call, ...]
+    cleanup: tuple[Call, ...] = ()
+
+
+def abort_call(rid: str | None) -> Call:
+    """SGLang's AbortReq: one call by rid, or every call (rid None)."""
+    return Call("/abort_request", {"rid": rid} if rid is not None else {"abort_all": True})
+
+
+def pause_call(mode: str) -> Call:
+    """SGLang's PauseGenerationReqInput."""
+    if mode not in PAUSE_MODES:
+        raise ProtocolError(f"mode: {mode!r}; allowed: {', '.join(PAUSE_MODES)}")
+    return Call("/pause_generation", {"mode": mode})
+
+
+CONTINUE = Call("/continue_generation", {})  # SGLang's ContinueGenerationReqInput
+BEGIN_UPDATE = Call("/begin_weight_update", {})  # BeginWeightUpdateReqInput (selector "all")
+END_UPDATE = Call("/end_weight_update", {})  # EndWeightUpdateReqInput
+
+
+def memory_call(route: str, tags: Sequence[str] | None) -> Call:
+    """SGLang's Release/ResumeMemoryOccupationReqInput (no tags: all memory)."""
+    unknown = [t for t in tags or () if t not in MEMORY_TAGS]
+    if unknown:
+        raise ProtocolError(f"tags: {unknown[0]!r}; allowed: {', '.join(MEMORY_TAGS)}")
+    return Call(route, {"tags": list(tags)} if tags else {})
+
+
+def release_procedure(tags: Sequence[str] | None = None) -> Procedure:
+    """Rollout -> training. SGLang asserts it is idle before releasing, so every call in
+    flight is aborted by pausing in mode "abort" first; the engine stays paused until
+    `resume_procedure`."""
+    return Procedure((pause_call("abort"), memory_call("/release_memory_occupation", tags)))
+
+
+def resume_procedure(tags: Sequence[str] | None = None) -> Procedure:
+    """Training -> rollout: take the memory back, then let generation continue."""
+    return Procedure((memory_call("/resume_memory_occupation", tags), CONTINUE))
+
+
+def weight_update_procedure(update: Call) -> Procedure:
+    """A weight publication as SGLang takes it: generation paused ("retract": running calls
+    go back to the queue and are re-prefilled with the new weights; SGLang would otherwise
+    wait for every call in flight to finish), inside a weight-update session (SGLang refuses
+    updates outside one); the session is closed and generation continued in any case."""
+    return Procedure((pause_call("retract"), BEGIN_UPDATE, update), (END_UPDATE, CONTINUE))
+
+
+def tensor_update_call(
+    payloads: Sequence[str], version: str | None, *, flush_cache: bool = True
+) -> Call:
+    """SGLang's UpdateWeightsFromTensorReqInput: one serialized payload per TP rank
+    (`gyre.rollout.weights.serialize_named_tensors`), loaded by the model's own names."""
+    body = {
+        "serialized_named_tensors": list(payloads),
+        "load_format": None,
+        "flush_cache": flush_cache,
+        "weight_version": version,
+    }
+    return Call("/update_weights_from_tensor", body)
+
+
+def parse_memory_tags(body: Any) -> tuple[str, ...]:
+    """The `tags` of /release_memory_occupation or /resume_memory_occupation (() = all)."""
+    if not isinstance(body, dict):
+        raise ProtocolError("body: expected a JSON object")
+    tags = body.get("tags") or []
+    if not isinstance(tags, list) or any(t not in MEMORY_TAGS for t in tags):
+        raise ProtocolError(f"tags: {tags!r}; allowed: null or a list of {', '.join(MEMORY_TAGS)}")
+    return tuple(tags)
 
 
 def parse_pause_mode(body: Any) -> str:

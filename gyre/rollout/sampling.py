@@ -31,8 +31,8 @@ def processed_logprobs(
 ) -> torch.Tensor:
     """Log-probs (float64, -inf outside the support) of the distribution sampled from."""
     z = logits.to(torch.float64)
-    if allowed is not None:
-        z = z.masked_fill(~allowed, float("-inf"))
+    if allowed is not None:  # grammar masks are built on the host
+        z = z.masked_fill(~allowed.to(z.device), float("-inf"))
     if temperature > 0:
         z = z / temperature
     keep = torch.isfinite(z)

@@ -1,10 +1,11 @@
 """Tornado HTTP front of the embedded engine: SGLang's native routes over `Engine`.
 
-Routes (SGLang names and shapes; see docs/engine.md):
+Routes (SGLang 0.5.21's names, request bodies and preconditions; see docs/engine.md):
 
     POST /generate                  POST /abort_request          POST /pause_generation
     POST /continue_generation       GET|POST /flush_cache        GET /health
-    GET  /get_weight_version        GET /get_model_info          POST /update_weights_from_tensor
+    GET  /model_info (weight_version; /get_model_info: SGLang's deprecated alias)
+    POST /begin_weight_update       POST /update_weights_from_tensor  POST /end_weight_update
     POST /release_memory_occupation POST /resume_memory_occupation
     GET|DELETE /gyre/requests       (Gyre only: log of received /generate calls)
     GET  /gyre/stats                (Gyre only: batch sizes, queue lengths)
@@ -12,7 +13,8 @@ Routes (SGLang names and shapes; see docs/engine.md):
                                     (Gyre only: KV-cache migration, gyre.rollout.kvmigrate)
 
 Errors become HTTP responses in one place (`BaseHandler.write_error`): `ProtocolError` →
-400, `EngineUnavailable` → 503, anything else → 500, each with SGLang's error body
+400, `EngineConflict` (a release while calls run, a weight update outside a weight-update
+session) → 409, `EngineUnavailable` → 503, anything else → 500, each with SGLang's error body
 ``{"object": "error", "message": ..., "type": ..., "code": ...}``. A /generate whose client
 disconnects is aborted. Engine control calls block on a step boundary, so they run on the
 default executor and the IOLoop stays responsive.
@@ -43,6 +45,7 @@ from gyre.rollout.protocol import (
     parse_kv_import,
     parse_kv_pin,
     parse_kv_release,
+    parse_memory_tags,
     parse_pause_mode,
 )
 
@@ -90,6 +93,8 @@ class BaseHandler(tornado.web.RequestHandler):
         exc = kwargs.get("exc_info", (None, None, None))[1]
         if isinstance(exc, ProtocolError):
             status_code, kind, message = 400, "BadRequest", str(exc)
+        elif isinstance(exc, engine_mod.EngineConflict):
+            status_code, kind, message = 409, "Conflict", str(exc)
         elif isinstance(exc, engine_mod.EngineUnavailable):
             status_code, kind, message = 503, "ServiceUnavailable", str(exc)
         elif isinstance(exc, tornado.web.HTTPError):
@@ -102,7 +107,9 @@ class BaseHandler(tornado.web.RequestHandler):
         )
 
     def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
-        if isinstance(value, ProtocolError | engine_mod.EngineUnavailable):
+        if isinstance(
+            value, ProtocolError | engine_mod.EngineConflict | engine_mod.EngineUnavailable
+        ):
             log.info("%s %s: %s", self.request.method, self.request.path, value)
         else:
             super().log_exception(typ, value, tb)
@@ -162,13 +169,13 @@ class PauseHandler(BaseHandler):
     async def post(self) -> None:
         mode = parse_pause_mode(self.json_body())
         await self.blocking(self.engine.pause, mode)
-        self.send({"success": True, "mode": mode})
+        self.send({"message": "Generation paused successfully.", "status": "ok"})
 
 
 class ContinueHandler(BaseHandler):
     def post(self) -> None:
         self.engine.resume()
-        self.send({"success": True})
+        self.send({"message": "Generation continued successfully.", "status": "ok"})
 
 
 class FlushCacheHandler(BaseHandler):
@@ -182,11 +189,6 @@ class FlushCacheHandler(BaseHandler):
 class HealthHandler(BaseHandler):
     def get(self) -> None:
         self.send({"status": "ok", "released": self.engine.released})
-
-
-class WeightVersionHandler(BaseHandler):
-    def get(self) -> None:
-        self.send({"weight_version": self.engine.weight_version})
 
 
 class ModelInfoHandler(BaseHandler):
@@ -205,23 +207,47 @@ class ModelInfoHandler(BaseHandler):
         )
 
 
+class BeginUpdateHandler(BaseHandler):
+    async def post(self) -> None:
+        await self.blocking(self.engine.begin_weight_update)
+        self.send({"success": True, "message": "Success"})
+
+
+class EndUpdateHandler(BaseHandler):
+    async def post(self) -> None:
+        await self.blocking(self.engine.end_weight_update)
+        self.send({"success": True, "message": "Success"})
+
+
 class UpdateWeightsHandler(BaseHandler):
     async def post(self) -> None:
         named, version, _flush = weights.decode_update(self.json_body())
         new = await self.blocking(self.engine.update_weights, named, version)
         self.send(
-            {"success": True, "message": f"updated {len(named)} tensors", "weight_version": new}
+            {"success": True, "message": f"Updated {len(named)} tensors; weight version {new}."}
+        )
+
+
+def _all_memory(body: Any) -> None:
+    """The embedded engine releases weights and KV cache together (it has no CUDA graphs)."""
+    tags = parse_memory_tags(body)
+    if tags and not {"weights", "kv_cache"} <= set(tags):
+        raise ProtocolError(
+            f"tags: {list(tags)}; the embedded engine releases weights and kv_cache together: "
+            "allowed null, [] or both"
         )
 
 
 class ReleaseHandler(BaseHandler):
     async def post(self) -> None:
+        _all_memory(self.json_body())
         await self.blocking(self.engine.release_memory)
         self.send({"success": True})
 
 
 class ResumeHandler(BaseHandler):
     async def post(self) -> None:
+        _all_memory(self.json_body())
         await self.blocking(self.engine.resume_memory)
         self.send({"success": True})
 
@@ -286,9 +312,11 @@ ROUTES: list[tuple[str, type[BaseHandler]]] = [
     ("/continue_generation", ContinueHandler),
     ("/flush_cache", FlushCacheHandler),
     ("/health", HealthHandler),
-    ("/get_weight_version", WeightVersionHandler),
+    ("/model_info", ModelInfoHandler),
     ("/get_model_info", ModelInfoHandler),
+    ("/begin_weight_update", BeginUpdateHandler),
     ("/update_weights_from_tensor", UpdateWeightsHandler),
+    ("/end_weight_update", EndUpdateHandler),
     ("/release_memory_occupation", ReleaseHandler),
     ("/resume_memory_occupation", ResumeHandler),
     ("/gyre/requests", RequestLogHandler),
@@ -310,7 +338,7 @@ async def serve(config: Config) -> None:
         None, engine_mod.Engine.load, config.engine
     )
     engine.start()
-    # weight payloads (base64 torch.save) can be large: allow up to 4 GiB bodies
+    # weight payloads (base64 pickles of the tensors) can be large: allow up to 4 GiB bodies
     server = tornado.httpserver.HTTPServer(
         make_app(engine), max_body_size=1 << 32, max_buffer_size=1 << 32
     )

@@ -3,8 +3,11 @@
 The embedded engine (`python -m gyre.rollout.cli`) runs in its own process so that it can be
 killed (SIGKILL, OOM) without taking the MPI world down: the cell notices the exit, reports
 the loss, and restarts it on request. The cell talks to it over the SGLang HTTP protocol
-with blocking calls (the cell rank has no event loop): release / resume memory occupation on
-role switches, `abort_request` with `abort_all`, `update_weights_from_tensor` to publish.
+with blocking calls (the cell rank has no event loop), making the same control procedures
+as `EngineClient` (`gyre.rollout.protocol`): release (pause in mode "abort", then
+`release_memory_occupation`) and resume (`resume_memory_occupation`, then
+`continue_generation`) on role switches, and `gyre.rollout.weights.publish_procedure` to
+publish. Failures are urllib's (`OSError`s: refused, reset, timed out, HTTP errors).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from gyre.errors import EngineError
 from gyre.lifetime import die_with_parent
+from gyre.rollout.protocol import Procedure, release_procedure, resume_procedure
 from gyre.runtime.config import EngineConfig
 
 
@@ -90,13 +94,12 @@ class EngineProcess:
 
     def release(self) -> None:
         """Abort every outstanding call and drop KV caches and weights (ROLLOUT -> TRAIN)."""
-        self.call("POST", "/abort_request", {"abort_all": True})
-        self.call("POST", "/release_memory_occupation", {})
+        run_procedure(self.url, release_procedure())
         self.released = True
 
     def resume(self) -> None:
-        """Restore the weights the engine had (TRAIN -> ROLLOUT)."""
-        self.call("POST", "/resume_memory_occupation", {})
+        """Restore the weights the engine had and let it generate again (TRAIN -> ROLLOUT)."""
+        run_procedure(self.url, resume_procedure())
         self.released = False
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
@@ -134,13 +137,26 @@ def http(url: str, method: str, path: str, body: Any = None, timeout: float = 12
     return json.loads(raw) if raw else None
 
 
-def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int) -> None:
-    """`update_weights_from_tensor` of `version` on the engine at `url` (CPU wire format)."""
-    from gyre.rollout.weights import encode_named_tensors
+def run_procedure(url: str, procedure: Procedure, timeout: float = 120) -> None:
+    """Make a procedure's calls, then its cleanup calls (always); raise the first error."""
+    error: Exception | None = None
+    for call in procedure.calls:
+        try:
+            http(url, "POST", call.route, call.body, timeout)
+        except Exception as e:
+            error = e
+            break
+    for call in procedure.cleanup:
+        try:
+            http(url, "POST", call.route, call.body, timeout)
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        raise error
 
-    body = {
-        "serialized_named_tensors": [encode_named_tensors(named)],
-        "weight_version": str(version),
-        "flush_cache": True,
-    }
-    http(url, "POST", "/update_weights_from_tensor", body, timeout=600)
+
+def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+    """Publish `named` as `version` on the engine at `url` (`publish_procedure`)."""
+    from gyre.rollout.weights import publish_procedure
+
+    run_procedure(url, publish_procedure(named, str(version)), timeout=600)

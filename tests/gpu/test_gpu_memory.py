@@ -82,3 +82,33 @@ def test_cell_release_resume_keeps_weights_and_training(device):
 
 def test_memory_stats_on_cpu_are_zero():
     assert memory_stats("cpu") == {"allocated": 0, "reserved": 0, "free": 0, "total": 0}
+
+
+def test_embedded_engine_samples_with_generators_on_its_device():
+    """`torch.multinomial` refuses a generator of another device than its input, and the
+    engine samples from logits on the model's device: every sampled call's generator is
+    made there. On CPU: a CPU engine's generators are CPU ones (seeded runs repeat), and an
+    engine whose model sits on CUDA asks for a CUDA generator (which this build of torch
+    cannot make: the request itself is what is checked)."""
+    from gyre.models import load_model
+    from gyre.rollout.engine import Config, Engine
+    from gyre.rollout.protocol import GenerateRequest, SamplingParams
+
+    model, tok = load_model("tiny")
+    engine = Engine(Config(), model, tok)
+    assert engine.device == torch.device("cpu")
+    a, b = engine.generator(7), engine.generator(7)
+    assert a.device == engine.device
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+
+    def sampled(rid: str) -> GenerateRequest:
+        sp = SamplingParams(max_new_tokens=2, temperature=0.8, sampling_seed=3)
+        return GenerateRequest(rid=rid, input_ids=[1, 2], sampling=sp, return_logprob=True)
+
+    engine.submit(sampled("on-cpu"), lambda body: None)  # queued: the loop is not started
+    engine.device = torch.device("cuda")  # where CudaEngine's model lives
+    if torch.cuda.is_available():
+        engine.submit(sampled("on-cuda"), lambda body: None)
+    else:
+        with pytest.raises(RuntimeError, match="CUDA"):
+            engine.submit(sampled("on-cuda"), lambda body: None)

@@ -1,7 +1,8 @@
 """The SGLang manager driven against Gyre's embedded engine (same HTTP protocol, same CLI
 contract): launch from config, health, role switches, abort, weight publication with
-version tracking, stop. Plus SGLang's request-body field names and the core's side of the
-NCCL weight-update group (run here with gloo between two real processes).
+version tracking, stop. Plus the launch environment and the core's side of the NCCL
+weight-update group (run here with gloo between two real processes). The request bodies
+and launch flags are checked against SGLang itself in test_gpu_sglang_bodies.py.
 """
 
 from __future__ import annotations
@@ -23,17 +24,10 @@ from gyre.rollout.sglang.control import (
     ManagedEngine,
     UpdateGroup,
     distributed_update_body,
-    init_update_group_body,
     tensor_specs,
 )
 from gyre.rollout.sglang.nccl import rank_offsets
 from gyre.rollout.sglang.process import EngineProcess, free_port
-
-# Field names of SGLang's io_struct request dataclasses (sglang/srt/managers/io_struct.py).
-SGLANG_INIT_GROUP = {"master_address", "master_port", "rank_offset", "world_size", "group_name",
-                     "backend"}  # fmt: skip
-SGLANG_DISTRIBUTED = {"names", "dtypes", "shapes", "group_name", "flush_cache",
-                      "abort_all_requests", "weight_version", "load_format", "torch_empty_cache"}  # fmt: skip
 
 
 def test_launch_commands_from_config():
@@ -44,6 +38,9 @@ def test_launch_commands_from_config():
     assert pairs["--model-path"] == "/m/qwen" and pairs["--tp-size"] == "2"
     assert pairs["--port"] == "31000" and pairs["--mem-fraction-static"] == "0.6"
     assert "--enable-memory-saver" in cmd  # needed for release/resume of memory occupation
+    assert "--enable-weights-cpu-backup" in cmd  # resume brings the weights back, not garbage
+    assert pairs["--grammar-backend"] == "llguidance"  # the proxy's forced tool calls
+    assert "--skip-tokenizer-init" not in cmd  # it would switch the grammar backend off
     emb = ServerConfig(model_path="tiny", launch="embedded", extra_args=["--threads", "1"])
     assert emb.command(5)[1:5] == ["-m", "gyre.rollout.cli", "--model", "tiny"]
     assert emb.command(5)[-2:] == ["--threads", "1"]
@@ -62,17 +59,39 @@ def test_bad_server_config_is_named():
         ServerConfig(model_path="m", tensor_parallel=0)
 
 
-def test_request_bodies_use_sglang_fields():
-    group = UpdateGroup(master_address="10.0.0.1", master_port=29500, world_size=3)
-    body = init_update_group_body(group, rank_offset=1)
-    assert set(body) == SGLANG_INIT_GROUP and body["rank_offset"] == 1
+def test_distributed_update_describes_the_broadcast():
     named = [("model.norm.weight", torch.zeros(4, dtype=torch.bfloat16)),
              ("lm_head.weight", torch.zeros(8, 4))]  # fmt: skip
-    upd = distributed_update_body(tensor_specs(named), group.group_name, "12")
-    assert set(upd) <= SGLANG_DISTRIBUTED
+    upd = distributed_update_body(tensor_specs(named), "gyre_weights", "12")
     assert upd["dtypes"] == ["bfloat16", "float32"] and upd["shapes"] == [[4], [8, 4]]
     assert upd["weight_version"] == "12" and upd["names"][0] == "model.norm.weight"
     assert rank_offsets([1, 2, 4]) == ([1, 2, 4], 8)
+
+
+ENV_SERVER = (
+    "import http.server, os, sys\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        v = os.environ.get('SGLANG_RETURN_ORIGINAL_LOGPROB', '').encode()\n"
+    "        self.send_response(200); self.send_header('Content-Length', str(len(v)))\n"
+    "        self.end_headers(); self.wfile.write(v)\n"
+    "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+)
+
+
+def test_servers_start_with_original_logprobs_and_refuse_an_override():
+    """SGLang returns log-probs of logits / T unless SGLANG_RETURN_ORIGINAL_LOGPROB=1; Gyre's
+    behaviour log-probs are the model's own, so every launched server gets it."""
+    proc = EngineProcess(ServerConfig(model_path="x", launch=["{python}", "-c", ENV_SERVER,
+                                                              "{port}"]))  # fmt: skip
+    url = proc.start()
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            assert r.read() == b"1"
+    finally:
+        proc.stop()
+    with pytest.raises(ConfigError, match=r"env\.SGLANG_RETURN_ORIGINAL_LOGPROB: '0'"):
+        ServerConfig(model_path="m", env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"})
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +120,10 @@ def test_manager_switches_roles_aborts_and_publishes(server):
         assert await eng.refresh_version() == "3"
         first = await _gen(eng, "a")
         assert first.finish_type in ("stop", "length") and first.weight_version == "3"
-        await eng.release()  # rollout -> training
-        assert eng.released
+        inflight = asyncio.ensure_future(_gen(eng, "a2", n=4000))
+        await asyncio.sleep(0.5)
+        await eng.release()  # rollout -> training: pause ("abort") first, SGLang's precondition
+        assert eng.released and (await inflight).finish_type == "abort"
         with pytest.raises(EngineError, match="HTTP 503"):
             await _gen(eng, "b")
         await eng.resume()  # training -> rollout: the same weights come back

@@ -280,7 +280,7 @@ def test_idempotent_request_on_a_dropped_connection_is_resent_once(
 
 def test_failures_name_engine_and_route(engine: ScriptedEngine) -> None:
     client = EngineClient(engine.url, engine_id="s0")
-    with pytest.raises(EngineError, match=r"engine s0 /get_weight_version: HTTP 404: no route"):
+    with pytest.raises(EngineError, match=r"engine s0 /model_info: HTTP 404: no route"):
         run(client.weight_version())
     engine.stop()
     gone = EngineClient(engine.url, engine_id="gone", connect_timeout=2)

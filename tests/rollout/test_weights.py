@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
+import pickle
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -14,8 +17,9 @@ import torch
 
 from gyre.errors import EngineError
 from gyre.rollout.client import EngineClient
-from gyre.rollout.protocol import SamplingParams
+from gyre.rollout.protocol import SamplingParams, release_procedure, resume_procedure
 from gyre.rollout.testing import running_engine
+from gyre.rollout.weights import serialize_named_tensors
 
 from .conftest import run
 from .reference import reference_logits, slow_distribution
@@ -40,14 +44,22 @@ def test_update_weights_changes_outputs_and_version(
     original = [(n, params[n].detach().clone()) for n in names]
     named = [(n, t + 0.5 * torch.randn(t.shape, generator=gen)) for n, t in original]
 
-    async def scenario() -> tuple[Any, Any, str]:
+    async def scenario() -> tuple[Any, Any, str, Any]:
         client = EngineClient(own_url)
         before = await client.generate(prompt, GREEDY, "before")
-        await client.update_weights_from_tensor(named, version="7")
+        long = SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True)
+        inflight = asyncio.ensure_future(client.generate(prompt, long, "across-update"))
+        while (await client.stats())["running"] == 0:
+            await asyncio.sleep(0.01)
+        await client.pause("in_place")  # hold it mid-call, so it is surely in flight
+        await client.update_weights_from_tensor(named, version="7")  # paused in mode retract
         after = await client.generate(prompt, GREEDY, "after")
-        return before, after, await client.weight_version()
+        return before, after, await client.weight_version(), await inflight
 
-    before, after, version = run(scenario())
+    before, after, version, across = run(scenario())
+    # the call in flight was retracted, not aborted: it ends normally, on the new weights
+    assert (across.finish_type, len(across.output_ids)) == ("length", 300)
+    assert across.weight_version == "7"
     bad = [("model.no_such.weight", torch.zeros(2))]
     with pytest.raises(EngineError, match="no such weight"):
         run(EngineClient(own_url).update_weights_from_tensor(bad, version="8"))
@@ -80,7 +92,36 @@ def _copy_into(model: Any, named: list[tuple[str, torch.Tensor]]) -> None:
             params[name].copy_(t)
 
 
-def test_release_and_resume_memory(own_url: str, prompt: list[int]) -> None:
+def test_weight_updates_need_a_session_and_a_clean_payload(own_url: str) -> None:
+    """SGLang's rules, served the same way: updates only inside /begin_weight_update …
+    /end_weight_update (409 otherwise), load_format null, and a payload that is a pickle of
+    (name, tensor) pairs and nothing else (no other globals are loaded)."""
+    good = {"serialized_named_tensors": [serialize_named_tensors([])]}
+    status, reply = _post(own_url + "/update_weights_from_tensor", good)
+    assert status == 409 and "/begin_weight_update" in reply["message"]
+    assert _post(own_url + "/end_weight_update", {})[0] == 409
+    assert _post(own_url + "/begin_weight_update", {})[0] == 200
+    try:
+        status, reply = _post(own_url + "/begin_weight_update", {})
+        assert status == 409 and "already open" in reply["message"]
+        status, reply = _post(
+            own_url + "/update_weights_from_tensor", {**good, "load_format": "torch_save"}
+        )
+        assert status == 400 and "load_format: 'torch_save'" in reply["message"]
+        evil = base64.b64encode(pickle.dumps([("x", os.getpid)])).decode()
+        status, reply = _post(
+            own_url + "/update_weights_from_tensor", {"serialized_named_tensors": [evil]}
+        )
+        assert status == 400 and "posix.getpid is not allowed" in reply["message"]
+        status, reply = _post(own_url + "/update_weights_from_tensor", good)
+        assert status == 200 and reply["success"] is True
+    finally:
+        assert _post(own_url + "/end_weight_update", {})[0] == 200
+
+
+def test_release_needs_an_idle_engine_and_resume_restores(own_url: str, prompt: list[int]) -> None:
+    """A bare release while a call runs is refused (SGLang asserts it is idle); the role
+    switch pauses in mode "abort" first, and resume + continue bring the same weights back."""
     long = SamplingParams(max_new_tokens=5000, temperature=1.0, ignore_eos=True)
 
     async def scenario() -> tuple[Any, Any, Any, dict[str, Any]]:
@@ -88,19 +129,22 @@ def test_release_and_resume_memory(own_url: str, prompt: list[int]) -> None:
         before = await client.generate(prompt, GREEDY, "before")
         inflight = asyncio.ensure_future(client.generate(prompt, long, "inflight"))
         await asyncio.sleep(0.3)
-        await client.release_memory()
+        with pytest.raises(EngineError, match=r"HTTP 409: .*1 calls in flight.*pause_generation"):
+            await client.release_memory()
+        assert not inflight.done() and (await client.stats())["running"] == 1
+        await client.run(release_procedure())
         aborted = await inflight
         stats = await client.stats()
         with pytest.raises(EngineError, match=r"HTTP 503.*released"):
             await client.generate(prompt, GREEDY, "while-released")
         assert await client.health()
-        await client.resume_memory()
+        await client.run(resume_procedure())
         after = await client.generate(prompt, GREEDY, "after")
         return before, aborted, after, stats
 
     before, aborted, after, stats = run(scenario())
-    assert aborted.finish_type == "abort" and "released" in aborted.message
-    assert stats["released"] and stats["running"] == 0
+    assert aborted.finish_type == "abort" and "pause_generation" in aborted.message
+    assert stats["released"] and stats["paused"] and stats["running"] == 0
     assert after.output_ids == before.output_ids
     assert after.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-4)
 

@@ -430,7 +430,7 @@ def _health(engine: EngineProcess) -> dict[str, Any]:
 
 
 def _served_version(engine: EngineProcess) -> int:
-    return int(http(engine.url, "GET", "/get_model_info", timeout=10)["weight_version"])
+    return int(http(engine.url, "GET", "/model_info", timeout=10)["weight_version"])
 
 
 @delivers(msg.ToTrain)

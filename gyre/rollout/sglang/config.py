@@ -25,19 +25,33 @@ from dataclasses import dataclass, field
 
 from gyre.errors import ConfigError
 
+# The sglang preset, flag by flag (SGLang 0.5.21; tests/gpu/test_gpu_sglang_bodies.py parses
+# it with SGLang's own argument parser):
+# * --enable-memory-saver: /release_memory_occupation and /resume_memory_occupation work;
+# * --enable-weights-cpu-backup: the released weights are kept in host memory and come back
+#   on resume (without it the resumed memory has stale contents until the next publication);
+# * --grammar-backend llguidance: constrained calls (the proxy's forced tool calls) use the
+#   grammar engine and the Lark syntax of Gyre's `ebnf` constraints. The tokenizer is loaded
+#   (no --skip-tokenizer-init): SGLang builds no grammar backend without it, and aborts every
+#   constrained call.
 PRESETS: dict[str, list[str]] = {
     "sglang": [
         "{python}", "-m", "sglang.launch_server", "--model-path", "{model_path}",
         "--host", "{host}", "--port", "{port}", "--tp-size", "{tp}",
         "--mem-fraction-static", "{mem_fraction}", "--base-gpu-id", "{base_gpu_id}",
         "--weight-version", "{weight_version}", "--enable-memory-saver",
-        "--skip-tokenizer-init",
+        "--enable-weights-cpu-backup", "--grammar-backend", "llguidance",
     ],
     "embedded": [
         "{python}", "-m", "gyre.rollout.cli", "--model", "{model_path}",
         "--host", "{host}", "--port", "{port}", "--weight-version", "{weight_version}",
     ],
 }  # fmt: skip
+# Environment of every launched server. SGLang reports the log-prob of each sampled token
+# under logits / temperature unless SGLANG_RETURN_ORIGINAL_LOGPROB is set; Gyre's behaviour
+# log-probs are the model's own (raw logits, T = 1: `gyre.rollout.sampling.policy_logprob`),
+# the quantity the trainer recomputes. The embedded engine ignores it.
+SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 PLACEHOLDERS = (
     "python", "model_path", "host", "port", "tp", "mem_fraction", "base_gpu_id", "weight_version",
 )  # fmt: skip
@@ -87,6 +101,12 @@ class ServerConfig:
             raise ConfigError(f"mem_fraction_static: {self.mem_fraction_static}; allowed (0, 1)")
         if self.startup_timeout <= 0:
             raise ConfigError(f"startup_timeout: {self.startup_timeout}; allowed > 0")
+        for key, value in SERVER_ENV.items():
+            if self.env.get(key, value) != value:
+                raise ConfigError(
+                    f"env.{key}: {self.env[key]!r}; allowed {value!r} (Gyre's behaviour "
+                    "log-probs are the model's own, before temperature)"
+                )
 
     def template(self) -> list[str]:
         return list(PRESETS[self.launch]) if isinstance(self.launch, str) else list(self.launch)

@@ -1,39 +1,43 @@
 """Control of a running rollout server: role switches, reroutes, weight publication.
 
-`ManagedEngine` pairs an `EngineClient` (generation, abort, health) with the control routes
-SGLang and Gyre's embedded engine share, and tracks the `weight_version` each engine
-serves, confirmed by `GET /get_weight_version` after every publication:
+`ManagedEngine` drives one server through `EngineClient` with the control calls SGLang
+(0.5.21, `gyre.rollout.protocol`'s procedures) and Gyre's embedded engine share, and
+tracks the `weight_version` each engine serves, confirmed from `GET /model_info` after
+every publication:
 
-    engine = ManagedEngine("cell1", url)
-    await engine.release()                      # rollout -> training: free GPU memory
-    await engine.resume()                       # training -> rollout
+    engine = ManagedEngine("cell1", url, tensor_parallel=2)
+    await engine.release()                      # rollout -> training: pause (abort), release
+    await engine.resume()                       # training -> rollout: resume, continue
     await engine.abort_all()                    # reroute: in-flight calls end with "abort"
-    await engine.publish_tensors(named, "7")    # colocated path (/update_weights_from_tensor)
-    await engine.init_update_group(group)       # NCCL path, once per engine
-    await engine.update_from_distributed(specs, "8")   # while the core broadcasts
+    await engine.publish_tensors(named, "7")    # /update_weights_from_tensor (by value)
+    await engine.init_update_group(group, 1)    # NCCL path, once per engine
+    await engine.update_from_distributed(specs, group, "8")   # while the core broadcasts
 
-Request bodies use SGLang's field names (`init_update_group_body`, `distributed_update_body`).
-The embedded engine serves `/update_weights_from_tensor` with its torch_save wire format;
-SGLang expects `MultiprocessingSerializer` payloads (CUDA IPC handles), which
-`sglang_tensor_payload` builds when SGLang is installed beside the trainer.
+A publication pauses generation (mode "retract") and opens a weight-update session
+(`/begin_weight_update` … `/end_weight_update`, then `/continue_generation`): SGLang refuses
+weight updates outside a session, and without the pause it waits for every call in flight
+to finish. Request bodies use SGLang's field names (`init_update_group_body`,
+`distributed_update_body`; tests/gpu/test_gpu_sglang_bodies.py checks them against SGLang's
+own request types).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
-
 from gyre.errors import EngineError
 from gyre.rollout.client import EngineClient
+from gyre.rollout.protocol import (
+    Call,
+    release_procedure,
+    resume_procedure,
+    weight_update_procedure,
+)
 
 if TYPE_CHECKING:
     import torch
-
-MEMORY_TAGS = ("weights", "kv_cache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,54 +90,32 @@ def distributed_update_body(
     }
 
 
-def sglang_tensor_payload(named: Sequence[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
-    """`serialized_named_tensors` for real SGLang (same-GPU colocated path; needs sglang)."""
-    from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
-
-    payload = MultiprocessingSerializer.serialize(list(named), output_str=True)
-    return [payload] * tp_size
-
-
 class ManagedEngine:
     """One rollout server as the coordinator sees it."""
 
-    def __init__(self, engine_id: str, base_url: str, *, timeout: float = 3600.0) -> None:
+    def __init__(
+        self, engine_id: str, base_url: str, *, tensor_parallel: int = 1, timeout: float = 3600.0
+    ) -> None:
         self.engine_id = engine_id
         self.base_url = base_url.rstrip("/")
         self.client = EngineClient(self.base_url, engine_id=engine_id, timeout=timeout)
-        self.timeout = timeout
+        self.tensor_parallel = tensor_parallel
         self.weight_version: str | None = None
         self.released = False
-
-    async def _post(self, route: str, body: Any, *, timeout: float | None = None) -> Any:
-        request = HTTPRequest(
-            self.base_url + route, method="POST", body=json.dumps(body),
-            headers={"Content-Type": "application/json"}, request_timeout=timeout or self.timeout,
-        )  # fmt: skip
-        try:
-            response = await AsyncHTTPClient().fetch(request)
-        except HTTPClientError as e:
-            text = e.response.body.decode(errors="replace")[:500] if e.response else str(e)
-            raise EngineError(f"engine {self.engine_id} {route}: HTTP {e.code}: {text}") from None
-        except OSError as e:
-            raise EngineError(f"engine {self.engine_id} {route}: cannot connect: {e}") from None
-        reply = json.loads(response.body or b"{}")
-        if isinstance(reply, dict) and reply.get("success") is False:
-            raise EngineError(f"engine {self.engine_id} {route}: {reply.get('message', reply)}")
-        return reply
 
     async def refresh_version(self) -> str:
         self.weight_version = await self.client.weight_version()
         return self.weight_version
 
     async def release(self, tags: Sequence[str] | None = None) -> None:
-        """Rollout -> training: abort in-flight calls, free weights and KV cache."""
-        await self._post("/release_memory_occupation", {"tags": list(tags)} if tags else {})
+        """Rollout -> training: abort in-flight calls (pause "abort"), free weights and KV."""
+        await self.client.run(release_procedure(tags))
         self.released = True
 
     async def resume(self, tags: Sequence[str] | None = None) -> None:
-        """Training -> rollout: take the memory back (weights as they were at release)."""
-        await self._post("/resume_memory_occupation", {"tags": list(tags)} if tags else {})
+        """Training -> rollout: take the memory back (weights as they were at release:
+        SGLang needs --enable-weights-cpu-backup for that) and continue generation."""
+        await self.client.run(resume_procedure(tags))
         self.released = False
 
     async def abort(self, rid: str) -> None:
@@ -143,22 +125,24 @@ class ManagedEngine:
         await self.client.abort_all()
 
     async def publish_tensors(
-        self, named: Sequence[tuple[str, torch.Tensor]], version: str
+        self, named: Iterable[tuple[str, torch.Tensor]], version: str
     ) -> None:
-        """Colocated / CPU path: `/update_weights_from_tensor`, then confirm the version."""
-        await self.client.update_weights_from_tensor(named, version)
+        """`/update_weights_from_tensor` (tensors by value), then confirm the version."""
+        await self.client.update_weights_from_tensor(named, version, tp_size=self.tensor_parallel)
         await self._confirm(version)
 
     async def init_update_group(self, group: UpdateGroup, rank_offset: int) -> None:
         """Join the core's weight-update group (blocks until every member has joined)."""
-        await self._post("/init_weights_update_group", init_update_group_body(group, rank_offset))
+        call = Call("/init_weights_update_group", init_update_group_body(group, rank_offset))
+        await self.client.control(call)
 
     async def update_from_distributed(
         self, specs: Sequence[TensorSpec], group: UpdateGroup, version: str
     ) -> None:
         """Receive `specs` by broadcast from group rank 0; returns when loaded."""
         body = distributed_update_body(specs, group.group_name, version)
-        await self._post("/update_weights_from_distributed", body)
+        update = Call("/update_weights_from_distributed", body)
+        await self.client.run(weight_update_procedure(update))
         await self._confirm(version)
 
     async def _confirm(self, version: str) -> None:

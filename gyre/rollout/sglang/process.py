@@ -6,7 +6,9 @@
     proc.stop()                 # SIGTERM to the server's process group, SIGKILL after grace
 
 The server runs in its own session (process group), so SGLang's scheduler and detokenizer
-children stop with it. Its stdout and stderr go to `log_path` (or a temporary file); the tail
+children stop with it. Its environment is this process's, the config's `env`, and
+`config.SERVER_ENV` (SGLANG_RETURN_ORIGINAL_LOGPROB=1: behaviour log-probs before
+temperature). Its stdout and stderr go to `log_path` (or a temporary file); the tail
 is included in the `EngineError` when it fails to start.
 """
 
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import IO
 
 from gyre.errors import EngineError
-from gyre.rollout.sglang.config import ServerConfig
+from gyre.rollout.sglang.config import SERVER_ENV, ServerConfig
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -60,7 +62,7 @@ class EngineProcess:
             if self.log_path is not None
             else tempfile.TemporaryFile()  # noqa: SIM115
         )
-        env = {**os.environ, **self.config.env}
+        env = {**os.environ, **self.config.env, **SERVER_ENV}
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True

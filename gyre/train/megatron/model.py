@@ -102,12 +102,25 @@ class MegatronCell(TorchCell):
             if _tp_size() == 1:
                 logp = target_logprobs(logits, st.ids)
             else:
-                from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-                nll = vocab_parallel_cross_entropy(logits[:, :-1].float(), st.ids[:, 1:])
-                logp = torch.nn.functional.pad(-nll, (1, 0)).to(logits.dtype)
+                logp = vocab_parallel_target_logprobs(logits, st.ids)
         check_finite(logp, st, f"micro-step {step.index}")
         return logp, st
+
+
+def vocab_parallel_target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`target_logprobs` from this rank's vocabulary shard of the logits (Megatron's
+    vocab-parallel cross-entropy over the tensor-parallel group).
+
+    Megatron's kernel flattens its input with `.view` and works on it in place, so it gets a
+    contiguous float32 copy: `logits[:, :-1]` is a strided slice, and in float32 `.float()`
+    returns that same slice (a `.view` error, or with one row the model's logits
+    overwritten)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    shard = logits[:, :-1]
+    shard = (shard.clone() if shard.dtype == torch.float32 else shard.float()).contiguous()
+    nll = vocab_parallel_cross_entropy(shard, ids[:, 1:])
+    return torch.nn.functional.pad(-nll, (1, 0)).to(logits.dtype)
 
 
 def _replicated_mask(model: torch.nn.Module, total: int, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,241 @@
+"""Every request Gyre sends to SGLang, and the sglang launch flags, checked by SGLang itself.
+
+Gyre's clients (`EngineClient`, `ManagedEngine`, the cell's blocking `engine_host`) drive a
+recording HTTP server through every route they use against SGLang; `tools/sglang_check.py`
+then runs in the SGLang check venv (`tools/install_sglang_check.sh`, made by
+`tools/setup.sh --test`: the pinned release without its GPU stack) and judges the recorded
+traffic with SGLang's own code: its route table, its request types (validated the way its
+FastAPI server does, plus exact field names, since SGLang drops unknown fields silently),
+`SamplingParams.verify`, `MultiprocessingSerializer.deserialize` on the weight payloads, and
+its argument parser on the launch flags. Runs on CPU; needs no GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import threading
+import tomllib
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gyre.rollout.client import EngineClient
+from gyre.rollout.protocol import PAUSE_MODES, SamplingParams
+from gyre.rollout.sglang.config import SERVER_ENV, ServerConfig, hicache_shared_l3
+from gyre.rollout.sglang.control import ManagedEngine, UpdateGroup, tensor_specs
+from gyre.runtime.config import EngineConfig
+from gyre.runtime.engine_host import EngineProcess, push_weights
+
+REPO = Path(__file__).resolve().parents[2]
+SGLANG_PYTHON = REPO / ".tools" / "sglang-check" / "bin" / "python"
+PINNED = next(  # the `gpu` extra's pin
+    d.split("==")[1]
+    for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["gpu"]
+    if d.startswith("sglang==")
+)
+NAMED = [
+    ("model.norm.weight", torch.tensor([1.0, -2.0, 3.5])),
+    ("lm_head.weight", torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)),
+    ("model.layers.0.mlp.up_proj.weight", torch.arange(12.0).reshape(3, 4)[:, 1:3]),  # a view
+]
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """Records each request; answers just enough of SGLang's replies for the clients."""
+
+    seen: list[dict[str, Any]]
+    state: dict[str, str]
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def _handle(self, method: str) -> None:
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = json.loads(raw) if raw else None
+        self.seen.append({"method": method, "route": self.path, "body": body})
+        if self.path.startswith("/update_weights_from"):
+            self.state["version"] = body["weight_version"]
+        reply: Any = {}
+        if self.path == "/model_info":
+            reply = {"model_path": "/m", "weight_version": self.state["version"]}
+        elif self.path == "/generate":
+            meta = {"id": body["rid"], "finish_reason": {"type": "length", "length": 1},
+                    "prompt_tokens": 1, "completion_tokens": 1, "weight_version": "0",
+                    "output_token_logprobs": [[-0.5, 7, None]]}  # fmt: skip
+            reply = {"text": "x", "output_ids": [7], "meta_info": meta}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def recorder() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    seen: list[dict[str, Any]] = []
+    handler = type("Recorder", (_Recorder,), {"seen": seen, "state": {"version": "0"}})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
+        thread.join(10)
+
+
+async def _async_clients(url: str) -> None:
+    client = EngineClient(url, engine_id="rec")
+    sampled = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=20,
+                             stop_token_ids=[2], sampling_seed=3)  # fmt: skip
+    await client.generate([1, 2, 3], sampled, "g-1")
+    await client.generate([1], SamplingParams(temperature=0.0, regex="a+"), "g-2")
+    await client.generate([1], SamplingParams(json_schema='{"type": "object"}'), "g-3")
+    await client.generate([1], SamplingParams(ebnf='start: "a"+', ignore_eos=True), "g-4")
+    await client.abort("g-1")
+    await client.abort_all()
+    for mode in PAUSE_MODES:
+        await client.pause(mode)
+    await client.resume()
+    await client.flush_cache()
+    assert await client.health()
+    await client.model_info()
+    await client.release_memory(["kv_cache"])
+    await client.resume_memory(["kv_cache"])
+    engine = ManagedEngine("m", url, tensor_parallel=2)
+    await engine.release()
+    await engine.resume(["weights", "kv_cache"])
+    await engine.publish_tensors(NAMED, "5")
+    group = UpdateGroup(master_address="10.0.0.1", master_port=29500, world_size=3)
+    await engine.init_update_group(group, 1)
+    await engine.update_from_distributed(tensor_specs(NAMED), group, "6")
+
+
+def _blocking_clients(url: str, tmp: Path) -> None:
+    host = EngineProcess("tiny", EngineConfig(), tmp / "engine.log", version=0)
+    host.url = url
+    host.release()
+    host.resume()
+    push_weights(url, NAMED, 7)
+
+
+def _traffic(url: str, tmp: Path) -> None:
+    asyncio.run(_async_clients(url))
+    _blocking_clients(url, tmp)
+
+
+RELEASE = ["pause_generation abort", "release_memory_occupation"]
+RESUME = ["resume_memory_occupation", "continue_generation"]
+PUBLISH = ["pause_generation retract", "begin_weight_update", "update_weights_from_tensor",
+           "end_weight_update", "continue_generation"]  # fmt: skip
+
+
+def test_role_switches_and_publications_follow_sglang_preconditions(recorder, tmp_path):
+    """SGLang asserts it is idle before releasing memory (so: pause in mode "abort" first),
+    takes weight updates only inside a weight-update session, and without a pause waits for
+    every call in flight before an update: the clients' sequences, call by call."""
+    url, seen = recorder
+    _traffic(url, tmp_path)
+    posts = [
+        f"{r['route'][1:]} {r['body'].get('mode', '')}".strip()
+        for r in seen
+        if r["method"] == "POST" and r["route"] not in ("/generate", "/abort_request")
+    ]
+    singles = ["pause_generation abort", "pause_generation retract", "pause_generation in_place",
+               "continue_generation", "flush_cache", "release_memory_occupation",
+               "resume_memory_occupation"]  # fmt: skip
+    distributed = [*PUBLISH[:2], "update_weights_from_distributed", *PUBLISH[3:]]
+    managed = [*RELEASE, *RESUME, *PUBLISH, "init_weights_update_group", *distributed]
+    assert posts == singles + managed + RELEASE + RESUME + PUBLISH  # then the cell's host
+
+
+LAUNCH_EXPECT = {
+    "model_path": "/models/qwen", "tp_size": 2, "port": 31000, "mem_fraction_static": 0.6,
+    "base_gpu_id": 2, "weight_version": "4", "enable_memory_saver": True,
+    "enable_weights_cpu_backup": True, "skip_tokenizer_init": False,
+    "grammar_backend": "llguidance", "enable_hierarchical_cache": True, "page_size": 64,
+    "hicache_storage_backend": "mooncake", "hicache_write_policy": "write_through",
+}  # fmt: skip
+
+# Deliberate mistakes the checker must report (it would pass anything if it were broken).
+PROBES = [
+    {"method": "GET", "route": "/get_weight_version", "body": None},
+    {"method": "POST", "route": "/pause_generation", "body": {"mod": "abort"}},
+    {"method": "POST", "route": "/init_weights_update_group",
+     "body": {"master_address": "h", "master_port": "x", "rank_offset": 1, "world_size": 2}},
+    {"method": "POST", "route": "/generate",
+     "body": {"input_ids": [1], "sampling_params": {"max_tokens": 3}}},
+    {"method": "POST", "route": "/update_weights_from_tensor",
+     "body": {"serialized_named_tensors": ["gARdlC4="], "load_format": "torch_save"}},
+    {"method": "POST", "route": "/update_weights_from_tensor",
+     "body": {"serialized_named_tensors": ["UEsDBAo="]}},
+]  # fmt: skip
+
+
+def _check(job: dict[str, Any]) -> dict[str, Any]:
+    if not SGLANG_PYTHON.exists():
+        pytest.fail(
+            f"{SGLANG_PYTHON} is missing: run `bash tools/setup.sh --test` "
+            "(tools/install_sglang_check.sh installs the pinned SGLang without its GPU stack)"
+        )
+    out = subprocess.run(
+        [str(SGLANG_PYTHON), str(REPO / "tools" / "sglang_check.py")],
+        input=json.dumps(job), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(json.loads(out.stdout))
+
+
+@pytest.mark.slow
+def test_every_request_and_launch_flag_is_valid_for_sglang(recorder, tmp_path: Path) -> None:
+    url, seen = recorder
+    _traffic(url, tmp_path)
+    hicache_args, _ = hicache_shared_l3(master="h:50051", metadata_server="http://h:8080/m")
+    cfg = ServerConfig(model_path="/models/qwen", tensor_parallel=2, mem_fraction_static=0.6,
+                       base_gpu_id=2, weight_version="4", extra_args=hicache_args)  # fmt: skip
+    argv = cfg.command(31000)
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    bad_launch = [*argv[3:], "--skip-tokenizer-init"]
+    report = _check({
+        "requests": seen + PROBES,
+        "launch": [{"argv": argv[3:], "expect": LAUNCH_EXPECT},
+                   {"argv": bad_launch, "expect": {"skip_tokenizer_init": False}}],
+        "env": sorted(SERVER_ENV),
+    })  # fmt: skip
+
+    assert report["sglang"] == PINNED
+    checked, probes = report["requests"][: len(seen)], report["requests"][len(seen) :]
+    assert [(r["route"], r["errors"]) for r in checked if r["errors"]] == []
+    assert all(p["errors"] for p in probes), probes
+    assert report["launch"][0] == [] and report["launch"][1], report["launch"]
+    assert all(report["env"][name] for name in SERVER_ENV), report["env"]
+    routes = {r["route"] for r in checked}
+    assert routes == {
+        "/generate", "/abort_request", "/pause_generation", "/continue_generation",
+        "/flush_cache", "/health", "/model_info", "/release_memory_occupation",
+        "/resume_memory_occupation", "/begin_weight_update", "/update_weights_from_tensor",
+        "/end_weight_update", "/init_weights_update_group", "/update_weights_from_distributed",
+    }  # fmt: skip
+    # SGLang's deserializer reads Gyre's tensor payloads back exactly, on every TP rank
+    # (ManagedEngine with tensor_parallel 2, then the cell's push_weights)
+    sent = [[n, str(t.dtype), list(t.shape), t.double().flatten().tolist()] for n, t in NAMED]
+    updates = [r["tensors"] for r in checked if r["route"] == "/update_weights_from_tensor"]
+    assert [sorted({t[0] for t in u}) for u in updates] == [[0, 1], [0]]
+    for u in updates:
+        for rank in {t[0] for t in u}:
+            assert [t[1:] for t in u if t[0] == rank] == sent
