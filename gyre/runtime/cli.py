@@ -29,6 +29,7 @@ from typing import Any
 
 from gyre.errors import ConfigError
 from gyre.runtime.checkpoint import EXIT_CHECKPOINTED
+from gyre.runtime.layout import TopologyConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "templates" / "local.yaml"
 
@@ -109,14 +110,14 @@ RANKS_PER_CPU = 8
 runs 5 ranks + 3 engine processes on 2 CPUs, 2-rank cells 8 + 3)."""
 
 
-def check_fits_this_machine(world: int, cells: int, ranks: int, standalone: int) -> None:
+def check_fits_this_machine(t: TopologyConfig) -> None:
     """Refuse a world `gyre run` cannot start here (a cluster template), before anything runs."""
     cpus = os.cpu_count() or 1
-    if world > RANKS_PER_CPU * cpus:
+    if t.world_size > RANKS_PER_CPU * cpus:
         raise ConfigError(
-            f"topology: {world} ranks (1 coordinator + 1 proxy + {cells} cells x {ranks} ranks + "
-            f"{standalone} standalone engines); gyre run starts them all on this machine, which "
-            f"has {cpus} CPUs; allowed: at most {RANKS_PER_CPU * cpus} ranks here. Run a cluster "
+            f"topology: {t.world_size} ranks (1 coordinator + 1 proxy + {t.cells} cells x "
+            f"{t.ranks_per_cell} ranks + {t.standalone_engines} standalone engines); gyre run "
+            f"starts them all on this machine, which has {cpus} CPUs; allowed: at most {RANKS_PER_CPU * cpus} ranks here. Run a cluster "
             "config with `gyre submit CONFIG` or `gyre render CONFIG -o job.sbatch && sbatch "
             "job.sbatch`, or shrink it (topology.cells=3 topology.ranks_per_cell=1)"
         )
@@ -131,8 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         config, args.run_dir = _resumable(Path(args.resume), args.run_dir), args.resume
     cfg = load_run_config(config, overrides, steps=args.steps, policy=args.policy)
-    check_fits_this_machine(cfg.topology.world_size, cfg.topology.cells,
-                            cfg.topology.ranks_per_cell, cfg.topology.standalone_engines)  # fmt: skip
+    check_fits_this_machine(cfg.topology)
     check_harness(cfg)
     for warning in cfg.warnings():
         print(f"gyre run: warning: {warning}", file=sys.stderr)

@@ -123,8 +123,12 @@ def run_component(
 
     comms = build_communicators(world, cell_of_rank=cell_of_rank(components))
     link = wire.connect(world)  # the control channel (MPI stays for collectives)
-    # where every rank runs (the Slurm node, else the host): in the trace and the summary
-    hosts = world.allgather(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+    # where every rank runs: its Slurm node (else host) for the trace and the summary, and
+    # its host name, by which snapshot peers on other hosts reach it
+    where = world.allgather((os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+                             socket.gethostname()))  # fmt: skip
+    hosts = [node for node, _ in where]
+    one_host = len({name for _, name in where}) == 1
     from gyre.runtime.checkpoint import latest, restore_replica
 
     replica = engine = None
@@ -144,7 +148,7 @@ def run_component(
     flat = replica.cell.flat_params if replica is not None else None
     transport = make_transport(
         cfg.train.transport, world, core_ranks=cell_members(components)[0], shard=me.shard,
-        flat=flat,
+        flat=flat, host="127.0.0.1" if one_host else socket.gethostname(),
     )  # fmt: skip
     if me.kind == "coordinator":
         status = _run_coordinator(cfg, link, components, run_dir, hosts)

@@ -23,7 +23,6 @@ Both are created collectively over `world` by every process (coordinator include
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any, Literal, Protocol
 
@@ -175,17 +174,16 @@ class MooncakeSnapshot:
 
 
 def make_transport(
-    kind: str, world: Any, *, core_ranks: list[int], shard: int, flat: torch.Tensor | None
-) -> SnapshotTransport:
+    kind: str, world: Any, *, core_ranks: list[int], shard: int, flat: torch.Tensor | None,
+    host: str = "127.0.0.1",
+) -> SnapshotTransport:  # fmt: skip
     """Collective over `world`: the snapshot transport `kind` ("mooncake" | "mpi").
 
     `core_ranks`: world ranks of the core cell, by shard; `shard`: this rank's position in
-    its cell (it pulls from the core's rank at the same position)."""
+    its cell (it pulls from the core's rank at the same position); `host`: the name peers reach
+    this rank by (Mooncake; 127.0.0.1 while the world is on one host)."""
     if kind == "mpi":
         return MpiSnapshot(world, core_ranks=core_ranks, shard=shard, flat=flat)
     if kind == "mooncake":
-        # peers reach this rank's engine by its host name when the world spans several hosts
-        hosts = world.allgather(socket.gethostname())
-        host = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname()
         return MooncakeSnapshot(world, core_ranks=core_ranks, shard=shard, flat=flat, host=host)
     raise ConfigError(f"transport: {kind!r}; allowed mooncake, mpi")
