@@ -151,14 +151,12 @@ def test_a_rejected_key_fails_the_execution_with_the_reason(proxy, tmp_path, sui
     )  # fmt: skip
     term = asyncio.run(runner.run(spec))
     assert term.outcome is Outcome.FAILED and term.returncode == 1
-    assert "AuthenticationError" in term.reason
+    assert "HTTP 401" in term.reason, term.reason
 
 
 def test_turns_cut_off_by_max_tokens_still_wait_the_tool_latency(proxy, tmp_path):
     """A model that never finishes a call within max_tokens keeps the latency knob's tail."""
-    import openai
-
-    from gyre.harness.reference_agent import AgentConfig, ReferenceAgent
+    from gyre.harness.reference_agent import AgentConfig, ChatClient, ReferenceAgent
     from gyre.harness.tools import Workspace
     from gyre.tasks.suite import ToolLatency
 
@@ -167,8 +165,58 @@ def test_turns_cut_off_by_max_tokens_still_wait_the_tool_latency(proxy, tmp_path
     ws = Workspace(tmp_path, latency=ToolLatency(dist="fixed", seconds=0.5), sleep=slept.append)
     cfg = AgentConfig(model=MODEL, instruction="Implement add(a, b) in calc.py.", max_turns=3,
                       max_tokens=3, tool_choice="required", delegate="off")  # fmt: skip
-    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)
+    client = ChatClient(proxy.url + "/v1", key, max_retries=0)
     report = ReferenceAgent(cfg, client, ws).run()
     assert report.turns == 3 and report.stop == "turn limit"
     assert slept == [0.5, 0.5, 0.5]  # three cut-off turns, one environment step each
     admin(proxy, "/admin/executions/cutoff/close", {"status": "completed"})
+
+
+def test_chat_client_retries_what_the_sdk_retries_and_names_what_it_refuses():
+    """503 and 429 are retried (honouring retry-after); a 400 is not and its message is kept."""
+    import http.server
+    import threading
+
+    from gyre.harness.reference_agent import ChatClient, ProxyError
+
+    replies = [(503, {}), (429, {"retry-after": "0"}), (200, {}), (400, {})]
+    seen: list[dict[str, object]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (the stdlib's name)
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            seen.append({"path": self.path, "auth": self.headers["authorization"],
+                         "role": self.headers["x-gyre-role"], "model": body["model"]})  # fmt: skip
+            status, headers = replies.pop(0)
+            reply = {"choices": [{"message": {"role": "assistant", "content": "hi"},
+                                  "finish_reason": "stop"}]} if status == 200 else \
+                {"error": {"message": f"status {status} here", "type": "x"}}  # fmt: skip
+            data = json.dumps(reply).encode()
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = ChatClient(f"http://127.0.0.1:{server.server_port}/v1", "k", max_retries=2)
+        out = client.create({"model": "m", "messages": []}, {"x-gyre-role": "main"})
+        assert out["choices"][0]["message"]["content"] == "hi"
+        assert [s["path"] for s in seen] == ["/v1/chat/completions"] * 3
+        assert {s["auth"] for s in seen} == {"Bearer k"} and {s["role"] for s in seen} == {"main"}
+        with pytest.raises(ProxyError, match="HTTP 400: status 400 here"):
+            client.create({"model": "m", "messages": []}, {"x-gyre-role": "main"})
+        assert len(seen) == 4 and not replies  # the 400 was not retried
+        replies[:] = [(503, {"retry-after": "0"})] * 3
+        with pytest.raises(ProxyError, match="HTTP 503"):  # retries exhausted
+            client.create({"model": "m", "messages": []}, {"x-gyre-role": "main"})
+        assert len(seen) == 7
+    finally:
+        server.shutdown()
+        server.server_close()
