@@ -39,11 +39,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gyre.rollout import engine, server
+    from gyre.rollout.protocol import engine_key
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     config = server.Config(
         host=args.host,
         port=args.port,
+        api_key=engine_key(),
         engine=engine.Config(
             model=args.model,
             threads=args.threads,

@@ -36,6 +36,7 @@ from gyre.rollout.protocol import (
     Procedure,
     SamplingParams,
     abort_call,
+    engine_key,
     memory_call,
     pause_call,
 )
@@ -57,7 +58,9 @@ class EngineClient:
         connect_timeout: float = 10.0,
         keepalive_s: float = 2.0,
         max_connections: int = 1024,
+        api_key: str | None = None,
     ) -> None:
+        """`api_key`: the engine key to send (default: this process's, `engine_key()`)."""
         self.base_url = base_url.rstrip("/")
         self.engine_id = engine_id or self.base_url
         self.timeout = timeout
@@ -68,6 +71,7 @@ class EngineClient:
             connect_timeout=connect_timeout,
             keepalive_s=keepalive_s,
             max_connections=max_connections,
+            api_key=api_key or engine_key(),
         )
 
     def close(self) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from gyre.errors import ConfigError, EngineError
 from gyre.rollout.prefix import LayerKV
-from gyre.rollout.protocol import KVSegment
+from gyre.rollout.protocol import KVSegment, auth_headers, engine_key
 
 log = logging.getLogger(__name__)
 HTTP_CHUNK = 4 << 20  # bytes per write when a segment is served over HTTP
@@ -347,7 +347,8 @@ def _http_read(url: str, nbytes: int, timeout: float) -> np.ndarray:
     view = buf.data  # a writable memoryview of the buffer
     got = 0
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        request = urllib.request.Request(url, headers=auth_headers(engine_key()))
+        with urllib.request.urlopen(request, timeout=timeout) as r:
             while got < nbytes:
                 n = r.readinto(view[got:])
                 if not n:

@@ -14,6 +14,13 @@ built here as `Call`s, and the sequences SGLang's preconditions require as `Proc
 (`release_procedure`, `resume_procedure`, `weight_update_procedure`), made by the async
 `EngineClient.run` and the cell's blocking `gyre.runtime.engine_host.run_procedure` alike.
 
+**The engine key.** In a run every engine takes one secret, SGLang's `--api-key` (the
+embedded engine reads it from `GYRE_ENGINE_KEY`): each route but /health (SGLang also leaves
+/ready* and /metrics open) answers 401 without `Authorization: Bearer <key>`. The run's
+ranks and engines share it through their environment (`ensure_engine_key`); a harness
+never gets it (its environment is built from scratch and its sandbox hides other
+processes), so it cannot call an engine around its proxy route.
+
 The Gyre-only KV-cache migration routes (/gyre/kv/*) have their shapes here too:
 `KVSegment` (a pinned segment's descriptor), `parse_kv_pin`, `parse_kv_import`,
 `parse_kv_release`; the handoff itself is `gyre.rollout.kvmigrate`.
@@ -22,12 +29,43 @@ The Gyre-only KV-cache migration routes (/gyre/kv/*) have their shapes here too:
 from __future__ import annotations
 
 import math
+import os
+import secrets
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gyre.errors import ProtocolError
+
+ENGINE_KEY_ENV = "GYRE_ENGINE_KEY"
+OPEN_ROUTES = ("/health", "/ready", "/metrics")  # open with a key set, as in SGLang
+
+
+def engine_key() -> str | None:
+    """This process's engine key (None: engines and clients run without one)."""
+    return os.environ.get(ENGINE_KEY_ENV) or None
+
+
+def ensure_engine_key(key: str | None = None) -> str:
+    """Make `key` (default: the one already set, else a new random one) this process's engine
+    key; engines it starts and clients it makes use it from now on."""
+    key = key or engine_key() or secrets.token_hex(16)
+    os.environ[ENGINE_KEY_ENV] = key
+    return key
+
+
+def auth_headers(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def authorized(path: str, authorization: str | None, key: str | None) -> bool:
+    """Whether a request for `path` with this Authorization header may pass."""
+    if not key or path.startswith(OPEN_ROUTES):
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
+
 
 SAMPLING_KEYS = (
     "max_new_tokens",

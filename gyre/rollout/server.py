@@ -41,6 +41,7 @@ from gyre.errors import ConfigError, ProtocolError
 from gyre.rollout import engine as engine_mod
 from gyre.rollout import kvstore, weights
 from gyre.rollout.protocol import (
+    authorized,
     parse_generate,
     parse_kv_import,
     parse_kv_pin,
@@ -63,6 +64,8 @@ class Config:
     # TCP port; 0 picks a free one (printed on stdout)
     engine: engine_mod.Config = field(default_factory=engine_mod.Config)
     # the engine behind the routes
+    api_key: str | None = None
+    # every route but /health needs `Authorization: Bearer <api_key>` (None: open)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -70,8 +73,17 @@ class Config:
 
 
 class BaseHandler(tornado.web.RequestHandler):
-    def initialize(self, engine: engine_mod.Engine) -> None:
+    def initialize(self, engine: engine_mod.Engine, api_key: str | None = None) -> None:
         self.engine = engine
+        self.api_key = api_key
+
+    def prepare(self) -> None:
+        if not authorized(
+            self.request.path, self.request.headers.get("Authorization"), self.api_key
+        ):
+            self.send({"object": "error", "message": "Unauthorized: this engine takes its run's "
+                       "engine key (Authorization: Bearer ...)", "type": "Unauthorized",
+                       "code": 401}, 401)  # fmt: skip
 
     def json_body(self) -> Any:
         if not self.request.body:
@@ -328,8 +340,10 @@ ROUTES: list[tuple[str, type[BaseHandler]]] = [
 ]
 
 
-def make_app(engine: engine_mod.Engine) -> tornado.web.Application:
-    return tornado.web.Application([(path, h, {"engine": engine}) for path, h in ROUTES])
+def make_app(engine: engine_mod.Engine, api_key: str | None = None) -> tornado.web.Application:
+    return tornado.web.Application(
+        [(path, h, {"engine": engine, "api_key": api_key}) for path, h in ROUTES]
+    )
 
 
 async def serve(config: Config) -> None:
@@ -340,7 +354,7 @@ async def serve(config: Config) -> None:
     engine.start()
     # weight payloads (base64 pickles of the tensors) can be large: allow up to 4 GiB bodies
     server = tornado.httpserver.HTTPServer(
-        make_app(engine), max_body_size=1 << 32, max_buffer_size=1 << 32
+        make_app(engine, config.api_key), max_body_size=1 << 32, max_buffer_size=1 << 32
     )
     sockets = tornado.netutil.bind_sockets(config.port, config.host)
     server.add_sockets(sockets)

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import IO
 
 from gyre.errors import EngineError
+from gyre.rollout.protocol import ENGINE_KEY_ENV
 
 
 @contextmanager
@@ -36,8 +37,10 @@ def running_engine(
     prefix_cache_mb: int = 512,
     startup_timeout: float = 120.0,
     extra_args: tuple[str, ...] = (),
+    api_key: str | None = None,
 ) -> Iterator[str]:
-    """Start `gyre engine --model MODEL --port 0` and yield its base URL."""
+    """Start `gyre engine --model MODEL --port 0` and yield its base URL. `api_key`: the
+    engine key it takes (default: this process's `GYRE_ENGINE_KEY`, if any)."""
     cmd = [
         sys.executable, "-m", "gyre.rollout.cli", "--model", model, "--host", "127.0.0.1",
         "--port", "0", "--threads", str(threads), "--max-batch-size", str(max_batch_size),
@@ -45,6 +48,8 @@ def running_engine(
         *extra_args,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
+    if api_key:
+        env[ENGINE_KEY_ENV] = api_key
     with tempfile.TemporaryFile() as stderr:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env=env)
         try:

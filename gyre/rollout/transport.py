@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 
 from gyre.errors import EngineError
+from gyre.rollout.protocol import auth_headers
 
 JSON_HEADERS = {"Content-Type": "application/json", "User-Agent": "gyre"}
 
@@ -45,8 +46,10 @@ class HttpTransport:
         connect_timeout: float = 10.0,
         keepalive_s: float = 2.0,
         max_connections: int = 1024,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.auth = auth_headers(api_key)
         self.engine_id = engine_id
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -62,7 +65,7 @@ class HttpTransport:
         """(status, body) of one request; EngineError when no response arrived."""
         limit = timeout or self.timeout
         budget = self._budget if timeout is None else self._timeout(timeout)
-        headers = JSON_HEADERS if payload is not None else None
+        headers = {**(JSON_HEADERS if payload is not None else {}), **self.auth}
         try:
             async with self._session().request(
                 method, self.base_url + route, data=payload, headers=headers, timeout=budget

@@ -26,7 +26,13 @@ import torch
 
 from gyre.errors import EngineError
 from gyre.lifetime import die_with_parent
-from gyre.rollout.protocol import Procedure, release_procedure, resume_procedure
+from gyre.rollout.protocol import (
+    Procedure,
+    auth_headers,
+    engine_key,
+    release_procedure,
+    resume_procedure,
+)
 from gyre.runtime.config import EngineConfig
 
 
@@ -130,8 +136,8 @@ class EngineProcess:
 def http(url: str, method: str, path: str, body: Any = None, timeout: float = 120) -> Any:
     """One blocking JSON call to an engine route."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
+    headers = {"Content-Type": "application/json", **auth_headers(engine_key())}
+    req = urllib.request.Request(url + path, data=data, headers=headers, method=method)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         raw = r.read()
     return json.loads(raw) if raw else None

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.errors import ConfigError
+from gyre.rollout.protocol import ensure_engine_key
 from gyre.runtime import policies
 from gyre.runtime.config import RunConfig, load_run_config
 from gyre.tasks.suite import heldout_seed
@@ -100,6 +101,7 @@ def evaluate(
     from gyre.runtime.engine_host import EngineProcess
 
     work_dir.mkdir(parents=True, exist_ok=True)
+    ensure_engine_key()  # the engine takes a key; its harnesses never see it
     engine = EngineProcess(target.model, cfg.engine, work_dir / "engine.log", version=0)
     engine.spawn()
     try:

@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from gyre.rollout.protocol import ensure_engine_key
 from gyre.runtime.config import RunConfig, dump_run_config, load_run_config
 from gyre.runtime.layout import (
     Component,
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
         arrive(world)
         run_dir = Path(world.bcast(str(run_dir or default_run_dir(cfg)), root=0))
+        # one engine key for the run: every rank's engines and engine clients use it
+        ensure_engine_key(world.bcast(secrets.token_hex(16) if rank == 0 else None, root=0))
         if rank == 0:
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
             # atomically: on --resume the other ranks may be reading this very file

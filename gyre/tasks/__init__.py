@@ -7,18 +7,33 @@
 See docs/tasks.md for the suite format and the scoring semantics.
 """
 
-from gyre.tasks.evaluator import (
-    EVALUATOR_HEADERS,
-    Assessment,
-    AssessmentLog,
-    Evaluator,
-    Validity,
-    Verdict,
-    feedback_text,
-)
-from gyre.tasks.scoring import RULES, EvaluatorError, Score
-from gyre.tasks.snapshot import freeze, snapshot_id
-from gyre.tasks.suite import Task, TaskSuite, ToolLatency, builtin_suite, load_suite
+from typing import TYPE_CHECKING
+
+from gyre.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from gyre.tasks.evaluator import (
+        EVALUATOR_HEADERS,
+        Assessment,
+        AssessmentLog,
+        Evaluator,
+        Validity,
+        Verdict,
+        feedback_text,
+    )
+    from gyre.tasks.scoring import RULES, EvaluatorError, Score
+    from gyre.tasks.snapshot import freeze, snapshot_id
+    from gyre.tasks.suite import Task, TaskSuite, ToolLatency, builtin_suite, load_suite
+
+# imported on first use: a harness process needs only `suite` (its tool latency)
+__getattr__, __dir__ = lazy_exports(globals(), {
+    **dict.fromkeys(("EVALUATOR_HEADERS", "Assessment", "AssessmentLog", "Evaluator", "Validity",
+                     "Verdict", "feedback_text"), "gyre.tasks.evaluator"),
+    **dict.fromkeys(("RULES", "EvaluatorError", "Score"), "gyre.tasks.scoring"),
+    **dict.fromkeys(("freeze", "snapshot_id"), "gyre.tasks.snapshot"),
+    **dict.fromkeys(("Task", "TaskSuite", "ToolLatency", "builtin_suite", "load_suite"),
+                    "gyre.tasks.suite"),
+})  # fmt: skip
 
 __all__ = [
     "EVALUATOR_HEADERS",

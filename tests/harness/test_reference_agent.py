@@ -183,7 +183,7 @@ def test_chat_client_retries_what_the_sdk_retries_and_names_what_it_refuses():
     seen: list[dict[str, object]] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (the stdlib's name)
+        def do_POST(self):  # the stdlib handler method name
             body = json.loads(self.rfile.read(int(self.headers["content-length"])))
             seen.append({"path": self.path, "auth": self.headers["authorization"],
                          "role": self.headers["x-gyre-role"], "model": body["model"]})  # fmt: skip

@@ -95,6 +95,13 @@ def _kill(victims: list[Proc]) -> list[int]:
     return [p.pid for p in victims]
 
 
+def _errors(run_dir: Path) -> str:
+    """The job log's lines that are not progress lines (where a rank's error goes)."""
+    log = run_dir / "job.log"
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return "\n".join(x for x in lines if not x.startswith("GYRE-PROGRESS"))[-3000:]
+
+
 def _finish(proc: subprocess.Popen[str], timeout: float = 400) -> tuple[int, str]:
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out
@@ -153,7 +160,7 @@ def test_engine_harness_and_scorer_kills_are_absorbed(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert rc == 0, out[-3000:]
+    assert rc == 0, out[-3000:] + _errors(run_dir)
     assert gone(killed), "a killed process is still alive"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_done"] == STEPS

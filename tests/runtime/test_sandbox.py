@@ -4,7 +4,9 @@ The harness is this file's probe program, run by the proxy node's harness pool a
 is (`gyre eval`, which runs the same `ExecutionHost` a training run's proxy node runs). It
 tries to read and rewrite its task's hidden checker, read the run directory (the engine's
 log beside the workspaces), see another execution's workspace, write outside its workspace,
-see the run's other processes (engine, proxy, evaluator), and call its own proxy route. The
+see the run's other processes (engine, proxy, evaluator), call an engine directly (every
+listening port of the machine, with any engine key it can find), and call its own proxy
+route. The
 same probes run once unconfined (`harness.sandbox=none`), where they succeed — so each
 probe is shown able to detect the breach it looks for — and once sandboxed, where every
 probe but the own route fails and the real checker is unchanged.
@@ -72,6 +74,33 @@ def see_processes():
                 pass
     return [c for c in seen if b"gyre.rollout.cli" in c or b" eval" in c.replace(b"\0", b" ")]
 
+def call_engine():  # around the proxy, with every engine key in sight (other processes' environ)
+    keys = {None}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            keys |= {v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"GYRE_ENGINE_KEY=")}
+    ports = set()  # every listening TCP port of the machine (the network is shared)
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        ports |= {int(f[1].rsplit(":", 1)[1], 16) for f in map(str.split, lines) if f[3] == "0A"}
+    for port in ports:
+        for key in keys:
+            headers = {"Authorization": "Bearer " + key} if key else {}
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/model_info", headers=headers)
+                if "weight_version" in json.load(urllib.request.urlopen(req, timeout=10)):
+                    return True
+            except Exception:
+                pass
+    return False
+
 def own_route():
     req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/models",
                                  headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
@@ -80,7 +109,7 @@ def own_route():
 for name, attempt in [("read_checker", read_checker), ("rewrite_checker", rewrite_checker),
                       ("read_run_dir", read_run_dir), ("see_other_workspaces", see_other_workspaces),
                       ("write_outside", write_outside), ("write_task_file", write_task_file),
-                      ("see_processes", see_processes),
+                      ("see_processes", see_processes), ("call_engine", call_engine),
                       ("own_route", own_route)]:
     probe(name, attempt)
 with open("probes.json", "w") as f:
@@ -89,7 +118,9 @@ with open("probes.json", "w") as f:
 
 # what a probe reports as done; a write also "succeeds" inside the sandbox's private empty
 # directories (the hidden folder, the run directory, /tmp), so writes are judged on the files
-BREACHES = ("read_checker", "read_run_dir", "see_other_workspaces", "see_processes")
+BREACHES = (
+    "read_checker", "read_run_dir", "see_other_workspaces", "see_processes", "call_engine",
+)  # fmt: skip
 
 
 def _probe_run(tmp_path: Path, sandbox: str, suite: Path, checker: Path) -> list[dict]:

@@ -8,7 +8,8 @@ the same manager starts real SGLang on GPU machines and Gyre's embedded engine o
     ServerConfig(model_path="tiny", launch="embedded").command(port)
     # [python, -m, gyre.rollout.cli, --model, tiny, --host, 127.0.0.1, --port, ...]
 
-Placeholders: python, model_path, host, port, tp, mem_fraction, base_gpu_id, weight_version.
+Placeholders: python, model_path, host, port, tp, mem_fraction, base_gpu_id, weight_version,
+api_key (the run's engine key; the embedded engine reads it from its environment instead).
 
 SGLang has no API to hand a running request's KV cache to another instance (its KV
 transfer is PD disaggregation, fixed at launch), so Gyre's KV-cache migration
@@ -24,12 +25,14 @@ import sys
 from dataclasses import dataclass, field
 
 from gyre.errors import ConfigError
+from gyre.rollout.protocol import engine_key
 
 # The sglang preset, flag by flag (SGLang 0.5.21; tests/gpu/test_gpu_sglang_bodies.py parses
 # it with SGLang's own argument parser):
 # * --enable-memory-saver: /release_memory_occupation and /resume_memory_occupation work;
 # * --enable-weights-cpu-backup: the released weights are kept in host memory and come back
 #   on resume (without it the resumed memory has stale contents until the next publication);
+# * --api-key: the run's engine key (`gyre.rollout.protocol.ensure_engine_key`; empty: none);
 # * --grammar-backend llguidance: constrained calls (the proxy's forced tool calls) use the
 #   grammar engine and the Lark syntax of Gyre's `ebnf` constraints. The tokenizer is loaded
 #   (no --skip-tokenizer-init): SGLang builds no grammar backend without it, and aborts every
@@ -41,6 +44,7 @@ PRESETS: dict[str, list[str]] = {
         "--mem-fraction-static", "{mem_fraction}", "--base-gpu-id", "{base_gpu_id}",
         "--weight-version", "{weight_version}", "--enable-memory-saver",
         "--enable-weights-cpu-backup", "--grammar-backend", "llguidance",
+        "--api-key", "{api_key}",
     ],
     "embedded": [
         "{python}", "-m", "gyre.rollout.cli", "--model", "{model_path}",
@@ -54,6 +58,7 @@ PRESETS: dict[str, list[str]] = {
 SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 PLACEHOLDERS = (
     "python", "model_path", "host", "port", "tp", "mem_fraction", "base_gpu_id", "weight_version",
+    "api_key",
 )  # fmt: skip
 
 
@@ -117,7 +122,7 @@ class ServerConfig:
             "python": sys.executable, "model_path": self.model_path, "host": self.host,
             "port": str(port), "tp": str(self.tensor_parallel),
             "mem_fraction": str(self.mem_fraction_static), "base_gpu_id": str(self.base_gpu_id),
-            "weight_version": self.weight_version,
+            "weight_version": self.weight_version, "api_key": engine_key() or "",
         }  # fmt: skip
         return [arg.format(**values) for arg in self.template()] + list(self.extra_args)
 
