@@ -42,11 +42,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif "e2e_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("e2e"))  # one shared world, run once
-    rank = {"slurm": 0, "mpi": 1, "slow": 2}
 
     def key(item: pytest.Item) -> int:
-        marks = [rank[m.name] for m in item.iter_markers() if m.name in rank]
-        return min(marks, default=3)
+        marks = {m.name for m in item.iter_markers()}
+        if "slurm" in marks:  # one serial group of mostly waiting: start it at once
+            return 0
+        # then the longest: real MPI worlds that run for minutes (learning, kill chain), ...
+        return (
+            1 if {"mpi", "slow"} <= marks else 2 if "mpi" in marks else 3 if "slow" in marks else 4
+        )
 
     items.sort(key=key)
 
