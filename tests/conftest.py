@@ -42,6 +42,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif "e2e_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("e2e"))  # one shared world, run once
+        elif "smollm2_url" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("smollm2"))  # one engine (~30 CPU-s to load)
 
     def key(item: pytest.Item) -> int:
         marks = {m.name for m in item.iter_markers()}
@@ -61,6 +63,15 @@ def e2e_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
     from worlds import e2e_world
 
     return e2e_world(tmp_path_factory.mktemp("e2e"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_url():  # type: ignore[no-untyped-def]
+    """One SmolLM2-135M engine for the session's SmolLM2 tests (its start costs ~30 CPU-s)."""
+    from gyre.rollout.testing import running_engine
+
+    with running_engine("smollm2-135m", startup_timeout=300) as url:
+        yield url
 
 
 def _cpu_s() -> float:
