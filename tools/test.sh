@@ -23,7 +23,7 @@ trap 'rm -f "$lint_log"' EXIT
 ) >"$lint_log" 2>&1 &
 lint=$!
 
-echo "== pytest ($workers workers)"
+echo "== $(date -u +%T) pytest ($workers workers)"
 status=0
 python3 -m pytest -q -n "$workers" --dist loadgroup --durations=20 "$@" || status=$?
 

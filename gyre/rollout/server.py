@@ -360,6 +360,7 @@ async def serve(config: Config) -> None:
     server.add_sockets(sockets)
     port = sockets[0].getsockname()[1]
     print(f"gyre engine listening on http://{config.host}:{port}", flush=True)
+    print(f"gyre engine listening on http://{config.host}:{port}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -15,6 +15,7 @@ probe but the own route fails and the real checker is unchanged.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -90,16 +91,18 @@ def call_engine():  # around the proxy, with every engine key in sight (other pr
         except OSError:
             continue
         ports |= {int(f[1].rsplit(":", 1)[1], 16) for f in map(str.split, lines) if f[3] == "0A"}
-    for port in ports:
+    served = found["engine_ports"] = []  # the ports whose engine answered
+    for port in sorted(ports):
         for key in keys:
             headers = {"Authorization": "Bearer " + key} if key else {}
             try:
                 req = urllib.request.Request(f"http://127.0.0.1:{port}/model_info", headers=headers)
                 if "weight_version" in json.load(urllib.request.urlopen(req, timeout=10)):
-                    return True
+                    served.append(port)
+                    break
             except Exception:
                 pass
-    return False
+    return served
 
 def own_route():
     req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/models",
@@ -118,9 +121,7 @@ with open("probes.json", "w") as f:
 
 # what a probe reports as done; a write also "succeeds" inside the sandbox's private empty
 # directories (the hidden folder, the run directory, /tmp), so writes are judged on the files
-BREACHES = (
-    "read_checker", "read_run_dir", "see_other_workspaces", "see_processes", "call_engine",
-)  # fmt: skip
+BREACHES = ("read_checker", "read_run_dir", "see_other_workspaces", "see_processes")
 
 
 def _probe_run(tmp_path: Path, sandbox: str, suite: Path, checker: Path) -> list[dict]:
@@ -141,7 +142,10 @@ def _probe_run(tmp_path: Path, sandbox: str, suite: Path, checker: Path) -> list
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     found = sorted((out / "tiny" / "workspaces").glob("*/workspace/probes.json"))
     assert len(found) == 2, f"the probe harness did not report: {found}"
-    return [json.loads(p.read_text()) for p in found]
+    # the run's engine (other tests' engines on this machine may take no key: not the run's)
+    log = (out / "tiny" / "engine.log").read_text()
+    port = int(re.search(r"listening on http://127\.0\.0\.1:(\d+)", log)[1])  # type: ignore[index]
+    return [{**json.loads(p.read_text()), "run_engine_port": port} for p in found]
 
 
 @pytest.mark.slow
@@ -158,6 +162,7 @@ def test_every_probe_of_an_adversarial_harness_fails_in_the_sandbox(tmp_path: Pa
     free = _probe_run(tmp_path, "none", suite, checker)
     for report in free:
         assert all(report[b] for b in BREACHES) and report["own_route"], report
+        assert report["run_engine_port"] in report["engine_ports"], report
     assert b"# forged" in checker.read_bytes(), "the unconfined harness could not forge"
     assert (checker.parent.parent / "task.yaml").read_bytes() != pristine[1]
     assert len(list((tmp_path / "eval-none").glob("escaped-*"))) == 2
@@ -168,6 +173,7 @@ def test_every_probe_of_an_adversarial_harness_fails_in_the_sandbox(tmp_path: Pa
     boxed = _probe_run(tmp_path, "auto", suite, checker)
     for report in boxed:
         assert not any(report[b] for b in BREACHES) and report["own_route"], report
+        assert report["run_engine_port"] not in report["engine_ports"], report
     assert checker.read_bytes() == pristine[0], "the checker changed"
     assert (checker.parent.parent / "task.yaml").read_bytes() == pristine[1]
     assert not list((tmp_path / "eval-auto").glob("escaped-*")), "a harness wrote outside"
