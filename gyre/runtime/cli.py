@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         config, args.run_dir = _resumable(Path(args.resume), args.run_dir), args.resume
     cfg = load_run_config(config, overrides, steps=args.steps, policy=args.policy)
     check_fits_this_machine(cfg.topology)
+    cfg.engine.check_machine(cfg.model)
     check_harness(cfg)
     for warning in cfg.warnings():
         print(f"gyre run: warning: {warning}", file=sys.stderr)

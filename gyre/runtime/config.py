@@ -142,18 +142,70 @@ class HarnessConfig:
 
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
-    """The embedded rollout engine each cell runs as a child process."""
+    """The rollout engine each cell's leader runs as a child process."""
 
+    backend: Literal["embedded", "sglang"] = "embedded"
+    """embedded: Gyre's CPU engine (`gyre.rollout.cli`); sglang: an SGLang server on the cell's
+    GPUs (needs CUDA and the `gpu` extra; `model` is then a model directory). Both are
+    launched from `gyre.rollout.sglang.config` presets and driven over the same routes."""
     threads: int = 1
-    """torch threads of one engine process."""
+    """embedded: torch threads of one engine process."""
     max_batch_size: int = 8
-    """Sequences decoded together."""
+    """embedded: sequences decoded together."""
     prefix_cache_mb: int = 64
-    """Prefix KV cache size (0 disables)."""
+    """embedded: prefix KV cache size (0 disables)."""
+    tensor_parallel: int = 1
+    """sglang: --tp-size, GPUs of one server."""
+    mem_fraction_static: float = 0.8
+    """sglang: --mem-fraction-static, share of GPU memory for weights + KV cache."""
 
     def __post_init__(self) -> None:
         if self.threads < 1 or self.max_batch_size < 1 or self.prefix_cache_mb < 0:
             raise ConfigError("threads / max_batch_size >= 1, prefix_cache_mb >= 0")
+        if self.tensor_parallel < 1 or not 0 < self.mem_fraction_static < 1:
+            raise ConfigError(
+                f"tensor_parallel: {self.tensor_parallel}, mem_fraction_static: "
+                f"{self.mem_fraction_static}; allowed: tensor_parallel >= 1, "
+                "mem_fraction_static in (0, 1)"
+            )
+
+    def server(self, model: str, version: int) -> Any:
+        """The `ServerConfig` that launches this engine for `model` at weight `version`."""
+        from gyre.rollout.sglang.config import ServerConfig
+
+        embedded = [  # the embedded engine's own knobs (SGLang sizes itself)
+            "--threads", str(self.threads), "--max-batch-size", str(self.max_batch_size),
+            "--prefix-cache-mb", str(self.prefix_cache_mb),
+        ]  # fmt: skip
+        return ServerConfig(
+            model_path=model, launch=self.backend, weight_version=str(version),
+            tensor_parallel=self.tensor_parallel, mem_fraction_static=self.mem_fraction_static,
+            extra_args=embedded if self.backend == "embedded" else [],
+        )  # fmt: skip
+
+    def check_machine(self, model: str) -> None:
+        """Refuse a backend this machine cannot run, before any process starts."""
+        if self.backend != "sglang":
+            return
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None:
+            raise ConfigError(
+                "engine.backend: sglang, but the sglang package is not installed here "
+                "(pip install '.[gpu]' on a CUDA machine, docs/gpu.md); allowed here: embedded"
+            )
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "engine.backend: sglang needs CUDA GPUs and this machine has none; "
+                "allowed here: embedded"
+            )
+        if not Path(model).is_dir():
+            raise ConfigError(
+                f"model: {model!r}; engine.backend sglang serves a model directory "
+                "(a Hugging Face checkpoint), not a built-in spec"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

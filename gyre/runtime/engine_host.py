@@ -1,6 +1,8 @@
 """A cell's rollout engine as a child process of the cell rank.
 
-The embedded engine (`python -m gyre.rollout.cli`) runs in its own process so that it can be
+The engine (`engine.backend`: the embedded engine, `python -m gyre.rollout.cli`, or an SGLang
+server; both launched from the `gyre.rollout.sglang.config` presets, with the run's engine
+key) runs in its own process so that it can be
 killed (SIGKILL, OOM) without taking the MPI world down: the cell notices the exit, reports
 the loss, and restarts it on request. The cell talks to it over the SGLang HTTP protocol
 with blocking calls (the cell rank has no event loop), making the same control procedures
@@ -16,7 +18,6 @@ import json
 import os
 import select
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -33,6 +34,8 @@ from gyre.rollout.protocol import (
     release_procedure,
     resume_procedure,
 )
+from gyre.rollout.sglang.config import SERVER_ENV
+from gyre.rollout.sglang.process import free_port
 from gyre.runtime.config import EngineConfig
 
 
@@ -54,28 +57,33 @@ class EngineProcess:
         self.url = ""
         self.released = False
 
+    def command(self) -> tuple[list[str], str]:
+        """The argv that starts this engine, and its URL ("" when the engine picks its port
+        and prints the URL: the embedded engine)."""
+        server = self.config.server(self.model, self.version)
+        if self.config.backend == "embedded":
+            return server.command(0), ""
+        port = free_port(server.host)
+        return server.command(port), f"http://{server.host}:{port}"
+
     def spawn(self) -> None:
-        """Start the process (returns at once; `wait_ready` reads its URL)."""
-        cfg = self.config
-        cmd = [
-            sys.executable, "-m", "gyre.rollout.cli", "--model", self.model,
-            "--host", "127.0.0.1", "--port", "0", "--threads", str(cfg.threads),
-            "--max-batch-size", str(cfg.max_batch_size), "--weight-version", str(self.version),
-            "--prefix-cache-mb", str(cfg.prefix_cache_mb),
-        ]  # fmt: skip
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(cfg.threads),
-               **self.labels}  # fmt: skip
+        """Start the process (returns at once; `wait_ready` waits for its URL and /health)."""
+        cmd, url = self.command()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(self.config.threads),
+               **SERVER_ENV, **self.labels}  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as err:  # the engine dies with its cell rank
-            self.proc = subprocess.Popen(die_with_parent(cmd), stdout=subprocess.PIPE, stderr=err,
-                                         env=env)  # fmt: skip
-        self.url, self.released = "", False
+            # the embedded engine's first stdout line is its URL; SGLang's output is its log
+            out = subprocess.PIPE if not url else err
+            self.proc = subprocess.Popen(die_with_parent(cmd), stdout=out, stderr=err, env=env)
+        self.url, self.released = url, False
 
     def wait_ready(self, timeout: float) -> str:
         """Block until the engine prints its URL and answers /health; returns the URL."""
-        assert self.proc is not None and self.proc.stdout is not None
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while not self.url and time.monotonic() < deadline:
+            assert self.proc.stdout is not None
             ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
             if ready:
                 line = self.proc.stdout.readline().decode()

@@ -156,6 +156,8 @@ def run_eval(
     from gyre.runtime.proxy_node import check_harness
 
     check_harness(cfg)
+    for t in todo:
+        cfg.engine.check_machine(t.model)
     names = tasks or cfg.harness.tasks or list(_suite_names(cfg))
     base = Path(out) if out else (run_dir / "eval" if run_dir else Path(tempfile.mkdtemp()))
     limit = concurrency or cfg.engine.max_batch_size

@@ -202,7 +202,13 @@ def _check(job: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_every_request_and_launch_flag_is_valid_for_sglang(recorder, tmp_path: Path) -> None:
+def test_every_request_and_launch_flag_is_valid_for_sglang(
+    recorder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gyre.rollout.protocol import ENGINE_KEY_ENV
+    from gyre.runtime.config import EngineConfig
+    from gyre.runtime.engine_host import EngineProcess
+
     url, seen = recorder
     _traffic(url, tmp_path)
     hicache_args, _ = hicache_shared_l3(master="h:50051", metadata_server="http://h:8080/m")
@@ -211,10 +217,20 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(recorder, tmp_path: P
     argv = cfg.command(31000)
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     bad_launch = [*argv[3:], "--skip-tokenizer-init"]
+    # what a cell of `gyre run` with engine.backend sglang launches, with the run's engine key
+    monkeypatch.setenv(ENGINE_KEY_ENV, "k3y")
+    engine = EngineProcess("/models/qwen", EngineConfig(backend="sglang", tensor_parallel=2,
+                           mem_fraction_static=0.6), tmp_path / "e.log", version=3)  # fmt: skip
+    run_argv, run_url = engine.command()
+    assert run_argv[1:3] == ["-m", "sglang.launch_server"]
+    run_expect = {"model_path": "/models/qwen", "tp_size": 2, "mem_fraction_static": 0.6,
+                  "weight_version": "3", "api_key": "k3y", "enable_memory_saver": True,
+                  "port": int(run_url.rsplit(":", 1)[1])}  # fmt: skip
     report = _check({
         "requests": seen + PROBES,
         "launch": [{"argv": argv[3:], "expect": LAUNCH_EXPECT},
-                   {"argv": bad_launch, "expect": {"skip_tokenizer_init": False}}],
+                   {"argv": bad_launch, "expect": {"skip_tokenizer_init": False}},
+                   {"argv": run_argv[3:], "expect": run_expect}],
         "env": sorted(SERVER_ENV),
     })  # fmt: skip
 
@@ -223,6 +239,7 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(recorder, tmp_path: P
     assert [(r["route"], r["errors"]) for r in checked if r["errors"]] == []
     assert all(p["errors"] for p in probes), probes
     assert report["launch"][0] == [] and report["launch"][1], report["launch"]
+    assert report["launch"][2] == [], report["launch"]
     assert all(report["env"][name] for name in SERVER_ENV), report["env"]
     routes = {r["route"] for r in checked}
     assert routes == {

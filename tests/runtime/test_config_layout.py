@@ -204,3 +204,44 @@ def test_a_harness_that_always_fails_stops_the_run_with_its_own_error(tmp_path: 
     assert out.returncode != 0
     assert "no trainable targets" in text and "failed/" in text, text[-3000:]
     assert "harness boom 17" in text, text[-3000:]
+
+
+def test_the_engine_backend_chooses_what_a_cell_launches(tmp_path: Path, monkeypatch) -> None:
+    """`engine.backend`: both backends start from the same launch presets, with the run's
+    engine key; the embedded engine picks its port and prints its URL, SGLang gets one."""
+    from gyre.rollout.protocol import ENGINE_KEY_ENV
+    from gyre.runtime.config import EngineConfig
+    from gyre.runtime.engine_host import EngineProcess
+
+    monkeypatch.setenv(ENGINE_KEY_ENV, "k3y")
+    log = tmp_path / "engine.log"
+    argv, url = EngineProcess("tiny", EngineConfig(threads=2), log, version=5).command()
+    assert argv[1:] == ["-m", "gyre.rollout.cli", "--model", "tiny", "--host", "127.0.0.1",
+                        "--port", "0", "--weight-version", "5", "--threads", "2",
+                        "--max-batch-size", "8", "--prefix-cache-mb", "64"] and url == ""  # fmt: skip
+    sglang = EngineConfig(backend="sglang", tensor_parallel=4, mem_fraction_static=0.7)
+    argv, url = EngineProcess("/models/qwen", sglang, log, version=2).command()
+    port = url.rsplit(":", 1)[1]
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and url == f"http://127.0.0.1:{port}"
+    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert (flags["--model-path"], flags["--port"], flags["--tp-size"]) == (
+        "/models/qwen",
+        port,
+        "4",
+    )
+    assert (flags["--mem-fraction-static"], flags["--weight-version"]) == ("0.7", "2")
+    assert argv[argv.index("--api-key") + 1] == "k3y"
+
+
+def test_a_backend_this_machine_cannot_run_is_refused_in_one_line(tmp_path: Path) -> None:
+    for override, words in [("engine.backend=sglang", "engine.backend: sglang"),
+                            ("engine.backend=vllm", "engine.backend")]:  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "gyre", "run", "templates/local.yaml", override,
+             "--run-dir", str(tmp_path / "run")],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+        assert out.returncode == 2, out.stderr
+        assert words in out.stderr and "embedded" in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert not (tmp_path / "run").exists()
