@@ -28,7 +28,7 @@ from gyre.tasks.suite import SHIPPED, named_suite
 from .conftest import small_config, write_config
 
 PROBE = r"""
-import json, os, sys, urllib.request
+import json, os, sys, urllib.error, urllib.request
 
 HIDDEN, RUN, OWN = sys.argv[1], sys.argv[2], os.environ["GYRE_EXECUTION_ID"]
 found = {}
@@ -93,15 +93,17 @@ def call_engine():  # around the proxy, with every engine key in sight (other pr
         ports |= {int(f[1].rsplit(":", 1)[1], 16) for f in map(str.split, lines) if f[3] == "0A"}
     served = found["engine_ports"] = []  # the ports whose engine answered
     for port in sorted(ports):
-        for key in keys:
-            headers = {"Authorization": "Bearer " + key} if key else {}
+        for key in [None, *sorted(k for k in keys if k)]:  # a port that does not answer HTTP
+            headers = {"Authorization": "Bearer " + key} if key else {}  # fast is left at once
             try:
                 req = urllib.request.Request(f"http://127.0.0.1:{port}/model_info", headers=headers)
-                if "weight_version" in json.load(urllib.request.urlopen(req, timeout=10)):
+                if "weight_version" in json.load(urllib.request.urlopen(req, timeout=3)):
                     served.append(port)
                     break
+            except urllib.error.HTTPError:
+                continue  # an HTTP server: try the next key
             except Exception:
-                pass
+                break  # not HTTP, or too slow: the next port
     return served
 
 def own_route():
