@@ -27,9 +27,17 @@ from typing import Literal
 from gyre.errors import ConfigError
 from gyre.runtime.layout import TopologyConfig
 
-__all__ = ["MPI_PLUGINS", "RESERVED_OPTIONS", "SlurmConfig", "TopologyConfig"]
+__all__ = ["MPI_PLUGINS", "PMI2_ENV", "RESERVED_OPTIONS", "SlurmConfig", "TopologyConfig"]
 
 MPI_PLUGINS = ("pmi2", "pmix")
+
+PMI2_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+"""Exported under `--mpi=pmi2` unless `slurm.env` sets the same name. The pip MPICH speaks
+the PMI-1 wire protocol only; Slurm's pmi2 plugin reads each PMI-1 request with one read of
+at most 1024 bytes. MPICH's UCX netmod publishes a 4096-byte address card (the UCX address and
+whatever heap follows it) in hex segments of up to 1022 characters, so a `put` line whose
+segment does not compress is cut: the peers decode a truncated card and MPI_Init fails or
+hangs (docs/slurm.md). The OFI netmod's card is one 90-byte line."""
 
 # Slurm's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; also "infinite"/"unlimited".
 _TIME_RE = re.compile(r"^(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2})$")
@@ -127,7 +135,7 @@ class SlurmConfig:
     setup: list[str] = field(default_factory=list)
     """Shell lines run in the batch script before the step (module load, venv activation)."""
     env: dict[str, str] = field(default_factory=dict)
-    """Environment variables exported to every task."""
+    """Environment variables exported to every task (over the `mpi` plugin's, `PMI2_ENV`)."""
     extra_sbatch: list[str] = field(default_factory=list)
     """Extra `#SBATCH` options for the whole job, e.g. `--mail-type=END` (leading `--`)."""
     srun_args: list[str] = field(default_factory=list)

@@ -18,6 +18,7 @@ from typing import Any
 
 import jinja2
 
+from gyre.launch.config import PMI2_ENV
 from gyre.launch.spec import Component, JobSpec
 from gyre.launch.task import EXIT_CHECKPOINTED
 
@@ -63,6 +64,7 @@ def _context(spec: JobSpec, opts: RenderOptions) -> dict[str, Any]:
     s = spec.launch.slurm
     config = opts.config or str(spec.launch.path)
     runs_dir = spec.launch.runs_dir
+    plugin_env = PMI2_ENV if s.mpi == "pmi2" else {}
     command = opts.command or (
         f'{s.python} -u -m "${{GYRE_ENTRY:-{opts.entry}}}" "$GYRE_CONFIG" --run-dir "$GYRE_RUN_DIR"'
         ' ${GYRE_STEPS:+--steps "$GYRE_STEPS"}'
@@ -94,7 +96,10 @@ def _context(spec: JobSpec, opts: RenderOptions) -> dict[str, Any]:
         "requeue": s.requeue,
         "extra_sbatch": s.extra_sbatch,
         "setup": s.setup,
-        "env": [(k, shlex.quote(v)) for k, v in sorted({**s.env, **opts.exports}.items())],
+        "env": [
+            (k, shlex.quote(v)) for k, v in sorted({**plugin_env, **s.env, **opts.exports}.items())
+        ],
+        "pmi2_netmod": s.mpi == "pmi2" and "MPIR_CVAR_CH4_NETMOD" not in s.env,
         "python": s.python,
         "exit_checkpointed": EXIT_CHECKPOINTED,
         "het_groups": spec.het_groups,

@@ -125,6 +125,9 @@ def connect(world: Any, coordinator: int = 0, timeout: float = 120.0) -> Link:
         token = secrets.token_bytes(16)
         host = "127.0.0.1" if local else hosts[coordinator]
         world.bcast((host, server.getsockname()[1], token), root=coordinator)
+        # a netmod without asynchronous progress (MPICH's OFI over tcp) may still hold the
+        # broadcast in this rank's queue; the barrier delivers it before accept() blocks
+        world.Barrier()
         peers: dict[int, socket.socket] = {}
         while len(peers) < size - 1:
             sock, _ = server.accept()
@@ -137,6 +140,7 @@ def connect(world: Any, coordinator: int = 0, timeout: float = 120.0) -> Link:
         server.close()
         return Link(rank, peers)
     host, port, token = world.bcast(None, root=coordinator)
+    world.Barrier()
     sock = socket.create_connection((host, port), timeout=timeout)
     sock.settimeout(None)
     sock.sendall(_HELLO.pack(token, rank))

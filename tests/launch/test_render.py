@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from gyre.launch.render import RenderOptions, render_script
+from gyre.launch.spec import job_spec, load_launch
+
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
 TEMPLATES = ["nl2repo-32", "swe-24", "nl2repo-192"]
@@ -78,6 +81,25 @@ def test_script_shape_for_the_32_node_template() -> None:
     assert header.count("#SBATCH --nodes=4") == 8 and header.count("#SBATCH --gpus-per-node=8") == 8
     assert "srun --het-group=0-9 --mpi=pmi2" in text
     assert 'source "${GYRE_VENV:-$HOME/gyre-venv}/bin/activate"' in text
+
+
+def _exports(tmp_path: Path, *overrides: str) -> list[str]:
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text((ROOT / "templates" / "local.yaml").read_text())
+    launch = load_launch(cfg, [f"runs_dir={tmp_path / 'runs'}", *overrides])
+    text = render_script(job_spec(launch), RenderOptions(script="x.sbatch"))
+    return [line for line in text.splitlines() if line.startswith("export MPIR_CVAR_CH4")]
+
+
+def test_pmi2_jobs_use_a_netmod_whose_address_fits_slurms_pmi1_read(tmp_path: Path) -> None:
+    """Under `--mpi=pmi2` the script selects MPICH's OFI netmod (a UCX address is cut by
+    Slurm's 1024-byte PMI-1 read and MPI_Init fails); `slurm.env` chooses another netmod, and
+    pmix jobs keep MPICH's default."""
+    assert _exports(tmp_path) == ["export MPIR_CVAR_CH4_NETMOD=ofi"]
+    assert _exports(tmp_path, "slurm.env.MPIR_CVAR_CH4_NETMOD=ucx") == [
+        "export MPIR_CVAR_CH4_NETMOD=ucx"
+    ]
+    assert _exports(tmp_path, "slurm.mpi=pmix") == []
 
 
 def test_cli_render_prints_and_writes(tmp_path: Path) -> None:
