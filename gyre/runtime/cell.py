@@ -174,6 +174,8 @@ class CellTrainer:
     def _step(self, total: torch.Tensor, m: msg.Reduce) -> float:
         replica, cell = self.replica, self.replica.cell
         assert replica.optimizer is not None
+        if m.num_executions == 0:
+            return 0.0  # nothing to train (every group set aside): no optimizer step
         record = self.cfg.train.record_batches
         before = cell.flat_params.detach().clone() if record else None
         opt_before = copy.deepcopy(replica.optimizer.opt.state_dict()) if record else None

@@ -290,6 +290,11 @@ class RunConfig:
                 f"model_name: {self.model_name!r} is not served by the proxy; allowed: one of "
                 f"proxy.model_names {self.proxy.model_names}"
             )
+        if self.train.min_group_outcomes > self.schedule.group_size:
+            raise ConfigError(
+                f"train.min_group_outcomes: {self.train.min_group_outcomes}; allowed: at most "
+                f"schedule.group_size ({self.schedule.group_size}), or every group is set aside"
+            )
         from gyre.models import tiny_size
         from gyre.schedule.policy import make_policy
 

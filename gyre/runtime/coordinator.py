@@ -41,7 +41,6 @@ from gyre.schedule import events as ev
 from gyre.tasks.suite import instance_seed
 from gyre.tracking import open_tracker
 from gyre.train.rewards import ExecutionOutcome, Status
-from gyre.train.stream import EmptyBatchError
 
 OUTCOMES = {
     "completed": ev.Outcome.COMPLETED,
@@ -137,7 +136,9 @@ class Coordinator:
         self.status = 0
         self.batch_t0 = time.time()
         self.stats = {"reroutes": 0, "switches": 0, "harness_errors": 0, "engine_losses": 0,
-                      "publications": 0, "no_signal_steps": 0}  # fmt: skip
+                      "publications": 0, "no_signal_steps": 0, "empty_steps": 0,
+                      "set_aside_groups": 0}  # fmt: skip
+        self.empty_in_a_row = 0
         self.switch_seconds: list[float] = []
         self.step_rows: list[dict[str, float]] = []
         self.policies: list[str] = []
@@ -363,10 +364,7 @@ class Coordinator:
             x.tree = None  # the packing buffer holds it now
         self.rec.event("admit", group=g.id, batch=a.batch, staleness=a.staleness)
         self.batch_groups.setdefault(a.batch, []).append(g.id)
-        try:
-            count = self.train.admit(g.id, g.version, a.staleness, outcomes, trees)
-        except EmptyBatchError as exc:
-            raise wire.RuntimeFailure(f"{exc}: {self._why_untrainable()}") from exc
+        count = self.train.admit(g.id, g.version, a.staleness, outcomes, trees)
         self.feed(ev.MicroStepsQueued(batch=a.batch, group=a.group, count=count))
 
     def _why_untrainable(self) -> str:
@@ -504,6 +502,11 @@ class Coordinator:
         self.rec.step(self.updates, row)
         self.tracker.log_step(self.updates, row)
         self.rec.dispatch(self.sched.version, 0, 0, self.sched)
+        self.stats["set_aside_groups"] += int(row["set_aside_groups"])
+        if row["executions"] == 0:
+            self._empty_step(row)
+            return
+        self.empty_in_a_row = 0
         if not row["grad_norm"] > 0:
             self.stats["no_signal_steps"] += 1
             why = ("every group's rewards tie" if row["tied_groups"] == 1.0
@@ -511,6 +514,22 @@ class Coordinator:
             self.rec.event("no_signal", step=self.updates, reason=why)
             print(f"GYRE-WARNING step {self.updates} carried no learning signal "
                   f"(grad_norm {row['grad_norm']:.3g}): {why}", flush=True)  # fmt: skip
+
+    def _empty_step(self, row: dict[str, float]) -> None:
+        """A batch with nothing to train skipped its update; too many in a row stop the run."""
+        self.stats["empty_steps"] += 1
+        self.empty_in_a_row += 1
+        why = (f"{row['set_aside_groups']:.0f} of its groups set aside "
+               f"(fewer than train.min_group_outcomes={self.cfg.train.min_group_outcomes} "
+               "usable outcomes), the rest only failure placeholders")  # fmt: skip
+        self.rec.event("empty_step", step=self.updates, reason=why)
+        print(f"GYRE-WARNING step {self.updates} had nothing to train and skipped its update: "
+              f"{why}", flush=True)  # fmt: skip
+        if self.empty_in_a_row >= self.cfg.train.max_empty_batches:
+            raise wire.RuntimeFailure(
+                f"{self.empty_in_a_row} batches in a row had nothing to train "
+                f"(train.max_empty_batches): {self._why_untrainable()}"
+            )
 
     def on_published(self, m: msg.Published) -> None:
         self.stats["publications"] += 1

@@ -236,6 +236,7 @@ class TrainingPlane:
             "microsteps": float(st.microsteps),
             "oversize_rows": float(st.oversize_rows),
             "executions": float(st.executions),
+            "set_aside_groups": float(len(self.buffer.batch_info().set_aside)),
             "prepass_s": st.prepass_s,
             "gradient_s": st.gradient_s,
             "train_wall_s": (self.t_done or math.nan) - (self.t_first or math.nan),

@@ -110,6 +110,13 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
     """Publications kept as Hugging Face model directories under RUN_DIR/policies (>= 1)."""
     record_batches: bool = False
     """Write every batch's micro-steps and the core's gradient to RUN_DIR/batches (audits)."""
+    min_group_outcomes: int = 2
+    """Fewest outcomes usable for a group's advantages (valid scores and failure placeholders;
+    excluded executions do not count) for the group to be trained; a group with fewer is set
+    aside: it fills its batch slot, trains nothing, and is counted (`set_aside_groups`)."""
+    max_empty_batches: int = 3
+    """Consecutive batches with nothing to train (every group set aside, or only placeholders)
+    after which the run stops with the executions' errors; each such batch skips its update."""
 
     def __post_init__(self) -> None:
         OptimConfig.__post_init__(self)
@@ -121,6 +128,14 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
             raise ConfigError(f"token_budget: {self.token_budget}; allowed an integer >= 1")
         if self.keep_policies < 1:
             raise ConfigError(f"keep_policies: {self.keep_policies}; allowed an integer >= 1")
+        if self.min_group_outcomes < 1:
+            raise ConfigError(
+                f"min_group_outcomes: {self.min_group_outcomes}; allowed an integer >= 1"
+            )
+        if self.max_empty_batches < 1:
+            raise ConfigError(
+                f"max_empty_batches: {self.max_empty_batches}; allowed an integer >= 1"
+            )
 
     @property
     def objective(self) -> ObjectiveConfig:
@@ -147,5 +162,5 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
         return StreamConfig(
             groups_per_batch=groups_per_batch, group_size=group_size,
             token_budget=self.token_budget, seed=self.seed, admission=self.admission,
-            advantage=self.advantage,
+            advantage=self.advantage, min_outcomes=self.min_group_outcomes,
         )  # fmt: skip

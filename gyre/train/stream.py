@@ -5,7 +5,9 @@ turns them into micro-steps on demand: `pull()` takes the ready group with the o
 version, computes its group-relative advantages, runs admission on every execution's tree,
 materializes token rows and packs them. It selects the batch's B groups incrementally and
 closes the stream after the last group's micro-steps are emitted; the batch's execution table
-(advantage and L_i per execution, E) is then final.
+(advantage and L_i per execution, E) is then final. A group with fewer than `min_outcomes`
+usable outcomes is set aside (its slot counts, its executions add no row); a batch left with
+nothing to train closes with E = 0 (docs/training.md "Valid groups").
 
 The coordinator's `gyre.runtime.training.TrainingPlane` queues the emitted micro-steps for
 the cells to claim (docs/training.md).
@@ -50,16 +52,17 @@ class StreamConfig:
     """The admission rule (J_max, role priority)."""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     """Advantage normalization."""
+    min_outcomes: int = 1
+    """A group with fewer usable outcomes (not EXCLUDED) is set aside, not trained (a run
+    takes `train.min_group_outcomes`)."""
 
     def __post_init__(self) -> None:
         for name in ("groups_per_batch", "group_size", "token_budget"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}: {v!r}; allowed an int >= 1")
-
-
-class EmptyBatchError(TrainingError):
-    """A closed batch none of whose executions admitted a trainable target."""
+        if not isinstance(self.min_outcomes, int) or self.min_outcomes < 1:
+            raise ConfigError(f"min_outcomes: {self.min_outcomes!r}; allowed an int >= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,10 +83,12 @@ class BatchInfo:
     group_ids: list[str]
     policy_versions: list[int]
     rows: dict[str, int] = field(default_factory=dict)  # execution id -> its token rows
+    set_aside: list[str] = field(default_factory=list)  # groups with too few usable outcomes
 
     @property
     def num_executions(self) -> int:
-        """E: executions contributing targets to the batch."""
+        """E: executions contributing targets to the batch (0: nothing to train; the
+        update is skipped)."""
         return len(self.executions)
 
 
@@ -136,8 +141,6 @@ class StreamPackingBuffer:
             self._pending, token_budget=self.config.token_budget, first_index=self._next_index
         )
         if full:
-            if not self._batch.executions:
-                raise EmptyBatchError("empty batch: its groups admitted no trainable targets")
             self.closed, self._pending = True, []
         else:
             keep = steps.pop() if steps else None
@@ -153,6 +156,11 @@ class StreamPackingBuffer:
         cfg = self.config
         adv = group_advantages(group.outcomes, group_size=cfg.group_size, config=cfg.advantage)
         rows: list[TokenRow] = []
+        self._batch.group_ids.append(group.group_id)
+        self._batch.policy_versions.append(group.policy_version)
+        if len(adv) < cfg.min_outcomes:  # advantages of too few outcomes: not a valid group
+            self._batch.set_aside.append(group.group_id)
+            return rows
         for o in group.outcomes:
             if o.status is not Status.VALID:
                 continue  # placeholders carry no targets; excluded executions are dropped
@@ -176,6 +184,4 @@ class StreamPackingBuffer:
                 )
                 self._batch.rows[o.execution_id] = len(got)
             rows += got
-        self._batch.group_ids.append(group.group_id)
-        self._batch.policy_versions.append(group.policy_version)
         return rows

@@ -196,13 +196,16 @@ def test_a_harness_that_always_fails_stops_the_run_with_its_own_error(tmp_path: 
     assert out.returncode == 2
     assert "harness.params: unknown parameter 'compact_at' for adapter 'broken'" in out.stderr
     cfg["harness"]["params"] = {}
+    cfg["steps"], cfg["train"]["max_empty_batches"] = 3, 2
     path = write_config(tmp_path, cfg)
     out = subprocess.run([sys.executable, "-m", "gyre", "run", str(path), "--run-dir",
                           str(tmp_path / "run")], capture_output=True, text=True,
                          timeout=240)  # fmt: skip
     text = out.stdout + out.stderr
     assert out.returncode != 0
-    assert "no trainable targets" in text and "failed/" in text, text[-3000:]
+    # one batch of failure placeholders skips its update; the second in a row stops the run
+    assert "GYRE-WARNING step 1 had nothing to train and skipped its update" in text, text[-3000:]
+    assert "2 batches in a row had nothing to train" in text and "failed/" in text, text[-3000:]
     assert "harness boom 17" in text, text[-3000:]
 
 

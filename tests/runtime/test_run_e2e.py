@@ -6,7 +6,8 @@ tests) checks what a user relies on:
 * the run completes S steps and exits 0; zero harness-side errors; some update carried a
   learning signal (non-zero gradient and objective);
 * the trace holds every dispatched execution with its tree, reward and validity — those
-  whose evaluator crashes are marked invalid (excluded) with the evaluator's message;
+  whose evaluator crashes are marked invalid (excluded) with the evaluator's message, and
+  their groups are set aside from training and counted;
 * the role timeline shows a cell going rollout -> train -> rollout while executions are live,
   and each switch's duration is recorded;
 * cell 2's engine is killed with SIGKILL mid-run: the loss is recorded, its calls are retried
@@ -85,6 +86,13 @@ def test_gyre_run_end_to_end_with_engine_kill(e2e_run: World) -> None:
         metric.setdefault(row["name"], []).append(row["value"])
     assert len(metric["grad_norm"]) == 2 and max(metric["grad_norm"]) > 0, metric
     assert any(abs(v) > 0 for v in metric["objective"]), metric["objective"]
+
+    # valid groups: a group whose evaluator crashed on every execution has no usable outcome;
+    # it is set aside (trains nothing) and counted, every other admitted group trains
+    task_of_group = {g["group_id"]: g["task_id"].split("@")[0] for g in groups}
+    admitted = [json.loads(e["detail"])["group"] for e in events if e["kind"] == "admit"]
+    crashy = sum(task_of_group[g] == "crashy" for g in admitted)
+    assert summary["set_aside_groups"] == crashy == sum(metric["set_aside_groups"]), admitted
 
     # one node per agent call, also for calls whose engine was killed or switched away
     for eid, tree in trees.items():

@@ -166,7 +166,7 @@ def test_stream_buffer_pulls_oldest_version_and_closes_after_b_groups() -> None:
         assert sum(r.num_targets for r in rows if r.execution_id == eid) == n
 
 
-def test_stream_buffer_rejects_bad_groups_and_empty_batches() -> None:
+def test_stream_buffer_rejects_bad_groups() -> None:
     buf = StreamPackingBuffer(StreamConfig(groups_per_batch=1, group_size=2, token_budget=400))
     bad = _group("g", 0, [1.0, 0.0], 0)
     bad.outcomes[1] = ExecutionOutcome(execution_id="g-e1", status=Status.VALID, reward=None)
@@ -177,6 +177,57 @@ def test_stream_buffer_rejects_bad_groups_and_empty_batches() -> None:
     with pytest.raises(TrainingError, match="not ready"):
         buf.add_ready(pending)
     assert buf.ready_groups == 0
+
+
+def test_a_batch_with_nothing_to_train_closes_empty() -> None:
+    """Only failure placeholders: the batch closes with no micro-step and E = 0 (the update is
+    skipped), and the next batch trains as usual."""
+    buf = StreamPackingBuffer(StreamConfig(groups_per_batch=1, group_size=2, token_budget=400))
     buf.add_ready(_group("empty", 0, [None, None], 0))
-    with pytest.raises(TrainingError, match="empty batch"):
-        buf.pull()
+    assert buf.pull() == [] and buf.closed
+    assert buf.batch_info().num_executions == 0 and buf.batch_info().group_ids == ["empty"]
+    buf.begin_batch()
+    buf.add_ready(_group("next", 1, [1.0, 0.0], 3))
+    assert buf.pull() and buf.closed and buf.batch_info().num_executions == 2
+
+
+OUTCOME = st.sampled_from([Status.VALID, Status.PLACEHOLDER, Status.EXCLUDED])
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    groups=st.lists(st.lists(OUTCOME, min_size=3, max_size=3), min_size=1, max_size=4),
+    min_outcomes=st.integers(1, 3),
+    seed=st.integers(0, 5),
+)
+def test_groups_with_too_few_usable_outcomes_are_set_aside(
+    groups: list[list[Status]], min_outcomes: int, seed: int
+) -> None:
+    """Against the obvious rule: a group trains iff at least `min_outcomes` of its outcomes
+    are usable (VALID or PLACEHOLDER); a set-aside group fills its slot and adds no row, and
+    the batch always closes (empty when nothing is left to train)."""
+    cfg = StreamConfig(groups_per_batch=len(groups), group_size=3, token_budget=4000,
+                       min_outcomes=min_outcomes)  # fmt: skip
+    buf = StreamPackingBuffer(cfg)
+    rng = np.random.default_rng(seed)
+    for g, statuses in enumerate(groups):
+        outs, trees = [], {}
+        for i, status in enumerate(statuses):
+            eid = f"g{g}-e{i}"
+            reward = float(rng.integers(0, 2)) if status is Status.VALID else None
+            outs.append(ExecutionOutcome(execution_id=eid, status=status, reward=reward))
+            if status is Status.VALID:
+                trees[eid] = branching_tree(rng, eid, vocab=VOCAB, scale=1)
+        buf.add_ready(ReadyGroup(group_id=f"g{g}", policy_version=0, outcomes=outs, trees=trees))
+    steps = []
+    while not buf.closed:
+        steps += buf.pull()
+    info = buf.batch_info()
+    usable = {f"g{g}": sum(s is not Status.EXCLUDED for s in st_) for g, st_ in enumerate(groups)}
+    assert info.set_aside == [g for g in info.group_ids if usable[g] < min_outcomes]
+    assert len(info.group_ids) == len(groups)
+    trained = {r.execution_id.split("-")[0] for step in steps for r in step.rows}
+    assert trained <= {g for g in usable if usable[g] >= min_outcomes}
+    expected = {f"g{g}-e{i}" for g, st_ in enumerate(groups) if usable[f"g{g}"] >= min_outcomes
+                for i, s in enumerate(st_) if s is Status.VALID}  # fmt: skip
+    assert set(info.executions) == expected
