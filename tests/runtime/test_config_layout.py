@@ -47,6 +47,13 @@ def test_the_train_section_is_the_trainers_config(tmp_path: Path) -> None:
         load_run_config(write_config(tmp_path, cfg), ["train.clip_hi=1.2"])
     with pytest.raises(ConfigError, match=r"run\.train\.clip_low/clip_high: 0.8/0.9"):
         load_run_config(write_config(tmp_path, cfg), ["train.clip_high=0.9"])
+    # the valid-group rule reaches the packing buffer; one no group can meet is refused
+    got = load_run_config(write_config(tmp_path, cfg), ["train.min_group_outcomes=3"])
+    assert got.train.stream(groups_per_batch=2, group_size=4).min_outcomes == 3
+    with pytest.raises(ConfigError, match=r"min_group_outcomes: 5; allowed: at most schedule"):
+        load_run_config(write_config(tmp_path, cfg), ["train.min_group_outcomes=5"])
+    with pytest.raises(ConfigError, match=r"max_empty_batches: 0; allowed an integer >= 1"):
+        load_run_config(write_config(tmp_path, cfg), ["train.max_empty_batches=0"])
 
 
 def test_unknown_key_names_the_path(tmp_path: Path) -> None:
