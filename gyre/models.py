@@ -172,7 +172,18 @@ def _load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         path.parent, gguf_file=path.name, local_files_only=True, dtype=torch.float32
     )
     model.generation_config.eos_token_id = tok.eos_token_id
-    return model, tok
+    return _serializable(model), tok
+
+
+def _serializable(model: PreTrainedModel) -> PreTrainedModel:
+    """transformers de-quantizes a GGUF file into plain float32 tensors but leaves the model
+    marked quantized (`hf_quantizer`, `is_quantized`, `config.quantization_config`), and
+    `save_pretrained` then refuses it ("quantized with gguf and is not serializable"): every
+    publication of a SmolLM2 run failed. Nothing in it is quantized; the marks go."""
+    model.__dict__.update(hf_quantizer=None, is_quantized=False)  # plain attributes
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
 
 
 def _smollm2_tokenizer(path: Path) -> PreTrainedTokenizerBase:

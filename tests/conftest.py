@@ -66,11 +66,28 @@ def e2e_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
 
 
 @pytest.fixture(scope="session")
-def smollm2_url():  # type: ignore[no-untyped-def]
-    """One SmolLM2-135M engine for the session's SmolLM2 tests (its start costs ~30 CPU-s)."""
+def smollm2_policy(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """SmolLM2-135M as a run publishes it: loaded from its GGUF file (~30 CPU-s) and written
+    by the runtime's `save_policy`; with the logits of a fixed prompt before saving."""
+    import torch
+
+    from gyre.models import load_model
+    from gyre.runtime.policies import save_policy
+
+    model, tok = load_model("smollm2-135m")
+    prompt = tok("The capital of France is", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits
+    path = save_policy(tmp_path_factory.mktemp("smollm2-run"), "v1", model, tok, version=1)
+    return path, prompt, logits
+
+
+@pytest.fixture(scope="session")
+def smollm2_url(smollm2_policy):  # type: ignore[no-untyped-def]
+    """One engine serving the published SmolLM2 directory for the session's SmolLM2 tests."""
     from gyre.rollout.testing import running_engine
 
-    with running_engine("smollm2-135m", startup_timeout=300) as url:
+    with running_engine(str(smollm2_policy[0]), startup_timeout=300) as url:
         yield url
 
 

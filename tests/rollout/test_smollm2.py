@@ -1,8 +1,12 @@
-"""SmolLM2-135M-Instruct served by the embedded engine answers a real question."""
+"""SmolLM2-135M-Instruct, published as a run publishes it, is a plain Hugging Face model that
+the embedded engine serves, and answers a real question."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from gyre.rollout.client import EngineClient
 from gyre.rollout.protocol import SamplingParams
@@ -28,3 +32,18 @@ def test_smollm2_knows_the_capital_of_france(smollm2_url: str) -> None:
     assert info["vocab_size"] == 49152
     assert "Paris" in res.text, res.text
     assert res.finish_type in ("stop", "length")
+
+
+def test_a_published_smollm2_policy_is_a_plain_loadable_model(smollm2_policy, smollm2_url) -> None:
+    """The runtime's publication of SmolLM2 (loaded from GGUF): transformers loads the
+    directory, with no quantization mark left, and computes the logits the run's model had;
+    `gyre engine --model DIR` serves it (every SmolLM2 test talks to that engine)."""
+    from transformers import AutoModelForCausalLM
+
+    path, prompt, logits = smollm2_policy
+    assert "quantization_config" not in json.loads((path / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    with torch.no_grad():
+        got = model(torch.tensor([prompt])).logits
+    assert torch.allclose(got, logits, atol=1e-5)
+    assert run(EngineClient(smollm2_url).model_info())["model_path"] == str(path)
