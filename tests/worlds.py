@@ -77,6 +77,9 @@ def e2e_world(base: Path) -> World:
     cfg["harness"]["tasks"] = ["notes", "add", "crashy", "notes", "fizzbuzz"]
     cfg["harness"]["params"].update({"max_turns": "3", "max_tokens": "96", "delegate": "off"})
     cfg["schedule"]["batch_groups"] = 3
+    # the crashy evaluator gives up after 2 attempts (not at the overall budget), so its
+    # groups are ready, and set aside, within the 2 steps
+    cfg["harness"]["eval_attempts"] = 2
     cfg["tracking"] = TRACKERS
     path = write_config(base, cfg)
     run_dir = base / "run"

@@ -106,8 +106,9 @@ class HarnessConfig:
     """Budget of harness + evaluation retries, from launch."""
     kill_grace_s: float = 1.0
     """Seconds between SIGTERM and SIGKILL of a harness's process group."""
-    eval_attempts: int = 2
-    """Evaluator attempts per execution (0: as many as the overall budget allows)."""
+    eval_attempts: int = 0
+    """Evaluator attempts per execution: 0 (the paper's rule) retries a failed scoring with
+    doubling pauses as long as the execution's overall budget lasts; N caps the attempts."""
     sandbox: Literal["auto", "bwrap", "none"] = "auto"
     """Confine every harness (bubblewrap): its workspace read-write, the system read-only; the
     task's hidden files, the run directory, other executions and other processes invisible.

@@ -7,7 +7,8 @@ snapshot under the task's rule. Outcomes:
 * a score (also 0.0) → VALID assessment; the execution's reward is that score. Rewards are
   never derived from elapsed time, trajectory length or termination status.
 * the rule fails (crash, timeout, unreadable output) → UNRESOLVED assessment; retried against
-  the same frozen snapshot while the execution's overall budget lasts. Budget exhausted
+  the same frozen snapshot while the execution's overall budget lasts (pauses doubling from
+  `retry_backoff_s` up to `max_backoff_s`; `max_attempts` caps the tries if set). Budget exhausted
   without a valid score → the execution is EXCLUDED (reward None), never given a zero.
 * no assessable work (workspace setup failed, harness never started, workspace gone) →
   one PLACEHOLDER assessment with reward 0.0 (the paper's dummy failure trajectory).
@@ -150,8 +151,10 @@ class Evaluator:
     class Config:
         """Evaluator settings."""
 
-        # pause between failed attempts, seconds
+        # pause after the first failed attempt, seconds; it doubles after each further one
         retry_backoff_s: float = 0.2
+        # the longest pause between attempts (a broken scorer is not run back to back)
+        max_backoff_s: float = 5.0
         # at most this many attempts per state (0: as many as the budget allows)
         max_attempts: int = 0
         # where frozen snapshots go; "" puts them beside each workspace (<exec dir>/snapshots)
@@ -160,6 +163,10 @@ class Evaluator:
         def __post_init__(self) -> None:
             if self.retry_backoff_s < 0:
                 raise ConfigError(f"retry_backoff_s: {self.retry_backoff_s!r} must be >= 0")
+            if self.max_backoff_s < self.retry_backoff_s:
+                raise ConfigError(
+                    f"max_backoff_s: {self.max_backoff_s!r} must be >= retry_backoff_s"
+                )
             if self.max_attempts < 0:
                 raise ConfigError(f"max_attempts: {self.max_attempts!r} must be >= 0")
 
@@ -201,7 +208,7 @@ class Evaluator:
                     attempts=attempt,
                 )
             await asyncio.sleep(
-                min(self.config.retry_backoff_s, max(0.0, terminated.deadline - time.time()))
+                min(self.backoff(attempt), max(0.0, terminated.deadline - time.time()))
             )
         if last is None:  # the budget ran out before a single attempt
             last = self._record(
@@ -291,6 +298,11 @@ class Evaluator:
         )  # fmt: skip
         self.log.record(a)
         return Verdict(execution_id=eid, status="placeholder", reward=0.0, assessment=a, attempts=0)
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt `attempt` (1, 2, ...): exponential, capped."""
+        c = self.config
+        return min(c.max_backoff_s, c.retry_backoff_s * 2.0 ** (attempt - 1))
 
     def _attempts_exhausted(self, attempt: int) -> bool:
         return self.config.max_attempts > 0 and attempt >= self.config.max_attempts

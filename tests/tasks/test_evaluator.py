@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import shutil
 import sys
 import time
@@ -86,6 +87,21 @@ def test_evaluator_that_never_succeeds_is_unresolved_and_excluded(
     assert all(a.score is None for a in history)  # never a zero
 
 
+def test_retries_within_the_budget_pause_longer_each_time(
+    suite, tmp_path, workspace, make_terminated
+):
+    """The paper's rule (no attempt cap): a failing scorer is retried until the overall budget
+    runs out, after pauses that double from `retry_backoff_s` up to `max_backoff_s`."""
+    ev = Evaluator(Evaluator.Config(retry_backoff_s=0.1, max_backoff_s=0.4))
+    assert [ev.backoff(i) for i in (1, 2, 3, 4, 5)] == [0.1, 0.2, 0.4, 0.4, 0.4]
+    task = flaky_task(suite, tmp_path, workspace, fails=10**6)
+    verdict = asyncio.run(ev.assess(make_terminated(workspace, budget_s=2.0), task))
+    history = ev.log.for_execution("e0")
+    assert verdict.status == "excluded" and verdict.attempts == len(history) >= 3
+    for i, (a, b) in enumerate(itertools.pairwise(history), start=1):
+        assert b.t_start - a.t_end >= ev.backoff(i) - 0.02, (i, b.t_start - a.t_end)
+
+
 def test_max_attempts_bounds_retries(suite, tmp_path, workspace, make_terminated):
     task = flaky_task(suite, tmp_path, workspace, fails=10**6)
     ev = Evaluator(Evaluator.Config(retry_backoff_s=0.0, max_attempts=2))
@@ -160,3 +176,5 @@ def test_log_refuses_out_of_order_records(suite, workspace):
 def test_evaluator_config_validation():
     with pytest.raises(ConfigError, match="retry_backoff_s"):
         Evaluator.Config(retry_backoff_s=-1)
+    with pytest.raises(ConfigError, match="max_backoff_s"):
+        Evaluator.Config(retry_backoff_s=1.0, max_backoff_s=0.5)
