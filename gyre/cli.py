@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from gyre import __version__
@@ -40,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # `gyre run CONFIG --steps 2 train.lr=3e-4`: overrides may follow options too
+        if not hasattr(args, "overrides") or any(_not_override(x) for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -51,6 +56,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `gyre trace show ... | head` closed the pipe: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _not_override(arg: str) -> bool:
+    key = arg.partition("=")[0]
+    return (
+        "=" not in arg or arg.startswith("-") or not key.replace(".", "").replace("_", "").isalnum()
+    )
 
 
 if __name__ == "__main__":

@@ -60,6 +60,10 @@ def read_mapping(file: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(p.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {str(p)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {str(p)!r} is a directory; allowed: a YAML file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
     if not isinstance(data, dict):

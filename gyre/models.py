@@ -62,20 +62,41 @@ def chat_template() -> str:
     return CHAT_TEMPLATE_FILE.read_text()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+"""A model directory needs one of these beside `config.json` for its tokenizer to load."""
+
+
+def check_model(spec: str) -> None:
+    """Refuse a model spec that cannot load, cheaply (no torch, no weights read): what
+    `gyre run` and `gyre eval` check before any process starts."""
+    if tiny_size(spec) is not None:
+        return
+    if spec == "smollm2-135m":
+        smollm2_gguf_path()
+        return
+    path = Path(spec)
+    if not path.is_dir():
+        raise ConfigError(
+            f"model: {spec!r} is neither a known model nor a directory; "
+            f"allowed: {', '.join(MODEL_SPECS)} or a local Hugging Face model directory"
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model: {spec!r} has no config.json; allowed: a Hugging Face model "
+                          "directory (save_pretrained's output)")  # fmt: skip
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"model: {spec!r} has no tokenizer (one of {', '.join(TOKENIZER_FILES)})")
+
+
 def load_model(spec: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load `spec` ("tiny[:HxL]" | "smollm2-135m" | local HF directory) as (model, tokenizer)."""
+    check_model(spec)
     size = tiny_size(spec)
     if size is not None:
         model, tok = _load_tiny(*size)
     elif spec == "smollm2-135m":
         model, tok = _load_smollm2()
-    elif Path(spec).is_dir():
-        model, tok = _load_dir(Path(spec))
     else:
-        raise ConfigError(
-            f"model: {spec!r} is neither a known model nor a directory; "
-            f"allowed: {', '.join(MODEL_SPECS)} or a local Hugging Face model directory"
-        )
+        model, tok = _load_dir(Path(spec))
     _ensure_tool_template(tok)
     model.eval()
     return model, tok
@@ -83,19 +104,15 @@ def load_model(spec: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """Only the tokenizer of `spec` (with the tools-capable chat template): for the proxy."""
+    check_model(spec)
     if tiny_size(spec) is not None:
         tok = tiny_tokenizer()
     elif spec == "smollm2-135m":
         tok = _smollm2_tokenizer(smollm2_gguf_path())
-    elif Path(spec).is_dir():
+    else:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
-    else:
-        raise ConfigError(
-            f"model: {spec!r} is neither a known model nor a directory; "
-            f"allowed: {', '.join(MODEL_SPECS)} or a local Hugging Face model directory"
-        )
     _ensure_tool_template(tok)
     return tok
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-OVERRIDES_HELP = "set config keys (after CONFIG), e.g. train.lr=3e-4 topology.cells=4"
+OVERRIDES_HELP = "set config keys (after CONFIG, also after options), e.g. train.lr=3e-4"
 
 
 def register(sub: Any) -> None:

@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "overrides",
             nargs="*",
             metavar="KEY.PATH=VALUE",
-            help="config overrides right after CONFIG, e.g. train.lr=3e-4",
+            help="config overrides after CONFIG (also after options), e.g. train.lr=3e-4",
         )
         p.add_argument("--steps", type=int, default=None, help="optimizer updates")
         p.add_argument("--policy", default=None, help="elastic | async | colocate")
@@ -124,6 +124,7 @@ def check_fits_this_machine(t: TopologyConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gyre.models import check_model
     from gyre.runtime.config import dump_run_config, load_run_config
     from gyre.runtime.main import default_run_dir
     from gyre.runtime.proxy_node import check_harness
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         config, args.run_dir = _resumable(Path(args.resume), args.run_dir), args.resume
     cfg = load_run_config(config, overrides, steps=args.steps, policy=args.policy)
     check_fits_this_machine(cfg.topology)
+    check_model(cfg.model)
     cfg.engine.check_machine(cfg.model)
     check_harness(cfg)
     for warning in cfg.warnings():

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.errors import ConfigError
+from gyre.models import check_model
 from gyre.rollout.protocol import ensure_engine_key
 from gyre.runtime import policies
 from gyre.runtime.config import RunConfig, load_run_config
@@ -123,13 +125,19 @@ async def _run_all(
     host = ExecutionHost(cfg, work_dir, hide)
     await host.start({"e0": url})
     gate = asyncio.Semaphore(concurrency)
+    total, finished = len(tasks) * instances, [0]
 
     async def one(task_name: str, k: int) -> tuple[str, float | None]:
         task = host.suite[task_name].instantiate(heldout_seed(k))
         eid = f"eval-{task_name}-{k}"
         async with gate:
             _, _, verdict = await host.execute(eid, task, "e0")
-        return eid, verdict["reward"] if verdict["status"] != "excluded" else None
+        reward = verdict["reward"] if verdict["status"] != "excluded" else None
+        finished[0] += 1
+        shown = "excluded" if reward is None else f"reward {reward:.3f}"
+        print(f"gyre eval: {work_dir.name} {finished[0]}/{total} {eid} {shown}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return eid, reward
 
     try:
         done = await asyncio.gather(*(one(t, k) for t in tasks for k in range(instances)))
@@ -157,8 +165,14 @@ def run_eval(
 
     check_harness(cfg)
     for t in todo:
+        check_model(t.model)
         cfg.engine.check_machine(t.model)
-    names = tasks or cfg.harness.tasks or list(_suite_names(cfg))
+    known = _suite_names(cfg)
+    names = tasks or cfg.harness.tasks or list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"--tasks: unknown task {unknown[0]!r} in suite "
+                          f"{cfg.harness.suite!r}; allowed: {', '.join(known)}")  # fmt: skip
     base = Path(out) if out else (run_dir / "eval" if run_dir else Path(tempfile.mkdtemp()))
     limit = concurrency or cfg.engine.max_batch_size
     hide = (base,) + ((run_dir,) if run_dir is not None else ())  # the run's policies, trace

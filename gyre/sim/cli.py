@@ -24,6 +24,11 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+PLANNING_KEYS = ("cells", "nodes_per_cell", "standalone_nodes", "concurrency_per_cell", "phi",
+                 "mu", "phi_mu", "staleness")  # fmt: skip
+"""The sweep keys of gyre/sim/sweep.py's table (here, so `gyre --help` stays light); any
+other key is a dotted template path."""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sim", help="simulate scheduling policies on a workload template")
@@ -40,9 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", type=int, default=5,
                    help="replay: seeds to average the recorded groups' draws over (default 5)")  # fmt: skip
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
-                   help="what-if sweep over KEY (cells, nodes_per_cell, standalone_nodes, "
-                   "concurrency_per_cell, phi, mu, phi_mu, staleness or a KEY.PATH); repeat "
-                   "for a grid")  # fmt: skip
+                   help=f"what-if sweep over KEY ({', '.join(PLANNING_KEYS)} or a KEY.PATH); "
+                   "repeat for a grid")  # fmt: skip
     p.add_argument("--plot", default="sweep.png", help="sweep: plot file (default sweep.png)")
     p.add_argument("--jobs", type=int, help="sweep: processes to run points in (default: CPUs)")
     p.add_argument("--timeline", help="write per-run timelines and step times to this JSON file")

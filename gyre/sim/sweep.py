@@ -31,10 +31,13 @@ from typing import Any
 from gyre.config import apply_overrides, load, parse_override
 from gyre.errors import ConfigError
 from gyre.schedule.config import POLICIES
+from gyre.sim import cli
 from gyre.sim.config import SimConfig
 from gyre.sim.report import SimResult
 
 Sweep = list[tuple[str, list[Any]]]
+
+PLANNING_KEYS = cli.PLANNING_KEYS
 
 
 @dataclass(slots=True)
@@ -79,6 +82,8 @@ def apply_point(data: dict[str, Any], key: str, value: Any, policies: list[str])
         size = nodes // cells
         sched.update(standalone_nodes=int(value), nodes=budget - int(value))
         sched["cells"] = _divide(budget - int(value), size, key)
+    elif key == "concurrency_per_cell":
+        sched["concurrency_per_cell"] = value
     elif key in ("phi", "mu", "phi_mu"):
         phi, mu = _phi_mu(key, value)
         for p in policies:

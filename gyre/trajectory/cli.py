@@ -27,7 +27,7 @@ def register(subparsers: Any) -> None:
     trace = subparsers.add_parser("trace", help="inspect HDF5 trace files")
     sub = trace.add_subparsers(dest="trace_command", metavar="ACTION")
     show = sub.add_parser("show", help="list a run's executions or print one execution's tree")
-    show.add_argument("file", help="trace file written by a run (HDF5)")
+    show.add_argument("file", metavar="RUN_DIR|TRACE", help="run directory or trace file")
     show.add_argument("--execution", metavar="ID", help="print this execution's tree")
     show.add_argument("--json", action="store_true", help="print plain JSON")
     show.set_defaults(func=_show)
@@ -45,9 +45,9 @@ def register(subparsers: Any) -> None:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from gyre.trajectory.reader import TraceReader
+    from gyre.trajectory.reader import TraceReader, trace_path
 
-    with TraceReader(args.file) as reader:
+    with TraceReader(trace_path(args.file)) as reader:
         if args.execution is None:
             doc = _run_doc(reader)
             printer = _print_run

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from gyre.cli import main
+from gyre.config import load
 from gyre.errors import ConfigError
-from gyre.sim.config import read_template
+from gyre.sim.config import SimConfig, read_template
 from gyre.sim.simulator import Simulator
-from gyre.sim.sweep import apply_point, parse_sweeps, run_sweep
+from gyre.sim.sweep import PLANNING_KEYS, apply_point, parse_sweeps, run_sweep
 
 from .paths import TEMPLATE
 
@@ -31,6 +32,17 @@ def test_planning_keys_keep_the_node_budget() -> None:
     assert data["scheduler"]["cells"] == 8  # the template itself is unchanged
     with pytest.raises(ConfigError, match="does not divide"):
         apply_point(data, "nodes_per_cell", 5, ["elastic"])
+
+
+@pytest.mark.parametrize("key", PLANNING_KEYS)
+def test_every_planning_key_gives_a_valid_template(key: str) -> None:
+    """Each key the help and docs list (`gyre sim --sweep KEY=...`) sets a loadable point."""
+    value = {"cells": 4, "nodes_per_cell": 8, "standalone_nodes": 8, "concurrency_per_cell": 96,
+             "phi": 1.0, "mu": 2, "phi_mu": "1.0/2", "staleness": 1.5}[key]  # fmt: skip
+    point = apply_point(read_template(TEMPLATE), key, value, ["elastic"])
+    load(SimConfig, point, path="sim")
+    if key == "concurrency_per_cell":
+        assert point["scheduler"]["concurrency_per_cell"] == 96
 
 
 def test_sweep_text_is_checked() -> None:
