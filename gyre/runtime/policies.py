@@ -2,7 +2,10 @@
 
 Every publication the core makes is written to `RUN_DIR/policies/v<version>/` and the end
 of a run writes `RUN_DIR/policies/final/`: `config.json`, `model.safetensors`, the
-tokenizer with its chat template, and `gyre-policy.json` (version, run). A directory is
+tokenizer with its chat template, `gyre-policy.json` (version, run) and a model card
+(`README.md`: base model, updates, how to load and evaluate). Directories and files are
+readable as the umask allows (a group on a shared file system), and the tokenizer loads under
+transformers 4.57 as well as 5. A directory is
 written beside its final name and renamed into place, so a reader never sees half of one;
 only the newest `train.keep_policies` publications are kept (`final` always is).
 
@@ -45,13 +48,70 @@ def save_policy(
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    _portable_tokenizer(tmp)
     (tmp / META).write_text(json.dumps({"version": version, "run": run_dir.name, "name": name}))
+    (tmp / "README.md").write_text(model_card(run_dir, name, version))
+    _shareable(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
     if keep is not None:
         prune(run_dir, keep)
     return final
+
+
+def _portable_tokenizer(folder: Path) -> None:
+    """transformers 5 names its generic fast tokenizer `TokenizersBackend`, a class that
+    transformers 4.57 (which Gyre allows) does not know; both load the same tokenizer.json
+    under the older name `PreTrainedTokenizerFast`."""
+    path = folder / "tokenizer_config.json"
+    if not path.exists():
+        return
+    cfg = json.loads(path.read_text())
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def _shareable(folder: Path) -> None:
+    """mkdtemp makes a 0700 directory and safetensors a 0600 file; a policy is for the group
+    (a shared file system) as the umask allows, like any file the run writes."""
+    mask = _umask()
+    folder.chmod(0o777 & ~mask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~mask)
+
+
+def model_card(run_dir: Path, name: str, version: int) -> str:
+    """The policy's README.md: what it is, where it came from, how to load and evaluate it."""
+    from gyre import __version__
+
+    base = "(see the run's config.yaml)"
+    config = run_dir / "config.yaml"
+    if config.exists():
+        import yaml
+
+        base = str((yaml.safe_load(config.read_text()) or {}).get("model", base))
+    return (
+        f"# {run_dir.name} / {name}\n\n"
+        f"A policy trained by Gyre {__version__} (online RL of an LLM agent through its "
+        f"harness): base model `{base}`, after {version} optimizer updates of run "
+        f"`{run_dir.name}`.\n\n"
+        "* run config: `config.yaml` in the run directory; trace: `trace.h5`\n"
+        "* held-out evaluation: `gyre eval RUN_DIR` (results in `eval.json`)\n"
+        "* load: `AutoModelForCausalLM.from_pretrained(DIR)`; serve: `gyre engine --model DIR`\n"
+    )
 
 
 def published(run_dir: Path) -> list[tuple[int, Path]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import pickle
 import re
@@ -518,6 +519,13 @@ def test_save_policy_writes_a_loadable_policy_directory(rig: CellRig) -> None:
     assert Path(saved.path) == policies.policy_dir(rig.cell.run_dir, "final")
     assert policies.policy_version(Path(saved.path)) == rig.cell.version
     assert policies.load_weights(Path(saved.path))
+    # portable: readable as the umask allows, a tokenizer class transformers 4.57 knows, a card
+    folder, mask = Path(saved.path), policies._umask()
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~mask
+    assert all(f.stat().st_mode & 0o777 == 0o666 & ~mask for f in folder.iterdir())
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    assert tok.get("tokenizer_class") != "TokenizersBackend", tok.get("tokenizer_class")
+    assert f"after {rig.cell.version} optimizer updates" in (folder / "README.md").read_text()
 
 
 @delivers(msg.Reload)
