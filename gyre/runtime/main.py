@@ -208,9 +208,11 @@ def _start_engine(cfg: RunConfig, me: Component, run_dir: Path) -> Any:
 def _run_coordinator(
     cfg: RunConfig, link: Any, components: list[Component], run_dir: Path, hosts: list[str]
 ) -> int:
+    from gyre import provenance
     from gyre.runtime.coordinator import Coordinator
 
-    meta = {"config": dump_run_config(cfg), "world_size": len(components), "hosts": hosts}
+    meta = {"config": dump_run_config(cfg), "world_size": len(components), "hosts": hosts,
+            "model": cfg.model, **provenance()}  # fmt: skip
     coordinator = Coordinator(cfg, link, run_dir, engine_ranks(components), meta,
                               cell_members=cell_members(components))  # fmt: skip
     try:

@@ -95,8 +95,9 @@ def _shareable(folder: Path) -> None:
 
 def model_card(run_dir: Path, name: str, version: int) -> str:
     """The policy's README.md: what it is, where it came from, how to load and evaluate it."""
-    from gyre import __version__
+    from gyre import provenance
 
+    made = provenance()
     base = "(see the run's config.yaml)"
     config = run_dir / "config.yaml"
     if config.exists():
@@ -105,9 +106,10 @@ def model_card(run_dir: Path, name: str, version: int) -> str:
         base = str((yaml.safe_load(config.read_text()) or {}).get("model", base))
     return (
         f"# {run_dir.name} / {name}\n\n"
-        f"A policy trained by Gyre {__version__} (online RL of an LLM agent through its "
-        f"harness): base model `{base}`, after {version} optimizer updates of run "
+        f"A policy trained by Gyre {made['gyre_version']} (online RL of an LLM agent through "
+        f"its harness): base model `{base}`, after {version} optimizer updates of run "
         f"`{run_dir.name}`.\n\n"
+        f"* Gyre commit: `{made['git_commit'] or 'not from a git checkout'}`\n"
         "* run config: `config.yaml` in the run directory; trace: `trace.h5`\n"
         "* held-out evaluation: `gyre eval RUN_DIR` (results in `eval.json`)\n"
         "* load: `AutoModelForCausalLM.from_pretrained(DIR)`; serve: `gyre engine --model DIR`\n"

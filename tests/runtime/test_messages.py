@@ -525,7 +525,8 @@ def test_save_policy_writes_a_loadable_policy_directory(rig: CellRig) -> None:
     assert all(f.stat().st_mode & 0o777 == 0o666 & ~mask for f in folder.iterdir())
     tok = json.loads((folder / "tokenizer_config.json").read_text())
     assert tok.get("tokenizer_class") != "TokenizersBackend", tok.get("tokenizer_class")
-    assert f"after {rig.cell.version} optimizer updates" in (folder / "README.md").read_text()
+    card = (folder / "README.md").read_text()
+    assert f"after {rig.cell.version} optimizer updates" in card and "Gyre commit: `" in card
 
 
 @delivers(msg.Reload)

@@ -50,6 +50,7 @@ def test_gyre_run_end_to_end_with_engine_kill(e2e_run: World) -> None:
     assert summary["engine_losses"] == 1
 
     with TraceReader(run_dir / "trace.h5") as r:
+        meta = r.run_meta
         steps = r.rows("steps")
         execs = {i.execution_id: i for i in r.executions()}
         groups = r.rows("groups")
@@ -58,6 +59,10 @@ def test_gyre_run_end_to_end_with_engine_kill(e2e_run: World) -> None:
         events = r.rows("events")
         assessments = r.rows("assessments")
         trees = {eid: r.tree(eid) for eid, i in execs.items() if i.status != "not_launched"}
+
+    # which Gyre wrote it, and for which model
+    assert meta["gyre_version"] and meta["model"] == "tiny", meta
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", meta["git_commit"]), meta["git_commit"]
 
     # every dispatched execution: a closed tree, a reward row, validity
     dispatched = {g["execution_id"]: g["task_id"].split("@")[0] for g in groups}
