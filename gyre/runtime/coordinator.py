@@ -365,6 +365,8 @@ class Coordinator:
         self.rec.event("admit", group=g.id, batch=a.batch, staleness=a.staleness)
         self.batch_groups.setdefault(a.batch, []).append(g.id)
         count = self.train.admit(g.id, g.version, a.staleness, outcomes, trees)
+        for group in self.train.new_set_aside:  # too few usable outcomes (docs/training.md)
+            self.rec.event("set_aside", group=group, batch=a.batch)
         self.feed(ev.MicroStepsQueued(batch=a.batch, group=a.group, count=count))
 
     def _why_untrainable(self) -> str:

@@ -94,6 +94,8 @@ class TrainingPlane:
         self.passes: dict[int, dict[str, int]] = {}  # step -> {"prepass": cell, "gradient": cell}
         self.t_first: float | None = None  # when the batch's first pass was sent
         self.t_done: float | None = None  # when its update finished
+        self.new_set_aside: list[str] = []  # groups the last admit set aside
+        self._set_aside_seen = 0
 
     # ------------------------------------------------------------------ the batch
 
@@ -122,6 +124,8 @@ class TrainingPlane:
         )
         new = self.buffer.pull()
         info = self.buffer.batch_info()
+        self.new_set_aside = info.set_aside[self._set_aside_seen :]
+        self._set_aside_seen = len(info.set_aside)
         for eid, rows in info.rows.items():
             self.rows_left.setdefault(eid, rows)
         for step in new:

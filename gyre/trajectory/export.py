@@ -47,7 +47,11 @@ ROW_GROUP = 1 << 20  # rows per written Parquet row group / CSV chunk
 EXECUTION_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("execution_id", pa.string(), "execution id"),
     ("group_id", pa.string(), "group (groups table, else the execution's meta)"),
-    ("task_id", pa.string(), "task (groups table, else the execution's meta)"),
+    ("task_id", pa.string(), "task instance (groups table, else the execution's meta)"),
+    ("task", pa.string(), "task name: task_id before its '@'"),
+    ("instance", pa.string(), "instance of the task: task_id after its '@' ('' if none)"),
+    ("batch", pa.int64(), "training batch its group was admitted to (null: never admitted)"),
+    ("set_aside", pa.bool_(), "its group was admitted but set aside (too few usable outcomes)"),
     ("status", pa.string(), "close status (completed, timed_out, failed, ...) or open"),
     ("verdict", pa.string(), "evaluator verdict from the meta (scored, excluded, ...)"),
     ("reward", pa.float64(), "designated reward (rewards table; NaN if none)"),
@@ -179,10 +183,18 @@ def _execution_row(
     st = tree.stats()
     versions = nodes["policy_version"]
     t_close = math.nan if info.t_close is None else info.t_close
+    task_id = group.get("task_id", str(meta.get("task", "")))
+    group_id = group.get("group_id", str(meta.get("group", "")))
+    task, _, instance = task_id.partition("@")
+    admitted = joins["admitted"].get(group_id, {})
     return {
         "execution_id": eid,
-        "group_id": group.get("group_id", str(meta.get("group", ""))),
-        "task_id": group.get("task_id", str(meta.get("task", ""))),
+        "group_id": group_id,
+        "task_id": task_id,
+        "task": task,
+        "instance": instance,
+        "batch": admitted.get("batch"),
+        "set_aside": admitted.get("set_aside", False),
         "status": info.status,
         "verdict": str(meta.get("verdict", "")),
         "reward": reward.get("reward", math.nan),
@@ -213,11 +225,20 @@ def _execution_row(
 
 
 def _joins(reader: TraceReader) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per execution: its `groups` row and its last `rewards` row."""
+    """Per execution: its `groups` row and its last `rewards` row; per group: the batch the
+    coordinator admitted it to (`events` of kind `admit`) and whether it was set aside."""
     out: dict[str, dict[str, dict[str, Any]]] = {"groups": {}, "rewards": {}}
     for name, by_execution in out.items():
         if name in reader.tables:
             by_execution.update((row["execution_id"], row) for row in reader.rows(name))
+    admitted: dict[str, dict[str, Any]] = {}
+    if "events" in reader.tables:
+        for row in reader.rows("events"):
+            if row["kind"] in ("admit", "set_aside"):
+                detail = json.loads(row["detail"])
+                entry = admitted.setdefault(detail["group"], {"batch": detail["batch"]})
+                entry["set_aside"] = entry.get("set_aside", False) or row["kind"] == "set_aside"
+    out["admitted"] = admitted
     return out
 
 

@@ -98,6 +98,8 @@ def test_gyre_run_end_to_end_with_engine_kill(e2e_run: World) -> None:
     admitted = [json.loads(e["detail"])["group"] for e in events if e["kind"] == "admit"]
     crashy = sum(task_of_group[g] == "crashy" for g in admitted)
     assert summary["set_aside_groups"] == crashy == sum(metric["set_aside_groups"]), admitted
+    aside = {json.loads(e["detail"])["group"] for e in events if e["kind"] == "set_aside"}
+    assert aside == {g for g in admitted if task_of_group[g] == "crashy"}, aside
 
     # one node per agent call, also for calls whose engine was killed or switched away
     for eid, tree in trees.items():

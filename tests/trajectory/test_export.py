@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pytest
 from trajectory_strategies import make_tree
@@ -54,7 +55,7 @@ def doc_pandas_example() -> str:
 
 def write_trace(path: Path) -> dict[str, TrajectoryTree]:
     closed, partial = make_tree(3, "g0-e0", 9), make_tree(4, OPEN_ID, 3)
-    groups = [{"group_id": "g0", "task_id": "tâsk", "execution_id": e, "policy_version": 2,
+    groups = [{"group_id": "g0", "task_id": "tâsk@7", "execution_id": e, "policy_version": 2,
                "t_dispatch": 10.0} for e in ("g0-e0", OPEN_ID)]  # fmt: skip
     notes = Table("notes", (("who", "str"), ("n", "int")))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +70,10 @@ def write_trace(path: Path) -> dict[str, TrajectoryTree]:
         for node in partial.nodes:
             w.record_node(OPEN_ID, node)
         w.append("notes", [{"who": "ünï\ncode", "n": 3}])
-        w.append("events", [{"t": 1.0, "kind": "switch", "detail": '{"cell": 0, "to": "train"}'}])
+        w.append("events", [{"t": 1.0, "kind": "switch", "detail": '{"cell": 0, "to": "train"}'},
+                            {"t": 2.0, "kind": "admit", "detail": '{"group": "g0", "batch": 3}'},
+                            {"t": 2.0, "kind": "set_aside",
+                             "detail": '{"group": "g0", "batch": 3}'}])  # fmt: skip
     return {"g0-e0": closed, OPEN_ID: partial}
 
 
@@ -138,14 +142,15 @@ def test_executions_join_tables_meta_and_tree_stats(exported: tuple) -> None:
     assert (done.status, done.verdict, done.reward, done.valid, done.closed) == (
         "timed_out", "scored", 0.5, True, True)  # fmt: skip
     assert (done.group_id, done.task_id, done.engine, done.dispatch_policy_version) == (
-        "g0", "tâsk", "e1", 2)  # fmt: skip
+        "g0", "tâsk@7", "e1", 2)  # fmt: skip
+    assert (done.task, done.instance, done.batch, done.set_aside) == ("tâsk", "7", 3, True)
     assert (done.unique_tokens, done.flat_tokens, done.flat_policy_tokens, done.num_leaves) == (
         stats.unique_tokens, stats.flat_tokens, stats.flat_policy_tokens, stats.num_leaves)  # fmt: skip
     versions = [n.policy_version for n in trees["g0-e0"].nodes]
     assert (done.min_policy_version, done.max_policy_version) == (min(versions), max(versions))
     assert done.depth == max(len(trees["g0-e0"].path(k)) for k in trees["g0-e0"].leaves())
     assert json.loads(done.meta)["reward"] == 0.5
-    assert (live.status, live.closed, live.task_id, live.num_nodes) == ("open", False, "tâsk", 3)
+    assert (live.status, live.closed, live.task_id, live.num_nodes) == ("open", False, "tâsk@7", 3)
     assert np.isnan(live.reward) and pd.isna(live.valid) and np.isnan(live.t_close)
 
 
@@ -167,9 +172,11 @@ def test_csv_holds_the_same_tables(exported: tuple, tmp_path: Path) -> None:
     for name in ("executions", "nodes", "tokens", "notes", "groups"):
         a = pd.read_parquet(parquet[name])
         # pyarrow's reader keeps "" (quoted) apart from a missing value (unquoted)
-        options = pa_csv.ConvertOptions(quoted_strings_can_be_null=False)
-        b = pa_csv.read_csv(csv[name], convert_options=options).to_pandas()
         a = a.astype({c: str for c in a.columns if isinstance(a[c].dtype, pd.CategoricalDtype)})
+        # and reads a string column of digits (an instance seed) as strings, as exported
+        strings = {c: pa.string() for c in a.columns if pd.api.types.is_string_dtype(a[c])}
+        options = pa_csv.ConvertOptions(quoted_strings_can_be_null=False, column_types=strings)
+        b = pa_csv.read_csv(csv[name], convert_options=options).to_pandas()
         pd.testing.assert_frame_equal(a, b, check_dtype=False)
 
 
