@@ -8,9 +8,12 @@ rollout and training, and the trajectory plane (`gyre.proxy`, `gyre.trajectory`,
 training data. See README.md and docs/ for the map.
 """
 
+import functools
+
 __version__ = "0.1.0"
 
 
+@functools.cache
 def provenance() -> dict[str, str | None]:
     """Which Gyre wrote a run's files: the version and, from a git checkout, the commit (with
     `+dirty` when the checkout has local changes); recorded in the trace and model cards."""
@@ -19,12 +22,12 @@ def provenance() -> dict[str, str | None]:
 
     root = Path(__file__).resolve().parent.parent
     commit: str | None = None
-    try:
-        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty=+dirty",
-                              "--abbrev=40", "--match=NONE"], capture_output=True, text=True,
-                             timeout=5)  # fmt: skip
-        if out.returncode == 0 and (root / "gyre").is_dir() and (root / ".git").exists():
-            commit = out.stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+    if (root / ".git").exists():
+        try:
+            out = subprocess.run(["git", "-C", str(root), "describe", "--always",
+                                  "--dirty=+dirty", "--abbrev=40", "--match=NONE"],
+                                 capture_output=True, text=True, timeout=5)  # fmt: skip
+            commit = (out.stdout.strip() or None) if out.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            pass
     return {"gyre_version": __version__, "git_commit": commit}

@@ -99,7 +99,7 @@ def _context(spec: JobSpec, opts: RenderOptions) -> dict[str, Any]:
         "env": [
             (k, shlex.quote(v)) for k, v in sorted({**plugin_env, **s.env, **opts.exports}.items())
         ],
-        "pmi2_netmod": s.mpi == "pmi2" and "MPIR_CVAR_CH4_NETMOD" not in s.env,
+        "pmi2_netmod": bool(plugin_env.keys() - s.env.keys()),
         "python": s.python,
         "exit_checkpointed": EXIT_CHECKPOINTED,
         "het_groups": spec.het_groups,

@@ -31,13 +31,10 @@ from typing import Any
 from gyre.config import apply_overrides, load, parse_override
 from gyre.errors import ConfigError
 from gyre.schedule.config import POLICIES
-from gyre.sim import cli
 from gyre.sim.config import SimConfig
 from gyre.sim.report import SimResult
 
 Sweep = list[tuple[str, list[Any]]]
-
-PLANNING_KEYS = cli.PLANNING_KEYS
 
 
 @dataclass(slots=True)

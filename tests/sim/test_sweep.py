@@ -10,9 +10,10 @@ import pytest
 from gyre.cli import main
 from gyre.config import load
 from gyre.errors import ConfigError
+from gyre.sim.cli import PLANNING_KEYS
 from gyre.sim.config import SimConfig, read_template
 from gyre.sim.simulator import Simulator
-from gyre.sim.sweep import PLANNING_KEYS, apply_point, parse_sweeps, run_sweep
+from gyre.sim.sweep import apply_point, parse_sweeps, run_sweep
 
 from .paths import TEMPLATE
 
