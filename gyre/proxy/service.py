@@ -223,6 +223,7 @@ class ProxyService:
             conv,
             id_prefix=ID_PREFIX[req.api],
             parse_tools=req.tool_choice.mode != "none",
+            forced=sampling.ebnf is not None,
             fmt=self.tool_format,
         )
         reply = Reply(

@@ -181,11 +181,13 @@ class Execution:
         *,
         id_prefix: str,
         parse_tools: bool,
+        forced: bool = False,
         fmt: ToolFormat = HERMES,
     ) -> Output:
-        """Split output text into content and tool calls (new ids), map the finish reason."""
+        """Split output text into content and tool calls (new ids), map the finish reason;
+        `forced`: the output was generated under the forced-call grammar."""
         if parse_tools and conv.tools:
-            content, calls = parse_output(text, conv.tools, fmt)
+            content, calls = parse_output(text, conv.tools, fmt, forced=forced)
         else:
             content, calls = text.strip(), []
         tool_calls = [

@@ -13,7 +13,10 @@ own chat template (`gyre.models.tool_format`, or the proxy's `tool_format` setti
 `parse_output` reads an output with transformers' response parser
 (`transformers.utils.chat_parsing`, declarative per-format `response_template`s) and keeps the
 calls only if every one is well formed (a request tool's name, an object of arguments):
-otherwise the whole output is plain text, so a malformed call never half-parses.
+otherwise the whole output is plain text, so a malformed call never half-parses. A forced
+output (its shape fixed by the grammar below) is read as the format's one JSON call first:
+the grammar lets a string argument hold the close marker (`</tool_call>`, `};`), where a text
+parser would cut the call.
 
 `forced_call_grammar` builds the engine's `sampling_params.ebnf` (llguidance Lark) for
 tool_choice "required" / a named tool: exactly one call in the format, its arguments
@@ -56,6 +59,11 @@ class ToolFormat:
     name: str
     response_template: dict[str, Any]
     call: Callable[[dict[str, Any], int, TokenId], str]  # Lark expression of one call
+    # A forced call is exactly open + JSON object + close (its arguments under `args_key`):
+    # read as one JSON document, so an argument string holding the close marker is not cut
+    # where the template parser would cut it. None: the template parser is exact (XML values
+    # cannot hold "</" under the forced grammar).
+    envelope: tuple[str, str, str] | None = None
 
     def parser_template(self) -> ResponseTemplate:
         """The compiled response template (compiled once per format)."""
@@ -121,6 +129,7 @@ HERMES = ToolFormat(
         },
     },
     call=_hermes_call,
+    envelope=("<tool_call>\n", "\n</tool_call>", "arguments"),
 )
 QWEN3_CODER = ToolFormat(
     name="qwen3_coder",
@@ -168,6 +177,7 @@ LLAMA3_JSON = ToolFormat(
         },
     },
     call=_llama_call,
+    envelope=("", "", "parameters"),
 )
 BY_NAME = {f.name: f for f in (HERMES, QWEN3_CODER, LLAMA3_JSON)}
 
@@ -181,10 +191,15 @@ def get_format(name: str) -> ToolFormat:
 
 
 def parse_output(
-    text: str, tools: list[dict[str, Any]], fmt: ToolFormat = HERMES
+    text: str, tools: list[dict[str, Any]], fmt: ToolFormat = HERMES, *, forced: bool = False
 ) -> tuple[str, list[tuple[str, str]]]:
-    """(remaining text stripped, [(name, arguments JSON text)]) for one model output."""
+    """(remaining text stripped, [(name, arguments JSON text)]) for one model output;
+    `forced`: the output was generated under `forced_call_grammar`."""
     names = {t["function"]["name"] for t in tools}
+    if forced and fmt.envelope is not None:
+        call = _enveloped_call(text, fmt.envelope, names)
+        if call is not None:
+            return "", [call]
     try:
         message = parse_response(text, fmt.parser_template(), prefix=ANCHOR, tools=list(tools))
     except Exception as e:  # a malformed call (the parser's errors vary by format): text
@@ -203,6 +218,22 @@ def parse_output(
     if not calls:
         return text.strip(), []
     return str(message.get("content") or "").strip(), calls
+
+
+def _enveloped_call(
+    text: str, envelope: tuple[str, str, str], names: set[str]
+) -> tuple[str, str] | None:
+    """The one call of a complete forced output, None if it is not one (cut by max_tokens)."""
+    open_, close, args_key = envelope
+    if not (text.startswith(open_) and text.endswith(close)):
+        return None
+    obj = _json_object(text[len(open_) : len(text) - len(close)])
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get(args_key)
+    if not isinstance(args, dict):
+        return None
+    return str(obj["name"]), json.dumps(args, ensure_ascii=False)
 
 
 def _json_object(text: str) -> Any:

@@ -17,7 +17,7 @@ from gyre.models import tiny_tokenizer
 from gyre.proxy import anthropic_api, matching, openai_api
 from gyre.proxy.conversation import Conversation, Message, Reply, ToolCall
 from gyre.proxy.errors import ApiError, anthropic_error_body, openai_error_body
-from gyre.proxy.toolcalls import HERMES, forced_call_grammar, parse_output
+from gyre.proxy.toolcalls import HERMES, LLAMA3_JSON, forced_call_grammar, parse_output
 from gyre.rollout.constrain import Grammar, GrammarCompiler
 
 TOOLS = [
@@ -362,6 +362,27 @@ def test_forced_grammar_accepts_schema_shaped_calls_only(grammars: Any) -> None:
     only = forced_call_grammar(HERMES, TOOLS, "free", 16)
     assert not _accepts(grammars, only, good)
     assert _accepts(grammars, only, '<tool_call>\n{"name": "free", "arguments": {}}\n</tool_call>')
+
+
+@pytest.mark.parametrize(
+    ("fmt", "value"),
+    [(HERMES, "a</tool_call>b"), (HERMES, "{x}\n</tool_call>"), (LLAMA3_JSON, "a};b")],
+)
+def test_a_forced_call_whose_argument_holds_the_close_marker_stays_one_call(
+    grammars: Any, fmt: Any, value: str
+) -> None:
+    """The forced grammar lets a string argument hold the format's close marker (seen from the
+    tiny engine about once in 600 forced calls); read as text, the call is cut there and the
+    client got no call for tool_choice "required". A forced output is read whole."""
+    key = "arguments" if fmt is HERMES else "parameters"
+    body = json.dumps({"name": "free", key: {"k": value}})
+    text = f"<tool_call>\n{body}\n</tool_call>" if fmt is HERMES else body
+    assert _accepts(grammars, forced_call_grammar(fmt, TOOLS, "free", 16), text)
+    assert parse_output(text, TOOLS, fmt) == (text, [])  # the text parser cuts it
+    expected = json.dumps({"k": value})
+    assert parse_output(text, TOOLS, fmt, forced=True) == ("", [("free", expected)])
+    cut = text[: len(text) - 3]  # max_tokens ended the forced call: plain text
+    assert parse_output(cut, TOOLS, fmt, forced=True) == (cut.strip(), [])
 
 
 def test_forced_grammar_names_added_token_markers(grammars: Any) -> None:

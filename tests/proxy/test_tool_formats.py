@@ -166,3 +166,25 @@ def test_a_marker_the_vocabulary_lacks_is_spelled_out_not_its_unknown_token() ->
     assert marker_token(tok, "<tool_call>") is None
     im_end = marker_token(tok, "<|im_end|>")
     assert im_end is not None and tok.convert_ids_to_tokens(im_end) == "<|im_end|>"
+
+
+def test_a_forced_call_holding_its_close_marker_reaches_the_client_whole() -> None:
+    """tool_choice "required": the proxy reads the output as the grammar's one call (the
+    scripted engine stands in for a sample the grammar allows), so an argument holding
+    `</tool_call>` comes back whole, not as text."""
+    tok = _tokenizer("hermes")
+    args = {"path": "x</tool_call>y", "all": False}
+    reply = f"<tool_call>\n{json.dumps({'name': 'ls', 'arguments': args})}\n</tool_call>"
+    engine = ScriptedEngine(tok, [reply])
+    with running_proxy({"e0": engine}, tokenizer=tok, config=Config(model_names=[MODEL])) as p:
+        key = p.call(p.app.register_execution, "forced-marker", "main")
+        client = openai.OpenAI(base_url=p.url + "/v1", api_key=key, max_retries=0)
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "ls"}],
+            tools=TOOLS,
+            tool_choice="required",
+        )
+    assert out.choices[0].finish_reason == "tool_calls"
+    (call,) = out.choices[0].message.tool_calls or []
+    assert json.loads(call.function.arguments) == args
