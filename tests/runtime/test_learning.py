@@ -6,10 +6,14 @@ scoring → admission → objective → streaming training on the runtime's cell
 → the next rollouts — and the before/after numbers come from `gyre eval` on held-out task
 instances never trained on. How far a run gets varies with scheduling order: most runs gain
 ~+0.7, some settle on a plateau near 0.375 (a gain of ~+0.15-0.2; docs/runtime.md "Does it
-learn?"). So the test asks whether the policy improved, not by how much: on the same 16
+learn?"). So the test asks whether the policy improved, not by how much: on the same 48
 held-out instances the final policy must beat the initial one on significantly more
 instances than it loses (a one-sided sign test, p < 0.01; an untrained policy's wins and
 losses split evenly), and the training reward of the last 10 steps must exceed the first 10's.
+48 instances, not 16: a plateau run wins ~11 of every 14 instances that differ, which clears
+p < 0.01 in ~40% of 16-instance evaluations (a CI failure: 11 up, 3 down, p = 0.029) and in
+~95% of 48-instance ones (binomial arithmetic in `test_sign_test_against_known_values`); the
+32 extra executions per policy cost ~25 s.
 """
 
 from __future__ import annotations
@@ -37,6 +41,15 @@ def test_sign_test_against_known_values() -> None:
     assert sign_test_p(14, 2) == (120 + 16 + 1) / 2**16  # the plateau run: p = 0.0021
     assert sign_test_p(8, 8) > 0.5 and sign_test_p(0, 0) == 1.0
     assert sign_test_p(10, 6) > 0.01  # 10 of 16: chance
+    # a plateau run (wins 11 of 14 differing instances, q = 0.786): the chance that an
+    # evaluation of n differing instances misses p < 0.01
+    q = 11 / 14
+
+    def miss(n: int) -> float:
+        need = min(w for w in range(n + 1) if sign_test_p(w, n - w) < 0.01)
+        return sum(math.comb(n, k) * q**k * (1 - q) ** (n - k) for k in range(need))
+
+    assert 0.55 < miss(14) < 0.65 and miss(42) < 0.06  # 16 vs 48 instances (7/8 differ)
 
 
 def _gyre(*args: str, timeout: float) -> str:
@@ -52,11 +65,11 @@ def test_the_default_job_raises_the_held_out_reward(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _gyre("run", "templates/local.yaml", "--steps", "40", "--run-dir", str(run_dir), "--quiet",
           timeout=1500)  # fmt: skip
-    out = _gyre("eval", str(run_dir), "--initial", "--instances", "16", "--json", timeout=600)
+    out = _gyre("eval", str(run_dir), "--initial", "--instances", "48", "--json", timeout=600)
     before, after = (json.loads(line) for line in out.strip().splitlines()[-2:])
     assert (before["name"], after["name"]) == ("initial", "final")
     assert before["version"] == 0 and after["version"] == 40
-    assert after["n"] == before["n"] == 16
+    assert after["n"] == before["n"] == 48
     pairs = [(before["rewards"][k], after["rewards"][k]) for k in before["rewards"]]
     wins = sum(1 for b, a in pairs if a is not None and b is not None and a > b)
     losses = sum(1 for b, a in pairs if a is not None and b is not None and a < b)
