@@ -203,7 +203,12 @@ class ReferenceAgent:
             message = choice["message"]
             self.report.turns += 1
             history.append(_assistant_dict(message))
-            if not message.get("tool_calls"):
+            calls = message.get("tool_calls")
+            delegated = bool(calls) and self._run_tool_calls(calls, history)
+            if force and not delegated:  # disobeyed, or cut off by max_tokens: delegate anyway
+                report = self._subagent(self.cfg.instruction)
+                history.append({"role": "user", "content": f"A sub-agent reported:\n{report}"})
+            if not calls:
                 if choice.get("finish_reason") == "length":  # cut off, not an answer: go on
                     # one environment step all the same (the tool-latency knob), so a model
                     # that rarely finishes a call still has the workload's long tail
@@ -211,10 +216,6 @@ class ReferenceAgent:
                     continue
                 self.report.stop = "final answer"
                 return self.report
-            delegated = self._run_tool_calls(message["tool_calls"], history)
-            if force and not delegated:  # the model did not obey: delegate anyway
-                report = self._subagent(self.cfg.instruction)
-                history.append({"role": "user", "content": f"A sub-agent reported:\n{report}"})
         self.report.stop = "turn limit"
         return self.report
 

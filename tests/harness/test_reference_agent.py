@@ -172,6 +172,24 @@ def test_turns_cut_off_by_max_tokens_still_wait_the_tool_latency(proxy, tmp_path
     admin(proxy, "/admin/executions/cutoff/close", {"status": "completed"})
 
 
+def test_a_forced_delegation_cut_off_by_max_tokens_still_delegates(proxy, tmp_path):
+    """`--delegate force` promises a sub-agent branch even when the forced call does not fit
+    in max_tokens (SmolLM2 wrote a long task and was cut: a tree without a sub-agent)."""
+    from gyre.harness.reference_agent import AgentConfig, ChatClient, ReferenceAgent
+    from gyre.harness.tools import Workspace
+
+    key = admin(proxy, "/admin/executions", {"execution_id": "cut-force", "role": "main"})["key"]
+    cfg = AgentConfig(model=MODEL, instruction="Implement add(a, b) in calc.py.", max_turns=1,
+                      max_tokens=3, tool_choice="required", delegate="force",
+                      subagent_turns=1)  # fmt: skip
+    report = ReferenceAgent(cfg, ChatClient(proxy.url + "/v1", key, max_retries=0),
+                            Workspace(tmp_path)).run()  # fmt: skip
+    assert report.delegations == 1
+    roles = [n.role for n in proxy.call(proxy.app.tree, "cut-force").nodes]
+    assert roles == ["main", "subagent"]
+    admin(proxy, "/admin/executions/cut-force/close", {"status": "completed"})
+
+
 def test_chat_client_retries_what_the_sdk_retries_and_names_what_it_refuses():
     """503 and 429 are retried (honouring retry-after); a 400 is not and its message is kept."""
     import http.server
