@@ -97,7 +97,8 @@ class HarnessConfig:
     adapters: dict[str, Any] = field(default_factory=dict)
     """Extra adapters of this run (same keys as gyre/harness/adapters.yaml), by name."""
     suite: str = "builtin"
-    """Task suite: builtin | learn (shipped) | a suite directory / YAML file."""
+    """Task suite: builtin | learn (shipped) | a suite directory, YAML file or .jsonl / .parquet
+    data file (docs/tasks.md)."""
     tasks: list[str] = field(default_factory=list)
     """Task names to draw groups from (round robin); empty: every task of the suite."""
     harness_timeout_s: float = 60.0

@@ -11,6 +11,9 @@ Rules (name -> class in `RULES`):
   workspace on `sys.path`; score = passed / total (partial credit).
 * `command`: runs an argv in the scratch copy; the last stdout line must be a number in
   [0, 1]; a non-zero exit or other output is an evaluator failure.
+* `python`: calls `fn(workspace, data)` from the task's `function` file (`python_runner.py`);
+  it returns a score in [0, 1] or `{"score", "detail", "critique"}`. An exception, another
+  type or a value outside [0, 1] is an evaluator failure.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from gyre.tasks.suite import Task
 
 CHECK_RUNNER = Path(__file__).with_name("check_runner.py")
+PYTHON_RUNNER = Path(__file__).with_name("python_runner.py")
 
 
 class EvaluatorError(GyreError):
@@ -149,4 +153,48 @@ async def command(state_dir: Path, task: Task) -> Score:
     return Score(value=value, detail={"stdout_tail": out[-500:]})
 
 
-RULES: dict[str, ScoringRule] = {"hidden_tests": hidden_tests, "command": command}
+async def python(state_dir: Path, task: Task) -> Score:
+    """Score returned by the task's reward function `fn(workspace, data)`."""
+    spec = task.scoring.function
+    with tempfile.TemporaryDirectory(prefix="gyre-score-") as tmp:
+        data, result = Path(tmp) / "data.json", Path(tmp) / "result.json"
+        data.write_text(json.dumps(dict(task.data)))
+        argv = [
+            sys.executable, "-I", str(PYTHON_RUNNER), "--function", spec,
+            "--workspace", str(state_dir), "--data", str(data), "--result", str(result),
+        ]  # fmt: skip
+        rc, _out, err = await run_limited(argv, state_dir, task.scoring.timeout_s)
+        try:
+            payload = json.loads(result.read_text())
+        except (OSError, ValueError):
+            raise EvaluatorError(
+                f"reward runner exited {rc} without a result: {err[-500:]}"
+            ) from None
+    file, _, fn = spec.rpartition(":")
+    name = f"{Path(file).name}:{fn}"
+    if not isinstance(payload, dict) or "returned" not in payload:
+        error = payload.get("error") if isinstance(payload, dict) else payload
+        raise EvaluatorError(f"reward function {name} failed: {error}")
+    return returned_score(payload["returned"], name)
+
+
+def returned_score(returned: Any, name: str) -> Score:
+    """The Score a reward function's return value stands for, or an EvaluatorError."""
+    allowed = 'allowed: a number in [0, 1] or {"score": number, "detail": {...}, "critique": str}'
+    if isinstance(returned, dict):
+        unknown = sorted(set(returned) - {"score", "detail", "critique"})
+        value, detail, critique = (returned.get(k) for k in ("score", "detail", "critique"))
+        if unknown or not isinstance(detail or {}, dict) or not isinstance(critique or "", str):
+            raise EvaluatorError(f"reward function {name} returned {returned!r:.300}; {allowed}")
+    else:
+        value, detail, critique = returned, {}, ""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise EvaluatorError(f"reward function {name} returned score {value!r:.100}; {allowed}")
+    return Score(value=float(value), detail=dict(detail or {}), critique=critique or "")
+
+
+RULES: dict[str, ScoringRule] = {
+    "hidden_tests": hidden_tests,
+    "command": command,
+    "python": python,
+}

@@ -5,8 +5,9 @@ of the task's initial workspace, the harness receives the instruction, and after
 execution terminates the evaluator scores the preserved workspace under the task's scoring
 rule (`gyre.tasks.scoring`). Hidden tests live next to the workspace, never inside it.
 
-A *suite* is either a YAML file listing tasks, or a directory whose sub-directories each
-hold a `task.yaml` (optionally with a `suite.yaml` carrying suite-level defaults):
+A *suite* is a YAML file listing tasks, a directory whose sub-directories each hold a
+`task.yaml` (optionally with a `suite.yaml` carrying suite-level defaults), or a data file
+(`.jsonl` / `.parquet`, `gyre.tasks.rows`) whose rows are tasks:
 
     name: my-suite                  # suite.yaml (or the top of a YAML suite file)
     defaults:
@@ -20,14 +21,22 @@ hold a `task.yaml` (optionally with a `suite.yaml` carrying suite-level defaults
     suite = load_suite("gyre/tasks/builtin")        # or builtin_suite()
     task = suite["fizzbuzz"]
 
-Every path is checked when the suite loads; a bad entry is a `ConfigError` naming the task,
-the key, the value and what is allowed.
+A data row's task keys (those of `TaskConfig`; `id` stands in for a missing `name`) make the
+task, its other keys its `data`, which only the scoring rule sees. Rows without their own
+workspace or scoring take those of the optional sidecar `<stem>.suite.yaml`
+(`DataSuiteConfig`). Every row becomes a `TaskConfig` and is resolved like a YAML task.
+
+    {"id": "q1", "instruction": "What is 17 * 23? Write it to answer.txt.", "answer": "391"}
+
+Every path is checked when the suite loads; a bad entry is a `ConfigError` naming the task
+(a data row by file and line or index), the key, the value and what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import random
 import string
@@ -39,6 +48,7 @@ import yaml
 
 from gyre.config import load
 from gyre.errors import ConfigError
+from gyre.tasks.rows import DATA_SUFFIXES, read_rows
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 LEARN_DIR = Path(__file__).parent / "learn"
@@ -94,12 +104,14 @@ class ToolLatency:
 class ScoringConfig:
     """How the preserved workspace of an execution is scored."""
 
-    # rule name, one of gyre.tasks.scoring.RULES (hidden_tests, command)
+    # rule name, one of gyre.tasks.scoring.RULES (hidden_tests, command, python)
     rule: str = "hidden_tests"
     # hidden_tests: test file or directory of test_*.py, relative to the task's directory
     tests: str = ""
     # command: argv run in a scratch copy of the workspace; last stdout line = score in [0, 1]
     command: list[str] = field(default_factory=list)
+    # python: "file.py:function" (file relative to the task's directory); fn(workspace, data)
+    function: str = ""
     # wall-clock limit of one scoring attempt, seconds
     timeout_s: float = 60.0
     # hidden_tests: limit for one test function, seconds
@@ -116,6 +128,11 @@ class ScoringConfig:
             raise ConfigError("tests: required for rule 'hidden_tests'")
         if self.rule == "command" and not self.command:
             raise ConfigError("command: required for rule 'command'")
+        file, _, function = self.function.rpartition(":")
+        if self.rule == "python" and not (file.endswith(".py") and function.isidentifier()):
+            raise ConfigError(
+                f"function: {self.function!r} for rule 'python'; allowed: 'file.py:function'"
+            )
         for name in ("timeout_s", "per_test_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be > 0")
@@ -140,6 +157,8 @@ class TaskConfig:
     # task instances: each draws one value per variable from its seed; `{name}` in the
     # instruction and in the scoring command is replaced by it (empty: one fixed instance)
     variables: dict[str, list[str]] = field(default_factory=dict)
+    # JSON values given to the scoring rule, never to the harness (a data row's extra keys)
+    data: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.instruction.strip():
@@ -179,6 +198,32 @@ class SuiteConfig:
     tasks: list[TaskConfig] = field(default_factory=list)
 
 
+@dataclass(kw_only=True, slots=True)
+class RowDefaults:
+    """Defaults of a data-file suite for every row that does not set its own."""
+
+    # initial workspace directory, relative to the data file
+    workspace: str = "workspace"
+    # scoring rule of rows without a `scoring` key (a row's own replaces it whole)
+    scoring: ScoringConfig | None = None
+    # tool latency of rows without their own tool_latency
+    tool_latency: ToolLatency = field(default_factory=ToolLatency)
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSuiteConfig:
+    """The optional sidecar `<stem>.suite.yaml` beside a data file (`answers.suite.yaml`)."""
+
+    # suite name (default: the data file's stem)
+    name: str = ""
+    # defaults for every row
+    defaults: RowDefaults = field(default_factory=RowDefaults)
+
+
+TASK_KEYS = frozenset(f.name for f in dataclasses.fields(TaskConfig)) - {"data"}
+"""The keys of a data row that configure its task; every other key is the row's data."""
+
+
 @dataclass(frozen=True, slots=True)
 class Task:
     """A loaded task with absolute, checked paths; with variables, a family of instances."""
@@ -193,16 +238,33 @@ class Task:
     directory: Path | None = None  # the task's own directory (`{task_dir}` in commands)
     variables: tuple[tuple[str, tuple[str, ...]], ...] = ()
     instance: int | None = None  # the seed of this instance; None: not instantiated
+    data: tuple[tuple[str, Any], ...] = ()  # (key, JSON value) for the scoring rule only
+    source: Path | None = None  # the data file of a data-suite row (it holds every row's data)
+    suite_hidden: tuple[Path, ...] = ()  # every other task's hidden paths (set by the suite)
+
+    @property
+    def own_hidden_paths(self) -> tuple[Path, ...]:
+        """The task's own secrets: its `hidden/` directory, hidden tests, the reward
+        function's file, a data row's data file and every data file beside it (another
+        format of the same rows would hold the same answers)."""
+        folder = self.directory / "hidden" if self.directory is not None else None
+        out = [folder] if folder is not None and folder.is_dir() else []
+        files = [self.scoring.tests, self.scoring.function.rpartition(":")[0], self.source]
+        if self.source is not None:
+            files += sorted(
+                f for f in self.source.parent.iterdir() if f.suffix.lower() in DATA_SUFFIXES
+            )
+        for f in (Path(f) for f in files if f):
+            if not any(f.is_relative_to(d) for d in out):
+                out.append(f)
+        return tuple(out)
 
     @property
     def hidden_paths(self) -> tuple[Path, ...]:
-        """Files the harness must not see: hidden tests, the task's `hidden/` directory."""
-        folder = self.directory / "hidden" if self.directory is not None else None
-        out = [folder] if folder is not None and folder.is_dir() else []
-        tests = Path(self.scoring.tests) if self.scoring.tests else None
-        if tests is not None and not any(tests.is_relative_to(d) for d in out):
-            out.append(tests)
-        return tuple(out)
+        """Files the harness must not see: its own secrets and those of every task of its
+        suite (a harness on one task must not read another's tests or answers)."""
+        own = self.own_hidden_paths
+        return own + tuple(p for p in self.suite_hidden if p not in own)
 
     @property
     def instance_id(self) -> str:
@@ -277,18 +339,21 @@ class TaskSuite:
 
 
 def load_suite(path: str | Path) -> TaskSuite:
-    """Load a suite from a YAML file or a directory (see the module docstring)."""
+    """Load a suite from a YAML file, a directory or a data file (see the module docstring)."""
     p = Path(path)
+    if p.is_file() and p.suffix.lower() in DATA_SUFFIXES:
+        return _load_data_file(p)
     if p.is_file():
         cfg = load(SuiteConfig, _read_yaml(p), path=p.name)
-        tasks = [
-            _resolve(t, p.parent, cfg.defaults, f"{p.name}.tasks[{i}]")
-            for i, t in enumerate(cfg.tasks)
-        ]
-        return _make_suite(cfg.name or p.stem, tasks, str(p))
+        wheres = [f"{p.name}.tasks[{i}]" for i in range(len(cfg.tasks))]
+        tasks = [(w, _resolve(t, p.parent, cfg.defaults, w)) for w, t in zip(wheres, cfg.tasks)]
+        return _make_suite(cfg.name or p.stem, tasks)
     if p.is_dir():
         return _load_directory(p)
-    raise ConfigError(f"task suite {str(p)!r} does not exist (expected a YAML file or a directory)")
+    raise ConfigError(
+        f"task suite {str(p)!r} does not exist (expected a YAML file, a directory, "
+        f"or a {' / '.join(DATA_SUFFIXES)} file)"
+    )
 
 
 def builtin_suite() -> TaskSuite:
@@ -308,20 +373,69 @@ def _load_directory(root: Path) -> TaskSuite:
         if suite_file.exists()
         else SuiteConfig()
     )
-    tasks = [
-        _resolve(t, root, cfg.defaults, f"suite.yaml.tasks[{i}]") for i, t in enumerate(cfg.tasks)
-    ]
+    tasks = []
+    for i, t in enumerate(cfg.tasks):
+        where = f"suite.yaml.tasks[{i}]"
+        tasks.append((where, _resolve(t, root, cfg.defaults, where)))
     for sub in sorted(d for d in root.iterdir() if (d / "task.yaml").is_file()):
         data = _read_yaml(sub / "task.yaml")
         if isinstance(data, dict):
             data.setdefault("name", sub.name)
-        tcfg = load(TaskConfig, data, path=f"{sub.name}/task.yaml")
-        tasks.append(_resolve(tcfg, sub, cfg.defaults, f"{sub.name}/task.yaml"))
+        where = f"{sub.name}/task.yaml"
+        tasks.append(
+            (where, _resolve(load(TaskConfig, data, path=where), sub, cfg.defaults, where))
+        )
     if not tasks:
         raise ConfigError(
             f"task suite directory {str(root)!r} holds no */task.yaml and no suite.yaml tasks"
         )
-    return _make_suite(cfg.name or root.name, tasks, str(root))
+    return _make_suite(cfg.name or root.name, tasks)
+
+
+def _load_data_file(path: Path) -> TaskSuite:
+    """A suite whose tasks are the rows of a data file, with its sidecar's defaults."""
+    sidecar = path.with_name(f"{path.stem}.suite.yaml")
+    cfg = (
+        load(DataSuiteConfig, _read_yaml(sidecar), path=sidecar.name)
+        if sidecar.is_file()
+        else DataSuiteConfig()
+    )
+    defaults = SuiteDefaults(tool_latency=cfg.defaults.tool_latency)
+    source = path.resolve()
+    tasks = []
+    for index, (where, row) in enumerate(read_rows(path)):
+        tcfg = load(TaskConfig, _row_config(row, cfg.defaults, f"{path.stem}-{index}"), where)
+        task = _resolve(tcfg, path.parent, defaults, where)
+        tasks.append((where, dataclasses.replace(task, source=source)))
+    if not tasks:
+        raise ConfigError(f"data suite {str(path)!r} holds no rows; allowed: one task per row")
+    return _make_suite(cfg.name or path.stem, tasks)
+
+
+def _row_config(row: dict[str, Any], defaults: RowDefaults, fallback_name: str) -> dict[str, Any]:
+    """A data row as a TaskConfig mapping: task keys, defaults, the rest data.
+
+    A null is an absent key (a Parquet column has a value in every row: null where a row
+    has none), so JSONL and Parquet rows of the same tasks load alike."""
+    row = {k: v for k, v in row.items() if v is not None}
+    task = {k: _without_nulls(v) for k, v in row.items() if k in TASK_KEYS}
+    data = {k: v for k, v in row.items() if k not in TASK_KEYS}
+    if "name" not in task:
+        ident = data.pop("id", fallback_name)
+        task["name"] = (
+            str(ident) if isinstance(ident, int) and not isinstance(ident, bool) else ident
+        )
+    task.setdefault("workspace", defaults.workspace)
+    if defaults.scoring is not None:
+        task.setdefault("scoring", defaults.scoring)
+    return {**task, "data": data}
+
+
+def _without_nulls(value: Any) -> Any:
+    """A mapping without its null entries, at every depth (a Parquet struct's absent keys)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return value
 
 
 def _resolve(cfg: TaskConfig, base: Path, defaults: SuiteDefaults, where: str) -> Task:
@@ -332,35 +446,67 @@ def _resolve(cfg: TaskConfig, base: Path, defaults: SuiteDefaults, where: str) -
         raise ConfigError(
             f"{where}.workspace: initial state {str(workspace)!r} does not exist or is not a directory"
         )
-    scoring = cfg.scoring
-    if scoring.tests:
-        tests = (base / scoring.tests).resolve()
-        if not tests.exists():
-            raise ConfigError(f"{where}.scoring.tests: {str(tests)!r} does not exist")
-        if tests.is_relative_to(workspace):
+    for key, value in cfg.data.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
             raise ConfigError(
-                f"{where}.scoring.tests: {str(tests)!r} lies inside the workspace; hidden tests must not"
-            )
-        scoring = dataclasses.replace(scoring, tests=str(tests))
+                f"{where}.data.{key}: {value!r:.80} is not a JSON value; allowed: strings, "
+                "numbers, booleans, null, lists and mappings of those"
+            ) from None
     return Task(
         name=cfg.name,
         instruction=cfg.instruction.strip(),
         workspace=workspace,
-        scoring=scoring,
+        scoring=_resolve_scoring(cfg.scoring, base, workspace, f"{where}.scoring"),
         difficulty=cfg.difficulty,
         tool_latency=cfg.tool_latency or defaults.tool_latency,
         directory=base.resolve(),
         variables=tuple((k, tuple(v)) for k, v in sorted(cfg.variables.items())),
+        data=tuple(cfg.data.items()),
     )
 
 
-def _make_suite(name: str, tasks: list[Task], where: str) -> TaskSuite:
-    seen: set[str] = set()
-    for t in tasks:
-        if t.name in seen:
-            raise ConfigError(f"{where}: task name {t.name!r} appears twice; names must be unique")
-        seen.add(t.name)
-    return TaskSuite(name=name, tasks=tuple(dataclasses.replace(t, suite=name) for t in tasks))
+def _resolve_scoring(
+    scoring: ScoringConfig, base: Path, workspace: Path, where: str
+) -> ScoringConfig:
+    """`tests` and `function` as absolute paths that exist and lie outside the workspace."""
+    if scoring.tests:
+        tests = _hidden_file(base / scoring.tests, workspace, f"{where}.tests")
+        scoring = dataclasses.replace(scoring, tests=str(tests))
+    if scoring.function:
+        file, _, name = scoring.function.rpartition(":")
+        reward = _hidden_file(base / file, workspace, f"{where}.function")
+        if not reward.is_file():
+            raise ConfigError(f"{where}.function: {str(reward)!r} is not a file")
+        scoring = dataclasses.replace(scoring, function=f"{reward}:{name}")
+    return scoring
+
+
+def _hidden_file(path: Path, workspace: Path, where: str) -> Path:
+    path = path.resolve()
+    if not path.exists():
+        raise ConfigError(f"{where}: {str(path)!r} does not exist")
+    if path.is_relative_to(workspace):
+        raise ConfigError(
+            f"{where}: {str(path)!r} lies inside the workspace; the harness would see it"
+        )
+    return path
+
+
+def _make_suite(name: str, entries: list[tuple[str, Task]]) -> TaskSuite:
+    """The suite of `(where, task)` entries; task names must be unique."""
+    first: dict[str, str] = {}
+    for where, t in entries:
+        if t.name in first:
+            raise ConfigError(
+                f"{where}.name: task name {t.name!r} appears twice (first in {first[t.name]}); "
+                "names must be unique"
+            )
+        first[t.name] = where
+    secrets = tuple(dict.fromkeys(p for _, t in entries for p in t.own_hidden_paths))
+    tasks = tuple(dataclasses.replace(t, suite=name, suite_hidden=secrets) for _, t in entries)
+    return TaskSuite(name=name, tasks=tasks)
 
 
 def _read_yaml(p: Path) -> Any:

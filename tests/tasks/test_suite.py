@@ -116,7 +116,7 @@ def test_hidden_tests_inside_the_workspace_are_refused(tmp_path):
 def test_unknown_key_and_bad_values(tmp_path):
     write_task(tmp_path, "t", colour="blue")
     with pytest.raises(
-        ConfigError, match=r"unknown key 'colour'; allowed keys: difficulty, instruction"
+        ConfigError, match=r"unknown key 'colour'; allowed keys: data, difficulty, instruction"
     ):
         load_suite(tmp_path)
     shutil.rmtree(tmp_path / "t")
