@@ -5,6 +5,7 @@
     gyre trace show runs/x/trace.h5 --json              # the same as plain JSON
     gyre trace export runs/x --out runs/x/export        # flat Parquet tables (export.py)
     gyre trace export runs/x --format csv --tokens --out DIR   # CSV, plus one row per token
+    gyre trace export runs/x --text --out DIR          # nodes with decoded input/output text
     gyre trace stats runs/x [--json]                    # staleness, tokens, trees, outcomes, switches
 
 Human output uses rich tables; --json prints one JSON document (trees via
@@ -36,6 +37,8 @@ def register(subparsers: Any) -> None:
     export.add_argument("--format", choices=["parquet", "csv"], default="parquet")
     export.add_argument("--out", required=True, metavar="DIR", help="output directory")
     export.add_argument("--tokens", action="store_true", help="also one row per stored token")
+    export.add_argument("--text", action="store_true",
+                        help="nodes also hold each call's decoded input and output text")  # fmt: skip
     export.set_defaults(func=_export)
     stats = sub.add_parser("stats", help="staleness, tokens, tree shape, outcomes, switches")
     stats.add_argument("source", metavar="RUN_DIR|TRACE", help="run directory or trace file")
@@ -68,7 +71,7 @@ def _export(args: argparse.Namespace) -> int:
     from gyre.trajectory.export import export_trace
 
     t0 = time.perf_counter()
-    files = export_trace(args.source, args.out, fmt=args.format, tokens=args.tokens)
+    files = export_trace(args.source, args.out, fmt=args.format, tokens=args.tokens, text=args.text)
     print(f"exported {len(files)} tables to {args.out} in {time.perf_counter() - t0:.2f} s")
     return 0
 

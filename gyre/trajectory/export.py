@@ -105,6 +105,12 @@ NODE_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("closed", pa.bool_(), "false: journaled node of an open execution"),
 )
 
+# `nodes` columns added by `--text` (the run's tokenizer decodes; special tokens kept)
+TEXT_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
+    ("input_text", pa.string(), "the call's new input tokens, decoded"),
+    ("output_text", pa.string(), "the call's sampled tokens, decoded"),
+)
+
 TOKEN_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("execution_id", pa.dictionary(pa.int32(), pa.string()), "execution id"),
     ("node_id", pa.int32(), "node that stores the token"),
@@ -132,8 +138,14 @@ def executions(reader: TraceReader) -> Iterator[tuple[ExecutionInfo, TrajectoryT
         yield info, reader.tree(eid) if info.closed else partial[eid]
 
 
-def node_columns(tree: TrajectoryTree, closed: bool) -> dict[str, Any]:
-    """The `nodes` columns of one tree (provenance counts vectorized over its tokens)."""
+Decode = Callable[[list[int]], str]  # token ids -> text (the run's tokenizer)
+
+
+def node_columns(
+    tree: TrajectoryTree, closed: bool, decode: Decode | None = None
+) -> dict[str, Any]:
+    """The `nodes` columns of one tree (provenance counts vectorized over its tokens), with
+    `TEXT_COLUMNS` when `decode` is given."""
     nodes = tree.nodes
     n = len(nodes)
     parent = np.array([nd.parent_id for nd in nodes], np.int32)
@@ -152,7 +164,7 @@ def node_columns(tree: TrajectoryTree, closed: bool) -> dict[str, Any]:
         prov = np.bincount(owner * width + codes, minlength=n * width).reshape(n, width)
     t_start = np.array([nd.t_start for nd in nodes], np.float64)
     t_end = np.array([nd.t_end for nd in nodes], np.float64)
-    return {
+    cols = {
         "execution_id": [tree.execution_id] * n,
         "node_id": np.arange(1, n + 1, dtype=np.int32),
         "parent_id": parent,
@@ -173,6 +185,10 @@ def node_columns(tree: TrajectoryTree, closed: bool) -> dict[str, Any]:
         **{f"input_{PROVENANCE_NAMES[p]}": prov[:, p] for p in INPUT_PROVENANCES},
         "closed": np.full(n, closed),
     }
+    if decode is not None:
+        cols["input_text"] = [decode(nd.input_ids.tolist()) for nd in nodes]
+        cols["output_text"] = [decode(nd.output_ids.tolist()) for nd in nodes]
+    return cols
 
 
 def _execution_row(
@@ -252,19 +268,22 @@ def store_table(reader: TraceReader, name: str) -> pa.Table:
 
 
 def build_tables(
-    reader: TraceReader, on_tokens: Callable[[pa.Table], None] | None = None
+    reader: TraceReader,
+    on_tokens: Callable[[pa.Table], None] | None = None,
+    decode: Decode | None = None,
 ) -> dict[str, pa.Table]:
     """`executions`, `nodes` and every declared table of the trace, as pyarrow tables.
 
     `on_tokens`, if given, receives each execution's `tokens` rows as its tree is read, so
-    the trace is walked once even when tokens are exported.
+    the trace is walked once even when tokens are exported; `decode` adds `TEXT_COLUMNS`.
     """
     joins = _joins(reader)
-    rows, node_parts = [], [schema(NODE_COLUMNS).empty_table()]
+    node_schema = schema(NODE_COLUMNS + (TEXT_COLUMNS if decode is not None else ()))
+    rows, node_parts = [], [node_schema.empty_table()]
     for info, tree in executions(reader):
-        cols = node_columns(tree, info.closed)
+        cols = node_columns(tree, info.closed, decode)
         rows.append(_execution_row(info, tree, cols, joins))
-        node_parts.append(pa.table(cols, schema=schema(NODE_COLUMNS)))
+        node_parts.append(pa.table(cols, schema=node_schema))
         if on_tokens is not None:
             on_tokens(tree_tokens(tree))
     tables = {
@@ -279,6 +298,26 @@ def build_tables(
 
 
 _PROVENANCE = pa.array(PROVENANCE_NAMES, pa.string())
+
+
+def run_decoder(run_meta: dict[str, Any], path: Path) -> Decode:
+    """Token ids -> text with the tokenizer of the run's model (a model spec or a Hugging
+    Face directory, as `gyre run` was given it); StoreError when it cannot be loaded."""
+    from gyre.errors import ConfigError
+    from gyre.models import load_tokenizer
+
+    model = run_meta.get("model")
+    if not isinstance(model, str):
+        raise StoreError(f"{path}: --text needs the run's model; its run metadata names none")
+    try:
+        tok = load_tokenizer(model)
+    except ConfigError as e:
+        raise StoreError(f"{path}: --text cannot load the run's tokenizer: {e}") from None
+
+    def decode(ids: list[int]) -> str:
+        return str(tok.decode(ids, skip_special_tokens=False))
+
+    return decode
 
 
 def tree_tokens(tree: TrajectoryTree) -> pa.Table:
@@ -343,9 +382,16 @@ class _TableFile:
 
 
 def export_trace(
-    source: str | Path, out_dir: str | Path, *, fmt: str = "parquet", tokens: bool = False
+    source: str | Path,
+    out_dir: str | Path,
+    *,
+    fmt: str = "parquet",
+    tokens: bool = False,
+    text: bool = False,
 ) -> dict[str, Path]:
     """Write every table of the trace (and `tokens` if asked) to `out_dir`; {table: file}.
+    `text`: the `nodes` table also holds each call's decoded input and output
+    (`TEXT_COLUMNS`), with the tokenizer of the run's model (`run_meta["model"]`).
 
     `out_dir/run.json` gets the run's metadata (its config inside), the trace's format
     version, whether the writer had closed it, and each table's row count.
@@ -362,8 +408,9 @@ def export_trace(
             raise StoreError(f"--out {out}: cannot create the export directory ({e})") from None
         if tokens:
             files["tokens"] = _TableFile(out / f"tokens.{fmt}", schema(TOKEN_COLUMNS), fmt)
+        decode = run_decoder(reader.run_meta, path) if text else None
         try:
-            tables = build_tables(reader, files["tokens"].add if tokens else None)
+            tables = build_tables(reader, files["tokens"].add if tokens else None, decode)
         finally:
             for f in files.values():
                 f.close()

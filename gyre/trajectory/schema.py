@@ -21,15 +21,16 @@ import h5py
 import numpy as np
 
 from gyre.errors import StoreError
+from gyre.trajectory.tree import Provenance
 
 FORMAT_NAME = "gyre-trace"
-FORMAT_VERSION = "1.0"  # major.minor; readers refuse another major
+FORMAT_VERSION = "1.1"  # major.minor; readers refuse another major (1.1: provenance enum type)
 KEY_BYTES = 32
 
 STRINGS_DATA = "strings/data"  # uint8: UTF-8 bytes of every pooled string, back to back
 STRINGS_END = "strings/end"  # int64: end offset of string i in strings/data
 TOKEN_IDS = "tokens/ids"  # int32: every node's new input then output tokens
-TOKEN_PROVENANCE = "tokens/provenance"  # uint8: Provenance per token (POLICY for outputs)
+TOKEN_PROVENANCE = "tokens/provenance"  # PROVENANCE_DTYPE per token (POLICY for outputs)
 LOGPROBS = "tokens/logprobs"  # float32: behaviour log-probs of output tokens only
 NODES = "trees/nodes"  # NODE_DTYPE rows of closed executions, contiguous per execution
 EXECUTIONS = "trees/executions"  # EXECUTION_DTYPE: one row per closed execution (commit)
@@ -37,6 +38,9 @@ JOURNAL_OPENS = "journal/opens"  # OPEN_DTYPE: one row per opened execution
 JOURNAL_NODES = "journal/nodes"  # NODE_DTYPE rows of nodes journaled while open
 RUN_META = "run/meta"  # uint8: JSON of the run's metadata (config YAML inside)
 RUN_STATE = "run/state"  # int8[1]: 0 while a writer has it open, 1 after a clean close
+
+# an HDF5 enum over uint8: h5py, HDFView and h5dump show each code's name (policy, tool, ...)
+PROVENANCE_DTYPE = h5py.enum_dtype({p.name.lower(): int(p) for p in Provenance}, basetype="u1")
 
 NODE_DTYPE = np.dtype(
     [
@@ -180,7 +184,9 @@ def create_layout(
     f.attrs["format"] = FORMAT_NAME
     f.attrs["format_version"] = FORMAT_VERSION
     for path in (TOKEN_IDS, TOKEN_PROVENANCE, LOGPROBS, STRINGS_DATA):
-        dtype = {TOKEN_IDS: "<i4", LOGPROBS: "<f4"}.get(path, "u1")
+        dtype = {TOKEN_IDS: "<i4", LOGPROBS: "<f4", TOKEN_PROVENANCE: PROVENANCE_DTYPE}.get(
+            path, "u1"
+        )
         _extendable(f, path, dtype, token_chunk)
     _extendable(f, STRINGS_END, "<i8", row_chunk)
     _extendable(f, NODES, NODE_DTYPE, row_chunk)

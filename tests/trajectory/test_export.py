@@ -24,10 +24,12 @@ from trajectory_strategies import make_tree
 from worlds import ROOT, World
 
 from gyre.errors import StoreError
+from gyre.models import tiny_tokenizer
 from gyre.trajectory.export import (
     EXECUTION_COLUMNS,
     NODE_COLUMNS,
     PROVENANCE_NAMES,
+    TEXT_COLUMNS,
     TOKEN_COLUMNS,
     export_trace,
 )
@@ -186,6 +188,8 @@ def test_bad_arguments_are_store_errors(tmp_path: Path) -> None:
         export_trace(tmp_path, tmp_path / "out", fmt="xlsx")
     with pytest.raises(StoreError, match="no such trace file"):
         export_trace(tmp_path / "nothing", tmp_path / "out")
+    with pytest.raises(StoreError, match="--text needs the run's model"):
+        export_trace(tmp_path, tmp_path / "out", text=True)  # its run_meta names no model
 
 
 @pytest.fixture
@@ -200,8 +204,8 @@ def run_dir(e2e_run: World) -> Path:
 def test_export_of_a_real_run_reads_back_with_pandas(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "export"
     proc = subprocess.run([sys.executable, "-m", "gyre", "trace", "export", str(run_dir),
-                           "--out", str(out), "--tokens"], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+                           "--out", str(out), "--tokens", "--text"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     with TraceReader(run_dir / "trace.h5") as reader:
         infos = reader.executions()
@@ -209,10 +213,21 @@ def test_export_of_a_real_run_reads_back_with_pandas(run_dir: Path, tmp_path: Pa
     ex = pd.read_parquet(out / "executions.parquet")
     nodes = pd.read_parquet(out / "nodes.parquet")
     assert list(ex.columns) == [c for c, _ in doc_columns("executions")]
-    assert list(nodes.columns) == [c for c, _ in doc_columns("nodes")]
+    assert list(nodes.columns) == [c for c, _ in doc_columns("nodes") + doc_columns("--text")]
+    assert [c for c, _ in doc_columns("--text")] == [c for c, _, _ in TEXT_COLUMNS]
     assert list(ex.execution_id) == [i.execution_id for i in infos]
     assert len(nodes) == sum(i.num_nodes for i in infos) > 0
-    assert len(pd.read_parquet(out / "tokens.parquet")) == ex.unique_tokens.sum()
+    tokens = pd.read_parquet(out / "tokens.parquet")
+    assert len(tokens) == ex.unique_tokens.sum()
+    tok = tiny_tokenizer()  # the e2e run's model: --text decodes what the tokens table holds
+    by_node = {k: g for k, g in tokens.groupby(["execution_id", "node_id"], observed=True)}
+    for row in nodes.itertuples():
+        rows = by_node.get((row.execution_id, row.node_id))
+        ids = [] if rows is None else rows.token_id.tolist()
+        outs = [] if rows is None else rows.token_id[rows.output].tolist()
+        assert row.output_text == tok.decode(outs, skip_special_tokens=False)
+        assert row.input_text == tok.decode(ids[: len(ids) - len(outs)], skip_special_tokens=False)
+    assert nodes.output_text.str.contains("<tool_call>").any()
     for name, rows in sizes.items():
         assert len(pd.read_parquet(out / f"{name}.parquet")) == rows, name
     for column in ("execution_id", "group_id", "task_id", "status", "verdict", "engine"):

@@ -22,7 +22,7 @@ from trajectory_strategies import TEXT, make_tree, trees
 from gyre.errors import ConfigError, GyreError, StoreError
 from gyre.trajectory.schema import Table
 from gyre.trajectory.store import TraceInputError, TraceReader, TraceWriter, recover
-from gyre.trajectory.tree import Node, TrajectoryTree
+from gyre.trajectory.tree import Node, Provenance, TrajectoryTree
 
 CHILD = str(Path(__file__).with_name("trace_child.py"))
 
@@ -411,7 +411,10 @@ def test_existing_file_and_unknown_format_are_refused(tmp_path: Path) -> None:
         TraceWriter(path, run_meta={})
     TraceWriter(path, run_meta={"n": 2}, config=TraceWriter.Config(overwrite=True)).close()
     with TraceReader(path) as r:
-        assert r.format_version == "1.0" and r.run_meta == {"n": 2}
+        assert r.format_version == "1.1" and r.run_meta == {"n": 2}
+    with h5py.File(path, "r") as f:  # provenance codes are named in the file itself
+        names = h5py.check_enum_dtype(f["tokens/provenance"].dtype)
+    assert names == {p.name.lower(): int(p) for p in Provenance}
     with h5py.File(path, "r+") as f:
         f.attrs["format_version"] = "2.0"
     with pytest.raises(StoreError, match=r"format_version 2\.0 is not supported"):
