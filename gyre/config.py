@@ -159,6 +159,9 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        options = [arg for arg in args if arg is not type(None)]
+        if len(options) == 1:  # `X | None`: X's own error says what is wrong
+            return _convert(options[0], value, path)
         errors = []
         for arg in args:
             if arg is type(None):

@@ -54,7 +54,7 @@ def test_round_trip() -> None:
             "cfg.cells[0].mode: 'c' is not allowed; choose one of 'a', 'b'",
         ),
         ({"name": "x", "cells": [{"concurrency": True}]}, "expected an integer, got True"),
-        ({"name": "x", "maybe": "1"}, "cfg.maybe: '1' matches none of"),
+        ({"name": "x", "maybe": "1"}, "cfg.maybe: expected an integer, got '1'"),
     ],
 )
 def test_bad_values_name_the_key(data: dict, message: str) -> None:

@@ -14,6 +14,11 @@ Rules (name -> class in `RULES`):
 * `python`: calls `fn(workspace, data)` from the task's `function` file (`python_runner.py`);
   it returns a score in [0, 1] or `{"score", "detail", "critique"}`. An exception, another
   type or a value outside [0, 1] is an evaluator failure.
+* `tests`: copies the task's hidden tests into the scratch copy and runs pytest there
+  (`pytest_runner.py`); score = the fraction of its FAIL_TO_PASS and PASS_TO_PASS node
+  ids that pass (SWE-bench style partial credit), read from pytest's JUnit XML report.
+  An id pytest did not report (a typo, a file that does not collect) fails; when pytest
+  reports none of them at all, the rule fails.
 """
 
 from __future__ import annotations
@@ -22,21 +27,26 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import sys
 import tempfile
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gyre.errors import GyreError
 from gyre.lifetime import die_with_parent
+from gyre.tasks.pytest_runner import NO_PYTEST
 
 if TYPE_CHECKING:
     from gyre.tasks.suite import Task
 
 CHECK_RUNNER = Path(__file__).with_name("check_runner.py")
 PYTHON_RUNNER = Path(__file__).with_name("python_runner.py")
+PYTEST_RUNNER = Path(__file__).with_name("pytest_runner.py")
 
 
 class EvaluatorError(GyreError):
@@ -193,8 +203,125 @@ def returned_score(returned: Any, name: str) -> Score:
     return Score(value=float(value), detail=dict(detail or {}), critique=critique or "")
 
 
+async def tests(state_dir: Path, task: Task) -> Score:
+    """Fraction of the task's FAIL_TO_PASS and PASS_TO_PASS pytest tests that pass."""
+    cfg = task.scoring
+    listed = [*cfg.fail_to_pass, *cfg.pass_to_pass]
+    await asyncio.to_thread(copy_hidden_tests, Path(cfg.tests), state_dir)
+    files = sorted({n.partition("::")[0] for n in listed})
+    present = [f for f in files if (state_dir / f).is_file()]
+    if not present:
+        raise EvaluatorError(f"none of the listed tests' files exists: {', '.join(files)}")
+    with tempfile.TemporaryDirectory(prefix="gyre-score-") as tmp:
+        report = Path(tmp) / "junit.xml"
+        argv = [
+            sys.executable, "-I", str(PYTEST_RUNNER), "--junitxml", str(report),
+            "--per-test-timeout", str(cfg.per_test_timeout_s), *present,
+        ]  # fmt: skip
+        rc, out, err = await run_limited(argv, state_dir, cfg.timeout_s)
+        if rc == NO_PYTEST:
+            raise EvaluatorError(err.strip()[-500:])
+        outcomes = junit_outcomes(report, rc, out + err)
+    found = {n: outcomes.get(junit_key(n)) for n in listed}
+    if not any(found.values()):
+        raise EvaluatorError(
+            f"pytest (exit {rc}) reported none of the {len(listed)} listed tests: "
+            f"{(out + err).strip()[-500:]}"
+        )
+    return tests_score(cfg.fail_to_pass, cfg.pass_to_pass, found)
+
+
+def copy_hidden_tests(hidden: Path, state_dir: Path) -> None:
+    """A hidden test file goes to the workspace's top; a directory's contents are laid over
+    the workspace (`hidden/tests/test_x.py` -> `tests/test_x.py`, replacing that file).
+
+    Whatever the workspace holds on a test's path is replaced, never followed: a symlink
+    the harness left there (`tests -> /elsewhere`) must not carry the hidden tests out."""
+    if hidden.is_dir():
+        files = [(f, f.relative_to(hidden)) for f in sorted(hidden.rglob("*")) if f.is_file()]
+    else:
+        files = [(hidden, Path(hidden.name))]
+    for src, rel in files:
+        clear_way(state_dir, rel)
+        (state_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, state_dir / rel)
+
+
+def clear_way(root: Path, rel: Path) -> None:
+    """Remove what stands on `root / rel` (anything) or on its parents (a symlink, a file)."""
+    at = root
+    for i, part in enumerate(rel.parts):
+        at = at / part
+        last = i == len(rel.parts) - 1
+        if at.is_dir() and not at.is_symlink():
+            if last:
+                shutil.rmtree(at)
+        elif at.is_symlink() or at.exists():
+            at.unlink()
+
+
+JUNIT_OUTCOMES = (("error", "error"), ("failure", "failed"), ("skipped", "skipped"))
+"""A JUnit test case's child element -> its outcome, in order of precedence."""
+
+
+def junit_outcomes(report: Path, rc: int, output: str) -> dict[tuple[str, str], str]:
+    """(classname, name) -> passed | failed | error | skipped, from pytest's JUnit report.
+
+    A test reported more than once (a failed call, then an error in teardown) keeps its
+    first outcome that is not a pass.
+    """
+    if rc in (3, 4):  # pytest's internal error, usage error: the report cannot be trusted
+        raise EvaluatorError(f"pytest failed (exit {rc}): {output.strip()[-500:]}")
+    try:
+        root = ET.parse(report).getroot()
+    except (OSError, ET.ParseError) as e:
+        raise EvaluatorError(
+            f"pytest exited {rc} without a readable report ({e}): {output.strip()[-500:]}"
+        ) from None
+    outcomes: dict[tuple[str, str], str] = {}
+    for case in root.iter("testcase"):
+        key = (case.get("classname", ""), case.get("name", ""))
+        tags = {child.tag for child in case}
+        outcome = next((o for t, o in JUNIT_OUTCOMES if t in tags), "passed")
+        if outcomes.get(key, "passed") == "passed":
+            outcomes[key] = outcome
+    return outcomes
+
+
+def junit_key(node_id: str) -> tuple[str, str]:
+    """The (classname, name) pytest's JUnit report gives the test `node_id`:
+    `tests/test_a.py::TestB::test_c[x/y]` -> ("tests.test_a.TestB", "test_c[x/y]")."""
+    address, bracket, params = node_id.partition("[")
+    names = address.split("::")
+    names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
+    names[-1] += bracket + params
+    return ".".join(names[:-1]), names[-1]
+
+
+def tests_score(
+    fail_to_pass: list[str], pass_to_pass: list[str], found: dict[str, str | None]
+) -> Score:
+    """Partial credit: passed / listed, with per-list counts and the failing ids."""
+    failed = {n: o or "not reported" for n, o in found.items() if o != "passed"}
+    counts = {
+        key: {"passed": sum(n not in failed for n in ids), "total": len(ids)}
+        for key, ids in (("fail_to_pass", fail_to_pass), ("pass_to_pass", pass_to_pass))
+    }
+    passed, total = len(found) - len(failed), len(found)
+    f2p, p2p = counts["fail_to_pass"], counts["pass_to_pass"]
+    critique = (
+        f"{passed}/{total} tests pass (FAIL_TO_PASS {f2p['passed']}/{f2p['total']}, "
+        f"PASS_TO_PASS {p2p['passed']}/{p2p['total']})."
+        + "".join(f"\n- {n}: {o}" for n, o in sorted(failed.items()))
+    )
+    return Score(
+        value=passed / total, detail={**counts, "failed": sorted(failed)}, critique=critique
+    )
+
+
 RULES: dict[str, ScoringRule] = {
     "hidden_tests": hidden_tests,
     "command": command,
     "python": python,
+    "tests": tests,
 }

@@ -21,6 +21,11 @@ A *suite* is a YAML file listing tasks, a directory whose sub-directories each h
     suite = load_suite("gyre/tasks/builtin")        # or builtin_suite()
     task = suite["fizzbuzz"]
 
+A task's initial state may instead be a git repository at a commit (`repository: {path,
+commit, setup}`, SWE-bench style; `gyre.tasks.repository`), checked out once into a cache
+directory that then serves as its workspace; the `tests` scoring rule scores it by the
+fraction of its FAIL_TO_PASS and PASS_TO_PASS pytest tests that pass.
+
 A data row's task keys (those of `TaskConfig`; `id` stands in for a missing `name`) make the
 task, its other keys its `data`, which only the scoring rule sees. Rows without their own
 workspace or scoring take those of the optional sidecar `<stem>.suite.yaml`
@@ -36,10 +41,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import random
 import string
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -48,6 +55,7 @@ import yaml
 
 from gyre.config import load
 from gyre.errors import ConfigError
+from gyre.tasks.repository import RepositoryConfig, materialize, source_path
 from gyre.tasks.rows import DATA_SUFFIXES, read_rows
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
@@ -104,17 +112,22 @@ class ToolLatency:
 class ScoringConfig:
     """How the preserved workspace of an execution is scored."""
 
-    # rule name, one of gyre.tasks.scoring.RULES (hidden_tests, command, python)
+    # rule name, one of gyre.tasks.scoring.RULES (hidden_tests, command, python, tests)
     rule: str = "hidden_tests"
-    # hidden_tests: test file or directory of test_*.py, relative to the task's directory
+    # hidden_tests: test file or directory of test_*.py; tests: file or directory copied
+    # into the scratch copy before pytest runs; relative to the task's directory
     tests: str = ""
+    # tests: pytest node ids ("path/test_x.py::test_y") that fail at the start and must pass
+    fail_to_pass: list[str] = field(default_factory=list)
+    # tests: pytest node ids that pass at the start and must keep passing (may be empty)
+    pass_to_pass: list[str] = field(default_factory=list)
     # command: argv run in a scratch copy of the workspace; last stdout line = score in [0, 1]
     command: list[str] = field(default_factory=list)
     # python: "file.py:function" (file relative to the task's directory); fn(workspace, data)
     function: str = ""
     # wall-clock limit of one scoring attempt, seconds
     timeout_s: float = 60.0
-    # hidden_tests: limit for one test function, seconds
+    # hidden_tests: limit for one test function; tests: for each phase of one test; seconds
     per_test_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -124,8 +137,13 @@ class ScoringConfig:
             raise ConfigError(
                 f"rule: {self.rule!r} is not a scoring rule; allowed: {', '.join(sorted(RULES))}"
             )
-        if self.rule == "hidden_tests" and not self.tests:
-            raise ConfigError("tests: required for rule 'hidden_tests'")
+        if self.rule in ("hidden_tests", "tests") and not self.tests:
+            raise ConfigError(f"tests: required for rule {self.rule!r}")
+        if self.rule == "tests":
+            _check_node_ids(self.fail_to_pass, self.pass_to_pass)
+        elif self.fail_to_pass or self.pass_to_pass:
+            key = "fail_to_pass" if self.fail_to_pass else "pass_to_pass"
+            raise ConfigError(f"{key}: only for rule 'tests', not {self.rule!r}")
         if self.rule == "command" and not self.command:
             raise ConfigError("command: required for rule 'command'")
         file, _, function = self.function.rpartition(":")
@@ -138,6 +156,26 @@ class ScoringConfig:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be > 0")
 
 
+def _check_node_ids(fail_to_pass: list[str], pass_to_pass: list[str]) -> None:
+    """Rule `tests`: fail_to_pass is not empty; each id is a test of a `.py` file inside the
+    workspace ("path/test_x.py::test_y", parameters and classes allowed), listed once."""
+    if not fail_to_pass:
+        raise ConfigError("fail_to_pass: required for rule 'tests'; allowed: pytest node ids")
+    seen: set[str] = set()
+    for key, ids in (("fail_to_pass", fail_to_pass), ("pass_to_pass", pass_to_pass)):
+        for i, node in enumerate(ids):
+            file, sep, name = node.partition("::")
+            outside = file.startswith("/") or ".." in file.split("/")
+            if not (file.endswith(".py") and sep and name) or outside:
+                raise ConfigError(
+                    f"{key}[{i}]: {node!r}; allowed: a pytest node id "
+                    "'dir/test_file.py::test_name' relative to the workspace"
+                )
+            if node in seen:
+                raise ConfigError(f"{key}[{i}]: {node!r} is listed twice; allowed: each test once")
+            seen.add(node)
+
+
 @dataclass(kw_only=True, slots=True)
 class TaskConfig:
     """One task as written in YAML (paths relative to the file that declares it)."""
@@ -146,8 +184,10 @@ class TaskConfig:
     name: str = ""
     # what the harness is asked to do
     instruction: str
-    # directory holding the initial workspace state
-    workspace: str = "workspace"
+    # directory holding the initial workspace state (default: workspace; not with repository)
+    workspace: str = ""
+    # the initial state as a git repository at a commit, instead of a workspace directory
+    repository: RepositoryConfig | None = None
     # scoring rule of the preserved workspace
     scoring: ScoringConfig
     # easy | medium | hard (informational; used to build spreads)
@@ -163,6 +203,11 @@ class TaskConfig:
     def __post_init__(self) -> None:
         if not self.instruction.strip():
             raise ConfigError("instruction: must not be empty")
+        if self.workspace and self.repository is not None:
+            raise ConfigError(
+                f"workspace: {self.workspace!r} and repository: are both set; allowed: "
+                "exactly one of them (the initial state is a directory or a repository)"
+            )
         for name, values in self.variables.items():
             if not name.isidentifier() or not values:
                 raise ConfigError(
@@ -240,16 +285,21 @@ class Task:
     instance: int | None = None  # the seed of this instance; None: not instantiated
     data: tuple[tuple[str, Any], ...] = ()  # (key, JSON value) for the scoring rule only
     source: Path | None = None  # the data file of a data-suite row (it holds every row's data)
+    repository: Path | None = None  # a repository task's git repository (later commits: fixes)
     suite_hidden: tuple[Path, ...] = ()  # every other task's hidden paths (set by the suite)
 
     @property
     def own_hidden_paths(self) -> tuple[Path, ...]:
         """The task's own secrets: its `hidden/` directory, hidden tests, the reward
         function's file, a data row's data file and every data file beside it (another
-        format of the same rows would hold the same answers)."""
+        format of the same rows would hold the same answers), a repository task's source
+        repository (its later commits may hold the fix)."""
         folder = self.directory / "hidden" if self.directory is not None else None
         out = [folder] if folder is not None and folder.is_dir() else []
-        files = [self.scoring.tests, self.scoring.function.rpartition(":")[0], self.source]
+        files = [
+            self.scoring.tests, self.scoring.function.rpartition(":")[0], self.source,
+            self.repository,
+        ]  # fmt: skip
         if self.source is not None:
             files += sorted(
                 f for f in self.source.parent.iterdir() if f.suffix.lower() in DATA_SUFFIXES
@@ -425,7 +475,8 @@ def _row_config(row: dict[str, Any], defaults: RowDefaults, fallback_name: str) 
         task["name"] = (
             str(ident) if isinstance(ident, int) and not isinstance(ident, bool) else ident
         )
-    task.setdefault("workspace", defaults.workspace)
+    if "repository" not in task:
+        task.setdefault("workspace", defaults.workspace)
     if defaults.scoring is not None:
         task.setdefault("scoring", defaults.scoring)
     return {**task, "data": data}
@@ -441,7 +492,11 @@ def _without_nulls(value: Any) -> Any:
 def _resolve(cfg: TaskConfig, base: Path, defaults: SuiteDefaults, where: str) -> Task:
     if not cfg.name:
         raise ConfigError(f"{where}.name: required key is missing")
-    workspace = (base / cfg.workspace).resolve()
+    repository = cfg.repository
+    if repository is not None:
+        workspace = materialize(repository, base, where=where, task=cfg.name)
+    else:
+        workspace = (base / (cfg.workspace or "workspace")).resolve()
     if not workspace.is_dir():
         raise ConfigError(
             f"{where}.workspace: initial state {str(workspace)!r} does not exist or is not a directory"
@@ -464,6 +519,7 @@ def _resolve(cfg: TaskConfig, base: Path, defaults: SuiteDefaults, where: str) -
         directory=base.resolve(),
         variables=tuple((k, tuple(v)) for k, v in sorted(cfg.variables.items())),
         data=tuple(cfg.data.items()),
+        repository=source_path(repository, base) if repository is not None else None,
     )
 
 
@@ -474,6 +530,11 @@ def _resolve_scoring(
     if scoring.tests:
         tests = _hidden_file(base / scoring.tests, workspace, f"{where}.tests")
         scoring = dataclasses.replace(scoring, tests=str(tests))
+    if scoring.rule == "tests" and importlib.util.find_spec("pytest") is None:
+        raise ConfigError(
+            f"{where}.rule: 'tests' runs pytest, which {sys.executable} cannot import; "
+            "allowed: install pytest beside Gyre, or another rule"
+        )
     if scoring.function:
         file, _, name = scoring.function.rpartition(":")
         reward = _hidden_file(base / file, workspace, f"{where}.function")

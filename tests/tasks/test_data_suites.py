@@ -174,7 +174,7 @@ def python_rule(function: str, **keys):
         (
             [row(), row("b", scoring=python_rule("reward.py:exact", timeout=3))],
             SIDECAR,
-            r"quiz.jsonl:2.scoring: unknown key 'timeout'; allowed keys: command, function",
+            r"quiz.jsonl:2.scoring: unknown key 'timeout'; allowed keys: command, fail_to_pass, function",
         ),
         (
             [row(workspace="gone")],
@@ -205,7 +205,7 @@ def python_rule(function: str, **keys):
         (
             [row()],
             "defaults: {scoring: {rule: python}}",
-            r"quiz.suite.yaml.defaults.scoring: \{'rule': 'python'\} matches none",
+            r"quiz.suite.yaml.defaults.scoring.function: '' for rule 'python'",
         ),
         ([row()], "defaults: {tasks: []}", r"quiz.suite.yaml.defaults: unknown key 'tasks'"),
         ([], SIDECAR, r"quiz.jsonl' holds no rows"),
