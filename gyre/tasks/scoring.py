@@ -17,8 +17,9 @@ Rules (name -> class in `RULES`):
 * `tests`: copies the task's hidden tests into the scratch copy and runs pytest there
   (`pytest_runner.py`); score = the fraction of its FAIL_TO_PASS and PASS_TO_PASS node
   ids that pass (SWE-bench style partial credit), read from pytest's JUnit XML report.
-  An id pytest did not report (a typo, a file that does not collect) fails; when pytest
-  reports none of them at all, the rule fails.
+  An id pytest did not report (a typo, a file that does not collect) fails, even when none
+  is reported (the work broke every test: a valid zero); pytest's own crash (exit 3, 4, no
+  report) is an evaluator failure.
 """
 
 from __future__ import annotations
@@ -207,11 +208,12 @@ async def tests(state_dir: Path, task: Task) -> Score:
     """Fraction of the task's FAIL_TO_PASS and PASS_TO_PASS pytest tests that pass."""
     cfg = task.scoring
     listed = [*cfg.fail_to_pass, *cfg.pass_to_pass]
+    await asyncio.to_thread(reset_test_machinery, task.workspace, state_dir)
     await asyncio.to_thread(copy_hidden_tests, Path(cfg.tests), state_dir)
     files = sorted({n.partition("::")[0] for n in listed})
     present = [f for f in files if (state_dir / f).is_file()]
-    if not present:
-        raise EvaluatorError(f"none of the listed tests' files exists: {', '.join(files)}")
+    if not present:  # the work deleted every listed test file: every listed test fails
+        return tests_score(cfg.fail_to_pass, cfg.pass_to_pass, dict.fromkeys(listed))
     with tempfile.TemporaryDirectory(prefix="gyre-score-") as tmp:
         report = Path(tmp) / "junit.xml"
         argv = [
@@ -222,13 +224,43 @@ async def tests(state_dir: Path, task: Task) -> Score:
         if rc == NO_PYTEST:
             raise EvaluatorError(err.strip()[-500:])
         outcomes = junit_outcomes(report, rc, out + err)
+    # a listed test pytest did not report (its file no longer imports, say) fails: the work
+    # is assessed, so breaking every test scores a valid zero, never an exclusion
     found = {n: outcomes.get(junit_key(n)) for n in listed}
-    if not any(found.values()):
-        raise EvaluatorError(
-            f"pytest (exit {rc}) reported none of the {len(listed)} listed tests: "
-            f"{(out + err).strip()[-500:]}"
-        )
     return tests_score(cfg.fail_to_pass, cfg.pass_to_pass, found)
+
+
+TEST_MACHINERY = (
+    "conftest.py",
+    "pytest.ini",
+    ".pytest.ini",
+    "tox.ini",
+    "setup.cfg",
+    "pyproject.toml",
+)
+"""Files through which a workspace configures pytest (hooks, plugins, addopts)."""
+
+
+def reset_test_machinery(initial: Path, state_dir: Path) -> None:
+    """Every conftest.py and pytest configuration file as the task's initial state has it
+    (added ones removed): work that rewrites pytest's hooks to report passes scores as if it
+    had not. Code the tests import is the work's own and is not reset."""
+    names = set(TEST_MACHINERY)
+    found = {
+        f.relative_to(state_dir)
+        for f in state_dir.rglob("*")
+        if f.name in names and ".git" not in f.relative_to(state_dir).parts
+    }
+    originals = {
+        f.relative_to(initial)
+        for f in initial.rglob("*")
+        if f.name in names and ".git" not in f.relative_to(initial).parts and f.is_file()
+    }
+    for rel in found | originals:
+        clear_way(state_dir, rel)
+        if rel in originals:
+            (state_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(initial / rel, state_dir / rel)
 
 
 def copy_hidden_tests(hidden: Path, state_dir: Path) -> None:

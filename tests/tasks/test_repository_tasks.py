@@ -288,15 +288,19 @@ def test_hidden_tests_replace_what_the_harness_left_on_their_path(
     assert (outside / "test_geometry.py").read_text() == "def test_area():\n    pass\n"
 
 
-def test_no_listed_test_reported_is_unresolved_not_zero(tmp_path, source, make_terminated):
+def test_work_that_breaks_every_listed_test_scores_zero_not_unresolved(
+    tmp_path, source, make_terminated
+):
+    """An unresolved verdict excludes the execution from training: breaking the package
+    (nothing collects) or deleting the test files must be a valid zero, or it is a way out."""
     task = load_suite(write_suite(tmp_path, source["bug"]))["shapes"]
     ws = execution(task, tmp_path, "e0", "def area(w, h) return w * h\n")  # nothing collects
-    with pytest.raises(EvaluatorError, match="reported none of the 3 listed tests"):
-        asyncio.run(scoring.tests(ws, task))
+    score = asyncio.run(scoring.tests(ws, task))
+    assert score.value == 0.0 and len(score.detail["failed"]) == 3
     verdict = assess(
         task, execution(task, tmp_path, "e1", "def area(w, h) return w * h\n"), make_terminated
     )
-    assert verdict.status == "excluded" and verdict.reward is None
+    assert verdict.status == "scored" and verdict.reward == 0.0
 
 
 def test_repository_rows_of_a_data_suite(tmp_path, source, make_terminated):
@@ -373,3 +377,23 @@ def test_the_runner_says_when_pytest_cannot_be_imported(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "pytest", None)  # `import pytest` raises ImportError
     assert pytest_runner.main(["--junitxml", "r.xml", "--per-test-timeout", "1", "t.py"]) == 97
     assert f"pytest cannot be imported by {sys.executable}" in capsys.readouterr().err
+
+
+def test_a_conftest_hook_that_reports_passes_is_undone(tmp_path, source, make_terminated):
+    """The work adds a conftest.py whose hook turns every failure into a pass: the scratch
+    copy's test machinery is the initial state's, so the unfixed code still scores 1/3."""
+    task = load_suite(write_suite(tmp_path, source["bug"]))["shapes"]
+    ws = execution(task, tmp_path, "e0")
+    hook = (
+        "import pytest\n\n"
+        "@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n"
+        "    outcome = yield\n"
+        "    outcome.get_result().outcome = 'passed'\n"
+    )
+    for place in (ws / "conftest.py", ws / "tests" / "conftest.py"):
+        place.parent.mkdir(exist_ok=True)
+        place.write_text(hook)
+    (ws / "pytest.ini").write_text("[pytest]\naddopts = -p no:junitxml\n")
+    assert assess(task, ws, make_terminated).reward == pytest.approx(1 / 3)
+    assert (ws / "conftest.py").exists()  # the preserved workspace itself is not touched
