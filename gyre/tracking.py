@@ -20,6 +20,7 @@ Opening a tracker that is enabled but not installed, or that cannot start, is a
 
     tracker = open_tracker(cfg.tracking, run_dir, run_config=to_dict(cfg))
     tracker.log_step(step, {"loss": 0.4, "reward_mean": 0.3})
+    tracker.log_eval(version, {"reward_mean": 0.6})      # gyre eval: heldout/reward_mean
     tracker.log_summary(summary)
     tracker.close()
 
@@ -42,6 +43,9 @@ import yaml
 from gyre.errors import GyreError
 
 log = logging.getLogger(__name__)
+
+
+EVAL_PREFIX = "heldout/"  # held-out evaluation metrics (`Tracker.log_eval`)
 
 
 class TrackingError(GyreError):
@@ -109,6 +113,8 @@ class _Backend(Protocol):
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None: ...
 
+    def log_eval(self, version: int, metrics: dict[str, float]) -> None: ...
+
     def log_summary(self, summary: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
@@ -128,6 +134,13 @@ class Tracker:
         """One optimizer step's metrics (the rows the trace's `steps` table gets)."""
         values = {k: float(v) for k, v in metrics.items()}
         self._each("log_step", step, values)
+
+    def log_eval(self, version: int, metrics: dict[str, float]) -> None:
+        """A held-out evaluation (`gyre eval`) of the policy of weight version `version`:
+        `heldout/<name>` metrics whose x-axis is the policy version (the optimizer step
+        that produced it), so they line up with the training curves."""
+        values = {f"{EVAL_PREFIX}{k}": float(v) for k, v in metrics.items()}
+        self._each("log_eval", version, values)
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         """The run's final summary: numbers as metrics, everything else as text."""
@@ -245,6 +258,11 @@ class _TensorBoard:
         self.last_step = step
         self.writer.flush()
 
+    def log_eval(self, version: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=version)
+        self.writer.flush()
+
     def log_summary(self, summary: dict[str, Any]) -> None:
         for key, value in _numbers(summary).items():
             self.writer.add_scalar(f"summary/{key}", value, global_step=self.last_step)
@@ -282,6 +300,11 @@ class _Wandb:
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
+
+    def log_eval(self, version: int, metrics: dict[str, float]) -> None:
+        # summary values, not history: W&B history steps only grow, an evaluation of
+        # version 0 comes after the run's last step, and an offline resume counts from 0
+        self.run.summary.update({f"{k}/v{version}": v for k, v in metrics.items()})
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         self.run.summary.update(summary)
@@ -343,6 +366,9 @@ class _Mlflow:
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         self._metrics(metrics, step)
         self.last_step = step
+
+    def log_eval(self, version: int, metrics: dict[str, float]) -> None:
+        self._metrics(metrics, version)
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         self._metrics({f"summary.{k}": v for k, v in _numbers(summary).items()}, self.last_step)

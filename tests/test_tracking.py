@@ -21,6 +21,8 @@ from gyre.config import apply_overrides, load
 from gyre.errors import ConfigError
 from gyre.tracking import Tracker, TrackingConfig, TrackingError, open_tracker
 
+ROOT = Path(__file__).resolve().parents[1]
+
 RUN_CONFIG = {"name": "local", "steps": 3, "train": {"lr": 1e-4, "j_max": 4}, "tasks": ["add"]}
 ALL_ON = ["tensorboard.enabled=true", "wandb.enabled=true", "mlflow.enabled=true"]
 
@@ -123,21 +125,27 @@ def test_all_trackers_write_steps_config_and_summary_and_resume(tmp_path: Path) 
     with open_tracker(cfg, run_dir, RUN_CONFIG) as tracker:  # the run resumed in its directory
         tracker.log_step(3, steps(3, 3)[3])
         tracker.log_summary({"steps_done": 3, "policy": "elastic", "resumed_from": 2})
+    with open_tracker(cfg, run_dir, RUN_CONFIG) as tracker:  # gyre eval --initial, later
+        tracker.log_eval(0, {"reward_mean": 0.2})
+        tracker.log_eval(3, {"reward_mean": 0.7})
 
     scalars = tensorboard_scalars(run_dir / "tensorboard")
     assert scalars["loss"] == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3})
     assert scalars["reward_mean"] == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3})
     assert math.isnan(scalars["grad_norm"][2]) and scalars["summary/steps_done"] == {3: 3.0}
+    assert scalars["heldout/reward_mean"] == pytest.approx({0: 0.2, 3: 0.7})  # at versions
 
     records = wandb_records(run_dir)
     runs = [r["run"] for r in records if r["type"] == "run"]
-    assert len(runs) == 2 and len({r["run_id"] for r in runs}) == 1  # one W&B run, resumed
+    assert len(runs) == 3 and len({r["run_id"] for r in runs}) == 1  # one W&B run, resumed
     assert runs[0]["config"]["update"]["train"] == {"lr": 1e-4, "j_max": 4}
     history = {r["history"]["step"]["num"]: r["history"]["item"]
                for r in records if r["type"] == "history"}  # fmt: skip
     assert sorted(history) == [1, 2, 3] and history[2]["loss"] == 0.5
     summary = [r["summary"]["update"] for r in records if r["type"] == "summary"]
     assert any(s.get("policy") == "elastic" and s.get("steps_done") == 3 for s in summary)
+    held = {k: v for s in summary for k, v in s.items() if k.startswith("heldout/")}
+    assert held == {"heldout/reward_mean/v0": 0.2, "heldout/reward_mean/v3": 0.7}
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve() / 'mlflow' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("gyre").experiment_id])
@@ -145,8 +153,34 @@ def test_all_trackers_write_steps_config_and_summary_and_resume(tmp_path: Path) 
     assert run.data.params["train.lr"] == "0.0001" and run.data.params["tasks"] == '["add"]'
     loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
     assert loss == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3})
+    held = client.get_metric_history(run.info.run_id, "heldout/reward_mean")
+    assert {m.step: m.value for m in held} == pytest.approx({0: 0.2, 3: 0.7})
     assert (
         run.data.metrics["summary.steps_done"] == 3 and run.data.tags["summary.policy"] == "elastic"
     )
     config = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
     assert "lr: 0.0001" in Path(config).read_text()
+
+
+def test_gyre_eval_results_reach_the_runs_trackers(tmp_path: Path) -> None:
+    """`gyre eval RUN_DIR` sends each evaluated policy's held-out reward to the run's
+    trackers at its policy version; a model given by path (no version) is not sent."""
+    from gyre.runtime.config import load_run_config
+    from gyre.runtime.evaluation import EvalResult, _track
+
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text((ROOT / "templates" / "local.yaml").read_text())
+    cfg = load_run_config(cfg_path)
+    run_dir = tmp_path / "run"
+    results = [
+        EvalResult("initial", 0, "tiny", {"a": 0.0, "b": 0.5}),
+        EvalResult("final", 40, "p", {"a": 1.0, "b": None}),
+        EvalResult("other", None, "/m", {"a": 1.0}),
+    ]
+    _track(cfg, run_dir, results)  # tracking off in the template: nothing written
+    assert not run_dir.exists()
+    cfg.tracking.tensorboard.enabled = True
+    _track(cfg, run_dir, results)
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    assert scalars["heldout/reward_mean"] == pytest.approx({0: 0.25, 40: 1.0})
+    assert scalars["heldout/excluded"] == pytest.approx({0: 0.0, 40: 1.0})

@@ -10,7 +10,8 @@ One embedded engine serves the policy; an `ExecutionHost` (the very object a run
 node drives) runs one execution per task instance, `concurrency` at a time. Instances are
 drawn from held-out seeds (`gyre.tasks.suite.heldout_seed`, never used for training), the
 same ones for every policy, so before/after compare like with like. For a run directory
-the results are also written to `RUN_DIR/eval.json`, which `gyre report` plots.
+the results are also written to `RUN_DIR/eval.json`, which `gyre report` plots, and sent to
+the run's trackers (its `tracking:`) as `heldout/*` metrics against the policy version.
 """
 
 from __future__ import annotations
@@ -184,7 +185,24 @@ def run_eval(
     ]
     if run_dir is not None:
         _merge(run_dir / EVAL_FILE, results, names, instances)
+        _track(cfg, run_dir, results)
     return results
+
+
+def _track(cfg: RunConfig, run_dir: Path, results: list[EvalResult]) -> None:
+    """Send the results to the run's trackers (its `tracking:`), against policy versions."""
+    t = cfg.tracking
+    if not (t.tensorboard.enabled or t.wandb.enabled or t.mlflow.enabled):
+        return
+    from gyre.config import to_dict
+    from gyre.tracking import open_tracker
+
+    with open_tracker(t, run_dir, run_config=to_dict(cfg)) as tracker:
+        for r in results:
+            if r.version is not None:
+                d = r.to_dict()
+                tracker.log_eval(r.version, {"reward_mean": d["mean"], "reward_std": d["std"],
+                                             "scored": d["n"], "excluded": d["excluded"]})  # fmt: skip
 
 
 def _suite_names(cfg: RunConfig) -> list[str]:
