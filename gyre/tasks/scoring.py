@@ -107,6 +107,26 @@ async def run_limited(argv: list[str], cwd: Path, timeout_s: float) -> tuple[int
         return rc, out.read().decode(errors="replace"), err.read().decode(errors="replace")
 
 
+async def run_runner(
+    runner: Path, args: list[str], state_dir: Path, task: Task, what: str,
+    inputs: dict[str, str] | None = None,
+) -> Any:  # fmt: skip
+    """Run a standalone runner script (`python -I RUNNER ARGS --result FILE`) in the scratch
+    copy under the task's timeout; the JSON it wrote, or an EvaluatorError if it wrote none.
+    `inputs`: name -> text, each written to a file passed as `--NAME FILE`."""
+    with tempfile.TemporaryDirectory(prefix="gyre-score-") as tmp:
+        result = Path(tmp) / "result.json"
+        argv = [sys.executable, "-I", str(runner), *args, "--result", str(result)]
+        for name, text in (inputs or {}).items():
+            (Path(tmp) / f"{name}.json").write_text(text)
+            argv += [f"--{name}", str(Path(tmp) / f"{name}.json")]
+        rc, _out, err = await run_limited(argv, state_dir, task.scoring.timeout_s)
+        try:
+            return json.loads(result.read_text())
+        except (OSError, ValueError):
+            raise EvaluatorError(f"{what} exited {rc} without a result: {err[-500:]}") from None
+
+
 async def hidden_tests(state_dir: Path, task: Task) -> Score:
     """Fraction of the task's hidden test functions that pass against state_dir."""
     from gyre.tasks.check_runner import count_tests, test_files
@@ -118,20 +138,9 @@ async def hidden_tests(state_dir: Path, task: Task) -> Score:
         raise EvaluatorError(f"hidden tests {str(tests)!r} are unreadable: {e}") from None
     if not expected:
         raise EvaluatorError(f"hidden tests {str(tests)!r} define no test_* functions")
-    with tempfile.TemporaryDirectory(prefix="gyre-score-") as tmp:
-        result = Path(tmp) / "result.json"
-        argv = [
-            sys.executable, "-I", str(CHECK_RUNNER), "--tests", str(tests),
-            "--workspace", str(state_dir), "--result", str(result),
-            "--per-test-timeout", str(task.scoring.per_test_timeout_s),
-        ]  # fmt: skip
-        rc, _out, err = await run_limited(argv, state_dir, task.scoring.timeout_s)
-        try:
-            payload = json.loads(result.read_text())
-        except (OSError, ValueError):
-            raise EvaluatorError(
-                f"check runner exited {rc} without a result: {err[-500:]}"
-            ) from None
+    args = ["--tests", str(tests), "--workspace", str(state_dir),
+            "--per-test-timeout", str(task.scoring.per_test_timeout_s)]  # fmt: skip
+    payload = await run_runner(CHECK_RUNNER, args, state_dir, task, "check runner")
     results = payload.get("results", {})
     if set(results) != expected:
         raise EvaluatorError("check runner result does not match the hidden tests")
@@ -167,20 +176,9 @@ async def command(state_dir: Path, task: Task) -> Score:
 async def python(state_dir: Path, task: Task) -> Score:
     """Score returned by the task's reward function `fn(workspace, data)`."""
     spec = task.scoring.function
-    with tempfile.TemporaryDirectory(prefix="gyre-score-") as tmp:
-        data, result = Path(tmp) / "data.json", Path(tmp) / "result.json"
-        data.write_text(json.dumps(dict(task.data)))
-        argv = [
-            sys.executable, "-I", str(PYTHON_RUNNER), "--function", spec,
-            "--workspace", str(state_dir), "--data", str(data), "--result", str(result),
-        ]  # fmt: skip
-        rc, _out, err = await run_limited(argv, state_dir, task.scoring.timeout_s)
-        try:
-            payload = json.loads(result.read_text())
-        except (OSError, ValueError):
-            raise EvaluatorError(
-                f"reward runner exited {rc} without a result: {err[-500:]}"
-            ) from None
+    args = ["--function", spec, "--workspace", str(state_dir)]
+    inputs = {"data": json.dumps(dict(task.data))}
+    payload = await run_runner(PYTHON_RUNNER, args, state_dir, task, "reward runner", inputs)
     file, _, fn = spec.rpartition(":")
     name = f"{Path(file).name}:{fn}"
     if not isinstance(payload, dict) or "returned" not in payload:
