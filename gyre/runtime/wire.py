@@ -37,6 +37,7 @@ from gyre.runtime.messages import Message
 
 _FRAME = struct.Struct("<Q")
 _HELLO = struct.Struct("<16si")  # token, rank
+ABORT_GRACE_S = 0.5  # seconds between the last error line and MPI_Abort (abort_world)
 
 
 class RuntimeFailure(GyreError):
@@ -159,4 +160,8 @@ def abort_world(rank: int, component: str, error: BaseException) -> None:
     if not isinstance(error, GyreError):
         traceback.print_exception(error, file=sys.stderr)
     print(f"gyre run: error on rank {rank} ({component}): {error}", file=sys.stderr, flush=True)
+    # MPI_Abort tears the world down at once: a line still in the pipe to the launcher's
+    # output forwarder is lost (a CI job log ended without the coordinator's reason). Give
+    # the forwarder a moment to read it first.
+    time.sleep(ABORT_GRACE_S)
     MPI.COMM_WORLD.Abort(1)
