@@ -17,14 +17,14 @@ from gyre.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gyre.harness.adapters import Adapter, builtin_adapters, get_adapter, load_adapters
-    from gyre.harness.events import HarnessEvent, Launched, Outcome, Terminated
+    from gyre.harness.events import HarnessEvent, Launched, Terminated
     from gyre.harness.runner import ExecutionSpec, HarnessRunner
 
 # imported on first use: a harness process (the reference agent) needs none of them
 __getattr__, __dir__ = lazy_exports(globals(), {
     **dict.fromkeys(("Adapter", "builtin_adapters", "get_adapter", "load_adapters"),
                     "gyre.harness.adapters"),
-    **dict.fromkeys(("HarnessEvent", "Launched", "Outcome", "Terminated"), "gyre.harness.events"),
+    **dict.fromkeys(("HarnessEvent", "Launched", "Terminated"), "gyre.harness.events"),
     **dict.fromkeys(("ExecutionSpec", "HarnessRunner"), "gyre.harness.runner"),
 })  # fmt: skip
 
@@ -34,7 +34,6 @@ __all__ = [
     "HarnessEvent",
     "HarnessRunner",
     "Launched",
-    "Outcome",
     "Terminated",
     "builtin_adapters",
     "get_adapter",

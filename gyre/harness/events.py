@@ -1,24 +1,17 @@
 """Events the harness runner reports to the coordinator: an execution launched, terminated.
 
-Small frozen dataclasses, safe to pass across asyncio tasks and to pickle over MPI. The
+Small frozen dataclasses, safe to pass across asyncio tasks and to pickle between ranks. The
 runner emits `Launched` once the harness process exists and exactly one `Terminated` per
 execution (also when the harness never started: setup failure, command not found).
-`Terminated` is also what `HarnessRunner.run` returns and what the evaluator consumes.
+`Terminated` is also what `HarnessRunner.run` returns and what the evaluator consumes; its
+`Outcome` is the shared one of `gyre.vocabulary`, which the scheduler counts as well.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-
-class Outcome(enum.Enum):
-    """How an execution's harness ended."""
-
-    COMPLETED = "completed"  # exited with status 0
-    FAILED = "failed"  # non-zero exit, or could not be set up / started
-    TIMED_OUT = "timed_out"  # exceeded its harness time budget; process group killed
-    CANCELLED = "cancelled"  # cancelled by the coordinator; process group killed
+from gyre.vocabulary import Outcome
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,10 +34,11 @@ from typing import IO, Literal
 
 from gyre.errors import ConfigError, HarnessError
 from gyre.harness.adapters import Adapter
-from gyre.harness.events import HarnessEvent, Launched, Outcome, Terminated
+from gyre.harness.events import HarnessEvent, Launched, Terminated
 from gyre.harness.workspace import ExecutionDir, bwrap_available, bwrap_prefix, harness_env, prepare
 from gyre.lifetime import die_with_parent
 from gyre.tasks.suite import Task
+from gyre.vocabulary import Outcome
 
 log = logging.getLogger(__name__)
 KILL_SETTLE_S = 5.0  # how long to wait for SIGKILLed processes to disappear

@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from gyre.errors import ConfigError
+from gyre.launch.config import time_minutes
 from gyre.launch.spec import Component, JobSpec
 
 
@@ -115,22 +116,6 @@ def _check_component(c: Component, part: Partition) -> None:
             f"slurm: {c.label} asks for {c.gpus_per_node} GPUs per node; nodes of partition "
             f"{part.name!r} have {part.gpus_per_node}"
         )
-
-
-def time_minutes(value: str) -> int | None:
-    """Slurm time string -> whole minutes (rounded up); None for infinite / unlimited."""
-    if value.lower() in ("infinite", "unlimited"):
-        return None
-    days, _, rest = value.rpartition("-")
-    parts = [int(x) for x in rest.split(":")]
-    if days:
-        h, m, s = [*parts, 0, 0, 0][:3]
-        return int(days) * 1440 + h * 60 + m + (1 if s else 0)
-    if len(parts) == 1:
-        return parts[0]
-    if len(parts) == 2:
-        return parts[0] + (1 if parts[1] else 0)
-    return parts[0] * 60 + parts[1] + (1 if parts[2] else 0)
 
 
 def query_cluster(timeout_s: float = 30.0) -> Cluster:

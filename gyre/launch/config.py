@@ -219,3 +219,19 @@ def _extra_sbatch(lines: list[str]) -> None:
                 f"extra_sbatch[{i}]: {option} is set by Gyre from the config; allowed: any "
                 f"option except {', '.join(RESERVED_OPTIONS)}, --hetjob"
             )
+
+
+def time_minutes(value: str) -> int | None:
+    """Slurm time string -> whole minutes (rounded up); None for infinite / unlimited."""
+    if value.lower() in ("infinite", "unlimited"):
+        return None
+    days, _, rest = value.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:
+        h, m, s = [*parts, 0, 0, 0][:3]
+        return int(days) * 1440 + h * 60 + m + (1 if s else 0)
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return parts[0] + (1 if parts[1] else 0)
+    return parts[0] * 60 + parts[1] + (1 if parts[2] else 0)

@@ -23,7 +23,7 @@ import yaml
 
 from gyre.config import apply_overrides, load, read_mapping
 from gyre.errors import ConfigError
-from gyre.launch.config import SlurmConfig, TopologyConfig
+from gyre.launch.config import SlurmConfig, TopologyConfig, time_minutes
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,8 +101,6 @@ class JobSpec:
 
     def footprint(self) -> list[str]:
         """What the job takes (one line), then a line per warning, for `gyre render`."""
-        from gyre.launch.cluster import time_minutes
-
         limit = self.launch.slurm.time_limit
         minutes = time_minutes(limit)
         hours = "unlimited" if minutes is None else f"{self.gpus * minutes / 60:g}"

@@ -11,7 +11,8 @@
     GET  /metrics                     -> Prometheus text format (`ProxyMetrics`)
 
 Requests carry `Authorization: Bearer <admin token>`; errors use OpenAI's error shape.
-The coordinator in the same process uses the `ProxyApp` Python methods instead.
+The coordinator in the same process uses the `ProxyApp` Python methods instead; the
+handlers reach that app only through `AdminTarget`, the part of it they call.
 
 `/metrics` (scrape it with `authorization: {credentials_file: <admin token file>}` in the
 Prometheus job) reports HTTP requests and errors by handler and status with latency
@@ -27,7 +28,8 @@ import asyncio
 import hmac
 import re
 import urllib.parse
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import tornado.web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -40,8 +42,9 @@ from gyre.proxy.jsonbody import decode_body
 from gyre.proxy.session import Execution
 
 if TYPE_CHECKING:
-    from gyre.proxy.app import ProxyApp
+    from gyre.proxy.routing import EngineLike
     from gyre.proxy.service import ProxyService
+    from gyre.trajectory.tree import TrajectoryTree
 
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TOKENS = (256, 1024, 4096, 16384, 65536, 131072, 262144, 524288, 1048576)
@@ -62,10 +65,32 @@ def summary(ex: Execution) -> dict[str, Any]:
     }
 
 
+class AdminTarget(Protocol):
+    """What the admin routes operate on: `gyre.proxy.app.ProxyApp`'s Python API."""
+
+    service: ProxyService
+    admin_token: str
+    metrics: ProxyMetrics
+
+    def register_execution(
+        self, execution_id: str, role: str | None = None, meta: Mapping[str, Any] | None = None
+    ) -> str: ...
+
+    def close_execution(
+        self, execution_id: str, status: str = "completed", meta: Mapping[str, Any] | None = None
+    ) -> TrajectoryTree: ...
+
+    def set_route(self, execution_id: str, engine_id: str) -> None: ...
+
+    def set_draining(self, engine_id: str, draining: bool = True) -> None: ...
+
+    def add_engine(self, engine_id: str, engine: str | EngineLike) -> None: ...
+
+
 class AdminHandler(JsonErrorHandler):
     api = "openai"
 
-    def initialize(self, service: Any = None, app: ProxyApp | None = None) -> None:  # type: ignore[override]
+    def initialize(self, service: Any = None, app: AdminTarget | None = None) -> None:  # type: ignore[override]
         assert app is not None
         self.app = app
         self.service = app.service

@@ -46,6 +46,7 @@ from gyre.train.comm import (
 )
 from gyre.train.objective import batch_gradient
 from gyre.train.packing import MicroStep
+from gyre.vocabulary import Role
 
 
 @dataclass(slots=True)
@@ -345,7 +346,7 @@ class CellProcess:
             self.engine.release()
 
         self._engine_call(switch)
-        self._up(msg.Switched(self.index, "train", time.perf_counter() - t0, detail))
+        self._up(msg.Switched(self.index, Role.TRAIN, time.perf_counter() - t0, detail))
 
     def to_rollout(self, m: msg.ToRollout) -> None:
         t0 = time.perf_counter()
@@ -361,7 +362,7 @@ class CellProcess:
 
         self._engine_call(restore)
         detail = {"engine_version": self.engine.version}  # the weights it serves from now on
-        self._up(msg.Switched(self.index, "rollout", time.perf_counter() - t0, detail))
+        self._up(msg.Switched(self.index, Role.ROLLOUT, time.perf_counter() - t0, detail))
 
     def _engine_call(self, call: Callable[[], None]) -> None:
         """Run a switch's engine step unless the engine is dead or dies during it.
@@ -438,7 +439,7 @@ class CellProcess:
         self.engine.spawn()
         url = self._start_engine()
         self._load_latest()
-        if m.role != "rollout":
+        if m.role is not Role.ROLLOUT:
             self.engine.release()
         self.lost_reported = False
         self._up(msg.EngineReady(self.index, url, self.engine.version))

@@ -29,9 +29,8 @@ from typing import Any
 
 from gyre.errors import ConfigError
 from gyre.runtime.checkpoint import EXIT_CHECKPOINTED
+from gyre.runtime.config import DEFAULT_CONFIG
 from gyre.runtime.layout import TopologyConfig
-
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "templates" / "local.yaml"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

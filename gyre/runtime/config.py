@@ -33,6 +33,9 @@ from gyre.tasks.suite import ToolLatency
 from gyre.tracking import TrackingConfig
 from gyre.train.config import TrainConfig
 
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "templates" / "local.yaml"
+"""The run config `gyre run` and `gyre eval` use when none is given (one local job)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class ScheduleConfig:

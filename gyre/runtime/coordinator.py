@@ -41,15 +41,7 @@ from gyre.schedule import events as ev
 from gyre.tasks.suite import instance_seed
 from gyre.tracking import open_tracker
 from gyre.train.rewards import ExecutionOutcome, Status
-
-OUTCOMES = {
-    "completed": ev.Outcome.COMPLETED,
-    "failed": ev.Outcome.FAILED,
-    "timed_out": ev.Outcome.HARNESS_TIMEOUT,
-    "cancelled": ev.Outcome.CANCELLED,
-}
-VERDICT_STATUS = {"scored": Status.VALID, "placeholder": Status.PLACEHOLDER,
-                  "excluded": Status.EXCLUDED}  # fmt: skip
+from gyre.vocabulary import EngineId, Outcome, Role, VerdictStatus
 
 
 @dataclass(slots=True)
@@ -59,9 +51,11 @@ class Execution:
     id: str
     group: int
     state: Literal["queued", "running", "terminated", "recorded"] = "queued"
-    outcome: str = "not_launched"  # the harness's: completed | failed | timed_out | cancelled
+    # its close status in the trace: the harness's `Outcome` value (completed, failed,
+    # timed_out, cancelled), or not_launched | unrecoverable | recovered
+    outcome: str = "not_launched"
     reason: str = ""  # why the harness did not complete
-    verdict: dict[str, Any] | None = None
+    verdict: msg.VerdictRecord | None = None
     tree: Any = None  # kept from scoring until its group is admitted
 
     @property
@@ -197,13 +191,13 @@ class Coordinator:
                 self.urls[m.engine] = m.url
             else:
                 raise wire.RuntimeFailure(f"unexpected message at startup: {m!r:.200}")
-        self.to_proxy(msg.SetEngines({_engine_id(e): u for e, u in self.urls.items()}))
+        self.to_proxy(msg.SetEngines({str(EngineId(e)): u for e, u in self.urls.items()}))
         for c, role in enumerate(self.sched.roles):  # Async: cells fixed in training
-            if role is ev.Role.TRAIN:
+            if role is Role.TRAIN:
                 self.fixed_train.add(c)  # not a scheduler switch: no SwitchDone
-                self.to_proxy(msg.Drain(_engine_id(c), {}, ack=False))
+                self.to_proxy(msg.Drain(str(EngineId(c)), {}, ack=False))
                 self.to_rank(self.engine_ranks[c], msg.ToTrain())
-        self.rec.set_roles([r.value for r in self.sched.roles])
+        self.rec.set_roles(list(self.sched.roles))
         self.rec.event("started", seconds=time.time() - self.t0, proxy=self.proxy_url)
 
     def take_over(self) -> tuple[int, ...]:
@@ -244,7 +238,7 @@ class Coordinator:
             self.handle(self.wait_for(msg.Assessed, self.cfg.timeouts.drain_s))
         for cg, g in zip(self.takeover.groups, range(len(self.groups))):
             members = self.executions[g * self.n : (g + 1) * self.n]
-            if any(x.verdict is not None and x.verdict["status"] != "excluded" for x in members):
+            if any(x.verdict is not None and x.verdict.usable for x in members):
                 carried.append(cg)
             else:
                 dropped.append(cg.id)
@@ -291,12 +285,12 @@ class Coordinator:
                 ACTIONS[type(action)](self, action)
             self.pending.popleft()
             self._flush_drains()
-            self.rec.set_roles([r.value for r in self.sched.roles])
+            self.rec.set_roles(list(self.sched.roles))
 
     def _flush_drains(self) -> None:
         for c, routes in self.drain_routes.items():
             # a lost engine's drain only moves calls; a switching cell's is acknowledged
-            self.to_proxy(msg.Drain(_engine_id(c), routes, ack=c in self.switching_to_train))
+            self.to_proxy(msg.Drain(str(EngineId(c)), routes, ack=c in self.switching_to_train))
             self.switching_to_train.discard(c)
         self.drain_routes = {}
 
@@ -320,15 +314,16 @@ class Coordinator:
         x = self.executions[a.execution]
         g = self.groups[x.group]
         x.state = "running"
+        engine = str(EngineId(a.engine))
         self.rec.open_execution(x.id, {"group": g.id, "task": g.task, "instance": g.instance,
-                                       "engine": _engine_id(a.engine)})  # fmt: skip
+                                       "engine": engine})  # fmt: skip
         self.to_proxy(msg.StartExecution(execution=a.execution, execution_id=x.id, task=g.task,
-                                         instance=g.instance, engine=_engine_id(a.engine)))  # fmt: skip
+                                         instance=g.instance, engine=engine))  # fmt: skip
 
     def switch(self, a: ev.SwitchCell) -> None:
         self.stats["switches"] += 1
         self.switch_started[a.cell] = time.time()
-        if a.role is ev.Role.TRAIN:
+        if a.role is Role.TRAIN:
             self.drain_routes.setdefault(a.cell, {})  # sent once the reroutes are known
             self.switching_to_train.add(a.cell)  # its Drained answer sends ToTrain
         else:
@@ -337,7 +332,7 @@ class Coordinator:
     def reroute(self, a: ev.Reroute) -> None:
         self.stats["reroutes"] += 1
         eid = self.executions[a.execution].id
-        self.drain_routes.setdefault(a.source, {})[eid] = _engine_id(a.destination)
+        self.drain_routes.setdefault(a.source, {})[eid] = str(EngineId(a.destination))
         # its KV follows it (docs/engine.md "KV-cache migration"), unless it died with the engine
         if a.destination in self.urls and a.source not in self.respawning:
             self.kv_routes.setdefault(a.source, {})[eid] = self.urls[a.destination]
@@ -357,8 +352,8 @@ class Coordinator:
         outcomes = []
         for x in members:
             assert x.verdict is not None
-            outcomes.append(ExecutionOutcome(execution_id=x.id, reward=x.verdict["reward"],
-                                             status=VERDICT_STATUS[x.verdict["status"]]))  # fmt: skip
+            outcomes.append(ExecutionOutcome(execution_id=x.id, reward=x.verdict.reward,
+                                             status=Status.of(x.verdict.status)))  # fmt: skip
         trees = {x.id: x.tree for x in members if x.tree is not None}
         for x in members:
             x.tree = None  # the packing buffer holds it now
@@ -374,12 +369,12 @@ class Coordinator:
         counts: dict[str, int] = {}
         for x in self.executions:
             if x.verdict is not None:
-                key = f"{x.outcome}/{x.verdict['status']}"
+                key = f"{x.outcome}/{x.verdict.status.value}"
                 counts[key] = counts.get(key, 0) + 1
         text = "executions so far (harness outcome/verdict): " + ", ".join(
             f"{k} {v}" for k, v in sorted(counts.items())
         )
-        failed = next((x for x in self.executions if x.outcome == "failed"), None)
+        failed = next((x for x in self.executions if x.outcome == Outcome.FAILED.value), None)
         if failed is not None:  # the runner's reason carries the harness's stderr tail
             text += f"; {failed.id}'s harness failed: {failed.reason or '(no reason given)'}"
         return text
@@ -400,7 +395,7 @@ class Coordinator:
         MESSAGES[type(m)](self, m)
 
     def on_drained(self, m: msg.Drained) -> None:
-        c = int(m.engine[1:])
+        c = EngineId.parse(m.engine).index
         self.to_rank(self.engine_ranks[c], msg.ToTrain(routes=self.kv_routes.pop(c, {})))
 
     def on_switched(self, m: msg.Switched) -> None:
@@ -408,10 +403,10 @@ class Coordinator:
         the time the cell served neither role) is what the scheduler learns from."""
         total = time.time() - self.switch_started.pop(m.cell, time.time())
         self.switch_seconds.append(total)
-        self.rec.event("switch", cell=m.cell, to=m.role, seconds=total, cell_seconds=m.seconds,
-                       **m.detail)  # fmt: skip
-        if m.role == "rollout":
-            self.to_proxy(msg.Undrain(_engine_id(m.cell)))
+        self.rec.event("switch", cell=m.cell, to=m.role.value, seconds=total,
+                       cell_seconds=m.seconds, **m.detail)  # fmt: skip
+        if m.role is Role.ROLLOUT:
+            self.to_proxy(msg.Undrain(str(EngineId(m.cell))))
         if m.cell in self.fixed_train:
             self.fixed_train.discard(m.cell)
             return
@@ -419,11 +414,11 @@ class Coordinator:
 
     def on_harness_ended(self, m: msg.HarnessEnded) -> None:
         x = self.executions[m.execution]
-        x.state, x.outcome, x.reason = "terminated", m.outcome, m.reason
-        if m.outcome not in ("completed", "cancelled"):
-            self.rec.event("terminated", execution=x.id, outcome=m.outcome, reason=m.reason)
+        x.state, x.outcome, x.reason = "terminated", m.outcome.value, m.reason
+        if m.outcome not in (Outcome.COMPLETED, Outcome.CANCELLED):
+            self.rec.event("terminated", execution=x.id, outcome=m.outcome.value, reason=m.reason)
         if not self.finishing:
-            self.feed(ev.Terminated(m.execution, OUTCOMES[m.outcome]))
+            self.feed(ev.Terminated(m.execution, m.outcome))
 
     def on_journal_node(self, m: msg.JournalNode) -> None:
         self.rec.journal(m.execution_id, m.node)
@@ -436,10 +431,10 @@ class Coordinator:
         tree = recovered if recovered is not None else self.rec.journaled_tree(x.id)
         status = x.outcome if x.state == "terminated" else "failed"
         self.rec.close_execution(x.id, g.id, tree, status, m.verdict)
-        if m.verdict["status"] == "excluded":
-            self.rec.event("excluded", execution=x.id, error=m.verdict.get("error", ""))
+        if m.verdict.status is VerdictStatus.EXCLUDED:
+            self.rec.event("excluded", execution=x.id, error=m.verdict.error)
         x.state, x.verdict = "recorded", m.verdict
-        if m.verdict["status"] == "scored":
+        if m.verdict.status is VerdictStatus.SCORED:
             x.tree = tree
         if recovered is not None:
             return  # a resumed run's takeover: the scheduler has not started yet
@@ -554,7 +549,7 @@ class Coordinator:
         # the Drain carrying those routes (ack-less: no role change) is sent by feed().
         self.drain_routes.setdefault(m.engine, {})
         self.feed(ev.EngineLost(m.engine))
-        role = self.sched.roles[m.engine].value if m.engine < self.k else "rollout"
+        role = self.sched.roles[m.engine] if m.engine < self.k else Role.ROLLOUT
         self.to_rank(self.engine_ranks[m.engine], msg.Respawn(role))
 
     def on_engine_ready(self, m: msg.EngineReady) -> None:
@@ -563,9 +558,9 @@ class Coordinator:
         if m.version < self.sched.published:  # restarted from an older copy than served now
             self.to_rank(self.engine_ranks[m.engine], msg.Reload())
         self.rec.event("engine_restarted", engine=m.engine)
-        self.to_proxy(msg.SetEngines({_engine_id(m.engine): m.url}))
-        if m.engine < self.k and self.sched.roles[m.engine] is not ev.Role.ROLLOUT:
-            self.to_proxy(msg.Drain(_engine_id(m.engine), {}, ack=False))
+        self.to_proxy(msg.SetEngines({str(EngineId(m.engine)): m.url}))
+        if m.engine < self.k and self.sched.roles[m.engine] is not Role.ROLLOUT:
+            self.to_proxy(msg.Drain(str(EngineId(m.engine)), {}, ack=False))
         self.feed(ev.EngineRestored(m.engine))
 
     def on_checkpointed(self, m: msg.Checkpointed) -> None:
@@ -653,8 +648,7 @@ class Coordinator:
     def _close_unrecoverable(self, i: int, why: str) -> None:
         """An execution a dead job left open that cannot be scored: excluded, with the reason."""
         x = self.executions[i]
-        verdict: dict[str, Any] = {"status": "excluded", "reward": None, "assessments": [],
-                                   "t": time.time(), "error": f"unrecoverable: {why}"}  # fmt: skip
+        verdict = msg.VerdictRecord.excluded(f"unrecoverable: {why}", time.time())
         self.rec.close_execution(x.id, self.groups[x.group].id, self.rec.journaled_tree(x.id),
                                  "unrecoverable", verdict)  # fmt: skip
         x.state, x.outcome, x.verdict = "recorded", "unrecoverable", verdict
@@ -665,8 +659,7 @@ class Coordinator:
         x = self.executions[i]
         g = self.groups[x.group]
         self.rec.open_execution(x.id, {"group": g.id, "task": g.task, "instance": g.instance})
-        verdict: dict[str, Any] = {"status": "excluded", "reward": None, "assessments": [],
-                                   "t": time.time(), "error": f"dispatched, never launched: {why}"}  # fmt: skip
+        verdict = msg.VerdictRecord.excluded(f"dispatched, never launched: {why}", time.time())
         self.rec.close_execution(x.id, g.id, TrajectoryTree(x.id), "not_launched", verdict)
         x.state, x.outcome, x.verdict = "recorded", "not_launched", verdict
 
@@ -708,10 +701,6 @@ class Coordinator:
             "tied_groups": last.get("tied_groups"), **self.stats,
         }  # fmt: skip
         print("GYRE-PROGRESS " + json.dumps(line), flush=True)
-
-
-def _engine_id(index: int) -> str:
-    return f"e{index}"
 
 
 ACTIONS: dict[type, Callable[[Coordinator, Any], None]] = {

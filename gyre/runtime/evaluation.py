@@ -31,7 +31,7 @@ from gyre.errors import ConfigError
 from gyre.models import check_model
 from gyre.rollout.protocol import ensure_engine_key
 from gyre.runtime import policies
-from gyre.runtime.config import RunConfig, load_run_config
+from gyre.runtime.config import DEFAULT_CONFIG, RunConfig, load_run_config
 from gyre.tasks.suite import heldout_seed
 
 EVAL_FILE = "eval.json"
@@ -133,7 +133,7 @@ async def _run_all(
         eid = f"eval-{task_name}-{k}"
         async with gate:
             _, _, verdict = await host.execute(eid, task, "e0")
-        reward = verdict["reward"] if verdict["status"] != "excluded" else None
+        reward = verdict.reward if verdict.usable else None
         finished[0] += 1
         shown = "excluded" if reward is None else f"reward {reward:.3f}"
         print(f"gyre eval: {work_dir.name} {finished[0]}/{total} {eid} {shown}",
@@ -158,8 +158,6 @@ def run_eval(
         cfg = load_run_config(config or run_dir / "config.yaml")
         todo = targets_of(run_dir, cfg, initial=initial, every=every)
     else:
-        from gyre.runtime.cli import DEFAULT_CONFIG
-
         cfg = load_run_config(config or DEFAULT_CONFIG)
         todo = [Target(target, str(path.resolve()) if path.is_dir() else target, None)]
     from gyre.runtime.proxy_node import check_harness

@@ -1,11 +1,15 @@
 """Every message between the ranks of a Gyre job: one frozen dataclass per kind.
 
 The coordinator (rank 0) talks to the proxy node (rank 1) and to the cells (ranks 2..) —
-nobody else talks to anybody. A message travels up (to the coordinator, MPI tag `UP`) or
-down (from it, tag `DOWN`); `gyre.runtime.wire` sends and receives these objects and each
+nobody else talks to anybody. A message travels up (to the coordinator) or down (from it);
+`gyre.runtime.wire` pickles these objects over one TCP connection per rank and each
 receiver dispatches on the type, so a reader can follow a message by its name from the
-sender to its one handler. MPI keeps messages between one pair of ranks on one tag in
-order, which the protocol relies on (a `HarnessEnded` always precedes its `Assessed`).
+sender to its one handler. Each connection keeps its messages in order, which the
+protocol relies on (a `HarnessEnded` always precedes its `Assessed`).
+
+Fields carry Gyre's own types where they have one: a harness `Outcome`, a cell `Role`, a
+`VerdictRecord` (the evaluator's verdict with its assessment rows). Engines travel by their
+string id ("e3", `gyre.vocabulary.EngineId`), the name the proxy routes by.
 
 `table()` renders the message table of docs/runtime.md (a test keeps the two equal).
 """
@@ -16,7 +20,34 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from gyre.vocabulary import Outcome, Role, VerdictStatus
+
 PROXY, CELL, COORDINATOR = "proxy node", "cell", "coordinator"
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictRecord:
+    """An execution's verdict as the coordinator records it: status, reward, why, when.
+
+    `assessments` are the evaluator's rows of every attempt (`Assessment.to_row()`), written
+    to the trace's `assessments` table; `error` says why there is no valid score.
+    """
+
+    status: VerdictStatus
+    reward: float | None  # None iff excluded
+    t: float  # unix seconds the verdict was reached
+    error: str = ""
+    assessments: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def usable(self) -> bool:
+        """Whether the execution's reward may enter advantage estimation."""
+        return self.status is not VerdictStatus.EXCLUDED
+
+    @classmethod
+    def excluded(cls, error: str, t: float) -> VerdictRecord:
+        """No valid score, and why (the evaluator crashed, the execution never ran, ...)."""
+        return cls(status=VerdictStatus.EXCLUDED, reward=None, t=t, error=error)
 
 
 @dataclass(frozen=True)
@@ -48,11 +79,11 @@ class Drained(Message):
 
 @dataclass(frozen=True)
 class HarnessEnded(Message):
-    """An execution's harness ended: completed, failed, timed_out or cancelled."""
+    """An execution's harness ended: completed, failed, timed out or cancelled."""
 
     up, route = True, (PROXY, COORDINATOR)
     execution: int
-    outcome: str
+    outcome: Outcome
     t_launch: float | None
     t_end: float
     reason: str
@@ -73,7 +104,7 @@ class Assessed(Message):
 
     up, route = True, (PROXY, COORDINATOR)
     execution: int
-    verdict: dict[str, Any]
+    verdict: VerdictRecord
     errors: int
 
 
@@ -105,7 +136,7 @@ class Switched(Message):
 
     up, route = True, (CELL, COORDINATOR)
     cell: int
-    role: str
+    role: Role  # TRAIN or ROLLOUT
     seconds: float
     detail: dict[str, Any] = field(default_factory=dict)  # where the time went; KV moved
 
@@ -316,7 +347,7 @@ class Respawn(Message):
     """Restart the lost engine with the latest policy; released again unless `role` is rollout."""
 
     up, route = False, (COORDINATOR, CELL)
-    role: str
+    role: Role
 
 
 @dataclass(frozen=True)

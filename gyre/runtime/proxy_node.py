@@ -4,7 +4,7 @@ One asyncio/Tornado loop hosts an `ExecutionHost`: the `ProxyApp` (harness-facin
 TITO recording, routes), a `HarnessRunner` (one subprocess per execution, in its own
 workspace) and the `Evaluator` (scores each preserved workspace after its execution ends);
 `gyre eval` runs the same host without training. A thread receives the
-coordinator's messages over MPI and hands them to the loop (one handler per type):
+coordinator's messages (`gyre.runtime.wire`) and hands them to the loop (one handler per type):
 `SetEngines`, `Drain`, `Undrain`, `StartExecution` (register the execution's key, route it,
 run its harness on its task instance), `Cancel`, `Stop`.
 
@@ -39,6 +39,7 @@ from gyre.runtime.config import RunConfig
 from gyre.runtime.layout import COORDINATOR_RANK
 from gyre.tasks import AssessmentLog, Evaluator, TaskSuite
 from gyre.tasks.suite import Task, named_suite
+from gyre.vocabulary import Outcome
 
 
 def load_tasks(cfg: RunConfig) -> tuple[TaskSuite, list[str]]:
@@ -141,7 +142,7 @@ class ExecutionHost:
     async def execute(
         self, eid: str, task: Task, engine_id: str,
         ended: Callable[[Terminated], None] | None = None,
-    ) -> tuple[Terminated, Any, dict[str, Any]]:  # fmt: skip
+    ) -> tuple[Terminated, Any, msg.VerdictRecord]:  # fmt: skip
         """One execution: key, route, harness, close, score -> (ended, tree, verdict).
 
         `ended` is called as soon as the harness ends, before the tree is closed and scored.
@@ -160,21 +161,18 @@ class ExecutionHost:
         app.service.router.forget(eid)
         return term, tree, await self._assess(term, task)
 
-    async def _assess(self, term: Terminated, task: Task) -> dict[str, Any]:
+    async def _assess(self, term: Terminated, task: Task) -> msg.VerdictRecord:
         t0 = time.time()
         try:
             v = await self.evaluator.assess(term, task)
         except Exception as e:  # an evaluator bug must not stall the group: excluded
-            return {"status": "excluded", "reward": None, "error": f"evaluator crashed: {e}",
-                    "assessments": [], "t": t0}  # fmt: skip
-        rows = [a.to_row() for a in self.evaluator.log.for_execution(term.execution_id)]
-        return {"status": v.status, "reward": v.reward, "error": v.assessment.error,
-                "assessments": rows, "t": time.time()}  # fmt: skip
+            return msg.VerdictRecord.excluded(f"evaluator crashed: {e}", t0)
+        rows = tuple(a.to_row() for a in self.evaluator.log.for_execution(term.execution_id))
+        return msg.VerdictRecord(status=v.status, reward=v.reward, t=time.time(),
+                                 error=v.assessment.error, assessments=rows)  # fmt: skip
 
-    async def rescore(self, eid: str, task: Task) -> dict[str, Any]:
+    async def rescore(self, eid: str, task: Task) -> msg.VerdictRecord:
         """Score an execution's preserved workspace after the job running it died."""
-        from gyre.harness.events import Outcome
-
         workspace = Path(self.runner.config.workspace_root) / eid / "workspace"
         now = time.time()
         term = Terminated(
@@ -194,7 +192,7 @@ class ExecutionHost:
 
 
 class ProxyNode:
-    """Everything rank 1 runs, on one event loop: an `ExecutionHost` driven over MPI."""
+    """Everything rank 1 runs, on one event loop: an `ExecutionHost` driven by the coordinator."""
 
     def __init__(self, cfg: RunConfig, link: wire.Link, run_dir: Path) -> None:
         self.cfg, self.link = cfg, link
@@ -282,7 +280,7 @@ class ProxyNode:
         task = self.host.suite[m.task].instantiate(m.instance)
 
         def ended(term: Terminated) -> None:
-            self._up(msg.HarnessEnded(m.execution, term.outcome.value, term.t_launch, term.t,
+            self._up(msg.HarnessEnded(m.execution, term.outcome, term.t_launch, term.t,
                                       term.reason))  # fmt: skip
 
         term, _, verdict = await self.host.execute(m.execution_id, task, m.engine, ended)
@@ -295,7 +293,7 @@ class _Journal:
     The coordinator writes the run's one trace; it opened the execution at launch and
     closes it on `Assessed` with exactly these nodes, so this store only forwards nodes.
     Sends happen on the event loop, in recording order, before the execution's
-    `HarnessEnded`: MPI keeps them in that order.
+    `HarnessEnded`: the control connection keeps them in that order.
     """
 
     def __init__(self, up: Callable[[msg.Message], None]) -> None:
@@ -313,7 +311,7 @@ class _Journal:
 
 def _errors(term: Terminated) -> int:
     """Harness-side errors: a harness that failed (non-zero exit: it gave up on an API error)."""
-    return 1 if term.outcome.value == "failed" else 0
+    return 1 if term.outcome is Outcome.FAILED else 0
 
 
 def run_proxy_node(cfg: RunConfig, link: wire.Link, run_dir: Path) -> int:

@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre.runtime.messages import VerdictRecord
 from gyre.trajectory.store import TraceWriter
 from gyre.trajectory.tree import TrajectoryTree
+from gyre.vocabulary import Role
 
 
 class RunRecorder:
@@ -34,18 +36,18 @@ class RunRecorder:
             TraceWriter.reopen(path) if path.exists() else TraceWriter(path, run_meta=run_meta)
         )
         now = time.time()
-        self.role_since = [(role, now) for role in ["rollout"] * cells]
+        self.role_since = [(Role.ROLLOUT, now)] * cells
 
     # ------------------------------------------------------------------ timeline
 
-    def set_roles(self, roles: list[str], now: float | None = None) -> None:
+    def set_roles(self, roles: list[Role], now: float | None = None) -> None:
         """Close the interval of every cell whose role changed; open the new one."""
         t = time.time() if now is None else now
         rows = []
         for c, role in enumerate(roles):
             old, since = self.role_since[c]
-            if role != old:
-                rows.append({"cell": c, "role": old, "t_start": since, "t_end": t})
+            if role is not old:
+                rows.append({"cell": c, "role": old.value, "t_start": since, "t_end": t})
                 self.role_since[c] = (role, t)
         if rows:
             self.writer.append("roles", rows)
@@ -53,7 +55,7 @@ class RunRecorder:
     def close_roles(self) -> None:
         t = time.time()
         rows = [
-            {"cell": c, "role": role, "t_start": since, "t_end": t}
+            {"cell": c, "role": role.value, "t_start": since, "t_end": t}
             for c, (role, since) in enumerate(self.role_since)
         ]
         self.writer.append("roles", rows)
@@ -101,22 +103,22 @@ class RunRecorder:
         return self.writer.journaled_tree(eid)
 
     def close_execution(
-        self, eid: str, group_id: str, tree: TrajectoryTree, status: str, verdict: dict[str, Any]
+        self, eid: str, group_id: str, tree: TrajectoryTree, status: str, verdict: VerdictRecord
     ) -> None:
         """The tree, its reward and validity, and every assessment of one execution."""
-        valid = verdict["status"] != "excluded"
-        reward = verdict["reward"]
-        meta = {"reward": reward, "valid": valid, "verdict": verdict["status"]}
-        if verdict.get("error"):
-            meta["error"] = verdict["error"]
+        valid = verdict.usable
+        reward = verdict.reward
+        meta: dict[str, Any] = {"reward": reward, "valid": valid, "verdict": verdict.status.value}
+        if verdict.error:
+            meta["error"] = verdict.error
         self.writer.close_execution(eid, tree, status=status, meta=meta)
         r = float("nan") if reward is None else float(reward)
         self.writer.append(
             "rewards",
             [{"execution_id": eid, "group_id": group_id, "reward": r, "valid": valid,
-              "t": verdict["t"]}],
+              "t": verdict.t}],
         )  # fmt: skip
-        rows = [_assessment_row(a) for a in verdict["assessments"]]
+        rows = [_assessment_row(a) for a in verdict.assessments]
         if rows:
             self.writer.append("assessments", rows)
 

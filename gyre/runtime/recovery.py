@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gyre.runtime.messages import VerdictRecord
 from gyre.trajectory.reader import TraceReader
 from gyre.trajectory.tree import TrajectoryTree
+from gyre.vocabulary import VerdictStatus
 
 
 @dataclass(slots=True)
@@ -25,7 +27,7 @@ class Member:
 
     id: str
     state: str  # "closed" | "open" (journaled, to be scored) | "unlaunched"
-    verdict: dict[str, Any] | None = None  # closed: status + reward
+    verdict: VerdictRecord | None = None  # closed: status + reward (no assessment rows)
     outcome: str = ""  # closed: the execution's close status
     tree: TrajectoryTree | None = None  # closed & scored: its tree; open: the journal's
 
@@ -87,6 +89,7 @@ def _fill(m: Member, info: Any, journal: dict[str, TrajectoryTree], r: TraceRead
     if isinstance(reward, float) and math.isnan(reward):
         reward = None
     m.state, m.outcome = "closed", info.status
-    m.verdict = {"status": meta.get("verdict", "excluded"), "reward": reward}
-    if m.verdict["status"] == "scored":
+    status = VerdictStatus(meta.get("verdict", VerdictStatus.EXCLUDED.value))
+    m.verdict = VerdictRecord(status=status, reward=reward, t=info.t_close or info.t_open)
+    if status is VerdictStatus.SCORED:
         m.tree = r.tree(m.id)

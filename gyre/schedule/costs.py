@@ -22,7 +22,8 @@ import math
 
 from gyre.errors import SchedulerError
 from gyre.schedule.config import Config
-from gyre.schedule.events import Role, Work
+from gyre.schedule.events import Work
+from gyre.vocabulary import Role
 
 
 class Estimate:

@@ -3,7 +3,8 @@
 The scheduler (`gyre.schedule.machine.Scheduler`) is a pure state machine: the real
 coordinator and the simulator feed it these small frozen events and carry out the actions it
 returns (starting harnesses, switching cells, moving model calls, training micro-steps,
-publishing weights). Ids are plain integers so the same objects travel over MPI unchanged:
+publishing weights). A termination's `Outcome` and a cell's `Role` are the shared enums of
+`gyre.vocabulary`. Ids are plain integers so the same objects travel between ranks unchanged:
 execution `x` belongs to group `x // N`; engines `0..K-1` are the cells' rollout engines and
 `K..K+S-1` the standalone engines.
 """
@@ -13,14 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-
-class Role(enum.Enum):
-    """A cell's role; TO_* are the transitions between the two stable roles."""
-
-    ROLLOUT = "rollout"
-    TO_TRAIN = "to_train"
-    TRAIN = "train"
-    TO_ROLLOUT = "to_rollout"
+from gyre.vocabulary import Outcome, Role
 
 
 class Work(enum.Enum):
@@ -28,15 +22,6 @@ class Work(enum.Enum):
 
     PREPASS = "prepass"  # no-grad forward: the step's per-execution log-ratio sums
     GRADIENT = "gradient"  # forward + backward, once every execution in the step is summed
-
-
-class Outcome(enum.Enum):
-    """How an execution terminated; each one increments f(t) exactly once."""
-
-    COMPLETED = "completed"
-    FAILED = "failed"
-    HARNESS_TIMEOUT = "harness_timeout"
-    CANCELLED = "cancelled"
 
 
 # ---------------------------------------------------------------- events (driver -> scheduler)

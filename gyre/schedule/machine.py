@@ -56,7 +56,6 @@ from gyre.schedule.events import (
     OptimizerUpdate,
     Publish,
     Reroute,
-    Role,
     Start,
     SwitchCell,
     SwitchDone,
@@ -67,6 +66,7 @@ from gyre.schedule.events import (
 )
 from gyre.schedule.policy import Policy
 from gyre.schedule.routing import Engine, Engines
+from gyre.vocabulary import Role
 
 __all__ = ["Batch", "Engine", "Phase", "Scheduler"]
 

@@ -34,8 +34,8 @@ import yaml
 from gyre.errors import StoreError
 from gyre.sim.workload import HOUR, GroupSample
 from gyre.trajectory.reader import trace_path
+from gyre.vocabulary import Outcome, VerdictStatus
 
-TIMED_OUT = "timed_out"
 TREE_SAMPLE = 400  # executions whose call timings are read (trees hold every token)
 
 
@@ -133,7 +133,7 @@ def _step_rows(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
 
 def _execution(info: Any, tree: Any, timeout_s: float, j_max: int) -> RecordedExecution:
     meta = info.meta
-    timed_out = info.status == TIMED_OUT
+    timed_out = info.status == Outcome.TIMED_OUT.value
     total = float(info.t_close - info.t_open)
     gen = None
     run_s = min(total, timeout_s) if timed_out else math.nan
@@ -151,7 +151,7 @@ def _execution(info: Any, tree: Any, timeout_s: float, j_max: int) -> RecordedEx
         calls=info.num_nodes,
         tokens=info.flat_tokens * min(1.0, j_max / leaves),
         timed_out=timed_out,
-        valid=meta.get("verdict") == "scored",
+        valid=meta.get("verdict") == VerdictStatus.SCORED.value,
         generation_s=gen,
     )
 

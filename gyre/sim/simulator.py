@@ -17,6 +17,7 @@ work done by then.
 from __future__ import annotations
 
 import heapq
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,11 +26,13 @@ from typing import Any
 from gyre.errors import SchedulerError
 from gyre.schedule import events as ev
 from gyre.schedule.machine import Scheduler
+from gyre.schedule.plan import expected_staleness
 from gyre.schedule.policy import make_policy
 from gyre.sim.config import SimConfig
 from gyre.sim.engines import EngineModel, EnginePool
-from gyre.sim.report import SimResult, summarize
+from gyre.sim.report import SimResult
 from gyre.sim.workload import HOUR, EmpiricalWorkload, GroupSample, Workload
+from gyre.vocabulary import Outcome, Role
 
 INF = float("inf")
 # kinds of timed events on the queue
@@ -84,7 +87,7 @@ class Simulator:
         self.launch_t: list[float] = []
         self.end_t: list[float] = []
         self.valid: list[bool] = []
-        self.outcome: list[str] = []
+        self.outcome: list[Outcome | None] = []  # None until it ended
         self.evaluated: list[int] = []  # per group: executions ended
         self.settled: list[float] = []  # per group: when its last outcome is settled
         self.batch_tokens: dict[int, deque[float]] = {}  # micro-steps awaiting their prepass
@@ -157,11 +160,11 @@ class Simulator:
             self._feed(ev.GroupReady(a))
         elif kind == TIMEOUT:
             if self.pool.engine_of(a) is not None:
-                self._terminate(a, ev.Outcome.HARNESS_TIMEOUT)
+                self._terminate(a, Outcome.TIMED_OUT)
         elif kind == SWITCH:
             # the role it arrives in, recorded before the scheduler reacts: a satellite whose
             # burst ended while it switched is sent straight back (a second entry, to_rollout)
-            arrived = ev.Role.TRAIN if b else ev.Role.ROLLOUT
+            arrived = Role.TRAIN if b else Role.ROLLOUT
             self.timeline.append((self.now, a, arrived.value))
             self._feed(ev.SwitchDone(a, seconds=self._switch_s(b)))
         elif kind == UPDATE:
@@ -178,7 +181,7 @@ class Simulator:
         if when > self.now + 1e-6:  # the engine slowed down since the timer was armed
             self._retime(e)
             return
-        self._terminate(x, ev.Outcome.COMPLETED)
+        self._terminate(x, Outcome.COMPLETED)
 
     def _retime(self, e: int) -> None:
         """Arm the engine's timer for its next completion, unless one is armed earlier (a
@@ -190,12 +193,12 @@ class Simulator:
             self._at(max(0.0, nxt[0] - self.now), ENGINE, e, self.seq + 1)
             self.armed_id[e] = self.seq
 
-    def _terminate(self, x: int, outcome: ev.Outcome) -> None:
+    def _terminate(self, x: int, outcome: Outcome) -> None:
         e = self.pool.where[x]
         left = self.pool.remove(x, self.now)
         self._retime(e)
         self.end_t[x] = self.now
-        self.outcome[x] = outcome.value
+        self.outcome[x] = outcome
         work = self.nominal[x] + self.recomputed.get(x, 0.0)
         done = 1.0 - left / work if work > 0 else 1.0
         self.tokens[x] = self.full_tokens[x] * min(1.0, max(0.0, done))
@@ -221,7 +224,7 @@ class Simulator:
         self.launch_t.extend([-1.0] * n)
         self.end_t.extend([-1.0] * n)
         self.valid.extend([False] * n)
-        self.outcome.extend([""] * n)
+        self.outcome.extend([None] * n)
         self.evaluated.append(0)
         self.settled.append(0.0)
 
@@ -247,7 +250,7 @@ class Simulator:
 
     def _switch(self, a: ev.SwitchCell) -> None:
         self.timeline.append((self.now, a.cell, self.scheduler.roles[a.cell].value))
-        to_train = int(a.role is ev.Role.TRAIN)
+        to_train = int(a.role is Role.TRAIN)
         self._at(self._switch_s(to_train), SWITCH, a.cell, to_train)
 
     def _switch_s(self, to_train: int) -> float:
@@ -333,3 +336,87 @@ _ACTIONS: dict[type, Callable[[Simulator, Any], None]] = {
     ev.OpenJoinWindow: Simulator._window,
     ev.CloseJoinWindow: Simulator._window,
 }
+
+
+# ------------------------------------------------------------------ summary
+
+
+def summarize(sim: Simulator, wall_s: float) -> SimResult:
+    """What the finished run `sim` measured, from its records."""
+    total = sim.step_end[sim.steps - 1]
+    sc = sim.sched_config
+    consumed = [g for b in range(sim.steps) for g in sim.batch_groups.get(b, [])]
+    return SimResult(
+        policy=sim.policy.name,
+        phi=sc.phi,
+        mu=sc.mu,
+        steps=sim.steps,
+        total_h=total / HOUR,
+        step_end_h=[t / HOUR for t in sim.step_end[: sim.steps]],
+        mean_staleness=statistics.fmean(sim.staleness) if sim.staleness else 0.0,
+        expected_staleness=expected_staleness(sc.extra_groups / sc.batch_groups, sc.mu),
+        ideal_h=_ideal_s(sim, consumed) / HOUR,
+        utilization=_ideal_s(sim, consumed) / total if total else 0.0,
+        train_share=_train_share(sim.timeline, sc.cells, total),
+        executions=sum(1 for t in sim.launch_t if t >= 0),
+        reroutes=sim.reroutes,
+        switches=sum(1 for _, _, role in sim.timeline if role in ("to_train", "to_rollout")),
+        wasted_switches=sim.scheduler.wasted_switches,
+        workload=_workload_stats(sim),
+        wall_s=wall_s,
+        timeline=list(sim.timeline),
+    )
+
+
+def _ideal_s(sim: Simulator, groups: list[int]) -> float:
+    """Perfect overlap at the same budget: (rollout + training node-seconds) / nodes.
+
+    Rollout counts each consumed execution's work at the reference load (every engine
+    full), training its tokens' gradient pass and prepass at the node throughput."""
+    sc, costs = sim.sched_config, sim.config.costs
+    n = sc.group_size
+    slot_s = tokens = 0.0
+    for g in groups:
+        for x in range(g * n, (g + 1) * n):
+            slot_s += min(sim.nominal[x], sim.timeout_s)
+            if sim.valid[x]:
+                tokens += sim.tokens[x]
+    rollout_node_s = slot_s * sc.nodes_per_cell / sc.concurrency_per_cell
+    train_node_s = tokens * (1 + costs.prepass_ratio) / costs.train_tokens_per_node_s
+    return (rollout_node_s + train_node_s) / (sc.nodes + sc.standalone_nodes)
+
+
+def _train_share(timeline: list[tuple[float, int, str]], cells: int, end: float) -> list[float]:
+    """Per cell, the share of [0, end] spent outside ROLLOUT (training or switching)."""
+    spent = [0.0] * cells
+    last: list[tuple[float, str]] = [(0.0, Role.ROLLOUT.value)] * cells
+    for t, c, role in sorted(timeline, key=lambda r: r[0]):
+        t = min(t, end)
+        since, prev = last[c]
+        if prev != Role.ROLLOUT.value:
+            spent[c] += t - since
+        last[c] = (t, role)
+    for c, (since, prev) in enumerate(last):
+        if prev != Role.ROLLOUT.value:
+            spent[c] += end - since
+    return [s / end if end else 0.0 for s in spent]
+
+
+def _workload_stats(sim: Simulator) -> dict[str, float]:
+    n = sim.sched_config.group_size
+    ended = [x for x, t in enumerate(sim.end_t) if t >= 0]
+    if not ended:
+        return {}
+    runs = [sim.end_t[x] - sim.launch_t[x] for x in ended]
+    spans = []
+    for g in range(len(sim.evaluated)):
+        xs = range(g * n, (g + 1) * n)
+        if all(sim.end_t[x] >= 0 for x in xs):
+            spans.append(max(sim.end_t[x] for x in xs) - min(sim.launch_t[x] for x in xs))
+    return {
+        "mean_execution_h": statistics.fmean(runs) / HOUR,
+        "mean_query_h": statistics.fmean(spans) / HOUR if spans else 0.0,
+        "queries_over_4h": sum(s >= 4 * HOUR - 1 for s in spans) / len(spans) if spans else 0.0,
+        "harness_timeouts": sum(sim.outcome[x] is Outcome.TIMED_OUT for x in ended) / len(ended),
+        "overall_timeouts": sum(not sim.valid[x] for x in ended) / len(ended),
+    }

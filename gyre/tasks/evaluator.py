@@ -19,8 +19,11 @@ mid-execution (e.g. a critique fed back to the harness); such critique text, if 
 policy call sees it, is recorded with EVALUATOR provenance (see `feedback_text`).
 
     evaluator = Evaluator(Evaluator.Config(), log=AssessmentLog())
-    verdict = await evaluator.assess(terminated, task)
-    verdict.status, verdict.reward      # "scored" 0.6 | "excluded" None | "placeholder" 0.0
+    verdict = await evaluator.assess(terminated, task)   # a harness `Terminated` event
+    verdict.status, verdict.reward      # SCORED 0.6 | EXCLUDED None | PLACEHOLDER 0.0
+
+`assess` reads only the fields of `Ended` (which `gyre.harness.events.Terminated` has), so
+the evaluator needs nothing from the harness package.
 """
 
 from __future__ import annotations
@@ -35,13 +38,32 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from gyre.errors import ConfigError
-from gyre.harness.events import Terminated
 from gyre.tasks.scoring import RULES, EvaluatorError, Score, ScoringRule
 from gyre.tasks.snapshot import copy_workspace, freeze
 from gyre.tasks.suite import Task
+from gyre.vocabulary import VerdictStatus
 
 # request headers marking the new user messages of a call as evaluator-authored (proxy contract)
 EVALUATOR_HEADERS = {"x-gyre-provenance": "evaluator"}
+
+
+class Ended(Protocol):
+    """A terminated execution, as far as scoring it goes (a harness `Terminated` event)."""
+
+    @property
+    def execution_id(self) -> str: ...
+
+    @property
+    def reason(self) -> str: ...  # why the harness did not complete ("" when it did)
+
+    @property
+    def deadline(self) -> float: ...  # end of the overall budget, unix seconds
+
+    @property
+    def workspace(self) -> str | None: ...  # the preserved workspace; None: setup failed
+
+    @property
+    def assessable(self) -> bool: ...  # False when there is no assessable work
 
 
 class Validity(enum.Enum):
@@ -88,7 +110,7 @@ class Verdict:
     """The designated task assessment of an execution: its reward, or why there is none."""
 
     execution_id: str
-    status: Literal["scored", "excluded", "placeholder"]
+    status: VerdictStatus
     reward: float | None  # None iff excluded
     assessment: Assessment  # the designating (or last) assessment
     attempts: int
@@ -96,7 +118,7 @@ class Verdict:
     @property
     def usable(self) -> bool:
         """Whether the execution's reward may enter advantage estimation."""
-        return self.status != "excluded"
+        return self.status is not VerdictStatus.EXCLUDED
 
 
 class RowSink(Protocol):
@@ -181,7 +203,7 @@ class Evaluator:
         self.log = log or AssessmentLog()
         self._rules = dict(RULES if rules is None else rules)
 
-    async def assess(self, terminated: Terminated, task: Task) -> Verdict:
+    async def assess(self, terminated: Ended, task: Task) -> Verdict:
         """The final assessment of a terminated execution (see the module docstring)."""
         eid = terminated.execution_id
         if not terminated.assessable or terminated.workspace is None:
@@ -202,7 +224,7 @@ class Evaluator:
             if last.validity is Validity.VALID:
                 return Verdict(
                     execution_id=eid,
-                    status="scored",
+                    status=VerdictStatus.SCORED,
                     reward=last.score,
                     assessment=last,
                     attempts=attempt,
@@ -221,7 +243,11 @@ class Evaluator:
                 time.time(),
             )
         return Verdict(
-            execution_id=eid, status="excluded", reward=None, assessment=last, attempts=attempt
+            execution_id=eid,
+            status=VerdictStatus.EXCLUDED,
+            reward=None,
+            assessment=last,
+            attempts=attempt,
         )
 
     async def assess_intermediate(
@@ -297,7 +323,8 @@ class Evaluator:
             detail={}, t_start=now, t_end=now,
         )  # fmt: skip
         self.log.record(a)
-        return Verdict(execution_id=eid, status="placeholder", reward=0.0, assessment=a, attempts=0)
+        return Verdict(execution_id=eid, status=VerdictStatus.PLACEHOLDER, reward=0.0, assessment=a,
+                       attempts=0)  # fmt: skip
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait after failed attempt `attempt` (1, 2, ...): exponential, capped."""

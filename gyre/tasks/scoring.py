@@ -36,14 +36,12 @@ import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from gyre.errors import GyreError
 from gyre.lifetime import die_with_parent
 from gyre.tasks.pytest_runner import NO_PYTEST
-
-if TYPE_CHECKING:
-    from gyre.tasks.suite import Task
+from gyre.tasks.suite import RULE_NAMES, Task
 
 CHECK_RUNNER = Path(__file__).with_name("check_runner.py")
 PYTHON_RUNNER = Path(__file__).with_name("python_runner.py")
@@ -355,3 +353,4 @@ RULES: dict[str, ScoringRule] = {
     "python": python,
     "tests": tests,
 }
+assert tuple(RULES) == RULE_NAMES, "every rule a task may name has exactly one implementation"

@@ -108,11 +108,15 @@ class ToolLatency:
         return dataclasses.asdict(self)
 
 
+RULE_NAMES = ("hidden_tests", "command", "python", "tests")
+"""The scoring rules a task may name; `gyre.tasks.scoring.RULES` implements each one."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ScoringConfig:
     """How the preserved workspace of an execution is scored."""
 
-    # rule name, one of gyre.tasks.scoring.RULES (hidden_tests, command, python, tests)
+    # rule name, one of RULE_NAMES (hidden_tests, command, python, tests)
     rule: str = "hidden_tests"
     # hidden_tests: test file or directory of test_*.py; tests: file or directory copied
     # into the scratch copy before pytest runs; relative to the task's directory
@@ -131,11 +135,10 @@ class ScoringConfig:
     per_test_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        from gyre.tasks.scoring import RULES
-
-        if self.rule not in RULES:
+        if self.rule not in RULE_NAMES:
             raise ConfigError(
-                f"rule: {self.rule!r} is not a scoring rule; allowed: {', '.join(sorted(RULES))}"
+                f"rule: {self.rule!r} is not a scoring rule; allowed: "
+                f"{', '.join(sorted(RULE_NAMES))}"
             )
         if self.rule in ("hidden_tests", "tests") and not self.tests:
             raise ConfigError(f"tests: required for rule {self.rule!r}")

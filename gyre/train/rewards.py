@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gyre.errors import ConfigError, TrainingError
+from gyre.vocabulary import VerdictStatus
 
 
 class Status(enum.Enum):
@@ -36,6 +37,15 @@ class Status(enum.Enum):
     VALID = "valid"
     PLACEHOLDER = "placeholder"
     EXCLUDED = "excluded"
+
+    @classmethod
+    def of(cls, verdict: VerdictStatus) -> Status:
+        """The outcome an evaluator's verdict designates (a scored execution is VALID)."""
+        return _OF_VERDICT[verdict]
+
+
+_OF_VERDICT = {VerdictStatus.SCORED: Status.VALID, VerdictStatus.PLACEHOLDER: Status.PLACEHOLDER,
+               VerdictStatus.EXCLUDED: Status.EXCLUDED}  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from gyre.trajectory.export import INPUT_PROVENANCES, PROVENANCE_NAMES, build_tables
 from gyre.trajectory.reader import TraceReader, trace_path
+from gyre.vocabulary import Outcome
 
 ADMIT_EVENT = "admit"  # detail: {"group": id, "batch": b, "staleness": d}
 
@@ -192,7 +193,7 @@ def outcomes(ex: pa.Table, assessments: pa.Table) -> dict[str, Any]:
         }
     a_valid = _col(assessments, "valid").astype(bool)
     attempts = Counter(_col(assessments, "execution_id").tolist())
-    timed_out = by_status.get("timed_out", {})
+    timed_out = by_status.get(Outcome.TIMED_OUT.value, {})
     return {
         "by_status": by_status,
         "verdicts": dict(sorted(Counter(_col(ex, "verdict").tolist()).items())),

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness import ExecutionSpec, HarnessRunner, Outcome, get_adapter
+from gyre.harness import ExecutionSpec, HarnessRunner, get_adapter
 from gyre.models import tiny_tokenizer
 from gyre.proxy.config import Config
 from gyre.proxy.testing import running_proxy
 from gyre.rollout.testing import running_engine
 from gyre.tasks import Evaluator, Validity
+from gyre.vocabulary import Outcome
 
 ADAPTER = get_adapter("claude_code_bare")
 CLAUDE = ADAPTER.resolve_program(os.environ.get("PATH", ""))

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness import Outcome, get_adapter
+from gyre.harness import get_adapter
 from gyre.harness.codex import find_codex
 from gyre.proxy.config import Config
 from gyre.tasks import Evaluator
+from gyre.vocabulary import Outcome, VerdictStatus
 
 pytestmark = pytest.mark.skipif(
     find_codex() is None, reason="the `codex` binary is absent: run tools/install_codex.sh"
@@ -44,4 +45,4 @@ def test_codex_solves_a_task_through_the_adapter(suite, run_scripted_harness) ->
     home = Path(term.workspace) / ".gyre_home"
     assert (home / ".codex" / "config.toml").exists()  # HOME stayed inside the workspace
     verdict = asyncio.run(Evaluator().assess(term, task))
-    assert verdict.status == "scored" and verdict.reward == 1.0
+    assert verdict.status is VerdictStatus.SCORED and verdict.reward == 1.0

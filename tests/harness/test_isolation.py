@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from processes import all_gone, pids_with
 
-from gyre.harness import Outcome
 from gyre.harness.workspace import bwrap_available
+from gyre.vocabulary import Outcome
 
 needs_bwrap = pytest.mark.skipif(
     not bwrap_available(), reason="bubblewrap (bwrap) not installed: apt-get install bubblewrap"

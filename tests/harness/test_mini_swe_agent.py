@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness import Outcome, get_adapter
+from gyre.harness import get_adapter
 from gyre.proxy.config import Config
 from gyre.tasks import Evaluator
+from gyre.vocabulary import Outcome, VerdictStatus
 
 ADAPTER = get_adapter("mini_swe_agent")
 pytestmark = pytest.mark.skipif(
@@ -44,4 +45,4 @@ def test_mini_swe_agent_solves_a_task_through_the_adapter(suite, run_scripted_ha
     assert [n.parent_id for n in tree.nodes] == [0, 1] and len(other) == 0
     assert all(n.finish_reason == "tool_calls" for n in tree.nodes)
     verdict = asyncio.run(Evaluator().assess(term, task))
-    assert verdict.status == "scored" and verdict.reward == 1.0
+    assert verdict.status is VerdictStatus.SCORED and verdict.reward == 1.0

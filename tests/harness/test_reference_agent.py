@@ -17,13 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gyre.harness import ExecutionSpec, HarnessRunner, Launched, Outcome, get_adapter
+from gyre.harness import ExecutionSpec, HarnessRunner, Launched, get_adapter
 from gyre.models import tiny_tokenizer
 from gyre.proxy.config import Config
 from gyre.proxy.testing import RunningProxy, running_proxy
 from gyre.rollout.testing import running_engine
 from gyre.tasks import Evaluator, Validity, snapshot_id
 from gyre.trajectory.tree import Provenance
+from gyre.vocabulary import Outcome, VerdictStatus
 
 MODEL = "gyre-tiny"
 FORCE_BRANCHES = {
@@ -106,7 +107,7 @@ def test_reference_agent_builds_a_multi_branch_tree_and_is_scored(proxy, tmp_pat
     admin(proxy, "/admin/executions/ref-branches/close", {"status": "completed"})
 
     verdict = asyncio.run(Evaluator().assess(term, task))
-    assert verdict.status == "scored" and verdict.assessment.validity is Validity.VALID
+    assert verdict.status is VerdictStatus.SCORED and verdict.assessment.validity is Validity.VALID
     assert verdict.assessment.state_ref == snapshot_id(term.workspace)
     assert 0.0 <= verdict.reward <= 1.0
 

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness import ExecutionSpec, HarnessRunner, Outcome, get_adapter
+from gyre.harness import ExecutionSpec, HarnessRunner, get_adapter
 from gyre.models import load_tokenizer
 from gyre.proxy.config import Config
 from gyre.proxy.testing import running_proxy
 from gyre.tasks import Evaluator, Validity, snapshot_id
+from gyre.vocabulary import Outcome
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 MODEL = "smollm2"

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from gyre.errors import ConfigError, HarnessError
-from gyre.harness import Adapter, HarnessRunner, Launched, Outcome, Terminated
+from gyre.harness import Adapter, HarnessRunner, Launched, Terminated
 from gyre.tasks import Evaluator, Validity
+from gyre.vocabulary import Outcome, VerdictStatus
 
 
 def alive(pid: int) -> bool:
@@ -58,7 +59,7 @@ def test_timeout_kills_the_whole_group_and_partial_work_is_scored(make_runner, s
     assert [type(e) for e in runner.events] == [Launched, Terminated]
     assert runner.events[1] == term and term.assessable
     verdict = asyncio.run(Evaluator().assess(term, suite["add"]))
-    assert verdict.status == "scored" and verdict.assessment.validity is Validity.VALID
+    assert verdict.status is VerdictStatus.SCORED and verdict.assessment.validity is Validity.VALID
     assert verdict.reward == pytest.approx(2 / 3)  # partial credit for partial work
 
 
@@ -132,7 +133,7 @@ def test_command_not_found_fails_cleanly(make_runner, spec_for, suite):
     assert "'no-such-harness' not found" in term.reason and "apt-get install ghost" in term.reason
     assert [type(e) for e in runner.events] == [Terminated]
     verdict = asyncio.run(Evaluator().assess(term, suite["add"]))
-    assert verdict.status == "placeholder" and verdict.reward == 0.0
+    assert verdict.status is VerdictStatus.PLACEHOLDER and verdict.reward == 0.0
     # nothing else disturbed: the runner serves the next execution normally
     ok = asyncio.run(runner.run(spec_for("true", execution_id="e1")))
     assert ok.outcome is Outcome.COMPLETED
@@ -144,7 +145,7 @@ def test_setup_failure_yields_the_placeholder(make_runner, spec_for, suite, tmp_
     assert term.outcome is Outcome.FAILED and term.reason.startswith("setup failed:")
     assert "initial state" in term.reason and term.workspace is None and not term.assessable
     verdict = asyncio.run(Evaluator().assess(term, gone))
-    assert verdict.status == "placeholder" and verdict.reward == 0.0
+    assert verdict.status is VerdictStatus.PLACEHOLDER and verdict.reward == 0.0
 
 
 def test_bad_execution_ids_and_duplicates(make_runner, spec_for):

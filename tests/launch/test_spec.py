@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gyre.errors import ConfigError
-from gyre.launch.cluster import Cluster, Partition, parse_cluster, time_minutes, validate
+from gyre.launch.cluster import Cluster, Partition, parse_cluster, validate
+from gyre.launch.config import time_minutes
 from gyre.launch.spec import job_spec, load_launch
 
 ROOT = Path(__file__).resolve().parents[2]

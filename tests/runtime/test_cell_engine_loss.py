@@ -21,6 +21,7 @@ from gyre.runtime.cell import CellProcess, build_replica
 from gyre.runtime.config import load_run_config
 from gyre.runtime.engine_host import EngineProcess, http
 from gyre.train.comm import Communicators
+from gyre.vocabulary import Role
 
 from .conftest import small_config, write_config
 
@@ -69,7 +70,7 @@ def test_publish_to_a_killed_engine_is_reported_and_its_restart_serves_the_new_v
         # the dead engine's cell sees the loss; its restart loads the published policy
         victim._watch_engine()
         assert isinstance(victim.sent[-1], msg.EngineLost)  # type: ignore[attr-defined]
-        victim.respawn(msg.Respawn("rollout"))
+        victim.respawn(msg.Respawn(Role.ROLLOUT))
         assert victim.sent[-1] == msg.EngineReady(2, doomed.url, 1)  # type: ignore[attr-defined]
         assert http(doomed.url, "GET", "/model_info")["weight_version"] == "1"
         served = dict(policies.load_weights(kept[1]))
@@ -93,9 +94,9 @@ def test_a_switch_goes_on_when_the_engine_died_under_it(tmp_path: Path) -> None:
         engine.proc.wait()
         cell.to_train(msg.ToTrain())
         last = cell.sent[-1]  # type: ignore[attr-defined]
-        assert isinstance(last, msg.Switched) and (last.cell, last.role) == (1, "train")
+        assert isinstance(last, msg.Switched) and (last.cell, last.role) == (1, Role.TRAIN)
         cell.to_rollout(msg.ToRollout(0))
         last = cell.sent[-1]  # type: ignore[attr-defined]
-        assert isinstance(last, msg.Switched) and (last.cell, last.role) == (1, "rollout")
+        assert isinstance(last, msg.Switched) and (last.cell, last.role) == (1, Role.ROLLOUT)
     finally:
         engine.stop()

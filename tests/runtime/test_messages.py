@@ -38,8 +38,7 @@ from gyre.harness.workspace import prepare
 from gyre.runtime import checkpoint, policies, wire
 from gyre.runtime import messages as msg
 from gyre.runtime.cell import CellProcess, Replica, build_replica
-from gyre.runtime.cli import DEFAULT_CONFIG
-from gyre.runtime.config import RunConfig, load_run_config
+from gyre.runtime.config import DEFAULT_CONFIG, RunConfig, load_run_config
 from gyre.runtime.coordinator import MESSAGES, Coordinator
 from gyre.runtime.engine_host import EngineProcess, http
 from gyre.runtime.layout import COORDINATOR_RANK, PROXY_RANK
@@ -49,6 +48,7 @@ from gyre.schedule import events as ev
 from gyre.train.comm import Communicators
 from gyre.train.rewards import ExecutionOutcome, Status
 from gyre.trajectory.tree import Node, Provenance, TrajectoryTree
+from gyre.vocabulary import Outcome, Role, VerdictStatus
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "runtime.md"
 COVERED: set[type[msg.Message]] = set()
@@ -83,8 +83,8 @@ def _node(eid: str, output: list[int]) -> Node:
     return _tree(eid, [output]).node(1)
 
 
-def _verdict(reward: float) -> dict[str, Any]:
-    return {"status": "scored", "reward": reward, "assessments": [], "t": 2.0}
+def _verdict(reward: float) -> msg.VerdictRecord:
+    return msg.VerdictRecord(status=VerdictStatus.SCORED, reward=reward, t=2.0)
 
 
 def _wait(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
@@ -186,12 +186,14 @@ class CoordinatorWorld:
         if isinstance(m, msg.StartExecution):
             x, eid = m.execution, m.execution_id
             return [msg.JournalNode(eid, _node(eid, [7, 8, 9])),
-                    msg.HarnessEnded(x, "completed", 1.0, 2.0, ""),
+                    msg.HarnessEnded(x, Outcome.COMPLETED, 1.0, 2.0, ""),
                     msg.Assessed(x, _verdict(float(x % 2)), 0)]  # fmt: skip
         if isinstance(m, msg.Drain):
             return [msg.Drained(m.engine)] if m.ack else []
         if isinstance(m, msg.ToTrain | msg.ToRollout):
-            return [msg.Switched(cell, "train" if isinstance(m, msg.ToTrain) else "rollout", 0.1)]
+            return [
+                msg.Switched(cell, Role.TRAIN if isinstance(m, msg.ToTrain) else Role.ROLLOUT, 0.1)
+            ]
         if isinstance(m, msg.Prepass):
             sums = {r.execution_id: 0.0 for r in m.step.rows}
             return [msg.Prepassed(cell, m.batch, m.step.index, sums, 0.1)]
@@ -221,7 +223,7 @@ def test_startup_reports_give_the_proxy_every_engine(world: CoordinatorWorld) ->
 @delivers(msg.HarnessEnded)
 def test_harness_ended_terminates_the_execution(world: CoordinatorWorld) -> None:
     closed = world.c.sched.f
-    world.handle(msg.HarnessEnded(0, "timed_out", 1.0, 9.0, "tool too slow"))
+    world.handle(msg.HarnessEnded(0, Outcome.TIMED_OUT, 1.0, 9.0, "tool too slow"))
     x = world.c.executions[0]
     assert (x.state, x.outcome, x.reason) == ("terminated", "timed_out", "tool too slow")
     assert world.c.sched.f == closed + 1  # the scheduler counts it terminated
@@ -242,7 +244,7 @@ def test_assessed_records_the_verdict_and_a_complete_group_is_ready(
     for x in range(n):
         eid = world.c.executions[x].id
         world.handle(msg.JournalNode(eid, _node(eid, [7, 8])))
-        world.handle(msg.HarnessEnded(x, "completed", 1.0, 2.0, ""))
+        world.handle(msg.HarnessEnded(x, Outcome.COMPLETED, 1.0, 2.0, ""))
     world.handle(msg.Assessed(0, _verdict(1.0), errors=1))
     first = world.c.executions[0]
     assert first.state == "recorded" and first.verdict == _verdict(1.0)
@@ -269,8 +271,8 @@ def test_drained_sends_the_cell_to_train_with_its_kv_routes(world: CoordinatorWo
 def test_switched_to_train_makes_the_cell_claim_training_work(world: CoordinatorWorld) -> None:
     rank, _ = world.play(msg.ToTrain)
     cell = rank - world.ranks[0]
-    world.handle(msg.Switched(cell, "train", 0.25))
-    assert world.c.sched.roles[cell] is ev.Role.TRAIN
+    world.handle(msg.Switched(cell, Role.TRAIN, 0.25))
+    assert world.c.sched.roles[cell] is Role.TRAIN
     assert len(world.c.switch_seconds) == 1
     assert world.take(msg.Prepass, rank), "the cell in training got no pass"
 
@@ -279,8 +281,8 @@ def test_switched_to_rollout_lets_the_proxy_route_to_the_engine_again(tmp_path: 
     world = CoordinatorWorld(tmp_path, policy="colocate")  # every cell returns after a step
     rank, _ = world.play(msg.ToRollout)
     cell = rank - world.ranks[0]
-    world.handle(msg.Switched(cell, "rollout", 0.25))
-    assert world.c.sched.roles[cell] is ev.Role.ROLLOUT
+    world.handle(msg.Switched(cell, Role.ROLLOUT, 0.25))
+    assert world.c.sched.roles[cell] is Role.ROLLOUT
     assert world.take(msg.Undrain, PROXY_RANK) == [msg.Undrain(f"e{cell}")]
 
 
@@ -340,10 +342,10 @@ def test_policy_saved_is_listed_in_the_summary(world: CoordinatorWorld) -> None:
 def test_engine_lost_moves_its_executions_and_restarts_it(world: CoordinatorWorld) -> None:
     launched = world.take(msg.StartExecution, PROXY_RANK)
     for x in [m.execution for m in launched if m.engine == "e2"][:2]:  # room at engine 2
-        world.handle(msg.HarnessEnded(x, "completed", 1.0, 2.0, ""))
+        world.handle(msg.HarnessEnded(x, Outcome.COMPLETED, 1.0, 2.0, ""))
     world.handle(msg.EngineLost(1, -9))
     assert world.c.stats["engine_losses"] == 1 and world.c.respawning == {1}
-    assert world.take(msg.Respawn, world.ranks[1]) == [msg.Respawn("rollout")]
+    assert world.take(msg.Respawn, world.ranks[1]) == [msg.Respawn(Role.ROLLOUT)]
     drain = world.one(msg.Drain, PROXY_RANK)
     assert drain.engine == "e1" and not drain.ack
     on_e1 = [m.execution_id for m in launched if m.engine == "e1"]
@@ -439,7 +441,7 @@ def test_to_train_releases_the_engine(rig: CellRig) -> None:
     rig.deliver(msg.ToTrain())
     assert _health(rig.cell.engine)["released"] is True
     switched = rig.reply(msg.Switched)
-    assert (switched.cell, switched.role) == (0, "train") and switched.seconds > 0
+    assert (switched.cell, switched.role) == (0, Role.TRAIN) and switched.seconds > 0
 
 
 @delivers(msg.ToRollout)
@@ -451,7 +453,7 @@ def test_to_rollout_resumes_the_engine_with_the_published_weights(rig: CellRig) 
     assert _health(engine)["released"] is False
     assert _served_version(engine) == rig.cell.version
     switched = rig.reply(msg.Switched)
-    assert switched.role == "rollout" and switched.detail == {"engine_version": rig.cell.version}
+    assert switched.role is Role.ROLLOUT and switched.detail == {"engine_version": rig.cell.version}
 
 
 def _training_plane(rig: CellRig) -> tuple[TrainingPlane, list[msg.Message]]:
@@ -556,7 +558,7 @@ def test_respawn_restarts_the_engine_in_the_cells_role(rig: CellRig) -> None:
     assert engine.proc is not None
     old = engine.proc.pid
     rig.cell.lost_reported = True
-    rig.deliver(msg.Respawn("train"))
+    rig.deliver(msg.Respawn(Role.TRAIN))
     ready = rig.reply(msg.EngineReady)
     assert engine.proc.pid != old and engine.dead() is None
     assert ready.url == engine.url and _health(engine)["released"] is True  # it trains
@@ -636,8 +638,9 @@ def test_start_execution_runs_the_harness_and_reports_it_in_order(
     assert all(m.execution_id == "g1-e0" for m in reports if isinstance(m, msg.JournalNode))
     assert all(n.engine_id == "e0" and len(n.output_ids) for n in calls)
     ended, assessed = reports[-2], reports[-1]
-    assert ended.execution == assessed.execution == 4 and ended.outcome == "completed"
-    assert assessed.verdict["status"] == "scored" and 0.0 <= assessed.verdict["reward"] <= 1.0
+    assert ended.execution == assessed.execution == 4 and ended.outcome is Outcome.COMPLETED
+    assert assessed.verdict.status is VerdictStatus.SCORED
+    assert assessed.verdict.reward is not None and 0.0 <= assessed.verdict.reward <= 1.0
 
 
 @delivers(msg.Cancel)
@@ -651,7 +654,7 @@ def test_cancel_ends_a_running_harness_as_cancelled(proxy_node: ProxyNodeRig) ->
         with call:
             proxy_node.send(msg.Cancel(["g0-e2"]))
             ended = _expect(proxy_node.coordinator, msg.HarnessEnded)
-    assert (ended.execution, ended.outcome) == (2, "cancelled")
+    assert (ended.execution, ended.outcome) == (2, Outcome.CANCELLED)
     assert _expect(proxy_node.coordinator, msg.Assessed).execution == 2
 
 
@@ -661,8 +664,8 @@ def test_rescore_scores_the_preserved_workspace(proxy_node: ProxyNodeRig) -> Non
     prepare(Path(proxy_node.node.host.runner.config.workspace_root), "g5-e1", task)
     proxy_node.send(msg.Rescore(9, "g5-e1", "notes", instance=3))
     assessed = _expect(proxy_node.coordinator, msg.Assessed)
-    assert assessed.execution == 9 and assessed.verdict["status"] == "scored"
-    assert math.isfinite(assessed.verdict["reward"])
+    assert assessed.execution == 9 and assessed.verdict.status is VerdictStatus.SCORED
+    assert assessed.verdict.reward is not None and math.isfinite(assessed.verdict.reward)
 
 
 # ------------------------------------------------------------------ Stop (last: it ends the engine)

@@ -13,6 +13,7 @@ from typing import Any
 
 from gyre.schedule import events as ev
 from gyre.schedule.machine import Phase, Scheduler
+from gyre.vocabulary import Outcome
 
 from .reference import JoinReference
 
@@ -150,7 +151,7 @@ class World:
         return True
 
     def _terminate(self, x: int) -> None:
-        outcome = self.rng.choice(list(ev.Outcome))
+        outcome = self.rng.choice(list(Outcome))
         self.terminated.add(x)
         self.feed(ev.Terminated(x, outcome))
         g = x // self.s.config.group_size

@@ -16,9 +16,10 @@ from __future__ import annotations
 from gyre.schedule import events as ev
 from gyre.schedule.config import Config
 from gyre.schedule.policy import Policy
+from gyre.vocabulary import Role
 
-ROLLOUT, TO_TRAIN, TRAIN, TO_ROLLOUT = (ev.Role.ROLLOUT, ev.Role.TO_TRAIN, ev.Role.TRAIN,
-                                        ev.Role.TO_ROLLOUT)  # fmt: skip
+ROLLOUT, TO_TRAIN, TRAIN, TO_ROLLOUT = (Role.ROLLOUT, Role.TO_TRAIN, Role.TRAIN,
+                                        Role.TO_ROLLOUT)  # fmt: skip
 
 
 def running_estimate(prior: float, measured: list[float], weight: float) -> float:
@@ -37,9 +38,9 @@ class JoinReference:
         for c in policy.fixed_train:
             self.roles[c] = TRAIN
         self.satellites = [c for unit in policy.units[1:] for c in unit]
-        self.switches: list[tuple[int, ev.Role, float]] = []  # (cell, to, seconds)
+        self.switches: list[tuple[int, Role, float]] = []  # (cell, to, seconds)
         self.passes: list[tuple[ev.Work, float]] = []
-        self.pending_switch: dict[int, ev.Role] = {}
+        self.pending_switch: dict[int, Role] = {}
         self.claims: dict[int, ev.Work] = {}
         self.dispatched = self.terminated = 0
         self.closed: dict[int, int] = {}
@@ -128,7 +129,7 @@ class JoinReference:
 
     # ------------------------------------------------------------------ the rule, from scratch
 
-    def switch_s(self, cell: int, to: ev.Role) -> float:
+    def switch_s(self, cell: int, to: Role) -> float:
         prior = (self.cfg.switch_to_train_prior_s if to is TRAIN
                  else self.cfg.switch_to_rollout_prior_s)  # fmt: skip
         own = [s for c, r, s in self.switches if c == cell and r is to]

@@ -8,7 +8,7 @@ import pytest
 
 from gyre.errors import SchedulerError
 from gyre.schedule import Config, PolicyConfig, Scheduler, events, make_policy
-from gyre.schedule.events import Role
+from gyre.vocabulary import Outcome, Role
 
 
 def make(name: Any = "elastic", streaming: bool = True, **kw: object) -> Scheduler:
@@ -45,11 +45,11 @@ def test_start_fills_queue_and_launches_within_limits() -> None:
 def test_terminated_twice_or_unknown_is_rejected() -> None:
     s = make()
     with pytest.raises(SchedulerError, match="before Start"):
-        s.handle(events.Terminated(0, events.Outcome.COMPLETED))
+        s.handle(events.Terminated(0, Outcome.COMPLETED))
     s.handle(events.Start())
-    s.handle(events.Terminated(0, events.Outcome.FAILED))
+    s.handle(events.Terminated(0, Outcome.FAILED))
     with pytest.raises(SchedulerError, match="not running"):
-        s.handle(events.Terminated(0, events.Outcome.COMPLETED))
+        s.handle(events.Terminated(0, Outcome.COMPLETED))
     with pytest.raises(SchedulerError, match="still has running"):
         s.handle(events.GroupReady(1))
 
@@ -57,9 +57,9 @@ def test_terminated_twice_or_unknown_is_rejected() -> None:
 def test_core_leaves_first_when_remaining_capacity_serves_waterlevel() -> None:
     s = make()
     s.handle(events.Start())  # 6 executions on 3 engines x 4 slots
-    out = s.handle(events.Terminated(0, events.Outcome.COMPLETED))
+    out = s.handle(events.Terminated(0, Outcome.COMPLETED))
     assert not of(out, events.SwitchCell)  # not enough supply yet: group 0 not ready
-    out = s.handle(events.Terminated(1, events.Outcome.COMPLETED))
+    out = s.handle(events.Terminated(1, Outcome.COMPLETED))
     out += s.handle(events.GroupReady(0))
     switches = of(out, events.SwitchCell)
     assert switches == [events.SwitchCell(cell=0, role=Role.TRAIN)]  # W = 4 <= 12 - 4
@@ -75,7 +75,7 @@ def test_reroute_prefers_standalone_then_descending_cells() -> None:
     s.handle(events.Start())  # 8 executions on 4 engines x 2
     out = []
     for x in (0, 1, 2, 3):  # group 0 all terminated: soon-ready supply passes
-        out += s.handle(events.Terminated(x, events.Outcome.COMPLETED))
+        out += s.handle(events.Terminated(x, Outcome.COMPLETED))
     assert events.SwitchCell(cell=0, role=Role.TRAIN) in out
     order = [r.destination for r in of(out, events.Reroute)]
     assert order == sorted(order, key=lambda e: (e != 3, -e))  # standalone (3) first
@@ -84,12 +84,12 @@ def test_reroute_prefers_standalone_then_descending_cells() -> None:
 def test_colocate_switches_whole_pool_only_when_outstanding_fits_standalone() -> None:
     s = make("colocate", streaming=False, phi=0.0, standalone_nodes=0)
     s.handle(events.Start())  # 2 groups x 2 executions
-    s.handle(events.Terminated(0, events.Outcome.COMPLETED))
-    s.handle(events.Terminated(1, events.Outcome.COMPLETED))
+    s.handle(events.Terminated(0, Outcome.COMPLETED))
+    s.handle(events.Terminated(1, Outcome.COMPLETED))
     out = s.handle(events.GroupReady(0))
     assert not of(out, events.SwitchCell)  # W = 2 > 0: the tail still runs
-    s.handle(events.Terminated(2, events.Outcome.HARNESS_TIMEOUT))
-    out = s.handle(events.Terminated(3, events.Outcome.COMPLETED))
+    s.handle(events.Terminated(2, Outcome.TIMED_OUT))
+    out = s.handle(events.Terminated(3, Outcome.COMPLETED))
     out += s.handle(events.GroupReady(1))
     assert sorted(a.cell for a in of(out, events.SwitchCell)) == [0, 1, 2]
 
@@ -100,7 +100,7 @@ def test_async_split_never_switches_and_trains_on_fixed_cells() -> None:
     out = s.handle(events.Start())
     assert {a.engine for a in of(out, events.Launch)} == {2}
     for x in range(4):
-        out = s.handle(events.Terminated(x, events.Outcome.COMPLETED))
+        out = s.handle(events.Terminated(x, Outcome.COMPLETED))
         assert not of(out, events.SwitchCell)
     s.handle(events.GroupReady(0))
     out = s.handle(events.GroupReady(1))
@@ -117,7 +117,7 @@ def test_burst_cycle_join_window_update_publish_and_dispatch() -> None:
     s = make(mu=1, phi=0.0, join_min_microsteps=0)
     log = s.handle(events.Start())
     for x in range(4):
-        log += s.handle(events.Terminated(x, events.Outcome.COMPLETED))
+        log += s.handle(events.Terminated(x, Outcome.COMPLETED))
     log += s.handle(events.GroupReady(0))
     assert of(log, events.SwitchCell) == [events.SwitchCell(cell=0, role=Role.TRAIN)]
     log += s.handle(events.SwitchDone(0))
@@ -164,7 +164,7 @@ def test_gradient_passes_go_to_the_training_prefix_only() -> None:
     s = make(mu=1, phi=0.0, join_min_microsteps=0)
     log = s.handle(events.Start())
     for x in range(4):
-        log += s.handle(events.Terminated(x, events.Outcome.COMPLETED))
+        log += s.handle(events.Terminated(x, Outcome.COMPLETED))
     log += s.handle(events.GroupReady(0)) + s.handle(events.SwitchDone(0))
     log += s.handle(events.MicroStepsQueued(batch=0, group=0, count=2))
     log += s.handle(events.SwitchDone(2))  # cell 2 trains before cell 1: outside the prefix
@@ -194,7 +194,7 @@ def test_launched_confirms_running_executions_and_tick_reevaluates() -> None:
     assert s.handle(events.Launched(0)) == []
     with pytest.raises(SchedulerError, match="not running"):
         s.handle(events.Launched(5))  # still queued
-    s.handle(events.Terminated(0, events.Outcome.CANCELLED))
+    s.handle(events.Terminated(0, Outcome.CANCELLED))
     assert s.f == 1 and s.p == 4  # the freed slot went to the next queued execution
     assert s.handle(events.Tick(12.5)) == []
 
@@ -214,7 +214,7 @@ def _one_group_packed(s: Scheduler, core_switch_s: float, count: int = 3) -> lis
     into `count` micro-steps (group 1, soon ready, is expected to bring as many)."""
     log = s.handle(events.Start())
     for x in range(4):
-        log += s.handle(events.Terminated(x, events.Outcome.COMPLETED))
+        log += s.handle(events.Terminated(x, Outcome.COMPLETED))
     log += s.handle(events.GroupReady(0))
     log += s.handle(events.SwitchDone(0, seconds=core_switch_s))
     log += s.handle(events.MicroStepsQueued(batch=0, group=0, count=count))
@@ -256,8 +256,8 @@ def test_estimates_start_at_the_prior_then_follow_measurements() -> None:
     est.passed(events.Work.PREPASS, 3.0)
     assert est.pass_s(events.Work.PREPASS) == 2.0
     s.handle(events.Start())
-    s.handle(events.Terminated(0, events.Outcome.COMPLETED))
-    s.handle(events.Terminated(1, events.Outcome.COMPLETED))  # group 0 done: the core leaves
+    s.handle(events.Terminated(0, Outcome.COMPLETED))
+    s.handle(events.Terminated(1, Outcome.COMPLETED))  # group 0 done: the core leaves
     with pytest.raises(SchedulerError, match="seconds"):
         s.handle(events.SwitchDone(0, seconds=float("nan")))
     assert s.roles[0] is Role.TO_TRAIN  # a refused event changes nothing
@@ -288,13 +288,13 @@ def test_a_burst_without_streaming_waits_for_all_its_groups() -> None:
     s.handle(events.Start())  # 4 groups of 2 on 3 engines x 4 slots
     log = []
     for x in range(6):
-        log += s.handle(events.Terminated(x, events.Outcome.COMPLETED))
+        log += s.handle(events.Terminated(x, Outcome.COMPLETED))
     for g in range(2):
         log += s.handle(events.GroupReady(g))
     assert not of(log, events.SwitchCell)  # B ready, W = 4 fits the standalone engine: not yet
     log += s.handle(events.GroupReady(2))
-    log += s.handle(events.Terminated(6, events.Outcome.COMPLETED))
-    log += s.handle(events.Terminated(7, events.Outcome.COMPLETED))
+    log += s.handle(events.Terminated(6, Outcome.COMPLETED))
+    log += s.handle(events.Terminated(7, Outcome.COMPLETED))
     assert not of(log, events.SwitchCell)  # 3 of μB = 4 ready
     log += s.handle(events.GroupReady(3))
     assert sorted(a.cell for a in of(log, events.SwitchCell)) == [0, 1]
@@ -311,7 +311,7 @@ def test_a_lost_engine_is_never_a_destination_until_it_is_restored() -> None:
     assert s.rollout_capacity == 8 and not s.engines[2].running
     # a role change now reroutes only to live engines: cell 1's work goes to cell 0
     for x in range(4):
-        s.handle(events.Terminated(x, events.Outcome.COMPLETED))
+        s.handle(events.Terminated(x, Outcome.COMPLETED))
     s.handle(events.GroupReady(0))
     out = s.handle(events.GroupReady(1))
     assert all(r.destination != 2 for r in of(out, events.Reroute))

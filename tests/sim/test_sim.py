@@ -11,9 +11,10 @@ import pytest
 from gyre.cli import main
 from gyre.errors import ConfigError
 from gyre.schedule.config import Config
-from gyre.schedule.events import Role, Work
+from gyre.schedule.events import Work
 from gyre.sim import SimConfig, Simulator, load_sim_config
 from gyre.sim.config import PolicySpec
+from gyre.vocabulary import Outcome, Role
 
 from .paths import TEMPLATE
 
@@ -162,7 +163,7 @@ def test_training_work_comes_from_sampled_tokens_not_wall_time() -> None:
         sim.run()
     a, b = sims["elastic"], sims["async"]
     both = [x for x in range(min(len(a.outcome), len(b.outcome)))
-            if a.outcome[x] == b.outcome[x] == "completed"]  # fmt: skip
+            if a.outcome[x] is b.outcome[x] is Outcome.COMPLETED]  # fmt: skip
     assert len(both) > 8
     differ = 0
     for x in both:

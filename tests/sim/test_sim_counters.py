@@ -27,6 +27,7 @@ from gyre.schedule import events as ev
 from gyre.sim import SimConfig, SimResult, Simulator, load_sim_config
 from gyre.sim.config import PolicySpec
 from gyre.sim.workload import HOUR
+from gyre.vocabulary import Outcome, Role
 
 from .paths import TEMPLATE
 
@@ -143,7 +144,7 @@ def wasted_recount(log: Log, satellites: set[int]) -> int:
         if isinstance(action, ev.ClaimMicroStep):
             worked[action.cell] = True
         elif isinstance(action, ev.SwitchCell) and action.cell in satellites:
-            if action.role is ev.Role.TRAIN:
+            if action.role is Role.TRAIN:
                 worked[action.cell] = False
             elif not worked.get(action.cell, True):
                 wasted += 1
@@ -164,7 +165,7 @@ def away_recount(log: Log, first_roles: list[str], end: float) -> list[float]:
             spent[event.cell] += min(t, end) - min(since, end)
             away_since[event.cell] = None
         for a in actions:
-            if isinstance(a, ev.SwitchCell) and a.role is ev.Role.TRAIN:
+            if isinstance(a, ev.SwitchCell) and a.role is Role.TRAIN:
                 away_since[a.cell] = t
             elif isinstance(a, ev.SwitchCell):
                 to_rollout.add(a.cell)
@@ -207,7 +208,7 @@ def test_reported_counters_equal_a_recount_of_the_message_log(
     assert result.mean_staleness == pytest.approx(statistics.fmean(staleness))
     outcomes = Counter(e.outcome for e in terminated)
     assert result.workload["harness_timeouts"] == pytest.approx(
-        outcomes[ev.Outcome.HARNESS_TIMEOUT] / len(terminated)
+        outcomes[Outcome.TIMED_OUT] / len(terminated)
     )
 
     ends = [t for t, _ in of(log, ev.BatchDone)][: config.steps]

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness.events import Outcome, Terminated
+from gyre.harness.events import Terminated
 from gyre.tasks import TaskSuite, builtin_suite
+from gyre.vocabulary import Outcome
 
 SOLUTIONS = Path(__file__).parent / "solutions"
 

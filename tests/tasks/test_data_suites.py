@@ -18,6 +18,7 @@ from gyre.errors import ConfigError
 from gyre.tasks import Evaluator, EvaluatorError, Validity, builtin_suite, load_suite
 from gyre.tasks.scoring import python, scoring_env
 from gyre.tasks.suite import ScoringConfig
+from gyre.vocabulary import VerdictStatus
 
 EXAMPLES = Path(__file__).parents[2] / "gyre" / "tasks" / "examples"
 
@@ -280,7 +281,7 @@ def test_example_reward_gives_partial_credit_through_the_evaluator(
     verdict = asyncio.run(
         Evaluator().assess(make_terminated(workspace_with(tmp_path, answer)), task)
     )
-    assert verdict.status == "scored" and verdict.reward == reward
+    assert verdict.status is VerdictStatus.SCORED and verdict.reward == reward
     assert verdict.assessment.detail == {"match": match} and verdict.assessment.critique
 
 
@@ -290,7 +291,11 @@ def test_a_raising_reward_function_leaves_the_assessment_unresolved(
     ws = workspace_with(tmp_path, "4")
     ev = Evaluator(Evaluator.Config(retry_backoff_s=0.0, max_attempts=2))
     verdict = asyncio.run(ev.assess(make_terminated(ws), with_function(quiz, "raises")))
-    assert verdict.status == "excluded" and verdict.reward is None and verdict.attempts == 2
+    assert (
+        verdict.status is VerdictStatus.EXCLUDED
+        and verdict.reward is None
+        and verdict.attempts == 2
+    )
     for a in ev.log.for_execution("e0"):
         assert a.validity is Validity.UNRESOLVED and a.score is None
         assert "reward.py:raises failed: ValueError: no answer key ['answer']" in a.error
@@ -337,7 +342,7 @@ def test_reward_function_runs_in_the_scratch_copy_with_the_minimal_env(
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     ws = workspace_with(tmp_path, "4")
     verdict = asyncio.run(Evaluator().assess(make_terminated(ws), with_function(quiz, "snoop")))
-    assert verdict.status == "scored" and verdict.reward == 0.5
+    assert verdict.status is VerdictStatus.SCORED and verdict.reward == 0.5
     detail = verdict.assessment.detail
     assert "GYRE_TEST_SECRET" not in detail["env"] and "OPENAI_API_KEY" not in detail["env"]
     assert detail["env"] == sorted(scoring_env(tmp_path))  # only PATH, HOME, LANG, ...

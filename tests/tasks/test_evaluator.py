@@ -13,10 +13,10 @@ import time
 import pytest
 
 from gyre.errors import ConfigError
-from gyre.harness.events import Outcome
 from gyre.tasks import AssessmentLog, Evaluator, Validity, feedback_text
 from gyre.tasks.snapshot import snapshot_id
 from gyre.tasks.suite import ScoringConfig
+from gyre.vocabulary import Outcome, VerdictStatus
 
 # Fails on its first `fails` runs (counted in a file outside the workspace), then scores
 # the fraction of lines of answer.txt that read "ok". On its first run it also scribbles on
@@ -59,7 +59,9 @@ def test_evaluator_failing_twice_then_succeeding_gives_the_later_score(
     state = snapshot_id(workspace)
     ev = Evaluator(Evaluator.Config(retry_backoff_s=0.01))
     verdict = asyncio.run(ev.assess(make_terminated(workspace), task))
-    assert verdict.status == "scored" and verdict.reward == 0.5 and verdict.attempts == 3
+    assert (
+        verdict.status is VerdictStatus.SCORED and verdict.reward == 0.5 and verdict.attempts == 3
+    )
     history = ev.log.for_execution("e0")
     assert [a.validity for a in history] == [
         Validity.UNRESOLVED,
@@ -81,7 +83,9 @@ def test_evaluator_that_never_succeeds_is_unresolved_and_excluded(
     t0 = time.time()
     verdict = asyncio.run(ev.assess(make_terminated(workspace, budget_s=1.5), task))
     assert time.time() - t0 < 4.0  # stops at the overall budget
-    assert verdict.status == "excluded" and verdict.reward is None and not verdict.usable
+    assert (
+        verdict.status is VerdictStatus.EXCLUDED and verdict.reward is None and not verdict.usable
+    )
     history = ev.log.for_execution("e0")
     assert len(history) >= 2 and all(a.validity is Validity.UNRESOLVED for a in history)
     assert all(a.score is None for a in history)  # never a zero
@@ -97,7 +101,7 @@ def test_retries_within_the_budget_pause_longer_each_time(
     task = flaky_task(suite, tmp_path, workspace, fails=10**6)
     verdict = asyncio.run(ev.assess(make_terminated(workspace, budget_s=2.0), task))
     history = ev.log.for_execution("e0")
-    assert verdict.status == "excluded" and verdict.attempts == len(history) >= 3
+    assert verdict.status is VerdictStatus.EXCLUDED and verdict.attempts == len(history) >= 3
     for i, (a, b) in enumerate(itertools.pairwise(history), start=1):
         assert b.t_start - a.t_end >= ev.backoff(i) - 0.02, (i, b.t_start - a.t_end)
 
@@ -106,12 +110,15 @@ def test_max_attempts_bounds_retries(suite, tmp_path, workspace, make_terminated
     task = flaky_task(suite, tmp_path, workspace, fails=10**6)
     ev = Evaluator(Evaluator.Config(retry_backoff_s=0.0, max_attempts=2))
     verdict = asyncio.run(ev.assess(make_terminated(workspace), task))
-    assert verdict.status == "excluded" and verdict.attempts == 2
+    assert verdict.status is VerdictStatus.EXCLUDED and verdict.attempts == 2
 
 
 def test_budget_already_spent_excludes_without_scoring(suite, workspace, make_terminated):
     verdict = asyncio.run(Evaluator().assess(make_terminated(workspace, budget_s=-1), suite["add"]))
-    assert verdict.status == "excluded" and verdict.assessment.validity is Validity.UNRESOLVED
+    assert (
+        verdict.status is VerdictStatus.EXCLUDED
+        and verdict.assessment.validity is Validity.UNRESOLVED
+    )
 
 
 def test_valid_zero_is_a_usable_reward(suite, tmp_path, make_terminated):
@@ -120,18 +127,20 @@ def test_valid_zero_is_a_usable_reward(suite, tmp_path, make_terminated):
     verdict = asyncio.run(
         Evaluator().assess(make_terminated(ws, outcome=Outcome.TIMED_OUT), suite["add"])
     )
-    assert verdict.status == "scored" and verdict.reward == 0.0 and verdict.usable
+    assert verdict.status is VerdictStatus.SCORED and verdict.reward == 0.0 and verdict.usable
     assert verdict.assessment.validity is Validity.VALID
 
 
 def test_no_assessable_work_gets_a_zero_reward_placeholder(suite, tmp_path, make_terminated):
     ev = Evaluator()
     v1 = asyncio.run(ev.assess(make_terminated(None, assessable=False), suite["add"]))
-    assert v1.status == "placeholder" and v1.reward == 0.0 and v1.usable
+    assert v1.status is VerdictStatus.PLACEHOLDER and v1.reward == 0.0 and v1.usable
     assert v1.assessment.validity is Validity.PLACEHOLDER and v1.assessment.state_ref is None
     gone = tmp_path / "vanished"
     v2 = asyncio.run(ev.assess(make_terminated(gone, execution_id="e1"), suite["add"]))
-    assert v2.status == "placeholder" and "could not be preserved" in v2.assessment.error
+    assert (
+        v2.status is VerdictStatus.PLACEHOLDER and "could not be preserved" in v2.assessment.error
+    )
 
 
 class Sink:

@@ -19,6 +19,7 @@ from gyre.tasks import Evaluator, EvaluatorError, load_suite, scoring
 from gyre.tasks.repository import RepositoryConfig
 from gyre.tasks.scoring import junit_key, junit_outcomes
 from gyre.tasks.suite import ScoringConfig, TaskConfig
+from gyre.vocabulary import VerdictStatus
 
 BUGGY = """\
 def area(w, h):
@@ -129,7 +130,7 @@ def test_partial_credit_is_the_fraction_of_listed_tests_passing(tmp_path, source
     ]
     for i, (geometry, value, f2p, p2p, failed) in enumerate(expected):
         verdict = assess(task, execution(task, tmp_path, f"e{i}", geometry), make_terminated)
-        assert verdict.status == "scored", verdict.assessment.error
+        assert verdict.status is VerdictStatus.SCORED, verdict.assessment.error
         assert verdict.reward == pytest.approx(value), i
         detail = verdict.assessment.detail
         assert detail["fail_to_pass"] == {"passed": f2p, "total": 2}
@@ -300,7 +301,7 @@ def test_work_that_breaks_every_listed_test_scores_zero_not_unresolved(
     verdict = assess(
         task, execution(task, tmp_path, "e1", "def area(w, h) return w * h\n"), make_terminated
     )
-    assert verdict.status == "scored" and verdict.reward == 0.0
+    assert verdict.status is VerdictStatus.SCORED and verdict.reward == 0.0
 
 
 def test_repository_rows_of_a_data_suite(tmp_path, source, make_terminated):

@@ -1,0 +1,65 @@
+"""The words every floor of Gyre shares: outcomes, verdicts, roles and engine ids.
+
+One definition of each, on the ground floor (standard library only), so the harness, the
+evaluator, the scheduler, the simulator and the runtime speak the same types instead of
+translating strings between them. Each value is the string Gyre has always written into
+traces, journals and JSON files, so persisted data reads the same:
+
+    Outcome.TIMED_OUT.value == "timed_out"        # how a harness ended
+    VerdictStatus("excluded")                     # how its work was scored
+    Role.TRAIN.value == "train"                   # what a cell does
+    EngineId.parse("e3").index == 3; str(EngineId(3)) == "e3"
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Outcome(enum.Enum):
+    """How an execution's harness ended; each termination counts once in f(t)."""
+
+    COMPLETED = "completed"  # exited with status 0
+    FAILED = "failed"  # non-zero exit, or could not be set up / started
+    TIMED_OUT = "timed_out"  # exceeded its harness time budget; process group killed
+    CANCELLED = "cancelled"  # cancelled by the coordinator; process group killed
+
+
+class VerdictStatus(enum.Enum):
+    """The designated assessment of an execution's preserved work (docs/evaluation.md)."""
+
+    SCORED = "scored"  # a valid score (a valid zero included) is its reward
+    EXCLUDED = "excluded"  # no valid score within the budget: no reward, never trained on
+    PLACEHOLDER = "placeholder"  # no assessable work: the zero-reward failure placeholder
+
+
+class Role(enum.Enum):
+    """A cell's role; TO_* are the transitions between the two stable roles."""
+
+    ROLLOUT = "rollout"
+    TO_TRAIN = "to_train"
+    TRAIN = "train"
+    TO_ROLLOUT = "to_rollout"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class EngineId:
+    """A rollout engine: cells' engines are 0..K-1, standalone ones K..K+S-1.
+
+    Its string form ("e3") is how the proxy, its routes and the trace name the engine;
+    `parse` is the one place that reads it back.
+    """
+
+    index: int
+
+    def __str__(self) -> str:
+        return f"e{self.index}"
+
+    @classmethod
+    def parse(cls, text: str) -> EngineId:
+        """The engine named `text` ("e3"); ValueError for anything else."""
+        digits = text[1:] if text.startswith("e") else ""
+        if not digits.isdigit():
+            raise ValueError(f"engine id {text!r}: expected 'e' and a number, e.g. 'e0'")
+        return cls(int(digits))
