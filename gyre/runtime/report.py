@@ -9,7 +9,8 @@
 * `durations.png` — the distribution of execution durations (launch to close);
 * `stats_*.png` — `gyre trace stats`' plots: staleness, tokens by role and provenance,
   tree shapes, outcomes (docs/trace-format.md);
-* `index.html` — the plots and the run summary.
+* `index.html` — the held-out evaluations (policy, version, scored, mean, std), the run
+  summary and the plots, styled for reading.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def write_report(run_dir: Path) -> Path:
     summary.pop("steps", None)
     summary["train_share"] = {f"cell {c}": round(s, 3) for c, s in shares.items()}
     page = out / "index.html"
-    page.write_text(_html(run_dir, summary, extra))
+    page.write_text(_html(run_dir, summary, data["evals"], extra))
     return page
 
 
@@ -168,10 +169,58 @@ def _durations(data: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _html(run_dir: Path, summary: dict[str, Any], extra: list[str]) -> str:
+STYLE = """
+body { font: 15px/1.45 system-ui, sans-serif; color: #222; max-width: 1100px; margin: 2em auto;
+       padding: 0 1em; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; } h2 { font-size: 1.15em; margin-top: 1.8em; }
+table { border-collapse: collapse; margin: 0.5em 0; }
+th, td { padding: 0.25em 0.8em; border-bottom: 1px solid #e4e4e4; vertical-align: top; }
+th { text-align: left; font-weight: 600; color: #444; }
+td { font-variant-numeric: tabular-nums; }
+table.inner th, table.inner td { border: none; padding: 0 0.8em 0 0; font-weight: normal; }
+thead th { border-bottom: 2px solid #bbb; }
+img { max-width: 100%; border: 1px solid #eee; }
+.note { color: #666; font-size: 0.9em; }
+"""
+
+
+def _cell(value: Any) -> str:
+    """One summary value as HTML: numbers rounded for reading, a mapping as a small table, a
+    list of scalars as a comma list (nested lists as one line each); never a Python repr."""
+    if isinstance(value, bool) or value is None:
+        return {True: "yes", False: "no", None: "—"}[value]
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{_cell(v)}</td></tr>"
+                       for k, v in value.items())  # fmt: skip
+        return f"<table class='inner'>{rows}</table>" if rows else "—"
+    if isinstance(value, list):
+        if any(isinstance(v, (list, dict)) for v in value):
+            return "<br>".join(f"{i}: {_cell(v)}" for i, v in enumerate(value)) or "—"
+        return ", ".join(_cell(v) for v in value) or "—"
+    return html.escape(str(value))
+
+
+def _evals_table(evals: list[dict[str, Any]]) -> str:
+    """The held-out evaluations (`gyre eval`), one row per evaluated policy."""
+    if not evals:
+        return ("<p class='note'>No held-out evaluation yet: <code>gyre eval RUN_DIR --initial"
+                "</code> (or <code>--policies all</code>) records one.</p>")  # fmt: skip
+    heads = ("policy", "version", "scored", "excluded", "mean reward", "std")
+    keys = ("name", "version", "n", "excluded", "mean", "std")
+    ordered = sorted(evals, key=lambda e: (e.get("version") is None, e.get("version") or 0))
     rows = "".join(
-        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
-        for k, v in summary.items()
+        "<tr>" + "".join(f"<td>{_cell(e.get(k))}</td>" for k in keys) + "</tr>" for e in ordered
+    )
+    head = "".join(f"<th>{h}</th>" for h in heads)
+    return f"<table class='evals'><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+
+
+def _html(run_dir: Path, summary: dict[str, Any], evals: list[dict[str, Any]],
+          extra: list[str]) -> str:  # fmt: skip
+    rows = "".join(
+        f"<tr><th>{html.escape(str(k))}</th><td>{_cell(v)}</td></tr>" for k, v in summary.items()
     )
     imgs = "".join(
         f'<h2>{title}</h2><img src="{name}" alt="{title}">'
@@ -183,8 +232,10 @@ def _html(run_dir: Path, summary: dict[str, Any], extra: list[str]) -> str:
             *((name, "Run statistics: " + name[6:-4]) for name in extra),
         )
     )
+    name = html.escape(run_dir.name)
     return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>Gyre run "
-        f"{html.escape(run_dir.name)}</title></head><body><h1>Gyre run "
-        f"{html.escape(run_dir.name)}</h1><table>{rows}</table>{imgs}</body></html>"
+        f"<!doctype html><html><head><meta charset='utf-8'><title>Gyre run {name}</title>"
+        f"<style>{STYLE}</style></head><body><h1>Gyre run {name}</h1>"
+        f"<h2>Held-out evaluations</h2>{_evals_table(evals)}"
+        f"<h2>Summary</h2><table class='summary'>{rows}</table>{imgs}</body></html>"
     )

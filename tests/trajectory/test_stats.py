@@ -137,6 +137,39 @@ def test_plots_are_written(tmp_path: Path) -> None:
     )
 
 
+def test_report_page_states_the_evaluations_and_the_summary_readably(tmp_path: Path) -> None:
+    """`gyre report`'s page: a table of the held-out evaluations as `gyre eval` recorded them
+    (oldest policy first), the summary with numbers rounded and mappings as rows — no Python
+    repr (`{`, `[`, `None`, long floats) anywhere a reader looks."""
+    import re
+
+    from gyre.runtime.evaluation import EvalResult, _merge
+    from gyre.runtime.report import write_report
+
+    write_trace(tmp_path / "trace.h5")
+    final = EvalResult("final", 2, "m", rewards={"a": 1.0, "b": 0.5, "c": None})
+    initial = EvalResult("initial", 0, "m", rewards={"a": 0.0, "b": 0.25, "c": 0.5})
+    _merge(tmp_path / "eval.json", [final, initial], ["add"], 3)
+    summary = {"steps_done": 2, "wall_s": 12.345678, "resumed_from": None, "policies": ["p/final"],
+               "cell_hosts": [["n1", "n2"], ["n3", "n4"]]}  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    page = write_report(tmp_path).read_text()
+
+    evals = page[page.index("<table class='evals'>") :]
+    evals = evals[: evals.index("</table>")]
+    rows = [re.findall(r"<td>(.*?)</td>", r) for r in re.findall(r"<tr>(<td>.*?)</tr>", evals)]
+    assert rows == [["initial", "0", "3", "0", "0.25", "0.25"],
+                    ["final", "2", "2", "1", "0.75", "0.3536"]]  # fmt: skip
+    summary_table = page[page.index("<table class='summary'>") :]
+    cells = dict(re.findall(r"<tr><th>([^<]*)</th><td>([^<]*)</td></tr>", summary_table))
+    assert cells["steps_done"] == "2" and cells["wall_s"] == "12.35"
+    assert cells["resumed_from"] == "—" and cells["policies"] == "p/final"
+    assert cells["cell 0"] == "0.333" and cells["cell 1"] == "0"  # train_share, 5 of 15 s
+    assert "0: n1, n2<br>1: n3, n4" in summary_table
+    text = re.sub(r"<style>.*?</style>|<[^>]+>", " ", page, flags=re.S)
+    assert not re.search(r"[{}\[\]]|None|\d\.\d{6}", text), text
+
+
 @pytest.fixture
 def run_dir(e2e_run: World) -> Path:
     """The shared end-to-end run (tests/worlds.py)."""
