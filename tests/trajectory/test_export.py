@@ -1,4 +1,5 @@
-"""`gyre trace export`: flat Parquet / CSV tables with real strings, read back with pandas.
+"""`gyre trace export`: flat Parquet / CSV tables with real strings, read back with pandas
+(and, for a real run's export with decoded text, with DuckDB's SQL).
 
 A synthetic trace (a branchy closed tree, an open execution known only from the journal,
 Unicode strings, a table the run declared) checks every column against the trees it came
@@ -242,3 +243,17 @@ def test_export_of_a_real_run_reads_back_with_pandas(run_dir: Path, tmp_path: Pa
     assert example.returncode == 0, example.stderr
     for task in set(ex.task_id):
         assert task in example.stdout
+
+    # the same files in SQL (DuckDB reads Parquet directly): per task, nodes and output
+    # characters of the decoded text, joined through the executions table
+    import duckdb
+
+    sql = duckdb.sql(f"""
+        SELECT e.task_id, count(*) AS nodes, sum(length(n.output_text)) AS chars
+        FROM '{out / "nodes.parquet"}' n JOIN '{out / "executions.parquet"}' e
+          USING (execution_id)
+        GROUP BY e.task_id ORDER BY e.task_id""").fetchall()  # fmt: skip
+    joined = nodes.merge(ex[["execution_id", "task_id"]], on="execution_id")
+    by_task = joined.groupby("task_id").agg(n=("node_id", "size"),
+                                            chars=("output_text", lambda t: t.str.len().sum()))  # fmt: skip
+    assert sql == [(t, int(r.n), int(r.chars)) for t, r in by_task.sort_index().iterrows()]
