@@ -56,7 +56,7 @@ import yaml
 from gyre.config import load
 from gyre.errors import ConfigError
 from gyre.tasks.repository import RepositoryConfig, materialize, source_path
-from gyre.tasks.rows import DATA_SUFFIXES, read_rows
+from gyre.tasks.rows import DATA_SUFFIXES, is_data_source, is_dataset_dir, read_rows
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 LEARN_DIR = Path(__file__).parent / "learn"
@@ -266,6 +266,8 @@ class DataSuiteConfig:
     name: str = ""
     # defaults for every row
     defaults: RowDefaults = field(default_factory=RowDefaults)
+    # the split of a saved dataset holding several (DatasetDict); "" for one split or a file
+    split: str = ""
 
 
 TASK_KEYS = frozenset(f.name for f in dataclasses.fields(TaskConfig)) - {"data"}
@@ -304,9 +306,7 @@ class Task:
             self.repository,
         ]  # fmt: skip
         if self.source is not None:
-            files += sorted(
-                f for f in self.source.parent.iterdir() if f.suffix.lower() in DATA_SUFFIXES
-            )
+            files += sorted(f for f in self.source.parent.iterdir() if is_data_source(f))
         for f in (Path(f) for f in files if f):
             if not any(f.is_relative_to(d) for d in out):
                 out.append(f)
@@ -394,7 +394,7 @@ class TaskSuite:
 def load_suite(path: str | Path) -> TaskSuite:
     """Load a suite from a YAML file, a directory or a data file (see the module docstring)."""
     p = Path(path)
-    if p.is_file() and p.suffix.lower() in DATA_SUFFIXES:
+    if is_data_source(p):
         return _load_data_file(p)
     if p.is_file():
         cfg = load(SuiteConfig, _read_yaml(p), path=p.name)
@@ -405,7 +405,7 @@ def load_suite(path: str | Path) -> TaskSuite:
         return _load_directory(p)
     raise ConfigError(
         f"task suite {str(p)!r} does not exist (expected a YAML file, a directory, "
-        f"or a {' / '.join(DATA_SUFFIXES)} file)"
+        f"a {' / '.join(DATA_SUFFIXES)} file or a saved Hugging Face dataset)"
     )
 
 
@@ -446,8 +446,11 @@ def _load_directory(root: Path) -> TaskSuite:
 
 
 def _load_data_file(path: Path) -> TaskSuite:
-    """A suite whose tasks are the rows of a data file, with its sidecar's defaults."""
-    sidecar = path.with_name(f"{path.stem}.suite.yaml")
+    """A suite whose tasks are the rows of a data file or saved dataset, with its sidecar's
+    defaults (`answers.suite.yaml` beside `answers.jsonl`, `answers-ds.suite.yaml` beside the
+    dataset directory `answers-ds`)."""
+    stem = path.name if is_dataset_dir(path) else path.stem
+    sidecar = path.with_name(f"{stem}.suite.yaml")
     cfg = (
         load(DataSuiteConfig, _read_yaml(sidecar), path=sidecar.name)
         if sidecar.is_file()
@@ -456,13 +459,13 @@ def _load_data_file(path: Path) -> TaskSuite:
     defaults = SuiteDefaults(tool_latency=cfg.defaults.tool_latency)
     source = path.resolve()
     tasks = []
-    for index, (where, row) in enumerate(read_rows(path)):
-        tcfg = load(TaskConfig, _row_config(row, cfg.defaults, f"{path.stem}-{index}"), where)
+    for index, (where, row) in enumerate(read_rows(path, cfg.split)):
+        tcfg = load(TaskConfig, _row_config(row, cfg.defaults, f"{stem}-{index}"), where)
         task = _resolve(tcfg, path.parent, defaults, where)
         tasks.append((where, dataclasses.replace(task, source=source)))
     if not tasks:
         raise ConfigError(f"data suite {str(path)!r} holds no rows; allowed: one task per row")
-    return _make_suite(cfg.name or path.stem, tasks)
+    return _make_suite(cfg.name or stem, tasks)
 
 
 def _row_config(row: dict[str, Any], defaults: RowDefaults, fallback_name: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import datetime
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -125,6 +126,59 @@ def test_parquet_suite_loads_like_the_same_rows_in_jsonl(tmp_path):
         assert (a.instruction, a.data, a.difficulty) == (b.instruction, b.data, b.difficulty)
         assert a.workspace.relative_to(tmp_path / "j") == b.workspace.relative_to(tmp_path / "p")
         assert (a.scoring.rule, a.scoring.command) == (b.scoring.rule, b.scoring.command)
+
+
+def test_saved_hugging_face_dataset_loads_like_the_same_rows_in_jsonl(tmp_path):
+    """A directory written by `datasets`' save_to_disk is a suite (its sidecar sits beside it,
+    named after the directory); a DatasetDict's split is chosen in the sidecar."""
+    import datasets
+
+    (tmp_path / "j").mkdir()
+    (tmp_path / "d").mkdir()
+    from_jsonl = load_suite(write_suite(tmp_path / "j", ROWS))
+    rows = [{**r, "id": str(r["id"])} if "id" in r else r for r in ROWS]  # one type per column
+    write_suite(tmp_path / "d", [], name="quiz-ds.jsonl")  # workspaces, reward.py, sidecar
+    (tmp_path / "d" / "quiz-ds.jsonl").unlink()
+    columns = list(dict.fromkeys(k for r in rows for k in r))  # every row's keys (null: absent)
+
+    def dataset(rows: list) -> datasets.Dataset:
+        return datasets.Dataset.from_dict({k: [r.get(k) for r in rows] for k in columns})
+
+    dataset(rows).save_to_disk(str(tmp_path / "d" / "quiz-ds"))
+    from_dataset = load_suite(tmp_path / "d" / "quiz-ds")
+    assert from_dataset.name == "quiz" and from_dataset.names() == from_jsonl.names()
+    for a, b in zip(from_jsonl, from_dataset, strict=True):
+        assert (a.instruction, a.data, a.difficulty) == (b.instruction, b.data, b.difficulty)
+        assert a.workspace.relative_to(tmp_path / "j") == b.workspace.relative_to(tmp_path / "d")
+        assert (a.scoring.rule, a.scoring.command) == (b.scoring.rule, b.scoring.command)
+    # the dataset directory holds every answer: hidden like a data file
+    assert (tmp_path / "d" / "quiz-ds").resolve() in from_dataset.tasks[0].hidden_paths
+
+    # several splits: the sidecar names one; none or an unknown one is a clear error
+    splits = datasets.DatasetDict({"train": dataset(rows[:2]), "test": dataset(rows[:1])})
+    splits.save_to_disk(str(tmp_path / "d" / "quiz-splits"))
+    sidecar = tmp_path / "d" / "quiz-splits.suite.yaml"
+    sidecar.write_text(SIDECAR + "split: test\n")
+    suite = load_suite(tmp_path / "d" / "quiz-splits")
+    assert suite.names() == ["q1"]
+    sidecar.write_text(SIDECAR)
+    with pytest.raises(ConfigError, match="holds the splits test, train and no split is chosen"):
+        load_suite(tmp_path / "d" / "quiz-splits")
+    sidecar.write_text(SIDECAR + "split: dev\n")
+    with pytest.raises(ConfigError, match="split 'dev' is not one of them"):
+        load_suite(tmp_path / "d" / "quiz-splits")
+    (tmp_path / "j" / "quiz.suite.yaml").write_text(SIDECAR + "split: test\n")
+    with pytest.raises(ConfigError, match="which is not a saved dataset"):
+        load_suite(tmp_path / "j" / "quiz.jsonl")
+
+
+def test_a_saved_dataset_without_the_datasets_package_is_one_clear_error(tmp_path, monkeypatch):
+    import datasets
+
+    datasets.Dataset.from_dict({"instruction": ["Do it."]}).save_to_disk(str(tmp_path / "ds"))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` fails
+    with pytest.raises(ConfigError, match=r"needs the `datasets` package \(pip install"):
+        load_suite(tmp_path / "ds")
 
 
 def test_rows_without_sidecar_ids_or_values(tmp_path):
