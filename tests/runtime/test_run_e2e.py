@@ -249,28 +249,60 @@ def _round_trip_while_live(roles: list[dict], execs: dict) -> bool:
     return False
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_colocate_cells_serve_the_publication_they_were_released_for(tmp_path: Path) -> None:
-    """Colocate trains on every cell and publishes while all engines are released: each
-    cell's engine must come back serving the new weights (a satellite once came back with
-    its old ones, so two thirds of the rollouts never saw a trained policy)."""
-    cfg = small_config(tmp_path, steps=4)
-    cfg["schedule"].update(policy="colocate", phi=0.0, mu=2)
-    run_dir = tmp_path / "run"
+def _colocate_run(tmp_path: Path, cfg: dict, name: str) -> Path:
+    run_dir = tmp_path / name
     out = subprocess.run(
         [sys.executable, "-m", "gyre", "run", str(write_config(tmp_path, cfg)),
          "--run-dir", str(run_dir), "--quiet"],
         capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return run_dir
+
+
+def _step_metrics(run_dir: Path) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
+    """(metric -> step -> value, execution -> reward) as the trace records them."""
     with TraceReader(run_dir / "trace.h5") as r:
-        events = [(e["kind"], json.loads(e["detail"])) for e in r.rows("events")]
-    published, returns = 0, []
-    for kind, detail in events:
-        if kind == "publish":
-            published = detail["version"]
-        elif kind == "switch" and detail["to"] == "rollout":
-            returns.append((detail["cell"], detail["engine_version"], published))
-    assert {c for c, _, p in returns if p > 0} == {0, 1, 2}, returns  # every cell came back
-    assert all(served == p for _, served, p in returns), returns
+        steps, rewards = r.rows("steps"), r.rows("rewards")
+    metrics: dict[str, dict[int, float]] = {}
+    for row in steps:
+        metrics.setdefault(row["name"], {})[int(row["step"])] = float(row["value"])
+    # an excluded execution's reward is NaN (never equal to itself): compared as None
+    return metrics, {r["execution_id"]: None if r["reward"] != r["reward"] else float(r["reward"])
+                     for r in rewards}  # fmt: skip
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_colocate_cells_serve_the_publication_they_were_released_for(tmp_path: Path) -> None:
+    """Colocate trains on every cell and publishes while all engines are released: each
+    cell's engine must come back serving the new weights (a satellite once came back with
+    its old ones, so two thirds of the rollouts never saw a trained policy).
+
+    And a colocate run is repeatable: with φ = 0, μ = 1 every step trains exactly the B
+    groups dispatched for it, every rollout runs on the policy of its step, and every
+    sampled call's seed derives from the run seed, the execution and the call — so a second
+    run of the same config gives the same per-step and per-execution rewards. Gradient
+    sums agree to rounding, not bit for bit: which cell claims which micro-step follows
+    timing, and so does the order in which float gradients are added."""
+    cfg = small_config(tmp_path, steps=3)
+    cfg["schedule"].update(policy="colocate", phi=0.0, mu=1)
+    runs = [_colocate_run(tmp_path, cfg, name) for name in ("run-a", "run-b")]
+    for run_dir in runs:
+        with TraceReader(run_dir / "trace.h5") as r:
+            events = [(e["kind"], json.loads(e["detail"])) for e in r.rows("events")]
+        published, returns = 0, []
+        for kind, detail in events:
+            if kind == "publish":
+                published = detail["version"]
+            elif kind == "switch" and detail["to"] == "rollout":
+                returns.append((detail["cell"], detail["engine_version"], published))
+        assert {c for c, _, p in returns if p > 0} == {0, 1, 2}, returns  # every cell came back
+        assert all(served == p for _, served, p in returns), returns
+
+    (a, rewards_a), (b, rewards_b) = (_step_metrics(run_dir) for run_dir in runs)
+    assert len(a["reward_mean"]) == 3 and a["reward_mean"] == b["reward_mean"]
+    assert len(rewards_a) == 3 * 8 and rewards_a == rewards_b  # B = 2 groups of N = 4 a step
+    assert a["grad_norm"].keys() == b["grad_norm"].keys()
+    for step, norm in a["grad_norm"].items():
+        assert norm == pytest.approx(b["grad_norm"][step], rel=1e-4, abs=1e-6), step
