@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import to_dict
-from gyre.runtime import checkpoint, recovery, resume, wire
+from gyre.runtime import checkpoint, resume, wire
 from gyre.runtime import messages as msg
 from gyre.runtime.config import RunConfig
 from gyre.runtime.fleet import Fleet
@@ -71,12 +71,8 @@ class Coordinator:
         from gyre.runtime.proxy_node import load_tasks
 
         _, self.task_names = load_tasks(cfg)
-        found = checkpoint.latest(run_dir)
-        self.resumed = found[1] if found is not None else None
-        trace = run_dir / "trace.h5"
-        trained = set(self.resumed["trained"]) if self.resumed else set()
-        self.takeover = recovery.read_trace(trace, trained) if trace.exists() else None
-        self.rec = RunRecorder(trace, meta, self.k)
+        self.resume = resume.Resume(run_dir)
+        self.rec = RunRecorder(run_dir / "trace.h5", meta, self.k)
         self.tracker = open_tracker(cfg.tracking, run_dir, run_config=to_dict(cfg))
         self.train = TrainingPlane(
             cfg.train, groups_per_batch=sc.batch_groups, group_size=sc.group_size,
@@ -88,15 +84,12 @@ class Coordinator:
         self.stats = self.progress.stats
         self.pending: deque[ev.Event] = deque()
         self.updates = 0
-        self.trained: list[str] = sorted(trained)  # groups the current weights have trained
+        self.trained = list(self.resume.trained)  # groups the current weights have trained
         self.batch_groups: dict[int, list[str]] = {}
-        self.first_new_group = self.takeover.next_group if self.takeover else 0
-        self.carried = 0  # scheduler groups 0..carried-1 were taken over from the trace
-        self.recovering: dict[int, Any] = {}  # execution index -> its journaled partial tree
         self.checkpoints = checkpoint.Checkpoints(run_dir, cfg.checkpoint)
-        if self.resumed is not None:  # continue from the checkpoint's policy version
-            self.updates = int(self.resumed["updates"])
-            self.sched.version = self.sched.published = int(self.resumed["version"])
+        if self.resume.state is not None:  # continue from the checkpoint's policy version
+            self.updates = int(self.resume.state["updates"])
+            self.sched.version = self.sched.published = int(self.resume.state["version"])
             # batch k is update k+1: numbering goes on, so no batch's records are overwritten
             self.sched.batches_opened = self.updates
         self.status = 0
@@ -183,22 +176,22 @@ class Coordinator:
         """A resumed run: close what the dead job left open, carry its untrained groups
         (`resume`); returns the dispatch versions of the groups that enter the scheduler ready.
         """
-        if self.takeover is None:
+        if self.resume.takeover is None:
             return ()
         t0 = time.time()
-        self.recovering = resume.reopen(self.takeover, self.ledger, self.rec, self.to_proxy)
+        self.resume.reopen(self.ledger, self.rec, self.to_proxy)
+        recovering = self.resume.recovering
 
         def one_more_scored(left: int) -> Callable[[], bool]:
-            return lambda: len(self.recovering) < left
+            return lambda: len(recovering) < left
 
-        while self.recovering:  # each rescored execution within timeouts.drain_s
-            self.drain_until(one_more_scored(len(self.recovering)), REPORTS,
-                             self.cfg.timeouts.drain_s, awaited=msg.Assessed)  # fmt: skip
-        carried, dropped = resume.carry(self.takeover, self.ledger)
+        while recovering:  # each rescored execution within timeouts.drain_s
+            self.drain_until(one_more_scored(len(recovering)), REPORTS, self.cfg.timeouts.drain_s,
+                             awaited=msg.Assessed)  # fmt: skip
+        carried, dropped = self.resume.carry(self.ledger)
         self.rec.event("resumed", version=self.sched.version, updates=self.updates,
                        carried=[c.id for c in carried], dropped=dropped,
                        repaired=self.rec.writer.repaired, seconds=time.time() - t0)  # fmt: skip
-        self.carried = len(carried)
         return tuple(c.version for c in carried)
 
     def to_proxy(self, m: msg.Message) -> None:
@@ -230,7 +223,7 @@ class Coordinator:
     def dispatch(self, a: ev.Dispatch) -> None:
         g = len(self.ledger.groups)
         assert g == a.group, f"groups dispatched out of order: {a.group} after {g - 1}"
-        number = self.first_new_group + a.group - self.carried  # unique across resumes
+        number = self.resume.group_number(a.group)
         task = self.task_names[number % len(self.task_names)]
         group = Group(id=f"g{number}", task=task, version=a.version,
                       instance=instance_seed(self.cfg.train.seed, number))  # fmt: skip
@@ -334,7 +327,7 @@ class Coordinator:
     def close(self, m: msg.Assessed) -> bool:
         """The execution's tree and verdict into the trace; False for a taken-over one."""
         x, g = self.ledger.executions[m.execution], self.ledger.group_of(m.execution)
-        recovered = self.recovering.pop(m.execution, None)
+        recovered = self.resume.recovering.pop(m.execution, None)
         tree = recovered if recovered is not None else self.rec.journaled_tree(x.id)
         status = x.outcome if x.state == "terminated" else "failed"
         self.rec.close_execution(x.id, g.id, tree, status, m.verdict)
@@ -432,7 +425,7 @@ class Coordinator:
     def checkpointed(self, m: msg.Checkpointed) -> None:
         """Commit the checkpoint the core just saved (its driver state; rename; prune)."""
         updates = self.updates - (self.sched.version - m.version)  # a resume starts mid-count
-        next_group = self.first_new_group + len(self.ledger.groups) - self.carried
+        next_group = self.resume.group_number(len(self.ledger.groups))
         final = self.checkpoints.finish(m.folder, m.version, updates, next_group)
         self.rec.event("checkpoint", version=m.version, path=str(final), bytes=m.bytes,
                        seconds=m.seconds)  # fmt: skip
@@ -486,7 +479,9 @@ class Coordinator:
         hosts = (
             [[self.hosts[r] for r in cell] for cell in self.cell_members] if self.hosts else None
         )
-        return self.progress.summary(self.run_dir, hosts, self.status, self.resumed, self.updates)
+        return self.progress.summary(
+            self.run_dir, hosts, self.status, self.resume.state, self.updates
+        )
 
 
 ACTIONS: dict[type, Callable[[Coordinator, Any], None]] = {
