@@ -5,6 +5,7 @@
     gyre report RUN_DIR                     # plots + HTML from the run's trace
 
 Modules: `config` (RunConfig), `layout` (rank -> component), `main` (per-rank entry),
-`coordinator`, `proxy_node`, `cell`, `engine_host`, `training`, `record`, `wire`, `cli`,
+`coordinator` (with its `fleet` of engines, `ledger` of groups and executions, `resume`
+and `progress`), `proxy_node`, `cell`, `engine_host`, `training`, `record`, `wire`, `cli`,
 `report`. See docs/runtime.md.
 """

@@ -32,8 +32,12 @@ import json
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gyre.runtime.config import CheckpointConfig
 
 EXIT_CHECKPOINTED = 75
 """Exit status of rank 0 after a checkpoint-and-exit (EX_TEMPFAIL): the job should be requeued."""
@@ -41,7 +45,42 @@ CHECKPOINTS = "checkpoints"
 CORE, STATE = "core.pt", "state.json"
 PREEMPT = threading.Event()  # set by the coordinator's SIGUSR1 handler
 
-__all__ = ["EXIT_CHECKPOINTED", "PREEMPT", "begin", "commit", "latest", "load_core", "save_core"]
+__all__ = ["EXIT_CHECKPOINTED", "PREEMPT", "Checkpoints", "begin", "commit", "latest", "load_core",
+           "save_core"]  # fmt: skip
+
+
+class Checkpoints:
+    """The coordinator's side: when a checkpoint is due, the one being written, its commit."""
+
+    def __init__(self, run_dir: Path, cfg: CheckpointConfig) -> None:
+        self.run_dir, self.cfg = run_dir, cfg
+        self.writing: tuple[Path, list[str]] | None = None  # folder, groups its weights trained
+        self.last = time.time()
+
+    def due(self, updates: int) -> bool:
+        """After update `updates`: whether `every_steps` or `every_minutes` asks for one."""
+        c = self.cfg
+        if self.writing is not None:
+            return False  # one at a time
+        by_steps = c.every_steps > 0 and updates % c.every_steps == 0
+        by_time = c.every_minutes > 0 and time.time() - self.last >= 60 * c.every_minutes
+        return by_steps or by_time
+
+    def start(self, version: int, trained: list[str]) -> Path:
+        """The folder the core saves `version` into; the groups those weights trained."""
+        folder = begin(self.run_dir, version)
+        self.writing = (folder, list(trained))
+        return folder
+
+    def finish(self, folder: str, version: int, updates: int, next_group: int) -> Path:
+        """The core saved into `folder`: commit it with the driver state; its final path."""
+        assert self.writing is not None and str(self.writing[0]) == folder
+        written, trained = self.writing
+        state = {"version": version, "updates": updates, "trained": trained,
+                 "next_group": next_group, "t": time.time()}  # fmt: skip
+        final = commit(self.run_dir, written, state, self.cfg.keep)
+        self.writing, self.last = None, time.time()
+        return final
 
 
 def begin(run_dir: Path, version: int) -> Path:

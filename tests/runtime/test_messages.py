@@ -224,7 +224,7 @@ def test_startup_reports_give_the_proxy_every_engine(world: CoordinatorWorld) ->
 def test_harness_ended_terminates_the_execution(world: CoordinatorWorld) -> None:
     closed = world.c.sched.f
     world.handle(msg.HarnessEnded(0, Outcome.TIMED_OUT, 1.0, 9.0, "tool too slow"))
-    x = world.c.executions[0]
+    x = world.c.ledger.executions[0]
     assert (x.state, x.outcome, x.reason) == ("terminated", "timed_out", "tool too slow")
     assert world.c.sched.f == closed + 1  # the scheduler counts it terminated
 
@@ -242,14 +242,14 @@ def test_assessed_records_the_verdict_and_a_complete_group_is_ready(
 ) -> None:
     n = world.c.n
     for x in range(n):
-        eid = world.c.executions[x].id
+        eid = world.c.ledger.executions[x].id
         world.handle(msg.JournalNode(eid, _node(eid, [7, 8])))
         world.handle(msg.HarnessEnded(x, Outcome.COMPLETED, 1.0, 2.0, ""))
     world.handle(msg.Assessed(0, _verdict(1.0), errors=1))
-    first = world.c.executions[0]
+    first = world.c.ledger.executions[0]
     assert first.state == "recorded" and first.verdict == _verdict(1.0)
     assert first.tree is not None and len(first.tree) == 1  # the journaled calls
-    assert world.c.stats["harness_errors"] == 1 and world.c.groups[0].assessed == 1
+    assert world.c.stats["harness_errors"] == 1 and world.c.ledger.groups[0].assessed == 1
     assert world.c.sched.ready == []
     for x in range(1, n):
         world.handle(msg.Assessed(x, _verdict(float(x % 2)), errors=0))
@@ -273,7 +273,7 @@ def test_switched_to_train_makes_the_cell_claim_training_work(world: Coordinator
     cell = rank - world.ranks[0]
     world.handle(msg.Switched(cell, Role.TRAIN, 0.25))
     assert world.c.sched.roles[cell] is Role.TRAIN
-    assert len(world.c.switch_seconds) == 1
+    assert len(world.c.progress.switch_seconds) == 1
     assert world.take(msg.Prepass, rank), "the cell in training got no pass"
 
 
@@ -316,7 +316,7 @@ def test_updated_counts_the_step_and_publishes_the_new_policy(world: Coordinator
     reduces = [(rank, reduce)] + [(r, m) for r in world.ranks for m in world.take(msg.Reduce, r)]
     for r, m in reduces:
         world.handle(msg.Updated(r - 2, m.batch, 3.0 if r == 2 else None, 0.5))
-    assert world.c.updates == 1 and world.c.step_rows[0]["grad_norm"] == 3.0
+    assert world.c.updates == 1 and world.c.progress.step_rows[0]["grad_norm"] == 3.0
     publish = world.one(msg.Publish, world.ranks[0])
     assert publish.version == 1 == world.c.sched.version
 
@@ -344,7 +344,7 @@ def test_engine_lost_moves_its_executions_and_restarts_it(world: CoordinatorWorl
     for x in [m.execution for m in launched if m.engine == "e2"][:2]:  # room at engine 2
         world.handle(msg.HarnessEnded(x, Outcome.COMPLETED, 1.0, 2.0, ""))
     world.handle(msg.EngineLost(1, -9))
-    assert world.c.stats["engine_losses"] == 1 and world.c.respawning == {1}
+    assert world.c.stats["engine_losses"] == 1 and world.c.fleet.respawning == {1}
     assert world.take(msg.Respawn, world.ranks[1]) == [msg.Respawn(Role.ROLLOUT)]
     drain = world.one(msg.Drain, PROXY_RANK)
     assert drain.engine == "e1" and not drain.ack
@@ -358,7 +358,7 @@ def test_engine_ready_after_a_restart_gives_the_proxy_its_new_url(
     world.handle(msg.EngineLost(1, -9))
     world.take(msg.SetEngines)
     world.handle(msg.EngineReady(1, "http://engine1-again", 0))
-    assert world.c.respawning == set() and world.c.urls[1] == "http://engine1-again"
+    assert world.c.fleet.respawning == set() and world.c.fleet[1].url == "http://engine1-again"
     assert world.take(msg.SetEngines, PROXY_RANK) == [
         msg.SetEngines({"e1": "http://engine1-again"})
     ]
@@ -372,7 +372,7 @@ def test_checkpointed_commits_the_checkpoint(world: CoordinatorWorld) -> None:
     world.handle(msg.Checkpointed(0, save.folder, 123, 0.1))
     found = checkpoint.latest(world.c.run_dir)
     assert found is not None and found[1]["version"] == 0
-    assert world.c.checkpoint_folder is None
+    assert world.c.checkpoints.writing is None
 
 
 # ------------------------------------------------------------------ cell

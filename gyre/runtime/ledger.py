@@ -1,0 +1,121 @@
+"""The coordinator's ledger: every dispatched group and execution, their membership and outcomes.
+
+A group of N executions is dispatched as one; scheduler group g owns executions
+g*N .. g*N+N-1, and `members(g)` is the one place that knowledge lives. An execution moves
+queued -> running -> terminated (its harness ended) -> recorded (its tree and verdict are in
+the trace). The coordinator appends to the ledger as the scheduler dispatches, and reads it
+to admit a group, to cancel what still runs at the end, and to say why nothing trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gyre.runtime import messages as msg
+from gyre.train.rewards import ExecutionOutcome, Status
+from gyre.vocabulary import Outcome
+
+
+@dataclass(slots=True)
+class Execution:
+    """Everything the coordinator knows about one dispatched execution."""
+
+    id: str
+    group: int
+    state: Literal["queued", "running", "terminated", "recorded"] = "queued"
+    # its close status in the trace: the harness's `Outcome` value (completed, failed,
+    # timed_out, cancelled), or not_launched | unrecoverable | recovered
+    outcome: str = "not_launched"
+    reason: str = ""  # why the harness did not complete
+    verdict: msg.VerdictRecord | None = None
+    tree: Any = None  # kept from scoring until its group is admitted
+
+    @property
+    def live(self) -> bool:
+        return self.state in ("running", "terminated")
+
+
+@dataclass(slots=True)
+class Group:
+    """One dispatched group: its task instance, dispatch version and scoring progress."""
+
+    id: str
+    task: str
+    instance: int
+    version: int
+    assessed: int = 0
+
+
+class Ledger:
+    """The groups and executions of a run, in scheduler order (index = scheduler id)."""
+
+    def __init__(self, group_size: int) -> None:
+        self.n = group_size
+        self.groups: list[Group] = []
+        self.executions: list[Execution] = []
+
+    def add(self, group: Group, executions: list[Execution]) -> int:
+        """Append a group and its N executions; returns its scheduler index."""
+        self.groups.append(group)
+        self.executions += executions
+        return len(self.groups) - 1
+
+    def members(self, group: int) -> list[Execution]:
+        """The N executions of scheduler group `group`."""
+        return self.executions[group * self.n : (group + 1) * self.n]
+
+    def group_of(self, execution: int) -> Group:
+        return self.groups[self.executions[execution].group]
+
+    def live(self) -> list[Execution]:
+        """Executions whose harness runs or whose verdict is not recorded yet."""
+        return [x for x in self.executions if x.live]
+
+    def queued(self) -> list[int]:
+        """Executions dispatched and never launched."""
+        return [i for i, x in enumerate(self.executions) if x.state == "queued"]
+
+    def outcomes(self, group: int) -> tuple[list[ExecutionOutcome], dict[str, Any]]:
+        """A complete group's training outcomes and trees; the trees leave the ledger."""
+        members = self.members(group)
+        outcomes = []
+        for x in members:
+            assert x.verdict is not None
+            outcomes.append(ExecutionOutcome(execution_id=x.id, reward=x.verdict.reward,
+                                             status=Status.of(x.verdict.status)))  # fmt: skip
+        trees = {x.id: x.tree for x in members if x.tree is not None}
+        for x in members:
+            x.tree = None  # the packing buffer holds it now
+        return outcomes, trees
+
+    def usable(self, group: int) -> bool:
+        """Whether any execution of the group has a verdict training can use."""
+        return any(x.verdict is not None and x.verdict.usable for x in self.members(group))
+
+    def keep_only(self, keep: set[str]) -> None:
+        """Renumber: the kept groups become groups 0..k-1, in order (the others leave)."""
+        groups: list[Group] = []
+        executions: list[Execution] = []
+        for g, group in enumerate(self.groups):
+            if group.id in keep:
+                for x in self.members(g):
+                    x.group = len(groups)
+                    executions.append(x)
+                groups.append(group)
+        self.groups, self.executions = groups, executions
+
+    def why_untrainable(self) -> str:
+        """The executions so far by outcome, and why the first failed harness failed."""
+        counts: dict[str, int] = {}
+        for x in self.executions:
+            if x.verdict is not None:
+                key = f"{x.outcome}/{x.verdict.status.value}"
+                counts[key] = counts.get(key, 0) + 1
+        text = "executions so far (harness outcome/verdict): " + ", ".join(
+            f"{k} {v}" for k, v in sorted(counts.items())
+        )
+        failed = next((x for x in self.executions if x.outcome == Outcome.FAILED.value), None)
+        if failed is not None:  # the runner's reason carries the harness's stderr tail
+            text += f"; {failed.id}'s harness failed: {failed.reason or '(no reason given)'}"
+        return text

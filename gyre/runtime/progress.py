@@ -1,0 +1,116 @@
+"""What a run reports as it goes and at its end: step rows, progress lines, the summary.
+
+The coordinator counts (`stats`), and after every optimizer update hands `step` the batch's
+training metrics: the row goes into the trace, the tracker and `summary.json`'s `steps`; a
+step without learning signal or with nothing to train is an event and a GYRE-WARNING line,
+and too many empty batches in a row stop the run with the executions' outcomes. `line`
+prints the GYRE-PROGRESS JSON that `gyre run` renders live; `summary` is `summary.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from gyre.runtime import wire
+from gyre.runtime.config import RunConfig
+from gyre.runtime.ledger import Ledger
+from gyre.runtime.record import RunRecorder
+from gyre.schedule import Scheduler
+from gyre.tracking import Tracker
+
+
+class Progress:
+    """The run's counters, step rows and kept policies, and the lines made of them."""
+
+    def __init__(
+        self, cfg: RunConfig, sched: Scheduler, ledger: Ledger, rec: RunRecorder, tracker: Tracker
+    ) -> None:
+        self.cfg, self.sched, self.ledger, self.rec, self.tracker = cfg, sched, ledger, rec, tracker
+        self.stats = {"reroutes": 0, "switches": 0, "harness_errors": 0, "engine_losses": 0,
+                      "publications": 0, "no_signal_steps": 0, "empty_steps": 0,
+                      "set_aside_groups": 0}  # fmt: skip
+        self.empty_in_a_row = 0
+        self.switch_seconds: list[float] = []
+        self.step_rows: list[dict[str, float]] = []
+        self.policies: list[str] = []
+        self.last_progress = 0.0
+        self.t0 = time.time()
+
+    def step(self, updates: int, row: dict[str, float]) -> None:
+        """Record update `updates`' row; warn about a step that taught nothing."""
+        self.step_rows.append(row)
+        self.rec.step(updates, row)
+        self.tracker.log_step(updates, row)
+        self.rec.dispatch(self.sched.version, 0, 0, self.sched)
+        self.stats["set_aside_groups"] += int(row["set_aside_groups"])
+        if row["executions"] == 0:
+            self._empty_step(updates, row)
+            return
+        self.empty_in_a_row = 0
+        if not row["grad_norm"] > 0:
+            self.stats["no_signal_steps"] += 1
+            why = ("every group's rewards tie" if row["tied_groups"] == 1.0
+                   else "every execution was clipped or has advantage 0")  # fmt: skip
+            self.rec.event("no_signal", step=updates, reason=why)
+            print(f"GYRE-WARNING step {updates} carried no learning signal "
+                  f"(grad_norm {row['grad_norm']:.3g}): {why}", flush=True)  # fmt: skip
+
+    def _empty_step(self, updates: int, row: dict[str, float]) -> None:
+        """A batch with nothing to train skipped its update; too many in a row stop the run."""
+        self.stats["empty_steps"] += 1
+        self.empty_in_a_row += 1
+        why = (f"{row['set_aside_groups']:.0f} of its groups set aside "
+               f"(fewer than train.min_group_outcomes={self.cfg.train.min_group_outcomes} "
+               "usable outcomes), the rest only failure placeholders")  # fmt: skip
+        self.rec.event("empty_step", step=updates, reason=why)
+        print(f"GYRE-WARNING step {updates} had nothing to train and skipped its update: "
+              f"{why}", flush=True)  # fmt: skip
+        if self.empty_in_a_row >= self.cfg.train.max_empty_batches:
+            raise wire.RuntimeFailure(
+                f"{self.empty_in_a_row} batches in a row had nothing to train "
+                f"(train.max_empty_batches): {self.ledger.why_untrainable()}"
+            )
+
+    def line(self, updates: int) -> None:
+        """One JSON progress line on stdout (rendered live by `gyre run`), at most 2 per s."""
+        now = time.time()
+        if now - self.last_progress < 0.5:
+            return
+        self.last_progress = now
+        last = self.step_rows[-1] if self.step_rows else {}
+        line = {
+            "t": now - self.t0, "step": updates, "steps": self.cfg.steps,
+            "waterlevel": self.sched.waterlevel, "roles": [r.value for r in self.sched.roles],
+            "version": self.sched.version, "published": self.sched.published,
+            "reward": last.get("reward_mean"), "staleness": last.get("staleness_mean"),
+            "loss": last.get("loss"), "grad_norm": last.get("grad_norm"),
+            "tied_groups": last.get("tied_groups"), **self.stats,
+        }  # fmt: skip
+        print("GYRE-PROGRESS " + json.dumps(line), flush=True)
+
+    def summary(
+        self, run_dir: Path, cell_hosts: list[list[str]] | None, status: int,
+        resumed: dict[str, Any] | None, updates: int,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The run's `summary.json`."""
+        return {
+            "run_dir": str(run_dir),
+            "policy": self.cfg.schedule.policy,
+            "ranks_per_cell": self.cfg.topology.ranks_per_cell,
+            "cell_hosts": cell_hosts,
+            "status": status,
+            "resumed_from": None
+            if resumed is None
+            else {k: resumed[k] for k in ("version", "updates")},
+            "steps_done": updates,
+            "wall_s": time.time() - self.t0,
+            "executions": len(self.ledger.executions),
+            "switch_s_mean": sum(self.switch_seconds) / max(1, len(self.switch_seconds)),
+            "wasted_switches": self.sched.wasted_switches,
+            **self.stats,
+            "policies": self.policies,
+            "steps": self.step_rows,
+        }

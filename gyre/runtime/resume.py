@@ -1,0 +1,109 @@
+"""A resumed run's take-over: the dead job's untrained groups re-enter the ledger, its open
+executions are closed, and the groups worth training are carried into the scheduler
+(docs/runtime.md "Crashes and resume").
+
+A `Resume` reads the newest checkpoint and, with `recovery.read_trace`, what the trace
+holds beyond it; `reopen` acts on that before the scheduler starts: each untrained group
+enters the ledger with its members; an execution that was running is scored again from its
+preserved workspace (a `Rescore` to the proxy node, which holds it) and closed with its
+journaled tree when its `Assessed` comes back; one that made no model call is closed
+unrecoverable, one that never launched as not launched. Once every rescore is in, `carry`
+keeps the groups with a usable execution, renumbered 0..c-1. `close_not_launched` also
+closes what a run's end left unlaunched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gyre.runtime import checkpoint, wire
+from gyre.runtime import messages as msg
+from gyre.runtime.ledger import Execution, Group, Ledger
+from gyre.runtime.record import RunRecorder
+from gyre.runtime.recovery import CarriedGroup, read_trace
+from gyre.trajectory.tree import TrajectoryTree
+
+
+class Resume:
+    """Where a run starts: the newest checkpoint's driver state and the trace's take-over
+    (neither for a fresh run), then the groups carried and the executions being rescored."""
+
+    def __init__(self, run_dir: Path) -> None:
+        found = checkpoint.latest(run_dir)
+        self.state: dict[str, Any] | None = found[1] if found is not None else None
+        self.trained: list[str] = sorted(self.state["trained"]) if self.state else []
+        trace = run_dir / "trace.h5"
+        self.takeover = read_trace(trace, set(self.trained)) if trace.exists() else None
+        self.carried = 0  # scheduler groups 0..carried-1 were taken over from the trace
+        self.recovering: dict[int, TrajectoryTree] = {}  # execution -> its journaled tree
+
+    def group_number(self, group: int) -> int:
+        """The run-wide number of scheduler group `group` (its id g<number>, unique across
+        resumes)."""
+        first_new = self.takeover.next_group if self.takeover else 0
+        return first_new + group - self.carried
+
+    def reopen(
+        self, ledger: Ledger, rec: RunRecorder, to_proxy: Callable[[msg.Message], None]
+    ) -> None:
+        """Enter the taken-over groups in `ledger`; an execution sent to be scored again waits
+        in `recovering` (its `Assessed` closes it with the journaled tree)."""
+        assert self.takeover is not None
+        for cg in self.takeover.groups:
+            if len(cg.members) != ledger.n:
+                raise wire.RuntimeFailure(
+                    f"resume: group {cg.id} has {len(cg.members)} executions, the config's "
+                    f"schedule.group_size is {ledger.n}; resume with the run's own config.yaml"
+                )
+            g = len(ledger.groups)
+            first = len(ledger.executions)
+            ledger.add(Group(cg.id, cg.task, cg.instance, cg.version), [
+                Execution(id=m.id, group=g, state="recorded", outcome=m.outcome,
+                          verdict=m.verdict, tree=m.tree) for m in cg.members
+            ])  # fmt: skip
+            for i, m in enumerate(cg.members, start=first):
+                x = ledger.executions[i]
+                if m.state == "open" and m.tree is not None and len(m.tree):
+                    x.state, x.outcome = "terminated", "recovered"
+                    self.recovering[i] = m.tree
+                    to_proxy(msg.Rescore(i, m.id, cg.task, cg.instance))
+                elif m.state == "open":  # no model call yet: its reward would say nothing
+                    close_unrecoverable(ledger, rec, i, "the job died before it made a model call")
+                elif m.state == "unlaunched":
+                    close_not_launched(ledger, rec, i, "the job died first")
+
+    def carry(self, ledger: Ledger) -> tuple[list[CarriedGroup], list[str]]:
+        """The groups with a usable execution (kept, renumbered 0..c-1) and the ids of the rest."""
+        assert self.takeover is not None
+        carried: list[CarriedGroup] = []
+        dropped = []
+        for g, cg in enumerate(self.takeover.groups):
+            if ledger.usable(g):
+                carried.append(cg)
+            else:
+                dropped.append(cg.id)
+        ledger.keep_only({c.id for c in carried})
+        self.carried = len(carried)
+        return carried, dropped
+
+
+def close_unrecoverable(ledger: Ledger, rec: RunRecorder, i: int, why: str) -> None:
+    """An execution a dead job left open that cannot be scored: excluded, with the reason."""
+    x = ledger.executions[i]
+    verdict = msg.VerdictRecord.excluded(f"unrecoverable: {why}", time.time())
+    rec.close_execution(x.id, ledger.groups[x.group].id, rec.journaled_tree(x.id),
+                        "unrecoverable", verdict)  # fmt: skip
+    x.state, x.outcome, x.verdict = "recorded", "unrecoverable", verdict
+
+
+def close_not_launched(ledger: Ledger, rec: RunRecorder, i: int,
+                       why: str = "the run ended first") -> None:  # fmt: skip
+    """A dispatched execution that never launched (the run ended, or the job died, first)."""
+    x, g = ledger.executions[i], ledger.group_of(i)
+    rec.open_execution(x.id, {"group": g.id, "task": g.task, "instance": g.instance})
+    verdict = msg.VerdictRecord.excluded(f"dispatched, never launched: {why}", time.time())
+    rec.close_execution(x.id, g.id, TrajectoryTree(x.id), "not_launched", verdict)
+    x.state, x.outcome, x.verdict = "recorded", "not_launched", verdict
