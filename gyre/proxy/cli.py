@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gyre.errors import ConfigError, GyreError
+from gyre.errors import ConfigError, exit_status
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -179,13 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gyre")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["proxy", *(argv if argv is not None else sys.argv[1:])])
-    try:
-        return int(args.func(args))
-    except GyreError as e:
-        print(f"gyre proxy: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return exit_status("gyre proxy", lambda: args.func(args))
 
 
 if __name__ == "__main__":
