@@ -20,13 +20,13 @@ import json
 import logging
 import os
 import secrets
-import signal
 import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from gyre.errors import ConfigError, exit_status
+from gyre.lifetime import until_signal
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -156,12 +156,8 @@ async def serve(args: argparse.Namespace) -> None:
     port = app.listen(args.port, args.host)
     gc.freeze()  # start-up objects (tokenizer, modules) leave the collector's scans
     print(f"gyre proxy listening on http://{args.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_signal()
     finally:
         app.stop()
         app.close_store()
