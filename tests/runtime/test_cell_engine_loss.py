@@ -19,14 +19,14 @@ from gyre.runtime import messages as msg
 from gyre.runtime import policies
 from gyre.runtime.cell import CellProcess, build_replica
 from gyre.runtime.config import load_run_config
-from gyre.runtime.engine_host import EngineProcess, http
+from gyre.runtime.engine_host import EngineHost, http
 from gyre.train.comm import Communicators
 from gyre.vocabulary import Role
 
 from .conftest import small_config, write_config
 
 
-def _cell(tmp_path: Path, index: int, engine: EngineProcess, core: bool) -> CellProcess:
+def _cell(tmp_path: Path, index: int, engine: EngineHost, core: bool) -> CellProcess:
     cfg = load_run_config(write_config(tmp_path, small_config(tmp_path)))
     cell = CellProcess(cfg, engine_index=index, comms=Communicators.alone(index), run_dir=tmp_path,
                        engine=engine, replica=build_replica(cfg, core=core))  # fmt: skip
@@ -35,9 +35,9 @@ def _cell(tmp_path: Path, index: int, engine: EngineProcess, core: bool) -> Cell
     return cell
 
 
-def _engine(tmp_path: Path, name: str) -> EngineProcess:
+def _engine(tmp_path: Path, name: str) -> EngineHost:
     cfg = load_run_config(write_config(tmp_path, small_config(tmp_path)))
-    engine = EngineProcess(cfg.model, cfg.engine, tmp_path / f"{name}.log", version=0)
+    engine = EngineHost(cfg.model, cfg.engine, tmp_path / f"{name}.log", version=0)
     engine.spawn()
     engine.wait_ready(cfg.timeouts.startup_s)
     return engine
