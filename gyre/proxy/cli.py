@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import logging
 import os
 import secrets
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gyre.errors import ConfigError, exit_status
+from gyre.errors import ConfigError, EngineError, exit_status
 from gyre.lifetime import until_signal
 
 
@@ -85,14 +83,17 @@ def admin_token(path: str) -> str:
     return token
 
 
-def model_info(engines: dict[str, str]) -> dict[str, Any]:
+async def model_info(engines: dict[str, str]) -> dict[str, Any]:
     """The first engine's /model_info ({} if it does not answer)."""
-    url = next(iter(engines.values())) + "/model_info"
+    from gyre.rollout.client import EngineClient
+
+    client = EngineClient(next(iter(engines.values())), timeout=30)
     try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            info = json.load(r)
-    except (OSError, ValueError):
+        info = await client.request("GET", "/model_info", None)
+    except EngineError:
         return {}
+    finally:
+        client.close()
     return info if isinstance(info, dict) else {}
 
 
@@ -138,7 +139,7 @@ async def serve(args: argparse.Namespace) -> None:
     from gyre.proxy.app import ProxyApp
 
     engines = parse_engines(args.engine)
-    info = model_info(engines)
+    info = await model_info(engines)
     config = build_config(args, info.get("max_position_embeddings"))
     tokenizer = load_tokenizer(model_spec(args, info))
     store = None

@@ -375,7 +375,7 @@ class CellProcess:
             return
         try:
             call()
-        except OSError:
+        except EngineError:
             if self.engine.dead() is None:
                 time.sleep(0.5)  # a killed process may not be reaped yet
             if self.engine.dead() is None:
@@ -416,7 +416,7 @@ class CellProcess:
         for engine, url in m.targets:
             try:
                 push_weights(url, named, m.version)
-            except OSError:  # refused / reset / timed out: the engine died or is dying
+            except EngineError:  # refused / reset / timed out: the engine died or is dying
                 missed.append(engine)
         self._up(msg.Published(m.version, time.perf_counter() - t0, missed))
 

@@ -2,33 +2,25 @@
 
 The engine (`engine.backend`: the embedded engine, `python -m gyre.rollout.cli`, or an SGLang
 server; both launched from the `gyre.rollout.sglang.config` presets, with the run's engine
-key) runs in its own process so that it can be
-killed (SIGKILL, OOM) without taking the MPI world down: the cell notices the exit, reports
-the loss, and restarts it on request. The cell talks to it over the SGLang HTTP protocol
-with blocking calls (the cell rank has no event loop), making the same control procedures
-as `EngineClient` (`gyre.rollout.protocol`): release (pause in mode "abort", then
+key) runs in its own process so that it can be killed (SIGKILL, OOM) without taking the MPI
+world down: the cell notices the exit, reports the loss, and restarts it on request. The
+cell drives it with `EngineClient`'s calls made blocking (`gyre.rollout.client.blocking`:
+the cell rank has no event loop): release (pause in mode "abort", then
 `release_memory_occupation`) and resume (`resume_memory_occupation`, then
-`continue_generation`) on role switches, and `gyre.rollout.weights.publish_procedure` to
-publish. Failures are urllib's (`OSError`s: refused, reset, timed out, HTTP errors).
+`continue_generation`) on role switches, and `update_weights_from_tensor`
+(`gyre.rollout.weights.publish_procedure`) to publish. Failures are `EngineError`s
+(refused, reset, timed out, an HTTP error, a control call answered ``success: false``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from gyre.rollout.protocol import (
-    Procedure,
-    auth_headers,
-    engine_key,
-    release_procedure,
-    resume_procedure,
-)
+from gyre.rollout.client import blocking
+from gyre.rollout.protocol import release_procedure, resume_procedure
 from gyre.rollout.sglang.config import ServerConfig
 from gyre.rollout.sglang.process import EngineProcess
 from gyre.runtime.config import EngineConfig
@@ -71,17 +63,14 @@ class EngineHost(EngineProcess):
         super().spawn()
         self.released = False
 
-    def call(self, method: str, path: str, body: Any = None, timeout: float = 120) -> Any:
-        return http(self.url, method, path, body, timeout)
-
     def release(self) -> None:
         """Abort every outstanding call and drop KV caches and weights (ROLLOUT -> TRAIN)."""
-        run_procedure(self.url, release_procedure())
+        blocking(self.url, lambda client: client.run(release_procedure()))
         self.released = True
 
     def resume(self) -> None:
         """Restore the weights the engine had and let it generate again (TRAIN -> ROLLOUT)."""
-        run_procedure(self.url, resume_procedure())
+        blocking(self.url, lambda client: client.run(resume_procedure()))
         self.released = False
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
@@ -90,36 +79,7 @@ class EngineHost(EngineProcess):
         self.version = version
 
 
-def http(url: str, method: str, path: str, body: Any = None, timeout: float = 120) -> Any:
-    """One blocking JSON call to an engine route."""
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", **auth_headers(engine_key())}
-    req = urllib.request.Request(url + path, data=data, headers=headers, method=method)
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read()
-    return json.loads(raw) if raw else None
-
-
-def run_procedure(url: str, procedure: Procedure, timeout: float = 120) -> None:
-    """Make a procedure's calls, then its cleanup calls (always); raise the first error."""
-    error: Exception | None = None
-    for call in procedure.calls:
-        try:
-            http(url, "POST", call.route, call.body, timeout)
-        except Exception as e:
-            error = e
-            break
-    for call in procedure.cleanup:
-        try:
-            http(url, "POST", call.route, call.body, timeout)
-        except Exception as e:
-            error = error or e
-    if error is not None:
-        raise error
-
-
 def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int) -> None:
-    """Publish `named` as `version` on the engine at `url` (`publish_procedure`)."""
-    from gyre.rollout.weights import publish_procedure
-
-    run_procedure(url, publish_procedure(named, str(version)), timeout=600)
+    """Publish `named` as `version` on the engine at `url`."""
+    blocking(url, lambda client: client.update_weights_from_tensor(named, str(version)),
+             timeout=600)  # fmt: skip

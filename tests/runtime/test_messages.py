@@ -35,12 +35,13 @@ import numpy as np
 import pytest
 
 from gyre.harness.workspace import prepare
+from gyre.rollout.client import EngineClient, blocking
 from gyre.runtime import checkpoint, policies, wire
 from gyre.runtime import messages as msg
 from gyre.runtime.cell import CellProcess, Replica, build_replica
 from gyre.runtime.config import DEFAULT_CONFIG, RunConfig, load_run_config
 from gyre.runtime.coordinator import MESSAGES, Coordinator
-from gyre.runtime.engine_host import EngineHost, http
+from gyre.runtime.engine_host import EngineHost
 from gyre.runtime.layout import COORDINATOR_RANK, PROXY_RANK
 from gyre.runtime.proxy_node import ProxyNode
 from gyre.runtime.training import TrainingPlane
@@ -429,11 +430,11 @@ def rig(tmp_path: Path, engine: EngineHost, replica: Replica) -> CellRig:
 
 
 def _health(engine: EngineHost) -> dict[str, Any]:
-    return dict(http(engine.url, "GET", "/health", timeout=10))
+    return dict(blocking(engine.url, lambda c: c.request("GET", "/health", None), timeout=10))
 
 
 def _served_version(engine: EngineHost) -> int:
-    return int(http(engine.url, "GET", "/model_info", timeout=10)["weight_version"])
+    return int(blocking(engine.url, EngineClient.weight_version, timeout=10))
 
 
 @delivers(msg.ToTrain)
