@@ -2,18 +2,18 @@
 
 Each subcommand lives beside the code it drives, in a light module (no torch import at
 top level) that exposes `register(subparsers)`; `register` adds its parser and sets
-`func(args) -> int`. `main` only parses, dispatches and turns `GyreError` into exit code 2.
+`func(args) -> int`. `main` only parses and dispatches; `gyre.errors.exit_status` turns
+`GyreError` into exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from gyre import __version__
-from gyre.errors import GyreError
+from gyre.errors import exit_status
 
 # subcommand name -> module that registers it
 COMMANDS: dict[str, str] = {
@@ -49,16 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    try:
-        return int(args.func(args) or 0)
-    except GyreError as e:
-        print(f"gyre {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `gyre trace show ... | head` closed the pipe: not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+    return exit_status(f"gyre {args.command}", lambda: args.func(args))
 
 
 def _not_override(arg: str) -> bool:

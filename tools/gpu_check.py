@@ -349,16 +349,15 @@ def used(device: str) -> int:
 
 def generate_status(url: str) -> int:
     """The HTTP status of a one-token /generate (503: the engine refuses, memory released)."""
-    import urllib.error
+    import json
 
-    from gyre.runtime.engine_host import http
+    from gyre.rollout.client import blocking
 
-    try:
-        http(url, "POST", "/generate", {"input_ids": [5, 6, 7],
-                                         "sampling_params": {"max_new_tokens": 1}}, timeout=60)  # fmt: skip
-    except urllib.error.HTTPError as e:
-        return e.code
-    return 200
+    body = json.dumps({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
+    status, _ = blocking(
+        url, lambda c: c.transport.request("POST", "/generate", body.encode()), timeout=60
+    )
+    return status
 
 
 def buffer_bytes(cell: Any) -> int:
@@ -374,8 +373,8 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
     from gyre.gpu.memory import measure
     from gyre.gpu.snapshot import CellOffload
     from gyre.models import load_model
+    from gyre.rollout.client import blocking
     from gyre.rollout.sglang.control import ManagedEngine
-    from gyre.runtime.engine_host import http
     from gyre.train.cell import TorchCell
     from gyre.train.config import ObjectiveConfig
     from gyre.train.objective import ExecutionScalar
@@ -394,7 +393,9 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
             asyncio.run(eng.release())
             points["engine_release_s"] = time.perf_counter() - t0
             points["after_engine_release"] = used(args.device)
-            points["engine_released"] = http(proc.url, "GET", "/health")["released"]
+            points["engine_released"] = blocking(
+                proc.url, lambda c: c.request("GET", "/health", None)
+            )["released"]
             points["generate_status_while_released"] = generate_status(proc.url)
             t0 = time.perf_counter()
             model, _ = load_model(str(model_dir))

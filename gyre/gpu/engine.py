@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
+import functools
 import sys
 from typing import Any
 
@@ -78,37 +78,16 @@ def load_engine(config: engine_mod.Config, placement: Placement) -> CudaEngine:
 
 
 async def serve(config: Any, placement: Placement) -> None:
-    """Like `gyre.rollout.server.serve`, with the model on `placement`."""
+    """`gyre.rollout.server.serve`, with the model on `placement`."""
     from concurrent.futures import ThreadPoolExecutor
-
-    import tornado.httpserver
-    import tornado.netutil
 
     from gyre.rollout import server
 
     torch.set_default_device(placement.device)
-    loop = asyncio.get_running_loop()
-    loop.set_default_executor(
+    asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(initializer=torch.set_default_device, initargs=(placement.device,))
     )
-    engine = await loop.run_in_executor(None, load_engine, config.engine, placement)
-    engine.start()
-    http = tornado.httpserver.HTTPServer(
-        server.make_app(engine), max_body_size=1 << 32, max_buffer_size=1 << 32
-    )
-    sockets = tornado.netutil.bind_sockets(config.port, config.host)
-    http.add_sockets(sockets)
-    print(
-        f"gyre engine listening on http://{config.host}:{sockets[0].getsockname()[1]}", flush=True
-    )
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        http.stop()
-        await loop.run_in_executor(None, engine.stop)
+    await server.serve(config, functools.partial(load_engine, placement=placement))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from gyre.errors import ConfigError, GyreError
+from gyre.errors import ConfigError, exit_status
 from gyre.launch.spec import JobSpec, check_suite, job_spec, load_launch
 from gyre.launch.task import het_group_sizes
 
@@ -41,14 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gyre.launch.check", description=__doc__)
     parser.add_argument("config")
     args = parser.parse_args(argv)
-    try:
-        spec = job_spec(load_launch(args.config))
-        check_allocation(spec, os.environ)
-        check_suite(spec.launch)
-    except GyreError as e:
-        print(f"gyre: error: {e}", file=sys.stderr)
-        return 2
-    print(f"[gyre] allocation matches {args.config}: {spec.world_size} ranks", flush=True)
+    return exit_status("gyre", lambda: check(args.config))
+
+
+def check(config: str) -> int:
+    """0 if the allocation this runs in matches `config`; `ConfigError` otherwise."""
+    spec = job_spec(load_launch(config))
+    check_allocation(spec, os.environ)
+    check_suite(spec.launch)
+    print(f"[gyre] allocation matches {config}: {spec.world_size} ranks", flush=True)
     return 0
 
 

@@ -16,17 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import logging
 import os
 import secrets
-import signal
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gyre.errors import ConfigError, GyreError
+from gyre.errors import ConfigError, EngineError, exit_status
+from gyre.lifetime import until_signal
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -85,14 +83,17 @@ def admin_token(path: str) -> str:
     return token
 
 
-def model_info(engines: dict[str, str]) -> dict[str, Any]:
+async def model_info(engines: dict[str, str]) -> dict[str, Any]:
     """The first engine's /model_info ({} if it does not answer)."""
-    url = next(iter(engines.values())) + "/model_info"
+    from gyre.rollout.client import EngineClient
+
+    client = EngineClient(next(iter(engines.values())), timeout=30)
     try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            info = json.load(r)
-    except (OSError, ValueError):
+        info = await client.request("GET", "/model_info", None)
+    except EngineError:
         return {}
+    finally:
+        client.close()
     return info if isinstance(info, dict) else {}
 
 
@@ -138,7 +139,7 @@ async def serve(args: argparse.Namespace) -> None:
     from gyre.proxy.app import ProxyApp
 
     engines = parse_engines(args.engine)
-    info = model_info(engines)
+    info = await model_info(engines)
     config = build_config(args, info.get("max_position_embeddings"))
     tokenizer = load_tokenizer(model_spec(args, info))
     store = None
@@ -156,12 +157,8 @@ async def serve(args: argparse.Namespace) -> None:
     port = app.listen(args.port, args.host)
     gc.freeze()  # start-up objects (tokenizer, modules) leave the collector's scans
     print(f"gyre proxy listening on http://{args.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_signal()
     finally:
         app.stop()
         app.close_store()
@@ -179,13 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gyre")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["proxy", *(argv if argv is not None else sys.argv[1:])])
-    try:
-        return int(args.func(args))
-    except GyreError as e:
-        print(f"gyre proxy: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return exit_status("gyre proxy", lambda: args.func(args))
 
 
 if __name__ == "__main__":

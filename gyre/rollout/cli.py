@@ -13,7 +13,7 @@ import asyncio
 import logging
 import sys
 
-from gyre.errors import GyreError
+from gyre.errors import exit_status
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -74,13 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gyre")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["engine", *(argv if argv is not None else sys.argv[1:])])
-    try:
-        return int(args.func(args))
-    except GyreError as e:
-        print(f"gyre engine: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return exit_status("gyre engine", lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ an error: it returns a `GenerateResult` with ``finish_type == "abort"``.
     client = EngineClient("http://127.0.0.1:30000", engine_id="e0")
     result = await client.generate(ids, SamplingParams(max_new_tokens=64), rid="x-1")
 
+Code without an event loop (a cell rank, a check script) makes the same calls through
+`blocking`, on a private loop:
+
+    blocking(url, lambda client: client.run(release_procedure()))
+
 This module is the protocol (routes, bodies, replies); connections, keep-alive pooling,
 timeouts and the resending rule are `gyre.rollout.transport.HttpTransport` (aiohttp).
 Request bodies are encoded with orjson: a /generate body carries the whole context's token
@@ -19,9 +24,10 @@ IOLoop that serves every harness); orjson is ~6x faster, and encodes numpy array
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import orjson
@@ -44,6 +50,8 @@ from gyre.rollout.transport import HttpTransport
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 
 class EngineClient:
@@ -96,7 +104,7 @@ class EngineClient:
             "return_logprob": True,
             "rid": rid,
         }
-        reply = await self._call("POST", "/generate", body)
+        reply = await self.request("POST", "/generate", body)
         try:
             return GenerateResult.from_response(reply)
         except ProtocolError as e:
@@ -118,12 +126,12 @@ class EngineClient:
         await self.control(CONTINUE)
 
     async def flush_cache(self) -> None:
-        await self._call("POST", "/flush_cache", {})
+        await self.request("POST", "/flush_cache", {})
 
     async def health(self) -> bool:
         """True if the engine answers /health with 200 (never raises)."""
         try:
-            await self._call("GET", "/health", None, timeout=5.0)
+            await self.request("GET", "/health", None, timeout=5.0)
         except EngineError:
             return False
         return True
@@ -136,7 +144,7 @@ class EngineClient:
         return str(info["weight_version"])
 
     async def model_info(self) -> dict[str, Any]:
-        return dict(await self._call("GET", "/model_info", None))
+        return dict(await self.request("GET", "/model_info", None))
 
     async def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """/release_memory_occupation alone: the engine must be idle (SGLang asserts it; the
@@ -161,7 +169,7 @@ class EngineClient:
 
     async def control(self, call: Call, *, timeout: float | None = None) -> Any:
         """POST one control call; EngineError if it fails (HTTP error or success false)."""
-        reply = await self._call("POST", call.route, call.body, timeout=timeout)
+        reply = await self.request("POST", call.route, call.body, timeout=timeout)
         if isinstance(reply, dict) and reply.get("success") is False:
             message = reply.get("message", reply)
             raise EngineError(f"engine {self.engine_id} {call.route}: {message}")
@@ -187,15 +195,15 @@ class EngineClient:
     async def request_log(self) -> list[dict[str, Any]]:
         """Embedded engine only: the /generate calls it received, oldest first
         (each {"rid", "input_ids", "t"})."""
-        return list((await self._call("GET", "/gyre/requests", None))["requests"])
+        return list((await self.request("GET", "/gyre/requests", None))["requests"])
 
     async def clear_request_log(self) -> None:
         """Embedded engine only: forget the received-request log."""
-        await self._call("DELETE", "/gyre/requests", None)
+        await self.request("DELETE", "/gyre/requests", None)
 
     async def stats(self) -> dict[str, Any]:
         """Embedded engine only: queue lengths and decode steps by batch size."""
-        return dict(await self._call("GET", "/gyre/stats", None))
+        return dict(await self.request("GET", "/gyre/stats", None))
 
     # -- KV-cache migration (embedded engine only; the handoff: gyre.rollout.kvmigrate) ---
 
@@ -205,7 +213,7 @@ class EngineClient:
         """Pin the KV of the calls whose rid starts with one of `rid_prefixes` or is one of
         `rids` (running calls' prompts and cached prefixes of earlier calls) for `ttl_s`."""
         body = {"rid_prefixes": list(rid_prefixes), "rids": list(rids), "ttl_s": ttl_s}
-        reply = await self._call("POST", "/gyre/kv/pin", body)
+        reply = await self.request("POST", "/gyre/kv/pin", body)
         try:
             return [KVSegment.from_json(s) for s in reply["segments"]]
         except (KeyError, TypeError, ProtocolError) as e:
@@ -226,19 +234,19 @@ class EngineClient:
             "segments": [s.to_json() for s in segments],
             "transport": transport,
         }
-        reply = await self._call("POST", "/gyre/kv/import", body, timeout=timeout)
+        reply = await self.request("POST", "/gyre/kv/import", body, timeout=timeout)
         return KVImportResult(
             imported=list(reply.get("imported", [])), failed=list(reply.get("failed", []))
         )
 
     async def kv_release(self, handles: Sequence[str]) -> int:
         """Unpin segments on this (source) engine; returns how many were still pinned."""
-        reply = await self._call("POST", "/gyre/kv/release", {"handles": list(handles)})
+        reply = await self.request("POST", "/gyre/kv/release", {"handles": list(handles)})
         return int(reply.get("released", 0))
 
     # -- one request ------------------------------------------------------------------------
 
-    async def _call(
+    async def request(
         self, method: str, route: str, body: Any, *, timeout: float | None = None
     ) -> Any:
         """Send one request; the decoded JSON reply, or EngineError naming engine and route."""
@@ -258,6 +266,23 @@ class EngineClient:
             return json.loads(text)
         except json.JSONDecodeError:
             return {"text": text}
+
+
+def blocking(
+    url: str, call: Callable[[EngineClient], Awaitable[T]], *, timeout: float = 120.0
+) -> T:
+    """`call(client)` for a caller without a running event loop: made on a private loop with
+    a client of the engine at `url` (each request times out after `timeout` s), closed after.
+    Failures are `EngineError`s, as for every `EngineClient` call."""
+
+    async def run() -> T:
+        client = EngineClient(url, timeout=timeout)
+        try:
+            return await call(client)
+        finally:
+            client.close()
+
+    return asyncio.run(run())
 
 
 def _error_text(body: bytes) -> str:

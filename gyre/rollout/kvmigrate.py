@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gyre.errors import EngineError
-from gyre.rollout.client import EngineClient
+from gyre.rollout.client import EngineClient, blocking
 from gyre.rollout.protocol import KVImportResult, KVSegment
 
 OUTCOMES = ("migrated", "partial", "none", "failed", "unsupported")
@@ -87,15 +87,11 @@ def migrate_kv(
     timeout: float = 60.0,
 ) -> dict[str, Migration]:
     """Blocking `migrate`, for a caller without a running event loop (a cell rank)."""
-
-    async def run() -> dict[str, Migration]:
-        source = EngineClient(source_url, timeout=timeout)
-        try:
-            return await migrate(source, routes, transport=transport, ttl_s=ttl_s, timeout=timeout)
-        finally:
-            source.close()
-
-    return asyncio.run(run())
+    return blocking(
+        source_url,
+        lambda source: migrate(source, routes, transport=transport, ttl_s=ttl_s, timeout=timeout),
+        timeout=timeout,
+    )
 
 
 async def migrate(

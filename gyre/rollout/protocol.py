@@ -12,7 +12,7 @@ responses into `GenerateResult`. Field names are SGLang's, so the same client dr
 The control calls (abort, pause / continue, memory release / resume, weight updates) are
 built here as `Call`s, and the sequences SGLang's preconditions require as `Procedure`s
 (`release_procedure`, `resume_procedure`, `weight_update_procedure`), made by the async
-`EngineClient.run` and the cell's blocking `gyre.runtime.engine_host.run_procedure` alike.
+`EngineClient.run`, for the proxy and coordinator as for the cell's blocking calls.
 
 **The engine key.** In a run every engine takes one secret, SGLang's `--api-key` (the
 embedded engine reads it from `GYRE_ENGINE_KEY`): each route but /health (SGLang also leaves

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ import tornado.netutil
 import tornado.web
 
 from gyre.errors import ConfigError, ProtocolError
+from gyre.lifetime import until_signal
 from gyre.rollout import engine as engine_mod
 from gyre.rollout import kvstore, weights
 from gyre.rollout.protocol import (
@@ -346,11 +346,14 @@ def make_app(engine: engine_mod.Engine, api_key: str | None = None) -> tornado.w
     )
 
 
-async def serve(config: Config) -> None:
-    """Load the model, listen, print the URL on stdout, serve until SIGINT/SIGTERM."""
-    engine = await asyncio.get_running_loop().run_in_executor(
-        None, engine_mod.Engine.load, config.engine
-    )
+async def serve(
+    config: Config,
+    load: Callable[[engine_mod.Config], engine_mod.Engine] = engine_mod.Engine.load,
+) -> None:
+    """Load the model (`load`, in an executor thread), listen, print the URL on stdout,
+    serve until SIGINT/SIGTERM."""
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(None, load, config.engine)
     engine.start()
     # weight payloads (base64 pickles of the tensors) can be large: allow up to 4 GiB bodies
     server = tornado.httpserver.HTTPServer(
@@ -361,12 +364,8 @@ async def serve(config: Config) -> None:
     port = sockets[0].getsockname()[1]
     print(f"gyre engine listening on http://{config.host}:{port}", flush=True)
     print(f"gyre engine listening on http://{config.host}:{port}", file=sys.stderr, flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_signal()
     finally:
         server.stop()
         await loop.run_in_executor(None, engine.stop)

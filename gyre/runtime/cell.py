@@ -1,11 +1,12 @@
 """A cell rank: serves rollout through its engine, or trains its replica, as told.
 
 The cell keeps two states in one long-lived process: the embedded engine (a child process,
-`EngineProcess`) and the training replica (`gyre.train.cell.TorchCell`; on the core also the
-optimizer). A switch to TRAIN aborts the engine's outstanding calls and releases its memory;
-a switch to ROLLOUT resumes the engine. A satellite's replica pulls the core's weights
-lazily, at its first pass of a batch whose weight version it does not hold: the core's
-weights are fixed while any pass is outstanding, so a pull never sees an update half done.
+`gyre.runtime.engine_host.EngineHost`) and the training replica (`gyre.train.cell.TorchCell`;
+on the core also the optimizer). A switch to TRAIN aborts the engine's outstanding calls and
+releases its memory; a switch to ROLLOUT resumes the engine. A satellite's replica pulls the
+core's weights lazily, at its first pass of a batch whose weight version it does not hold:
+the core's weights are fixed while any pass is outstanding, so a pull never sees an update
+half done.
 Each switch reports its measured duration. Processes and communicators live across
 switches; only model state moves.
 
@@ -34,7 +35,7 @@ from gyre.rollout.kvmigrate import execution_prefix, migrate_kv
 from gyre.runtime import audit, checkpoint, policies, wire
 from gyre.runtime import messages as msg
 from gyre.runtime.config import RunConfig
-from gyre.runtime.engine_host import EngineProcess, push_weights
+from gyre.runtime.engine_host import EngineHost, push_weights
 from gyre.runtime.layout import COORDINATOR_RANK
 from gyre.train.cell import CoreOptimizer, StepStats, TorchCell
 from gyre.train.comm import (
@@ -231,7 +232,7 @@ class CellProcess:
         engine_index: int,
         comms: Communicators | None,
         run_dir: Path,
-        engine: EngineProcess,
+        engine: EngineHost,
         replica: Replica | None = None,
         transport: Any = None,
         version: int = 0,
@@ -374,7 +375,7 @@ class CellProcess:
             return
         try:
             call()
-        except OSError:
+        except EngineError:
             if self.engine.dead() is None:
                 time.sleep(0.5)  # a killed process may not be reaped yet
             if self.engine.dead() is None:
@@ -415,7 +416,7 @@ class CellProcess:
         for engine, url in m.targets:
             try:
                 push_weights(url, named, m.version)
-            except OSError:  # refused / reset / timed out: the engine died or is dying
+            except EngineError:  # refused / reset / timed out: the engine died or is dying
                 missed.append(engine)
         self._up(msg.Published(m.version, time.perf_counter() - t0, missed))
 

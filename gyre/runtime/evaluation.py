@@ -101,11 +101,11 @@ def evaluate(
     concurrency: int, hide: tuple[Path, ...] = (),
 ) -> EvalResult:  # fmt: skip
     """Run `instances` held-out instances of every task in `tasks` against `target`."""
-    from gyre.runtime.engine_host import EngineProcess
+    from gyre.runtime.engine_host import EngineHost
 
     work_dir.mkdir(parents=True, exist_ok=True)
     ensure_engine_key()  # the engine takes a key; its harnesses never see it
-    engine = EngineProcess(target.model, cfg.engine, work_dir / "engine.log", version=0)
+    engine = EngineHost(target.model, cfg.engine, work_dir / "engine.log", version=0)
     engine.spawn()
     try:
         url = engine.wait_ready(cfg.timeouts.startup_s)

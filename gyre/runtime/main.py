@@ -193,12 +193,12 @@ def _debug(text: str) -> None:
 
 
 def _start_engine(cfg: RunConfig, me: Component, run_dir: Path) -> Any:
-    from gyre.runtime.engine_host import EngineProcess
+    from gyre.runtime.engine_host import EngineHost
 
     name = f"engine-cell{me.index}" if me.kind == "cell" else f"engine-standalone{me.index}"
     index = me.index if me.kind == "cell" else cfg.topology.cells + me.index
     labels = {"GYRE_RUN_DIR": str(run_dir.resolve()), "GYRE_ENGINE_INDEX": str(index)}
-    engine = EngineProcess(
+    engine = EngineHost(
         cfg.model, cfg.engine, run_dir / "logs" / f"{name}.log", version=0, labels=labels
     )
     engine.spawn()

@@ -30,7 +30,7 @@ from gyre.rollout.protocol import PAUSE_MODES, SamplingParams
 from gyre.rollout.sglang.config import SERVER_ENV, ServerConfig, hicache_shared_l3
 from gyre.rollout.sglang.control import ManagedEngine, UpdateGroup, tensor_specs
 from gyre.runtime.config import EngineConfig
-from gyre.runtime.engine_host import EngineProcess, push_weights
+from gyre.runtime.engine_host import EngineHost, push_weights
 
 REPO = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = REPO / ".tools" / "sglang-check" / "bin" / "python"
@@ -127,7 +127,7 @@ async def _async_clients(url: str) -> None:
 
 
 def _blocking_clients(url: str, tmp: Path) -> None:
-    host = EngineProcess("tiny", EngineConfig(), tmp / "engine.log", version=0)
+    host = EngineHost("tiny", EngineConfig(), tmp / "engine.log", version=0)
     host.url = url
     host.release()
     host.resume()
@@ -207,7 +207,7 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(
 ) -> None:
     from gyre.rollout.protocol import ENGINE_KEY_ENV
     from gyre.runtime.config import EngineConfig
-    from gyre.runtime.engine_host import EngineProcess
+    from gyre.runtime.engine_host import EngineHost
 
     url, seen = recorder
     _traffic(url, tmp_path)
@@ -219,7 +219,7 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(
     bad_launch = [*argv[3:], "--skip-tokenizer-init"]
     # what a cell of `gyre run` with engine.backend sglang launches, with the run's engine key
     monkeypatch.setenv(ENGINE_KEY_ENV, "k3y")
-    engine = EngineProcess("/models/qwen", EngineConfig(backend="sglang", tensor_parallel=2,
+    engine = EngineHost("/models/qwen", EngineConfig(backend="sglang", tensor_parallel=2,
                            mem_fraction_static=0.6), tmp_path / "e.log", version=3)  # fmt: skip
     run_argv, run_url = engine.command()
     assert run_argv[1:3] == ["-m", "sglang.launch_server"]

@@ -1,6 +1,6 @@
 """The engine key: an engine started with one answers 401 to every route but /health unless
 the request carries it, and every client Gyre runs (the async `EngineClient`, the cell's
-blocking calls) sends this process's key."""
+blocking calls through it) sends this process's key."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import urllib.request
 
 import pytest
 
-from gyre.rollout.client import EngineClient
+from gyre.rollout.client import EngineClient, blocking
 from gyre.rollout.protocol import ENGINE_KEY_ENV, SamplingParams
 from gyre.rollout.testing import running_engine
-from gyre.runtime import engine_host
 
 from .conftest import run
 
@@ -57,4 +56,4 @@ def test_an_engine_with_a_key_serves_only_callers_that_hold_it(
         )
         monkeypatch.setenv(ENGINE_KEY_ENV, KEY)  # what a run's ranks have
         assert len(run(EngineClient(url).generate(prompt, sampling, "r2")).output_ids) == 3
-        assert engine_host.http(url, "GET", "/model_info")["weight_version"] == "0"
+        assert blocking(url, EngineClient.weight_version) == "0"  # the cell's blocking calls

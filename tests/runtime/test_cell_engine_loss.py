@@ -15,18 +15,19 @@ from pathlib import Path
 
 import torch
 
+from gyre.rollout.client import EngineClient, blocking
 from gyre.runtime import messages as msg
 from gyre.runtime import policies
 from gyre.runtime.cell import CellProcess, build_replica
 from gyre.runtime.config import load_run_config
-from gyre.runtime.engine_host import EngineProcess, http
+from gyre.runtime.engine_host import EngineHost
 from gyre.train.comm import Communicators
 from gyre.vocabulary import Role
 
 from .conftest import small_config, write_config
 
 
-def _cell(tmp_path: Path, index: int, engine: EngineProcess, core: bool) -> CellProcess:
+def _cell(tmp_path: Path, index: int, engine: EngineHost, core: bool) -> CellProcess:
     cfg = load_run_config(write_config(tmp_path, small_config(tmp_path)))
     cell = CellProcess(cfg, engine_index=index, comms=Communicators.alone(index), run_dir=tmp_path,
                        engine=engine, replica=build_replica(cfg, core=core))  # fmt: skip
@@ -35,9 +36,9 @@ def _cell(tmp_path: Path, index: int, engine: EngineProcess, core: bool) -> Cell
     return cell
 
 
-def _engine(tmp_path: Path, name: str) -> EngineProcess:
+def _engine(tmp_path: Path, name: str) -> EngineHost:
     cfg = load_run_config(write_config(tmp_path, small_config(tmp_path)))
-    engine = EngineProcess(cfg.model, cfg.engine, tmp_path / f"{name}.log", version=0)
+    engine = EngineHost(cfg.model, cfg.engine, tmp_path / f"{name}.log", version=0)
     engine.spawn()
     engine.wait_ready(cfg.timeouts.startup_s)
     return engine
@@ -63,7 +64,7 @@ def test_publish_to_a_killed_engine_is_reported_and_its_restart_serves_the_new_v
 
         done = core.sent[-1]  # type: ignore[attr-defined]
         assert isinstance(done, msg.Published) and (done.version, done.missed) == (1, [2])
-        assert http(live.url, "GET", "/model_info")["weight_version"] == "1"
+        assert blocking(live.url, EngineClient.weight_version) == "1"
         kept = policies.latest(tmp_path)
         assert kept is not None and kept[0] == 1 and kept[1].name == "v00001"
 
@@ -72,7 +73,7 @@ def test_publish_to_a_killed_engine_is_reported_and_its_restart_serves_the_new_v
         assert isinstance(victim.sent[-1], msg.EngineLost)  # type: ignore[attr-defined]
         victim.respawn(msg.Respawn(Role.ROLLOUT))
         assert victim.sent[-1] == msg.EngineReady(2, doomed.url, 1)  # type: ignore[attr-defined]
-        assert http(doomed.url, "GET", "/model_info")["weight_version"] == "1"
+        assert blocking(doomed.url, EngineClient.weight_version) == "1"
         served = dict(policies.load_weights(kept[1]))
         name, want = next(iter(served.items()))
         assert torch.equal(want, dict(core.replica.cell.model.state_dict())[name])  # type: ignore[union-attr]

@@ -221,16 +221,16 @@ def test_the_engine_backend_chooses_what_a_cell_launches(tmp_path: Path, monkeyp
     engine key; the embedded engine picks its port and prints its URL, SGLang gets one."""
     from gyre.rollout.protocol import ENGINE_KEY_ENV
     from gyre.runtime.config import EngineConfig
-    from gyre.runtime.engine_host import EngineProcess
+    from gyre.runtime.engine_host import EngineHost
 
     monkeypatch.setenv(ENGINE_KEY_ENV, "k3y")
     log = tmp_path / "engine.log"
-    argv, url = EngineProcess("tiny", EngineConfig(threads=2), log, version=5).command()
+    argv, url = EngineHost("tiny", EngineConfig(threads=2), log, version=5).command()
     assert argv[1:] == ["-m", "gyre.rollout.cli", "--model", "tiny", "--host", "127.0.0.1",
                         "--port", "0", "--weight-version", "5", "--threads", "2",
                         "--max-batch-size", "8", "--prefix-cache-mb", "64"] and url == ""  # fmt: skip
     sglang = EngineConfig(backend="sglang", tensor_parallel=4, mem_fraction_static=0.7)
-    argv, url = EngineProcess("/models/qwen", sglang, log, version=2).command()
+    argv, url = EngineHost("/models/qwen", sglang, log, version=2).command()
     port = url.rsplit(":", 1)[1]
     assert argv[1:3] == ["-m", "sglang.launch_server"] and url == f"http://127.0.0.1:{port}"
     flags = dict(zip(argv[3::2], argv[4::2], strict=False))

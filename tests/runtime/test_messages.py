@@ -35,12 +35,13 @@ import numpy as np
 import pytest
 
 from gyre.harness.workspace import prepare
+from gyre.rollout.client import EngineClient, blocking
 from gyre.runtime import checkpoint, policies, wire
 from gyre.runtime import messages as msg
 from gyre.runtime.cell import CellProcess, Replica, build_replica
 from gyre.runtime.config import DEFAULT_CONFIG, RunConfig, load_run_config
 from gyre.runtime.coordinator import MESSAGES, Coordinator
-from gyre.runtime.engine_host import EngineProcess, http
+from gyre.runtime.engine_host import EngineHost
 from gyre.runtime.layout import COORDINATOR_RANK, PROXY_RANK
 from gyre.runtime.proxy_node import ProxyNode
 from gyre.runtime.training import TrainingPlane
@@ -379,9 +380,9 @@ def test_checkpointed_commits_the_checkpoint(world: CoordinatorWorld) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+def engine_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHost]:
     cfg = _config()
-    engine = EngineProcess(cfg.model, cfg.engine, tmp_path_factory.mktemp("engine") / "e.log", 0)
+    engine = EngineHost(cfg.model, cfg.engine, tmp_path_factory.mktemp("engine") / "e.log", 0)
     engine.spawn()
     engine.wait_ready(cfg.timeouts.startup_s)
     yield engine
@@ -389,7 +390,7 @@ def engine_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineP
 
 
 @pytest.fixture
-def engine(engine_process: EngineProcess) -> EngineProcess:
+def engine(engine_process: EngineHost) -> EngineHost:
     """The module's engine, serving (restarted if a test stopped it, resumed if released)."""
     if engine_process.dead() is not None:
         engine_process.spawn()
@@ -407,7 +408,7 @@ def replica() -> Replica:
 class CellRig:
     """A core cell on a socket pair; `coordinator` is the other end."""
 
-    def __init__(self, run_dir: Path, engine: EngineProcess, replica: Replica) -> None:
+    def __init__(self, run_dir: Path, engine: EngineHost, replica: Replica) -> None:
         a, b = socket.socketpair()
         self.coordinator = wire.Link(COORDINATOR_RANK, {2: a})
         # one cell of one rank trains: its reduce and broadcast involve no other rank
@@ -424,16 +425,16 @@ class CellRig:
 
 
 @pytest.fixture
-def rig(tmp_path: Path, engine: EngineProcess, replica: Replica) -> CellRig:
+def rig(tmp_path: Path, engine: EngineHost, replica: Replica) -> CellRig:
     return CellRig(tmp_path, engine, replica)
 
 
-def _health(engine: EngineProcess) -> dict[str, Any]:
-    return dict(http(engine.url, "GET", "/health", timeout=10))
+def _health(engine: EngineHost) -> dict[str, Any]:
+    return dict(blocking(engine.url, lambda c: c.request("GET", "/health", None), timeout=10))
 
 
-def _served_version(engine: EngineProcess) -> int:
-    return int(http(engine.url, "GET", "/model_info", timeout=10)["weight_version"])
+def _served_version(engine: EngineHost) -> int:
+    return int(blocking(engine.url, EngineClient.weight_version, timeout=10))
 
 
 @delivers(msg.ToTrain)
@@ -623,7 +624,7 @@ def test_drain_marks_the_engine_sets_the_routes_and_acks(proxy_node: ProxyNodeRi
 
 @delivers(msg.StartExecution)
 def test_start_execution_runs_the_harness_and_reports_it_in_order(
-    proxy_node: ProxyNodeRig, engine: EngineProcess
+    proxy_node: ProxyNodeRig, engine: EngineHost
 ) -> None:
     proxy_node.send(msg.SetEngines({"e0": engine.url}))
     proxy_node.send(msg.StartExecution(4, "g1-e0", "notes", instance=1, engine="e0"))

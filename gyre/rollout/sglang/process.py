@@ -5,17 +5,27 @@
     ...
     proc.stop()                 # SIGTERM to the server's process group, SIGKILL after grace
 
-The server runs in its own session (process group), so SGLang's scheduler and detokenizer
-children stop with it. Its environment is this process's, the config's `env`, and
-`config.SERVER_ENV` (SGLANG_RETURN_ORIGINAL_LOGPROB=1: behaviour log-probs before
-temperature). Its stdout and stderr go to `log_path` (or a temporary file); the tail
-is included in the `EngineError` when it fails to start.
+Every engine Gyre starts is one of these: a cell's (`gyre.runtime.engine_host.EngineHost`
+builds on it), a test's (`gyre.rollout.testing.running_engine`) and the GPU checks'. `start`
+is `spawn` (returns at once) and `wait_ready` (blocks), so a caller can start an engine and
+do other work while it loads.
+
+The embedded engine, launched on port 0, binds a port the OS picks and prints ``... listening
+on URL`` as its first stdout line, which `wait_ready` reads; any other server gets a free
+port on its command line. The server runs in its own session (process group), so SGLang's
+scheduler and detokenizer children stop with it, and gets SIGKILL when the process that
+started it dies (`gyre.lifetime.die_with_parent`). Its environment is this process's, the
+config's `env`, and `config.SERVER_ENV` (SGLANG_RETURN_ORIGINAL_LOGPROB=1: behaviour
+log-probs before temperature). Its output goes to `log_path` (appended: a restarted engine
+keeps its earlier log) or a temporary file; the tail is included in the `EngineError` when
+it fails to start.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -26,6 +36,7 @@ from pathlib import Path
 from typing import IO
 
 from gyre.errors import EngineError
+from gyre.lifetime import die_with_parent
 from gyre.rollout.sglang.config import SERVER_ENV, ServerConfig
 
 
@@ -37,70 +48,106 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EngineProcess:
-    """One server process and its URL."""
+    """One server process and its URL ("" until known)."""
 
     def __init__(self, config: ServerConfig, *, log_path: str | Path | None = None) -> None:
         self.config = config
         self.log_path = Path(log_path) if log_path is not None else None
-        self.port = config.port
         self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
         self._log: IO[bytes] | None = None
+        self._started = 0.0
+        self._stopped = False  # this process's group was signalled and reaped
         self.startup_seconds: float | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
+    def command(self) -> tuple[list[str], str]:
+        """The argv that starts this server, and its URL ("" when the server picks its port
+        and prints the URL: the embedded engine on port 0)."""
+        if self.config.launch == "embedded" and self.config.port == 0:
+            return self.config.command(0), ""
+        port = self.config.port or free_port(self.config.host)
+        return self.config.command(port), f"http://{self.config.host}:{port}"
 
     def start(self) -> str:
-        """Launch the server and wait until `/health` answers; returns the base URL."""
-        if self.proc is not None:
-            raise EngineError(f"server {self.url}: already started")
-        self.port = self.config.port or free_port(self.config.host)
-        cmd = self.config.command(self.port)
-        self._log = (  # closed in stop()
-            open(self.log_path, "wb")  # noqa: SIM115
-            if self.log_path is not None
-            else tempfile.TemporaryFile()  # noqa: SIM115
-        )
-        env = {**os.environ, **self.config.env, **SERVER_ENV}
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        """Launch the server and wait until `/health` answers; returns the base URL. A server
+        that does not come up is stopped."""
+        self.spawn()
         try:
-            self._wait_healthy(t0 + self.config.startup_timeout)
+            return self.wait_ready()
         except BaseException:
             self.stop()
             raise
-        self.startup_seconds = time.monotonic() - t0
-        return self.url
 
-    def _wait_healthy(self, deadline: float) -> None:
-        assert self.proc is not None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineError(
-                    f"server {self.url} exited with {self.proc.returncode} before /health: "
-                    f"{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise EngineError(
-            f"server {self.url} did not answer /health within "
-            f"{self.config.startup_timeout:.0f} s: {self.log_tail()}"
+    def spawn(self) -> None:
+        """Start the process (returns at once; `wait_ready` waits for its URL and /health)."""
+        if self.alive():
+            raise EngineError(f"server {self.url}: already started")
+        self.stop()  # an earlier process that ended: its group and its log
+        cmd, url = self.command()
+        self._log = self._open_log()  # closed in stop()
+        env = {**os.environ, **self.config.env, **SERVER_ENV}
+        self._started, self.startup_seconds = time.monotonic(), None
+        self._stopped = False
+        self.proc = subprocess.Popen(
+            die_with_parent(cmd),
+            stdout=subprocess.PIPE if not url else self._log,  # the URL line, or the log
+            stderr=self._log,
+            env=env,
+            start_new_session=True,
         )
+        self.url = url
+
+    def wait_ready(self, timeout: float | None = None) -> str:
+        """Block until the server has a URL and answers /health (within `timeout` seconds,
+        default the config's `startup_timeout`); returns the URL."""
+        assert self.proc is not None, "spawn first"
+        limit = self.config.startup_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while not self.url and time.monotonic() < deadline:
+            self._read_url()
+        while self.url and time.monotonic() < deadline:
+            self._check_running()
+            if _healthy(self.url):
+                self.startup_seconds = time.monotonic() - self._started
+                return self.url
+            time.sleep(0.1)
+        raise EngineError(
+            f"server {self.url or '(no URL yet)'} did not answer /health within {limit:.0f} s: "
+            f"{self.log_tail()}"
+        )
+
+    def _read_url(self) -> None:
+        """Read the server's stdout for ``listening on URL`` (for up to 0.2 s)."""
+        assert self.proc is not None and self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
+        if ready:
+            line = self.proc.stdout.readline().decode()
+            if "listening on " in line:
+                self.url = line.strip().rsplit(" ", 1)[-1]
+        self._check_running()
+
+    def _check_running(self) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise EngineError(
+                f"server {self.url or '(no URL yet)'} exited with {self.proc.returncode} before "
+                f"/health: {self.log_tail()}"
+            )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def dead(self) -> int | None:
+        """The exit status if the process ended (also after `stop`), else None."""
+        return None if self.proc is None else self.proc.poll()
+
     def log_tail(self, chars: int = 3000) -> str:
+        """The end of the server's output (of its log file, once stopped)."""
         if self._log is None:
-            return ""
+            try:
+                return self.log_path.read_text(errors="replace")[-chars:] if self.log_path else ""
+            except OSError:
+                return "(no log)"
         self._log.flush()
         self._log.seek(0, os.SEEK_END)
         size = self._log.tell()
@@ -108,18 +155,37 @@ class EngineProcess:
         return self._log.read().decode(errors="replace")
 
     def stop(self, grace: float = 15.0) -> int | None:
-        """Terminate the server's process group; returns its exit code."""
-        proc, self.proc = self.proc, None
-        code = None
-        if proc is not None:
-            code = _stop_group(proc, grace)
+        """Terminate the server's process group; returns its exit code (None: never started).
+        `dead()` reports the code from now on; `spawn` starts the server again."""
+        if self.proc is None:
+            return None
+        if not self._stopped:
+            self._stopped = True
+            _stop_group(self.proc, grace)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
         if self._log is not None:
             self._log.close()
             self._log = None
-        return code
+        return self.proc.returncode
+
+    def _open_log(self) -> IO[bytes]:
+        if self.log_path is None:
+            return tempfile.TemporaryFile()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        return open(self.log_path, "a+b")
 
 
-def _stop_group(proc: subprocess.Popen[bytes], grace: float) -> int:
+def _healthy(url: str) -> bool:
+    """Whether GET /health answers 200 (the route is open: no engine key)."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def _stop_group(proc: subprocess.Popen[bytes], grace: float) -> None:
     if proc.poll() is None:
         _signal_group(proc, signal.SIGTERM)
         try:
@@ -129,7 +195,6 @@ def _stop_group(proc: subprocess.Popen[bytes], grace: float) -> int:
             proc.wait()
     else:  # the leader is gone; its children may not be
         _signal_group(proc, signal.SIGKILL)
-    return int(proc.returncode)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
