@@ -1,20 +1,31 @@
-"""The words every floor of Gyre shares: outcomes, verdicts, roles and engine ids.
+"""The words every floor of Gyre shares: outcomes, verdicts, roles, engine ids, role rules.
 
-One definition of each, on the ground floor (standard library only), so the harness, the
-evaluator, the scheduler, the simulator and the runtime speak the same types instead of
-translating strings between them. Each value is the string Gyre has always written into
-traces, journals and JSON files, so persisted data reads the same:
+One definition of each, on the ground floor (standard library and `gyre.errors` only), so
+the harness, the evaluator, the scheduler, the simulator, the proxy and the runtime speak
+the same types instead of translating strings between them. Each value is the string Gyre
+has always written into traces, journals and JSON files, so persisted data reads the same:
 
     Outcome.TIMED_OUT.value == "timed_out"        # how a harness ended
     VerdictStatus("excluded")                     # how its work was scored
     Role.TRAIN.value == "train"                   # what a cell does
     EngineId.parse("e3").index == 3; str(EngineId(3)) == "e3"
+    RoleRule(role="subagent", source="system", pattern="cc_is_subagent=true")
+
+A `RoleRule` is shared by the harness adapters (the rules shipped per harness) and the
+proxy (which labels each model call with the first matching rule's role).
 """
 
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
+from typing import Literal
+
+from gyre.errors import ConfigError
+
+ROLE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a call's role label; use fullmatch
+RULE_SOURCES = ("system", "first_user", "last_user", "headers")
 
 
 class Outcome(enum.Enum):
@@ -63,3 +74,26 @@ class EngineId:
         if not digits.isdigit():
             raise ValueError(f"engine id {text!r}: expected 'e' and a number, e.g. 'e0'")
         return cls(int(digits))
+
+
+@dataclass(kw_only=True, slots=True)
+class RoleRule:
+    """Label a model call `role` when the regex `pattern` is found in the chosen text."""
+
+    role: str
+    # role label given to matching calls ("compaction", "subagent", ...)
+    pattern: str
+    # Python regular expression, searched (not anchored)
+    source: Literal["system", "first_user", "last_user", "headers"] = "last_user"
+    # text searched: the system text, the first or last user message, or the request's
+    # headers as `name: value` lines (names lower-case, credentials left out)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, str) or not ROLE_RE.fullmatch(self.role):
+            raise ConfigError(f"role: {self.role!r}; allowed: 1-64 chars of A-Z a-z 0-9 _ . -")
+        if self.source not in RULE_SOURCES:
+            raise ConfigError(f"source: {self.source!r}; allowed: {', '.join(RULE_SOURCES)}")
+        try:
+            re.compile(self.pattern)
+        except (re.error, TypeError) as e:
+            raise ConfigError(f"pattern: {self.pattern!r} is not a valid regex ({e})") from None

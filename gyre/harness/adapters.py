@@ -8,6 +8,11 @@ config may add its own entries with the same keys.
 Placeholders filled per execution: `{python}` (this interpreter), `{instruction}`,
 `{instruction_file}`, `{feedback_file}`, `{workspace}`, `{model}`, `{execution_id}`, plus every key of the
 adapter's `params` (overridable per run). An unknown placeholder is a `ConfigError`.
+
+`role_rules` label the harness's own model calls for the proxy (`gyre.vocabulary.RoleRule`:
+role, source, pattern; first match wins): a black-box harness sends no `x-gyre-role`
+header, so its compaction and sub-agent calls are told apart by what the request says.
+The runtime gives the proxy a run's `proxy.role_rules` first, then the adapter's.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import yaml
 
 from gyre.config import load
 from gyre.errors import ConfigError
+from gyre.vocabulary import RoleRule
 
 ADAPTERS_FILE = Path(__file__).with_name("adapters.yaml")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +64,8 @@ class Adapter:
     install: str = ""
     # whether the harness applies the task's tool-latency knob (GYRE_TOOL_LATENCY)
     applies_tool_latency: bool = False
+    # labels of the harness's calls by request text (compaction, subagent); first match wins
+    role_rules: list[RoleRule] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.command:

@@ -2,38 +2,19 @@
 
 Loaded from the `proxy:` section of a run's YAML with `gyre.config.load(Config, data)`;
 every field is validated in `__post_init__` and a bad value names the field and what is
-allowed. Role rules label calls that carry no `x-gyre-role` header (first match wins).
+allowed. Role rules (`gyre.vocabulary.RoleRule`, shared with the harness adapters, which ship
+rules per harness) label calls that carry no `x-gyre-role` header (first match wins).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from gyre.errors import ConfigError
+from gyre.vocabulary import ROLE_RE, RoleRule
 
-ROLE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # use fullmatch
-
-
-@dataclass(kw_only=True, slots=True)
-class RoleRule:
-    """Label a call `role` when the regex `pattern` is found in the chosen text."""
-
-    role: str
-    # role label given to matching calls ("compaction", "subagent", ...)
-    pattern: str
-    # Python regular expression, searched (not anchored)
-    source: Literal["system", "first_user", "last_user"] = "last_user"
-    # which text of the request the pattern is searched in
-
-    def __post_init__(self) -> None:
-        if not ROLE_RE.fullmatch(self.role):
-            raise ConfigError(f"role: {self.role!r}; allowed: 1-64 chars of A-Z a-z 0-9 _ . -")
-        try:
-            re.compile(self.pattern)
-        except re.error as e:
-            raise ConfigError(f"pattern: {self.pattern!r} is not a valid regex ({e})") from None
+__all__ = ["ROLE_RE", "Config", "RoleRule"]
 
 
 @dataclass(kw_only=True, slots=True)

@@ -34,7 +34,7 @@ from gyre.proxy.errors import (
     shutting_down,
 )
 from gyre.proxy.jsonbody import decode_body
-from gyre.proxy.service import ProxyService
+from gyre.proxy.service import ProxyService, header_lines
 
 log = logging.getLogger(__name__)
 DISCARD_LIMIT = 1 << 30  # bodies beyond this are cut by the connection itself
@@ -163,6 +163,7 @@ class ApiHandler(JsonErrorHandler):
             req,
             role=headers.get("x-gyre-role"),
             provenance=headers.get("x-gyre-provenance"),
+            headers=header_lines(headers.get_all()),
             respond=lambda reply: self.respond(reply, req),
         )
 

@@ -23,13 +23,13 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
 
-from gyre.proxy.config import ROLE_RE, Config
+from gyre.proxy.config import ROLE_RE, Config, RoleRule
 from gyre.proxy.conversation import CallRequest, Conversation, Reply
 from gyre.proxy.errors import ApiError, invalid, shutting_down
 from gyre.proxy.jsonbody import check_depth
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 ID_PREFIX = {"openai": "call_", "anthropic": "toolu_", "responses": "call_"}
 REPLY_PREFIX = {"openai": "chatcmpl-", "anthropic": "msg_", "responses": "resp_"}
 EXECUTION_RE = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+CREDENTIAL_HEADERS = frozenset({"authorization", "x-api-key", "cookie"})  # never rule text
 
 
 class Abortable(Protocol):
@@ -174,6 +175,7 @@ class ProxyService:
         *,
         role: str | None = None,
         provenance: str | None = None,
+        headers: str = "",
         respond: Callable[[Reply], None] | None = None,
     ) -> tuple[Reply, Node]:
         """Run one model call for `ex` and record it; ApiError before any tree change.
@@ -182,6 +184,8 @@ class ProxyService:
         of the event loop: the harness gets its answer without waiting for the recording,
         and no request can be handled between answer and recording (the next request of
         this execution always finds the node). The node is recorded even if `respond` fails.
+        `role` is the x-gyre-role header; `headers` the request's headers as `name: value`
+        lines for role rules (`header_lines`).
         """
         if self.closing:
             raise shutting_down()
@@ -200,7 +204,7 @@ class ProxyService:
                 self._render_pool, render, found, conv, self.renderer
             )
         prep = ex.assemble(found, rendered)
-        label = self.role_for(role, conv, ex)
+        label = self.role_for(role, conv, ex, headers)
         sampling = self.sampling(
             req,
             len(prep.context_ids),
@@ -256,16 +260,15 @@ class ProxyService:
                 self.store.record_node(ex.execution_id, node)
         return reply, node
 
-    def role_for(self, header: str | None, conv: Conversation, ex: Execution) -> str:
+    def role_for(
+        self, header: str | None, conv: Conversation, ex: Execution, headers: str = ""
+    ) -> str:
         """x-gyre-role header, else the first matching role rule, else the execution's role."""
         if header:
             if not ROLE_RE.fullmatch(header):
                 raise invalid(f"x-gyre-role: {header!r}; allowed: 1-64 of A-Za-z0-9_.-")
             return header
-        for rule in self.config.role_rules:
-            if re.search(rule.pattern, _rule_text(conv, rule.source)):
-                return rule.role
-        return ex.role
+        return rule_role(self.config.role_rules, conv, headers) or ex.role
 
     def sampling(
         self, req: CallRequest, context_len: int, seed: int | None = None
@@ -346,7 +349,27 @@ def _new_chars(conv: Conversation, matched: int) -> int:
     return n
 
 
-def _rule_text(conv: Conversation, source: str) -> str:
+def rule_role(rules: Sequence[RoleRule], conv: Conversation, headers: str = "") -> str | None:
+    """The role of the first rule whose pattern is found in its source text, else None.
+
+    `headers`: the request's headers as `name: value` lines, names in lower case, without
+    credentials (`header_lines`)."""
+    for rule in rules:
+        if re.search(rule.pattern, _rule_text(conv, rule.source, headers)):
+            return rule.role
+    return None
+
+
+def header_lines(headers: Iterable[tuple[str, str]]) -> str:
+    """A request's headers as the text `headers` role rules search: `name: value` lines,
+    names in lower case, credentials (authorization, x-api-key, cookie) left out."""
+    lines = (f"{k.lower()}: {v}" for k, v in headers if k.lower() not in CREDENTIAL_HEADERS)
+    return "\n".join(lines)
+
+
+def _rule_text(conv: Conversation, source: str, headers: str) -> str:
+    if source == "headers":
+        return headers
     if source == "system":
         return conv.system or ""
     users = [m.content for m in conv.messages if m.role == "user"]

@@ -33,6 +33,7 @@ from gyre.errors import ConfigError
 from gyre.harness import ExecutionSpec, HarnessRunner, Terminated
 from gyre.harness.workspace import bwrap_works
 from gyre.proxy.app import ProxyApp
+from gyre.proxy.config import Config as ProxyConfig
 from gyre.runtime import messages as msg
 from gyre.runtime import wire
 from gyre.runtime.config import RunConfig
@@ -57,6 +58,16 @@ def load_tasks(cfg: RunConfig) -> tuple[TaskSuite, list[str]]:
             f"{', '.join(suite.names())}"
         )
     return suite, names
+
+
+def proxy_config(cfg: RunConfig) -> ProxyConfig:
+    """The run's proxy config as the proxy node serves it: role rules are the run's
+    `proxy.role_rules` (first, so an operator overrides) then the adapter's shipped ones;
+    the sampling seed follows `train.seed` when the run sets none (repeatable calls)."""
+    proxy = cfg.proxy
+    rules = [*proxy.role_rules, *cfg.harness.adapter_object().role_rules]
+    seed = cfg.train.seed if proxy.sampling_seed is None else proxy.sampling_seed
+    return dataclasses.replace(proxy, role_rules=rules, sampling_seed=seed)
 
 
 def check_harness(cfg: RunConfig) -> None:
@@ -123,11 +134,9 @@ class ExecutionHost:
 
         loop = asyncio.get_running_loop()
         tokenizer = await loop.run_in_executor(None, load_tokenizer, self.cfg.model)
-        proxy = self.cfg.proxy
-        if proxy.sampling_seed is None:  # a run's sampling follows its seed (repeatable calls)
-            proxy = dataclasses.replace(proxy, sampling_seed=self.cfg.train.seed)
         self.app = ProxyApp(
-            proxy, tokenizer=tokenizer, engines=engines, admin_token=secrets.token_hex(16),
+            proxy_config(self.cfg), tokenizer=tokenizer, engines=engines,
+            admin_token=secrets.token_hex(16),
         )  # fmt: skip
         if journal is not None:
             self.app.service.store = journal

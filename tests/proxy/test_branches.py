@@ -89,8 +89,10 @@ def test_compaction_branch_and_subagent_roots(proxy: Any, engine_url: str) -> No
 
 def test_role_rules_label_calls_without_header(engine_url: str, tokenizer: Any) -> None:
     rules = [
+        RoleRule(role="leak", pattern=r"(?i)bearer|authorization", source="headers"),
         RoleRule(role="compaction", pattern=r"(?i)summari[sz]e the conversation"),
         RoleRule(role="subagent", pattern=r"^You are a sub-agent", source="system"),
+        RoleRule(role="helper", pattern=r"(?m)^x-agent-kind: helper$", source="headers"),
     ]
     config = Config(model_names=[MODEL], role_rules=rules, default_role="main")
     with running_proxy({"e0": engine_url}, tokenizer=tokenizer, config=config) as p:
@@ -106,5 +108,8 @@ def test_role_rules_label_calls_without_header(engine_url: str, tokenizer: Any) 
         )
         ask(client, [{"role": "user", "content": "hello"}])
         ask(client, [{"role": "user", "content": "hello"}], role="custom")
+        helper = client.with_options(default_headers={"X-Agent-Kind": "helper"})
+        ask(helper, [{"role": "user", "content": "help"}])
         roles = [n.role for n in p.call(p.app.tree, "ruled").nodes]
-    assert roles == ["compaction", "subagent", "main", "custom"]
+    # header rules see `name: value` lines, names lower-cased, never the credentials
+    assert roles == ["compaction", "subagent", "main", "custom", "helper"]

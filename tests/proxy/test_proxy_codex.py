@@ -5,7 +5,9 @@ streams `POST /v1/responses` with ~40 KB of developer instructions and its tools
 scripted policy it completes a task — one `exec_command` call that writes a file, then a
 final answer — and its calls form one linear chain whose every path equals what the engine
 received; against the real tiny engine (random text, cut by max tokens) Codex gets an
-`incomplete` response, says so and exits 1, with its one call recorded.
+`incomplete` response, says so and exits 1, with its one call recorded. Driven to spawn a
+sub-agent with a low auto-compaction limit, its calls are labelled main / compaction /
+subagent by the codex adapter's shipped role rules, through the proxy as a run configures it.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from typing import Any
 import pytest
 from conftest import MODEL, assert_paths_match, assert_paths_match_engine
 
+from gyre.config import load
 from gyre.harness.codex import config_toml, find_codex
 from gyre.proxy.config import Config
 from gyre.proxy.testing import RunningProxy, ScriptedEngine, running_proxy
+from gyre.runtime.config import RunConfig
+from gyre.runtime.proxy_node import proxy_config
 
 CODEX = find_codex()
 pytestmark = pytest.mark.skipif(
@@ -32,11 +37,14 @@ WRITE = (
 )
 
 
-def _codex(p: RunningProxy, key: str, root: Path, task: str) -> subprocess.CompletedProcess[str]:
+def _codex(
+    p: RunningProxy, key: str, root: Path, task: str, settings: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """`codex exec` against the proxy; `settings`: top-level config.toml lines to add."""
     home, work = root / "home", root / "work"
     (home / ".codex").mkdir(parents=True)
     work.mkdir()
-    (home / ".codex" / "config.toml").write_text(config_toml(MODEL, p.url + "/v1"))
+    (home / ".codex" / "config.toml").write_text(settings + config_toml(MODEL, p.url + "/v1"))
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "OPENAI_API_KEY": key}
     argv = [str(CODEX), "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access"]
     return subprocess.run(
@@ -70,3 +78,27 @@ def test_codex_against_the_real_engine_records_its_call(
         run = _codex(p, key, tmp_path, "List the files.")
         assert run.returncode == 1 and "Incomplete response" in run.stdout + run.stderr
         assert assert_paths_match_engine(p, "codex-2", engine_url) >= 1
+
+
+def test_codex_subagent_and_compaction_are_labelled(tokenizer: Any, tmp_path: Path) -> None:
+    run_cfg = load(
+        RunConfig,
+        {"model_name": MODEL, "harness": {"adapter": "codex"},
+         "proxy": {"model_names": [MODEL], "max_context_tokens": 65536}},
+        path="run",
+    )  # fmt: skip
+    spawn = (
+        '<tool_call>\n{"name": "multi_agent_v1.spawn_agent", "arguments": '
+        '{"message": "Count the files here."}}\n</tool_call>'
+    )
+    # later calls (the sub-agent's and the main agent's may interleave) all get "Done."
+    engine = ScriptedEngine(tokenizer, [spawn])
+    with running_proxy({"e0": engine}, tokenizer=tokenizer, config=proxy_config(run_cfg)) as p:
+        key = p.call(p.app.register_execution, "codex-roles", "main")
+        limit = "model_auto_compact_token_limit = 3000\n"  # below its first request: compacts
+        run = _codex(p, key, tmp_path, "Count the files with a sub-agent.", limit)
+        assert run.returncode == 0, run.stderr[-2000:]
+        tree = p.call(p.app.tree, "codex-roles")
+        assert assert_paths_match(p, "codex-roles", engine.requests) == len(tree)
+    roles = [n.role for n in tree.nodes]
+    assert roles[0] == "main" and {"compaction", "subagent"} <= set(roles), roles

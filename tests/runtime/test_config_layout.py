@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 from processes import gone, scan, wait_for
 
 from gyre.errors import ConfigError
+from gyre.harness import get_adapter
 from gyre.runtime.config import TopologyConfig, load_run_config
 from gyre.runtime.layout import cell_members, cell_of_rank, cell_ranks, engine_ranks, layout
-from gyre.runtime.proxy_node import check_harness
+from gyre.runtime.proxy_node import check_harness, proxy_config
+from gyre.vocabulary import RoleRule
 
 from .conftest import ROOT, small_config, write_config
 
@@ -60,6 +62,20 @@ def test_unknown_key_names_the_path(tmp_path: Path) -> None:
     cfg = small_config(tmp_path)
     cfg["schedule"]["bogus"] = 1
     with pytest.raises(ConfigError, match=r"schedule.*bogus"):
+        load_run_config(write_config(tmp_path, cfg))
+
+
+def test_the_proxy_gets_the_runs_role_rules_then_the_adapters(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
+    cfg["harness"] = {"adapter": "claude_code"}
+    own = {"role": "planner", "source": "first_user", "pattern": "(?i)make a plan"}
+    cfg["proxy"]["role_rules"] = [own]
+    got = proxy_config(load_run_config(write_config(tmp_path, cfg)))
+    shipped = get_adapter("claude_code").role_rules
+    assert got.role_rules == [RoleRule(**own), *shipped] and len(shipped) == 2
+    cfg["proxy"]["role_rules"] = [{**own, "source": "body"}]
+    with pytest.raises(ConfigError, match=r"run.proxy.role_rules\[0\].source: 'body' is not "
+                       r"allowed; choose one of 'system', 'first_user', 'last_user', 'headers'"):  # fmt: skip
         load_run_config(write_config(tmp_path, cfg))
 
 
