@@ -435,10 +435,20 @@ class CellProcess:
     # ------------------------------------------------------------------ engine loss
 
     def respawn(self, m: msg.Respawn) -> None:
-        """Restart a lost engine with the latest policy; released again if the cell trains."""
+        """Restart a lost engine with the latest policy; released again if the cell trains.
+
+        A new engine process holds the base model, whatever version its predecessor served:
+        it is started as version 0 and brought to the newest weights this rank can reach —
+        its replica's (a cell's weights are those of the version it last published or
+        pulled) or the newest policy a publication saved. (Started at the old version, an
+        engine that had loaded version v came back with the base weights reporting v.)
+        """
         self.engine.stop()
+        self.engine.version = 0
         self.engine.spawn()
         url = self._start_engine()
+        if self.trainer is not None and self.version > 0:
+            self.engine.load_weights(self._named(), self.version)
         self._load_latest()
         if m.role is not Role.ROLLOUT:
             self.engine.release()

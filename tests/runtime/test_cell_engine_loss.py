@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from gyre.rollout.client import EngineClient, blocking
+from gyre.rollout.protocol import SamplingParams
 from gyre.runtime import messages as msg
 from gyre.runtime import policies
 from gyre.runtime.cell import CellProcess, build_replica
@@ -42,6 +43,13 @@ def _engine(tmp_path: Path, name: str) -> EngineHost:
     engine.spawn()
     engine.wait_ready(cfg.timeouts.startup_s)
     return engine
+
+
+def _greedy(url: str) -> tuple[str, list[int], list[float]]:
+    """(weight version, tokens, log-probs) of one greedy call: the weights an engine serves."""
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.0)
+    result = blocking(url, lambda client: client.generate([1, 2, 3, 4, 5], sampling, "probe"))
+    return result.weight_version, result.output_ids, result.output_logprobs
 
 
 def test_publish_to_a_killed_engine_is_reported_and_its_restart_serves_the_new_version(
@@ -81,6 +89,16 @@ def test_publish_to_a_killed_engine_is_reported_and_its_restart_serves_the_new_v
         # a reload of an engine that already has the version changes nothing and never fails
         victim.reload(msg.Reload())
         assert doomed.version == 1
+
+        # the same engine lost again, after it had loaded v1: its new process starts from the
+        # base model, and the restart must bring back v1's weights, not only v1's label
+        assert doomed.proc is not None
+        os.kill(doomed.proc.pid, signal.SIGKILL)
+        doomed.proc.wait()
+        victim._watch_engine()
+        victim.respawn(msg.Respawn(Role.ROLLOUT))
+        assert victim.sent[-1] == msg.EngineReady(2, doomed.url, 1)  # type: ignore[attr-defined]
+        assert _greedy(doomed.url) == _greedy(live.url)  # same weights: same tokens, log-probs
     finally:
         live.stop()
         doomed.stop()
