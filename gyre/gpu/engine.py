@@ -91,7 +91,7 @@ async def serve(config: Any, placement: Placement) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gyre.rollout import cli, server
+    from gyre.rollout import cli
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--device", default="cuda")
@@ -101,15 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gyre.gpu.engine")
     cli.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["engine", *rest])
-    config = server.Config(
-        host=args.host,
-        port=args.port,
-        engine=engine_mod.Config(
-            model=args.model, threads=args.threads, max_batch_size=args.max_batch_size,
-            weight_version=args.weight_version, prefix_cache_mb=args.prefix_cache_mb,
-        ),
-    )  # fmt: skip
-    asyncio.run(serve(config, placement))
+    asyncio.run(serve(cli.server_config(args), placement))
     return 0
 
 

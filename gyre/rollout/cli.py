@@ -12,8 +12,12 @@ import argparse
 import asyncio
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from gyre.errors import exit_status
+
+if TYPE_CHECKING:
+    from gyre.rollout import server
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,11 +42,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gyre.rollout import server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(server.serve(server_config(args)))
+    return 0
+
+
+def server_config(args: argparse.Namespace) -> server.Config:
+    """The engine server's config from `gyre engine`'s arguments, with the run's engine key
+    (`GYRE_ENGINE_KEY`): the CPU engine and the CUDA one (`gyre.gpu.engine`) both start
+    from it."""
     from gyre.rollout import engine, server
     from gyre.rollout.protocol import engine_key
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    config = server.Config(
+    return server.Config(
         host=args.host,
         port=args.port,
         api_key=engine_key(),
@@ -56,8 +70,6 @@ def run(args: argparse.Namespace) -> int:
             kv_host=args.kv_host or _reachable(args.host),
         ),
     )
-    asyncio.run(server.serve(config))
-    return 0
 
 
 def _reachable(host: str) -> str:

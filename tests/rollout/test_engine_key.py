@@ -57,3 +57,22 @@ def test_an_engine_with_a_key_serves_only_callers_that_hold_it(
         monkeypatch.setenv(ENGINE_KEY_ENV, KEY)  # what a run's ranks have
         assert len(run(EngineClient(url).generate(prompt, sampling, "r2")).output_ids) == 3
         assert blocking(url, EngineClient.weight_version) == "0"  # the cell's blocking calls
+
+
+def test_the_cuda_engine_takes_the_key_like_the_cpu_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m gyre.gpu.engine` (what a cell launches on a GPU) builds its server config
+    with the CPU engine's function, so it requires the run's key too (it used to serve
+    every caller). Its serve is replaced here: only the config it would serve is checked."""
+    from gyre.gpu import engine as cuda_engine
+
+    seen = []
+
+    async def serve(config, placement):  # type: ignore[no-untyped-def]
+        seen.append((config, placement))
+
+    monkeypatch.setenv(ENGINE_KEY_ENV, KEY)
+    monkeypatch.setattr(cuda_engine, "serve", serve)
+    assert cuda_engine.main(["--device", "cpu", "--model", "tiny", "--port", "0"]) == 0
+    ((config, placement),) = seen
+    assert config.api_key == KEY and config.port == 0 and config.engine.model == "tiny"
+    assert placement.device == "cpu"  # its own flag, not passed on to gyre engine's parser
