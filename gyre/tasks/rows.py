@@ -105,7 +105,7 @@ def _dataset_rows(path: Path, split: str) -> list[Row]:
         ) from None
     try:
         loaded = datasets.load_from_disk(str(path))
-    except (OSError, ValueError, FileNotFoundError) as e:
+    except (OSError, ValueError) as e:  # FileNotFoundError is an OSError
         raise ConfigError(f"{str(path)!r} is not a readable saved dataset: {e}") from None
     if isinstance(loaded, datasets.DatasetDict):
         splits = sorted(loaded)
