@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gyre.errors import exit_status
 
@@ -36,6 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-host", default=None,
         help="address peers reach this engine's Mooncake Transfer Engine at (default: --host)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pace", default=None, metavar="JSON",
+        help="paced engine: deliver each call at its modelled end (docs/pacing.md; a run's "
+        "cells pass their run's `pace:` here)",
     )  # fmt: skip
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=run)
@@ -68,8 +73,25 @@ def server_config(args: argparse.Namespace) -> server.Config:
             prefix_cache_mb=args.prefix_cache_mb,
             kv_transport=args.kv_transport,
             kv_host=args.kv_host or _reachable(args.host),
+            pace=_pace(args.pace),
         ),
     )
+
+
+def _pace(text: str | None) -> Any:
+    if text is None:
+        return None
+    import json
+
+    from gyre.config import load
+    from gyre.errors import ConfigError
+    from gyre.rollout.pacing import EnginePace
+
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--pace: not JSON ({e}); allowed: an object of EnginePace") from None
+    return load(EnginePace, data, path="--pace")
 
 
 def _reachable(host: str) -> str:

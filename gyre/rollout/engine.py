@@ -37,6 +37,7 @@ from gyre.errors import ConfigError, EngineError, ProtocolError
 from gyre.rollout import kvstore, weights
 from gyre.rollout.constrain import Constraint, GrammarCompiler
 from gyre.rollout.kv import KVBatch, cache_from, cache_kwarg, output_cache
+from gyre.rollout.pacing import EnginePace
 from gyre.rollout.prefix import PrefixCache
 from gyre.rollout.protocol import KV_TRANSPORTS, GenerateRequest, KVSegment
 from gyre.rollout.sampling import next_token
@@ -75,6 +76,8 @@ class Config:
     # (Mooncake when it is installed, else HTTP)
     kv_host: str = "127.0.0.1"
     # the address other engines reach this one's Mooncake Transfer Engine at
+    pace: EnginePace | None = None
+    # paced: each call is delivered at its modelled end (gyre.rollout.pacing); None: at once
 
     def __post_init__(self) -> None:
         if self.kv_transport not in KV_TRANSPORTS:
@@ -137,6 +140,7 @@ class Engine:
         self.kv_layout = kvstore.Layout.of_model(model)
         self._kv = kvstore.KVPort(config.kv_transport, config.kv_host)
         self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
+        self._paced = config.pace.build() if config.pace is not None else None
 
     @classmethod
     def load(cls, config: Config) -> Engine:
@@ -157,6 +161,8 @@ class Engine:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout=10)
+        if self._paced is not None:
+            self._paced.stop()
 
     # ----- requests --------------------------------------------------------------------
     def submit(self, req: GenerateRequest, deliver: Deliver) -> None:
@@ -181,6 +187,8 @@ class Engine:
             if self._stopping:
                 raise EngineUnavailable("engine is shutting down")
             self._record(req)
+            if self._paced is not None:  # on the modelled engine from now on
+                seq.deliver = self._paced.wrap(req.rid, seq.deliver)
             if req.sampling.max_new_tokens == 0:
                 seq.finish = {"type": "length", "length": 0}
                 seq.deliver(self._response(seq))
@@ -235,7 +243,8 @@ class Engine:
         self._retire()
         for seq in hits:
             seq.deliver(self._response(seq))
-        return len(hits) + len(rows)
+        held = self._paced.abort(rid, message) if self._paced is not None else 0
+        return len(hits) + len(rows) + held
 
     def pause(self, mode: str) -> None:
         """Hold the loop. mode "abort" also aborts everything; "retract" drops the running
@@ -427,6 +436,7 @@ class Engine:
                 },
                 "kv_migration": self._kv.stats(),
                 "weight_version": self._version,
+                "pace": self._paced.snapshot() if self._paced is not None else None,
             }
 
     # ----- the generation loop ------------------------------------------------------------

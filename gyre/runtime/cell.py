@@ -32,11 +32,13 @@ import torch
 
 from gyre.errors import EngineError, TrainingError
 from gyre.rollout.kvmigrate import execution_prefix, migrate_kv
+from gyre.rollout.pacing import Pacer
 from gyre.runtime import audit, checkpoint, policies, wire
 from gyre.runtime import messages as msg
 from gyre.runtime.config import RunConfig
 from gyre.runtime.engine_host import EngineHost, push_weights
 from gyre.runtime.layout import COORDINATOR_RANK
+from gyre.schedule.devices import PaceConfig
 from gyre.train.cell import CoreOptimizer, StepStats, TorchCell
 from gyre.train.comm import (
     Communicators,
@@ -82,6 +84,45 @@ def share(step: MicroStep, shard: int, ranks: int) -> MicroStep:
     left without rows (a step with fewer rows than ranks) does no pass for it.
     """
     return dataclasses.replace(step, rows=step.rows[shard::ranks])
+
+
+class Pace:
+    """A cell's device work held to the modelled cluster's time (`pace:`, docs/pacing.md).
+
+    Each message's work is timed from `begin` (the message's arrival): a role switch, a
+    training pass (the first of a batch on this cell also fills the pipeline), the update, a
+    publication. Unpaced (`pace.scale` 0), every call returns at once.
+    """
+
+    def __init__(self, cfg: PaceConfig, pacer: Pacer | None) -> None:
+        self.cfg, self.pacer = cfg, pacer
+        self.began = time.monotonic()
+        self.filled: set[int] = set()  # batches whose pipeline this cell has filled
+
+    @classmethod
+    def of(cls, cfg: RunConfig, report: Path) -> Pace:
+        if not cfg.pace.enabled:
+            return cls(cfg.pace, None)
+        report.parent.mkdir(parents=True, exist_ok=True)
+        return cls(cfg.pace, Pacer(cfg.pace.scale, report))
+
+    def begin(self) -> None:
+        self.began = time.monotonic()
+
+    def hold(self, modelled_s: float) -> None:
+        if self.pacer is not None:
+            self.pacer.hold(modelled_s, self.began)
+
+    def switch(self, *, to_train: bool) -> None:
+        self.hold(self.cfg.costs.switch_s(to_train))
+
+    def train_pass(self, batch: int, step: MicroStep, *, prepass: bool) -> None:
+        tokens = sum(row.length for row in step.rows)
+        seconds = self.cfg.costs.pass_s(tokens, self.cfg.nodes_per_cell, prepass=prepass)
+        if batch not in self.filled:
+            self.filled.add(batch)
+            seconds += self.cfg.costs.pipeline_fill_s
+        self.hold(seconds)
 
 
 class CellTrainer:
@@ -244,6 +285,7 @@ class CellProcess:
             else CellTrainer(cfg, replica, comms, transport, version=version, run_dir=run_dir)
         )  # fmt: skip
         self.link: wire.Link | None = None
+        self.pace = Pace.of(cfg, run_dir / "logs" / "pace" / f"cell{engine_index}.json")
         self._version = version  # > 0 after a resume
         self.lost_reported = False
         self.handlers: dict[type, Callable[[Any], None]] = {
@@ -282,6 +324,7 @@ class CellProcess:
             if isinstance(m, msg.Stop):
                 self.engine.stop()
                 return m.status
+            self.pace.begin()
             self.handlers[type(m)](m)
 
     def _start_engine(self, tries: int = 3) -> str:
@@ -347,6 +390,7 @@ class CellProcess:
             self.engine.release()
 
         self._engine_call(switch)
+        self.pace.switch(to_train=True)
         self._up(msg.Switched(self.index, Role.TRAIN, time.perf_counter() - t0, detail))
 
     def to_rollout(self, m: msg.ToRollout) -> None:
@@ -362,6 +406,7 @@ class CellProcess:
                 self._load_latest()
 
         self._engine_call(restore)
+        self.pace.switch(to_train=False)
         detail = {"engine_version": self.engine.version}  # the weights it serves from now on
         self._up(msg.Switched(self.index, Role.ROLLOUT, time.perf_counter() - t0, detail))
 
@@ -386,12 +431,14 @@ class CellProcess:
     def prepass(self, m: msg.Prepass) -> None:
         t0 = time.perf_counter()
         sums = self._trainer().prepass(m)
+        self.pace.train_pass(m.batch, m.step, prepass=True)
         assert sums is not None  # the leader holds the cell's sums
         self._up(msg.Prepassed(self.index, m.batch, m.step.index, sums, time.perf_counter() - t0))
 
     def accumulate(self, m: msg.Accumulate) -> None:
         t0 = time.perf_counter()
         stats = self._trainer().accumulate(m)
+        self.pace.train_pass(m.batch, m.step, prepass=False)
         assert stats is not None
         self._up(msg.Accumulated(self.index, m.batch, m.step.index, stats.objective,
                                  stats.targets, time.perf_counter() - t0))  # fmt: skip
@@ -399,6 +446,7 @@ class CellProcess:
     def reduce(self, m: msg.Reduce) -> None:
         t0 = time.perf_counter()
         norm = self._trainer().reduce(m)
+        self.pace.hold(self.cfg.pace.costs.update_s)
         self._up(msg.Updated(self.index, m.batch, norm, time.perf_counter() - t0))
 
     def publish(self, m: msg.Publish) -> None:
@@ -418,6 +466,7 @@ class CellProcess:
                 push_weights(url, named, m.version)
             except EngineError:  # refused / reset / timed out: the engine died or is dying
                 missed.append(engine)
+        self.pace.hold(self.cfg.pace.costs.publish_s)
         self._up(msg.Published(m.version, time.perf_counter() - t0, missed))
 
     def save_policy(self, m: msg.SavePolicy) -> None:

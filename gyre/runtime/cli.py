@@ -158,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
         return rc or 1
     print(f"gyre run: {summary['steps_done']} steps in {summary['wall_s']:.1f}s "
           f"({summary['policy']}); trace {run_dir / 'trace.h5'}")  # fmt: skip
+    if "pace" in summary:
+        from gyre.runtime.progress import paced_line
+
+        print("gyre run: " + paced_line(summary["pace"]))
     print(json.dumps(summary))
     return 0
 

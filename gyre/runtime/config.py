@@ -7,7 +7,7 @@ packing, device, transport), `engine` (embedded engine knobs), `proxy` (the prox
 config, `gyre.proxy.config.Config`), `timeouts` (every blocking wait is bounded) and `slurm`
 (kept as data here; `gyre.launch` validates it as its `SlurmConfig` when it renders or
 submits), `checkpoint` (how often a resumable checkpoint is taken) and `tracking`
-(experiment trackers). Loading is strict: an unknown key or a bad value is a `ConfigError` naming the key
+(experiment trackers), `pace` (paced devices: a modelled cluster's time on this machine). Loading is strict: an unknown key or a bad value is a `ConfigError` naming the key
 path and what is allowed.
 
     cfg = load_run_config("templates/local.yaml", ["train.lr=3e-4"], steps=2, policy="async")
@@ -29,6 +29,7 @@ from gyre.proxy.config import Config as ProxyConfig
 from gyre.runtime.layout import TopologyConfig
 from gyre.schedule.config import POLICIES, PolicyConfig
 from gyre.schedule.config import Config as SchedulerConfig
+from gyre.schedule.devices import PaceConfig
 from gyre.tasks.suite import ToolLatency
 from gyre.tracking import TrackingConfig
 from gyre.train.config import TrainConfig
@@ -282,6 +283,8 @@ class RunConfig:
     """Periodic checkpoints a crashed or preempted run resumes from."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Experiment trackers fed the per-step metrics: TensorBoard, W&B, MLflow (docs/tracking.md)."""
+    pace: PaceConfig = field(default_factory=PaceConfig)
+    """Paced devices: engines and cells take a modelled cluster's time (docs/pacing.md)."""
     slurm: dict[str, Any] = field(default_factory=dict)
     """Cluster launch: `gyre.launch.config.SlurmConfig`, validated by the launcher only."""
 
@@ -303,6 +306,11 @@ class RunConfig:
         from gyre.models import tiny_size
         from gyre.schedule.policy import make_policy
 
+        if self.pace.enabled and self.engine.backend != "embedded":
+            raise ConfigError(
+                f"pace.scale: {self.pace.scale} with engine.backend {self.engine.backend}; "
+                "allowed: pacing the embedded engine only (pace.scale 0 on GPUs)"
+            )
         tiny_size(self.model)  # a malformed tiny:HxL is refused here, before any process starts
         make_policy(*self.schedule.scheduler(self.topology))  # the scheduler validates both
 

@@ -479,9 +479,14 @@ class Coordinator:
         hosts = (
             [[self.hosts[r] for r in cell] for cell in self.cell_members] if self.hosts else None
         )
-        return self.progress.summary(
+        summary = self.progress.summary(
             self.run_dir, hosts, self.status, self.resume.state, self.updates
         )
+        urls = list(self.fleet.urls().values())
+        pace = self.progress.pace(self.run_dir, urls, summary["wall_s"])
+        if pace is not None:
+            summary["pace"] = pace
+        return summary
 
 
 ACTIONS: dict[type, Callable[[Coordinator, Any], None]] = {

@@ -15,10 +15,13 @@ the cell rank has no event loop): release (pause in mode "abort", then
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from gyre.errors import ConfigError
 from gyre.rollout.client import blocking
 from gyre.rollout.protocol import release_procedure, resume_procedure
 from gyre.rollout.sglang.config import ServerConfig
@@ -44,8 +47,10 @@ class EngineHost(EngineProcess):
         log_path: Path,
         version: int,
         labels: dict[str, str] | None = None,
+        pace: dict[str, Any] | None = None,
     ) -> None:
         self.model, self.engine_config = model, config
+        self.pace = pace  # paced (`PaceConfig.engine`): the embedded engine's --pace
         self.labels = labels or {}  # extra environment: lets operators and tests find it
         self.version = version
         self.released = False
@@ -53,6 +58,12 @@ class EngineHost(EngineProcess):
 
     def _server(self) -> ServerConfig:
         server = self.engine_config.server(self.model, self.version)
+        if self.pace is not None:
+            if server.launch != "embedded":
+                raise ConfigError("pace: only the embedded engine is paced (engine.backend)")
+            server = dataclasses.replace(
+                server, extra_args=[*server.extra_args, "--pace", json.dumps(self.pace)]
+            )
         env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(self.engine_config.threads),
                **self.labels}  # fmt: skip
         return dataclasses.replace(server, env=env)

@@ -198,9 +198,9 @@ def _start_engine(cfg: RunConfig, me: Component, run_dir: Path) -> Any:
     name = f"engine-cell{me.index}" if me.kind == "cell" else f"engine-standalone{me.index}"
     index = me.index if me.kind == "cell" else cfg.topology.cells + me.index
     labels = {"GYRE_RUN_DIR": str(run_dir.resolve()), "GYRE_ENGINE_INDEX": str(index)}
-    engine = EngineHost(
-        cfg.model, cfg.engine, run_dir / "logs" / f"{name}.log", version=0, labels=labels
-    )
+    pace = cfg.pace.engine(cfg.schedule.concurrency_per_cell) if cfg.pace.enabled else None
+    engine = EngineHost(cfg.model, cfg.engine, run_dir / "logs" / f"{name}.log", version=0,
+                        labels=labels, pace=pace)  # fmt: skip
     engine.spawn()
     return engine
 

@@ -114,3 +114,48 @@ class Progress:
             "policies": self.policies,
             "steps": self.step_rows,
         }
+
+    def pace(self, run_dir: Path, engine_urls: list[str], wall_s: float) -> dict[str, Any] | None:
+        """A paced run's `summary.json` `pace`: the scale, the run's modelled hours, and how
+        often real work overran its modelled time, per kind (engine calls: each engine's
+        `/gyre/stats`; cell work: the cells' `logs/pace/cell*.json`). None: not paced."""
+        pace = self.cfg.pace
+        if not pace.enabled:
+            return None
+        from gyre.errors import EngineError
+        from gyre.rollout.client import blocking
+        from gyre.rollout.pacing import merged
+
+        calls, lost = [], 0
+        for url in engine_urls:
+            try:
+                stats = blocking(url, lambda client: client.stats(), timeout=10)
+            except EngineError:
+                lost += 1  # a dead engine's counts died with it
+                continue
+            if stats.get("pace"):
+                calls.append(stats["pace"])
+        cells = [
+            json.loads(f.read_text())
+            for f in sorted((run_dir / "logs" / "pace").glob("cell*.json"))
+        ]
+        return {
+            "scale": pace.scale,
+            "paced_h": wall_s * pace.scale / 3600,
+            "calls": merged(calls),
+            "cell_work": merged(cells),
+            "engines_unread": lost,
+        }
+
+
+def paced_line(pace: dict[str, Any]) -> str:
+    """What a paced run's numbers are: modelled device time, and where this machine could
+    not keep to it (docs/pacing.md)."""
+    calls, cells = pace["calls"], pace["cell_work"]
+    return (
+        f"PACED x{pace['scale']:g}: {pace['paced_h']:.2f} modelled hours (devices took a "
+        f"modelled cluster's time, not this machine's); overran the model: "
+        f"{calls['overruns']:.0f}/{calls['work']:.0f} calls ({calls['overrun_share']:.1%} of "
+        f"their time), {cells['overruns']:.0f}/{cells['work']:.0f} cell work "
+        f"({cells['overrun_share']:.1%})"
+    )

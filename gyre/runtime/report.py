@@ -233,9 +233,14 @@ def _html(run_dir: Path, summary: dict[str, Any], evals: list[dict[str, Any]],
         )
     )
     name = html.escape(run_dir.name)
+    paced = ""
+    if isinstance(summary.get("pace"), dict):
+        from gyre.runtime.progress import paced_line
+
+        paced = f"<p class='paced'><b>{html.escape(paced_line(summary['pace']))}</b></p>"
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>Gyre run {name}</title>"
-        f"<style>{STYLE}</style></head><body><h1>Gyre run {name}</h1>"
+        f"<style>{STYLE}</style></head><body><h1>Gyre run {name}</h1>{paced}"
         f"<h2>Held-out evaluations</h2>{_evals_table(evals)}"
         f"<h2>Summary</h2><table class='summary'>{rows}</table>{imgs}</body></html>"
     )

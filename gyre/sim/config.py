@@ -18,6 +18,7 @@ from typing import Any
 from gyre.config import load, read_mapping
 from gyre.errors import ConfigError
 from gyre.schedule.config import POLICIES, Config, PolicyConfig
+from gyre.schedule.devices import CostConfig
 from gyre.schedule.plan import plan_for
 from gyre.sim.workload import WorkloadConfig
 
@@ -42,42 +43,6 @@ class PolicySpec:
     """Override: standalone rollout nodes."""
     concurrency_per_cell: int | None = None
     """Override: concurrency of one cell-sized engine (scale it with the cell size)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class CostConfig:
-    """Durations of everything that is not a rollout execution."""
-
-    switch_to_train_s: float = 8.52
-    """Rollout -> training switch of one cell (paper §6.2)."""
-    switch_to_rollout_s: float = 3.46
-    """Training -> rollout switch of one cell (paper §6.2)."""
-    publish_s: float = 60.0
-    """Weight publication from the core to every rollout engine."""
-    update_s: float = 30.0
-    """Gradient reduction, clipping and the optimizer update (+ broadcast to satellites)."""
-    pipeline_fill_s: float = 20.0
-    """One pipeline startup + final drain per cell per batch."""
-    train_tokens_per_node_s: float = 3_000.0
-    """Gradient-pass (forward + backward) throughput of one node, tokens per second."""
-    prepass_ratio: float = 1 / 3
-    """A prepass (no-grad forward) costs this share of a gradient pass over the same tokens."""
-    microstep_tokens: float = 0.0
-    """Tokens packed into one micro-step; 0: one micro-step per execution."""
-    reroute_penalty_s: float = 30.0
-    """Extra generation time of a rerouted execution (prefix recomputation)."""
-    startup_s: float = 0.0
-    """Job start-up before the first dispatch, added to the total (replays fit it)."""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not value >= 0:
-                raise ConfigError(f"{f.name}: {value}; allowed >= 0")
-        if not self.train_tokens_per_node_s > 0:
-            raise ConfigError(
-                f"train_tokens_per_node_s: {self.train_tokens_per_node_s}; allowed > 0"
-            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -25,11 +25,11 @@ from typing import Any
 
 from gyre.errors import SchedulerError
 from gyre.schedule import events as ev
+from gyre.schedule.devices import EngineModel, EnginePool
 from gyre.schedule.machine import Scheduler
 from gyre.schedule.plan import expected_staleness
 from gyre.schedule.policy import make_policy
 from gyre.sim.config import SimConfig
-from gyre.sim.engines import EngineModel, EnginePool
 from gyre.sim.report import SimResult
 from gyre.sim.workload import HOUR, EmpiricalWorkload, GroupSample, Workload
 from gyre.vocabulary import Outcome, Role
@@ -60,7 +60,7 @@ class Simulator:
         self.scheduler = Scheduler(self.sched_config, self.policy)
         self.steps = steps if steps is not None else config.steps
         self.seed = seed if seed is not None else config.seed
-        sc, wl, costs = self.sched_config, config.workload, config.costs
+        sc, wl = self.sched_config, config.workload
         self.workload: Workload | EmpiricalWorkload = (
             EmpiricalWorkload(groups, self.seed)
             if groups is not None
@@ -72,7 +72,7 @@ class Simulator:
         self.pool = EnginePool(engines, model)
         self.armed_at = [INF] * engines  # time of each engine's armed completion timer
         self.armed_id = [0] * engines
-        self.cell_tokens_s = sc.nodes_per_cell * costs.train_tokens_per_node_s
+        self.nodes_per_cell = sc.nodes_per_cell
         self.timeout_s = wl.harness_timeout_h * HOUR
         self.now = 0.0
         self.queue: list[tuple[float, int, int, int, int]] = []
@@ -254,8 +254,7 @@ class Simulator:
         self._at(self._switch_s(to_train), SWITCH, a.cell, to_train)
 
     def _switch_s(self, to_train: int) -> float:
-        costs = self.config.costs
-        return costs.switch_to_train_s if to_train else costs.switch_to_rollout_s
+        return self.config.costs.switch_s(bool(to_train))
 
     def _admit(self, a: ev.AdmitGroup) -> None:
         self.staleness.append(a.staleness)
@@ -291,10 +290,10 @@ class Simulator:
         if a.work is ev.Work.PREPASS:
             tokens = self.batch_tokens[a.batch].popleft()
             self.prepassing[a.cell] = tokens
-            duration = tokens * self.config.costs.prepass_ratio / self.cell_tokens_s
+            duration = self.config.costs.pass_s(tokens, self.nodes_per_cell, prepass=True)
         else:
             tokens = self.batch_gradients[a.batch].popleft()
-            duration = tokens / self.cell_tokens_s
+            duration = self.config.costs.pass_s(tokens, self.nodes_per_cell, prepass=False)
         if (a.cell, a.batch) not in self.filled:
             self.filled.add((a.cell, a.batch))
             duration += self.config.costs.pipeline_fill_s

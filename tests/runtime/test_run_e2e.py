@@ -284,10 +284,15 @@ def test_colocate_cells_serve_the_publication_they_were_released_for(tmp_path: P
     sampled call's seed derives from the run seed, the execution and the call — so a second
     run of the same config gives the same per-step and per-execution rewards. Gradient
     sums agree to rounding, not bit for bit: which cell claims which micro-step follows
-    timing, and so does the order in which float gradients are added."""
+    timing, and so does the order in which float gradients are added.
+
+    The second run is paced (docs/pacing.md): pacing changes when things happen, never what
+    is computed, so it learns exactly what the first did — and says it was paced."""
     cfg = small_config(tmp_path, steps=3)
     cfg["schedule"].update(policy="colocate", phi=0.0, mu=1)
-    runs = [_colocate_run(tmp_path, cfg, name) for name in ("run-a", "run-b")]
+    paced = json.loads(json.dumps(cfg))
+    paced["pace"] = {"scale": 20, "calls": {"decode_s_per_token": 0.5}}
+    runs = [_colocate_run(tmp_path, cfg, "run-a"), _colocate_run(tmp_path, paced, "run-b")]
     for run_dir in runs:
         with TraceReader(run_dir / "trace.h5") as r:
             events = [(e["kind"], json.loads(e["detail"])) for e in r.rows("events")]
@@ -306,3 +311,11 @@ def test_colocate_cells_serve_the_publication_they_were_released_for(tmp_path: P
     assert a["grad_norm"].keys() == b["grad_norm"].keys()
     for step, norm in a["grad_norm"].items():
         assert norm == pytest.approx(b["grad_norm"][step], rel=1e-4, abs=1e-6), step
+
+    unpaced, summary = (json.loads((d / "summary.json").read_text()) for d in runs)
+    assert "pace" not in unpaced
+    pace = summary["pace"]
+    assert pace["calls"]["work"] >= 3 * 8 and pace["calls"]["modelled_s"] > 0  # model calls
+    assert pace["cell_work"]["work"] > 0  # switches, passes, updates, publications
+    assert pace["paced_h"] == pytest.approx(summary["wall_s"] * 20 / 3600)
+    assert summary["wall_s"] > unpaced["wall_s"]
