@@ -20,8 +20,15 @@ from processes import gone, scan, wait_for
 
 from gyre.errors import ConfigError
 from gyre.harness import get_adapter
-from gyre.runtime.config import POLICY_KEYS, ScheduleConfig, TopologyConfig, load_run_config
+from gyre.runtime.config import (
+    POLICY_KEYS,
+    ScheduleConfig,
+    TopologyConfig,
+    dump_run_config,
+    load_run_config,
+)
 from gyre.runtime.layout import cell_members, cell_of_rank, cell_ranks, engine_ranks, layout
+from gyre.runtime.main import keep_config
 from gyre.runtime.proxy_node import check_harness, proxy_config
 from gyre.schedule.config import Config as SchedulerConfig
 from gyre.vocabulary import RoleRule
@@ -86,6 +93,17 @@ def test_the_proxy_gets_the_runs_role_rules_then_the_adapters(tmp_path: Path) ->
 def test_bad_policy_lists_the_allowed_ones(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"elastic.*async.*colocate"):
         load_run_config(write_config(tmp_path, small_config(tmp_path)), policy="fifo")
+
+
+def test_rank_0_keeps_the_config_gyre_run_wrote(tmp_path: Path) -> None:
+    cfg = load_run_config(write_config(tmp_path, small_config(tmp_path)))
+    path = tmp_path / "config.yaml"  # as `gyre run` writes it: the merged file every rank reads
+    path.write_text(dump_run_config(cfg))
+    written = path.stat().st_ino
+    keep_config(path, dump_run_config(load_run_config(path)))
+    assert path.stat().st_ino == written  # read back, it dumps to the same text: kept
+    keep_config(path, dump_run_config(load_run_config(path, steps=5)))  # sbatch's --steps
+    assert path.stat().st_ino != written and load_run_config(path).steps == 5
 
 
 def test_the_schedule_section_is_the_schedulers_fields(tmp_path: Path) -> None:
