@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"gyre run: warning: {warning}", file=sys.stderr)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    merged = run_dir / "config.yaml"  # what every rank reads: the file plus the overrides
+    # what every rank reads, the file plus the overrides; rank 0 keeps it as the run's own
+    merged = run_dir / "config.yaml"
     merged.write_text(dump_run_config(cfg))
     cmd = [find_mpiexec(), "-n", str(cfg.topology.world_size), sys.executable, "-m",
            "gyre.runtime.main", str(merged), "--run-dir", str(run_dir)]  # fmt: skip

@@ -40,7 +40,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "templates" / "local.yaml
 
 @dataclass(kw_only=True, slots=True)
 class ScheduleConfig:
-    """Batch shape, dispatch and the placement policy (see docs/scheduler.md)."""
+    """Batch shape, dispatch and the placement policy (see docs/scheduler.md): the pure
+    scheduler's fields of the same names (`gyre.schedule.config.Config`), with one machine's
+    defaults, and the policy's (`POLICY_KEYS`)."""
 
     policy: Literal["elastic", "async", "colocate"] = "elastic"
     """Placement policy: elastic | async | colocate."""
@@ -70,24 +72,24 @@ class ScheduleConfig:
             raise ConfigError(f"policy: {self.policy!r}; allowed: {', '.join(POLICIES)}")
 
     def scheduler(self, topology: TopologyConfig) -> tuple[SchedulerConfig, PolicyConfig]:
-        """The pure scheduler's config and policy for this topology (validated there)."""
+        """The pure scheduler's config and policy for this topology (validated there).
+
+        Every field but the policy's own is the scheduler's field of the same name; the cells
+        come from `topology` (one node each) and the cost priors keep the scheduler's defaults.
+        """
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name not in POLICY_KEYS}  # fmt: skip
         sc = SchedulerConfig(
-            nodes=topology.cells,
-            cells=topology.cells,
-            train_layout_nodes=1,
-            concurrency_per_cell=self.concurrency_per_cell,
-            standalone_nodes=topology.standalone_engines,
-            group_size=self.group_size,
-            batch_groups=self.batch_groups,
-            phi=self.phi,
-            mu=self.mu,
-            supply_fraction=self.supply_fraction,
-            join_min_microsteps=self.join_min_microsteps,
-            join_payback=self.join_payback,
-        )
+            nodes=topology.cells, cells=topology.cells, train_layout_nodes=1,
+            standalone_nodes=topology.standalone_engines, **shared,
+        )  # fmt: skip
         streaming = self.streaming if self.streaming is not None else self.policy == "elastic"
         pc = PolicyConfig(name=self.policy, streaming=streaming, train_cells=self.train_cells)
         return sc, pc
+
+
+POLICY_KEYS = ("policy", "streaming", "train_cells")
+"""The `schedule` keys the `PolicyConfig` takes; the others are `SchedulerConfig` fields."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -312,7 +314,10 @@ class RunConfig:
                 "allowed: pacing the embedded engine only (pace.scale 0 on GPUs)"
             )
         tiny_size(self.model)  # a malformed tiny:HxL is refused here, before any process starts
-        make_policy(*self.schedule.scheduler(self.topology))  # the scheduler validates both
+        try:  # the scheduler validates both; its messages start with the field name
+            make_policy(*self.schedule.scheduler(self.topology))
+        except ConfigError as e:
+            raise ConfigError(f"schedule.{e}") from None
 
     def warnings(self) -> list[str]:
         """What loads but deserves the operator's attention (`gyre run` and `gyre render`

@@ -68,9 +68,7 @@ class Coordinator:
         sc, pc = cfg.schedule.scheduler(cfg.topology)
         self.sched = Scheduler(sc, make_policy(sc, pc))
         self.n, self.k = sc.group_size, sc.cells
-        from gyre.runtime.proxy_node import load_tasks
-
-        _, self.task_names = load_tasks(cfg)
+        self.task_names: list[str] = []  # groups' tasks, round robin: the proxy node's suite
         self.resume = resume.Resume(run_dir)
         self.rec = RunRecorder(run_dir / "trace.h5", meta, self.k)
         self.tracker = open_tracker(cfg.tracking, run_dir, run_config=to_dict(cfg))
@@ -157,7 +155,7 @@ class Coordinator:
             m = self.next_message(self.cfg.timeouts.startup_s)
             if isinstance(m, msg.ProxyReady):
                 needed.discard("proxy")
-                self.proxy_url = m.url
+                self.proxy_url, self.task_names = m.url, list(m.tasks)
             elif isinstance(m, msg.EngineReady):
                 needed.discard(f"engine{m.engine}")
                 self.fleet.ready(m.engine, m.url)

@@ -132,7 +132,7 @@ async def _run_all(
         task = host.suite[task_name].instantiate(heldout_seed(k))
         eid = f"eval-{task_name}-{k}"
         async with gate:
-            _, _, verdict = await host.execute(eid, task, "e0")
+            _, verdict = await host.execute(eid, task, "e0")
         reward = verdict.reward if verdict.usable else None
         finished[0] += 1
         shown = "excluded" if reward is None else f"reward {reward:.3f}"
@@ -162,11 +162,10 @@ def run_eval(
         todo = [Target(target, str(path.resolve()) if path.is_dir() else target, None)]
     from gyre.runtime.proxy_node import check_harness
 
-    check_harness(cfg)
+    known = check_harness(cfg)
     for t in todo:
         check_model(t.model)
         cfg.engine.check_machine(t.model)
-    known = _suite_names(cfg)
     names = tasks or cfg.harness.tasks or list(known)
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -201,12 +200,6 @@ def _track(cfg: RunConfig, run_dir: Path, results: list[EvalResult]) -> None:
                 d = r.to_dict()
                 tracker.log_eval(r.version, {"reward_mean": d["mean"], "reward_std": d["std"],
                                              "scored": d["n"], "excluded": d["excluded"]})  # fmt: skip
-
-
-def _suite_names(cfg: RunConfig) -> list[str]:
-    from gyre.runtime.proxy_node import load_tasks
-
-    return load_tasks(cfg)[1]
 
 
 def _merge(path: Path, results: list[EvalResult], tasks: list[str], instances: int) -> None:

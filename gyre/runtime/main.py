@@ -15,6 +15,7 @@ job never hangs on a dead peer. Exit status 0 after `steps` updates.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -72,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_engine_key(world.bcast(secrets.token_hex(16) if rank == 0 else None, root=0))
         if rank == 0:
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            # atomically: on --resume the other ranks may be reading this very file
-            tmp = run_dir / "config.yaml.tmp"
-            tmp.write_text(dump_run_config(cfg))
-            os.replace(tmp, run_dir / "config.yaml")
+            keep_config(run_dir / "config.yaml", dump_run_config(cfg))
         _install_signals(rank)
         arrive(world)
         status = run_component(cfg, world, components, component, run_dir)
@@ -90,6 +88,22 @@ def main(argv: list[str] | None = None) -> int:
         wire.abort_world(rank, component.kind if component else "startup", e)
         return 1
     return status
+
+
+def keep_config(path: Path, text: str) -> None:
+    """Rank 0: the run directory's config.yaml holds `text`, the config every rank runs
+    (the trace's run meta copies this file).
+
+    Under `gyre run` it is the file every rank read, already merged and written: kept as it
+    is. A job started from another file (sbatch, submitit, a requeue) or with `--steps` /
+    `--policy` gets it written, atomically: other ranks may be reading the file it replaces.
+    """
+    with contextlib.suppress(OSError):
+        if path.read_text() == text:
+            return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _install_signals(rank: int) -> None:
@@ -211,8 +225,8 @@ def _run_coordinator(
     from gyre import provenance
     from gyre.runtime.coordinator import Coordinator
 
-    meta = {"config": dump_run_config(cfg), "world_size": len(components), "hosts": hosts,
-            "model": cfg.model, **provenance()}  # fmt: skip
+    meta = {"config": (run_dir / "config.yaml").read_text(), "world_size": len(components),
+            "hosts": hosts, "model": cfg.model, **provenance()}  # fmt: skip
     coordinator = Coordinator(cfg, link, run_dir, engine_ranks(components), meta,
                               cell_members=cell_members(components))  # fmt: skip
     try:

@@ -63,10 +63,11 @@ class Message:
 
 @dataclass(frozen=True)
 class ProxyReady(Message):
-    """The proxy serves harnesses at `url`."""
+    """The proxy serves harnesses at `url`; groups are drawn from `tasks` of its suite."""
 
     up, route = True, (PROXY, COORDINATOR)
     url: str
+    tasks: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -70,8 +70,9 @@ def proxy_config(cfg: RunConfig) -> ProxyConfig:
     return dataclasses.replace(proxy, role_rules=rules, sampling_seed=seed)
 
 
-def check_harness(cfg: RunConfig) -> None:
-    """Fail fast (before any process starts) when the adapter or its program is missing."""
+def check_harness(cfg: RunConfig) -> list[str]:
+    """Fail fast (before any process starts) when the adapter or its program is missing, or a
+    task is not in the suite; returns the task names groups are drawn from."""
     adapter = cfg.harness.adapter_object()
     path = os.environ.get("PATH", os.defpath)
     if adapter.resolve_program(path) is None:
@@ -90,7 +91,7 @@ def check_harness(cfg: RunConfig) -> None:
             "harness.sandbox=none to run harnesses unconfined (they can then read and rewrite "
             "their task's checker: docs/harness.md)"
         )
-    load_tasks(cfg)
+    return load_tasks(cfg)[1]
 
 
 class ExecutionHost:
@@ -104,7 +105,7 @@ class ExecutionHost:
         """`run_dir` holds the executions' workspaces; it and `hide` are invisible to a
         sandboxed harness."""
         self.cfg, self.run_dir = cfg, run_dir
-        self.suite, _ = load_tasks(cfg)
+        self.suite, self.task_names = load_tasks(cfg)  # the run's one load of its suite
         self.adapter = cfg.harness.adapter_object()
         h = cfg.harness
         self.runner = HarnessRunner(
@@ -151,10 +152,12 @@ class ExecutionHost:
     async def execute(
         self, eid: str, task: Task, engine_id: str,
         ended: Callable[[Terminated], None] | None = None,
-    ) -> tuple[Terminated, Any, msg.VerdictRecord]:  # fmt: skip
-        """One execution: key, route, harness, close, score -> (ended, tree, verdict).
+    ) -> tuple[Terminated, msg.VerdictRecord]:  # fmt: skip
+        """One execution: key, route, harness, close, score -> (ended, verdict).
 
         `ended` is called as soon as the harness ends, before the tree is closed and scored.
+        The closed tree stays in the proxy: a run's proxy node sent each of its nodes to the
+        coordinator as it was recorded (`_Journal`), and the coordinator writes the trace.
         """
         app = self.proxy
         key = app.register_execution(eid, role="main", meta={"task": task.instance_id})
@@ -166,9 +169,8 @@ class ExecutionHost:
         term = await self.runner.run(spec)
         if ended is not None:
             ended(term)
-        tree = app.close_execution(eid, term.outcome.value)
-        app.service.router.forget(eid)
-        return term, tree, await self._assess(term, task)
+        app.close_execution(eid, term.outcome.value)  # the router forgets it too
+        return term, await self._assess(term, task)
 
     async def _assess(self, term: Terminated, task: Task) -> msg.VerdictRecord:
         t0 = time.time()
@@ -214,7 +216,7 @@ class ProxyNode:
         gc.freeze()  # start-up objects (tokenizer, modules) leave the collector's scans
         inbox: asyncio.Queue[Any] = asyncio.Queue()  # messages, or the link's failure
         threading.Thread(target=self._receive, args=(loop, inbox), daemon=True).start()
-        self._up(msg.ProxyReady(url))
+        self._up(msg.ProxyReady(url, tuple(self.host.task_names)))
         handlers: dict[type, Any] = {
             msg.SetEngines: self.set_engines, msg.Drain: self.drain, msg.Undrain: self.undrain,
             msg.StartExecution: self.start_execution, msg.Cancel: self.cancel,
@@ -292,7 +294,7 @@ class ProxyNode:
             self._up(msg.HarnessEnded(m.execution, term.outcome, term.t_launch, term.t,
                                       term.reason))  # fmt: skip
 
-        term, _, verdict = await self.host.execute(m.execution_id, task, m.engine, ended)
+        term, verdict = await self.host.execute(m.execution_id, task, m.engine, ended)
         self._up(msg.Assessed(m.execution, verdict, _errors(term)))
 
 

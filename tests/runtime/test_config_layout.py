@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -17,9 +20,17 @@ from processes import gone, scan, wait_for
 
 from gyre.errors import ConfigError
 from gyre.harness import get_adapter
-from gyre.runtime.config import TopologyConfig, load_run_config
+from gyre.runtime.config import (
+    POLICY_KEYS,
+    ScheduleConfig,
+    TopologyConfig,
+    dump_run_config,
+    load_run_config,
+)
 from gyre.runtime.layout import cell_members, cell_of_rank, cell_ranks, engine_ranks, layout
+from gyre.runtime.main import keep_config
 from gyre.runtime.proxy_node import check_harness, proxy_config
+from gyre.schedule.config import Config as SchedulerConfig
 from gyre.vocabulary import RoleRule
 
 from .conftest import ROOT, small_config, write_config
@@ -82,6 +93,32 @@ def test_the_proxy_gets_the_runs_role_rules_then_the_adapters(tmp_path: Path) ->
 def test_bad_policy_lists_the_allowed_ones(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"elastic.*async.*colocate"):
         load_run_config(write_config(tmp_path, small_config(tmp_path)), policy="fifo")
+
+
+def test_rank_0_keeps_the_config_gyre_run_wrote(tmp_path: Path) -> None:
+    cfg = load_run_config(write_config(tmp_path, small_config(tmp_path)))
+    path = tmp_path / "config.yaml"  # as `gyre run` writes it: the merged file every rank reads
+    path.write_text(dump_run_config(cfg))
+    written = path.stat().st_ino
+    keep_config(path, dump_run_config(load_run_config(path)))
+    assert path.stat().st_ino == written  # read back, it dumps to the same text: kept
+    keep_config(path, dump_run_config(load_run_config(path, steps=5)))  # sbatch's --steps
+    assert path.stat().st_ino != written and load_run_config(path).steps == 5
+
+
+def test_the_schedule_section_is_the_schedulers_fields(tmp_path: Path) -> None:
+    own = {k: t for k, t in _field_types(ScheduleConfig).items() if k not in POLICY_KEYS}
+    assert own.items() <= _field_types(SchedulerConfig).items()  # same names, same types
+    got = load_run_config(write_config(tmp_path, small_config(tmp_path)), ["schedule.mu=4"])
+    sc, _ = got.schedule.scheduler(got.topology)
+    assert (sc.mu, sc.group_size, sc.cells) == (4, got.schedule.group_size, got.topology.cells)
+    with pytest.raises(ConfigError, match=r"run\.schedule\.phi: -1\.0 is negative"):
+        load_run_config(write_config(tmp_path, small_config(tmp_path)), ["schedule.phi=-1"])
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def test_impossible_topologies(tmp_path: Path) -> None:

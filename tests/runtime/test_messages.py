@@ -56,6 +56,9 @@ COVERED: set[type[msg.Message]] = set()
 F = TypeVar("F", bound=Callable[..., None])
 
 
+TASKS = ("add", "notes")  # the proxy node's, as its ProxyReady names them
+
+
 def delivers(*kinds: type[msg.Message]) -> Callable[[F], F]:
     """Marks a test as the effect test of these message types (see the last test)."""
     COVERED.update(kinds)
@@ -139,7 +142,7 @@ class CoordinatorWorld:
         self.c = Coordinator(cfg, link, run_dir, self.ranks, {"name": "messages"})
         self.backlog: list[tuple[int, msg.Message]] = []
         self.urls = [f"http://engine{i}" for i in range(len(self.ranks))]
-        self.peers[PROXY_RANK].send(msg.ProxyReady("http://proxy"), COORDINATOR_RANK)
+        self.peers[PROXY_RANK].send(msg.ProxyReady("http://proxy", TASKS), COORDINATOR_RANK)
         for i, r in enumerate(self.ranks):
             self.peers[r].send(msg.EngineReady(i, self.urls[i], 0), COORDINATOR_RANK)
         self.c.startup()
@@ -215,6 +218,7 @@ def world(tmp_path: Path) -> CoordinatorWorld:
 @delivers(msg.ProxyReady, msg.EngineReady)
 def test_startup_reports_give_the_proxy_every_engine(world: CoordinatorWorld) -> None:
     assert world.c.proxy_url == "http://proxy"
+    assert {g.task for g in world.c.ledger.groups} == set(TASKS)  # groups draw the proxy's tasks
     urls = {f"e{i}": u for i, u in enumerate(world.urls)}
     assert world.take(msg.SetEngines, PROXY_RANK) == [msg.SetEngines(urls)]
     started = world.take(msg.StartExecution, PROXY_RANK)  # the first groups launched
@@ -579,7 +583,8 @@ class ProxyNodeRig:
         self.status: list[int] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
-        _expect(self.coordinator, msg.ProxyReady)
+        ready = _expect(self.coordinator, msg.ProxyReady)
+        assert ready.tasks == ("notes",)  # the suite's tasks of harness.tasks (local.yaml)
 
     def _serve(self) -> None:
         self.status.append(asyncio.run(self.node.serve()))
