@@ -68,7 +68,7 @@ def one_run(base: dict[str, Any], policy: str, seed: int, args: argparse.Namespa
         paced_h=pace["paced_h"],
         sim_h=replay_h(run_dir, scale),
         overruns={"calls": pace["calls"], "cell_work": pace["cell_work"]},
-        joined_steps=sum(1 for st in summary["steps"] if st.get("train_cells", 1) > 1),
+        joined_steps=summary.get("satellite_steps"),  # Elastic only: the others fix cells
         train_cells=[st.get("train_cells", 1) for st in summary["steps"]],
     )
     if args.eval_every:

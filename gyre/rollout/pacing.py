@@ -208,8 +208,8 @@ class PacedCalls:
                         del self._start[key]
                         self.stats.add(held.nominal / self.scale, 0.0)
                         break
-                    finite = nxt is not None and not math.isinf(nxt[0])
-                    self._cond.wait((nxt[0] - now) / self.scale if finite else None)
+                    due = None if nxt is None or math.isinf(nxt[0]) else nxt[0]
+                    self._cond.wait(None if due is None else (due - now) / self.scale)
             self._deliver(held)
 
     @staticmethod

@@ -110,6 +110,11 @@ class Progress:
             "executions": len(self.ledger.executions),
             "switch_s_mean": sum(self.switch_seconds) / max(1, len(self.switch_seconds)),
             "wasted_switches": self.sched.wasted_switches,
+            # Elastic: steps whose batch satellites joined (the other policies train on
+            # cells fixed for the whole batch: None)
+            "satellite_steps": sum(1 for r in self.step_rows if r.get("train_cells", 1) > 1)
+            if self.cfg.schedule.policy == "elastic"
+            else None,
             **self.stats,
             "policies": self.policies,
             "steps": self.step_rows,
