@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_policies import POLICIES, held_out, run_policy  # noqa: E402
+from bench_policies import POLICIES, held_out, run_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,9 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--staleness", type=float, default=1.5, help="target E[d] for all policies")
     p.add_argument("--min-phi", type=float, default=1.0, help="Elastic's smallest φ (gyre plan)")
-    p.add_argument("--eval-every", type=int, default=4, help="held-out eval every K steps (0: none)")
+    p.add_argument(
+        "--eval-every", type=int, default=4, help="held-out eval every K steps (0: none)"
+    )
     p.add_argument("--target", type=float, default=0.3, help="held-out reward to reach")
     p.add_argument("--instances", type=int, default=8, help="held-out instances per eval")
     p.add_argument("--quick", action="store_true", help="one seed, 4 steps")
@@ -147,7 +149,7 @@ def main() -> int:
         tgt = v["target_paced_h"]
         print(f"{pol:9} {v['phi']:4.1f} {v['mu']:3d} {v['wall_s']:7.1f} {v['paced_h']:8.2f} "
               f"{f'{lo:.2f}-{hi:.2f}':>13} {v['sim_h']:7.2f} {v['sim_error']:+8.1%} "
-              f"{str(v['joined_steps']):>10} {'-' if tgt is None else f'{tgt:.2f}':>11}")  # fmt: skip
+              f"{v['joined_steps']!s:>10} {'-' if tgt is None else f'{tgt:.2f}':>11}")  # fmt: skip
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x paced time")
     return 0

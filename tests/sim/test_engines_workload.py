@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.sim.config import load_sim_config
 from gyre.schedule.devices import EngineModel, EnginePool
+from gyre.sim.config import load_sim_config
 from gyre.sim.workload import nominal_stats
 
 from .paths import TEMPLATE
