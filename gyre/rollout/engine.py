@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,13 +37,12 @@ from gyre.errors import ConfigError, EngineError, ProtocolError
 from gyre.rollout import kvstore, weights
 from gyre.rollout.constrain import Constraint, GrammarCompiler
 from gyre.rollout.kv import KVBatch, cache_from, cache_kwarg, output_cache
-from gyre.rollout.pacing import EnginePace
+from gyre.rollout.pacing import Deliver, EnginePace
 from gyre.rollout.prefix import PrefixCache
 from gyre.rollout.protocol import KV_TRANSPORTS, GenerateRequest, KVSegment
 from gyre.rollout.sampling import next_token
 
 log = logging.getLogger(__name__)
-Deliver = Callable[[dict[str, Any]], None]
 
 
 class EngineUnavailable(EngineError):

@@ -93,6 +93,7 @@ class Pacer:
 
 
 Deliver = Callable[[dict[str, Any]], None]
+"""How an engine hands a finished call's response body back (the HTTP handler's callback)."""
 
 
 @dataclass(slots=True)
