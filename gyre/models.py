@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -180,16 +182,24 @@ def smollm2_gguf_path() -> Path:
 
 
 def _load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """De-quantizing the GGUF file takes ~30 CPU-s a process (a run loads it in every cell
+    and engine), so its float32 result is kept as a Hugging Face directory in the cache and
+    later loads read that (~1 s); both give the same tensors."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = smollm2_gguf_path()
+    cache = _cache_root() / f"smollm2-135m-model-{path.stat().st_size}"
+    if (cache / "config.json").is_file():
+        return _load_dir(cache)
     tok = _smollm2_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, local_files_only=True, dtype=torch.float32
     )
     model.generation_config.eos_token_id = tok.eos_token_id
-    return _serializable(model), tok
+    plain = _serializable(model)
+    _keep(cache, lambda tmp: (plain.save_pretrained(tmp), tok.save_pretrained(tmp)))
+    return plain, tok
 
 
 def _serializable(model: PreTrainedModel) -> PreTrainedModel:
@@ -204,29 +214,38 @@ def _serializable(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def _smollm2_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """Converting the GGUF vocabulary takes ~10-20 s, so the result is cached on disk
-    (``$GYRE_CACHE_DIR`` or ``~/.cache/gyre``), keyed by the GGUF file's size."""
+    """Converting the GGUF vocabulary takes ~10-20 s, so the result is cached on disk too."""
     from transformers import AutoTokenizer
 
-    root = Path(os.environ.get("GYRE_CACHE_DIR", Path.home() / ".cache" / "gyre"))
-    cache = root / f"smollm2-135m-tokenizer-{path.stat().st_size}"
+    cache = _cache_root() / f"smollm2-135m-tokenizer-{path.stat().st_size}"
     if (cache / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(cache, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     if tok.eos_token != "<|im_end|>":
         tok.eos_token = "<|im_end|>"
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=cache.name, dir=_mkdir(root)))
-        tok.save_pretrained(tmp)
-        tmp.rename(cache)  # atomic: a concurrent loader sees all or nothing
-    except OSError:
-        pass  # the cache is an optimisation only
+    _keep(cache, tok.save_pretrained)
     return tok
 
 
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def _cache_root() -> Path:
+    """Where converted models are kept: ``$GYRE_CACHE_DIR``, else ``~/.cache/gyre``; keys
+    carry the source file's size."""
+    return Path(os.environ.get("GYRE_CACHE_DIR", Path.home() / ".cache" / "gyre"))
+
+
+def _keep(cache: Path, write: Callable[[Path], object]) -> None:
+    """Write a cache directory with `write(tmp)` and rename it into place (atomic: a
+    concurrent loader sees all or nothing). The cache is an optimisation only: a failure to
+    write it is ignored."""
+    tmp = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=cache.name, dir=cache.parent))
+        write(tmp)
+        tmp.rename(cache)
+    except OSError:
+        if tmp is not None:  # half written, or another process kept its copy first
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_dir(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -42,8 +42,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif "e2e_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("e2e"))  # one shared world, run once
-        elif "smollm2_url" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("smollm2"))  # one engine (~30 CPU-s to load)
+        elif "smollm2_policy" in getattr(item, "fixturenames", ()):
+            # one conversion of the GGUF file (~30 CPU-s) and one engine for them all
+            item.add_marker(pytest.mark.xdist_group("smollm2"))
 
     def key(item: pytest.Item) -> int:
         marks = {m.name for m in item.iter_markers()}

@@ -54,8 +54,15 @@ class Checkpoints:
 
     def __init__(self, run_dir: Path, cfg: CheckpointConfig) -> None:
         self.run_dir, self.cfg = run_dir, cfg
-        self.writing: tuple[Path, list[str]] | None = None  # folder, groups its weights trained
+        # folder, updates done and groups trained by the weights being saved
+        self.writing: tuple[Path, int, list[str]] | None = None
         self.last = time.time()
+        self.updates: int | None = None  # of the newest checkpoint this job committed
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run takes periodic checkpoints at all."""
+        return self.cfg.every_steps > 0 or self.cfg.every_minutes > 0
 
     def due(self, updates: int) -> bool:
         """After update `updates`: whether `every_steps` or `every_minutes` asks for one."""
@@ -66,20 +73,22 @@ class Checkpoints:
         by_time = c.every_minutes > 0 and time.time() - self.last >= 60 * c.every_minutes
         return by_steps or by_time
 
-    def start(self, version: int, trained: list[str]) -> Path:
-        """The folder the core saves `version` into; the groups those weights trained."""
+    def start(self, version: int, updates: int, trained: list[str]) -> Path:
+        """The folder the core saves its weights into, after `updates` updates (their groups
+        `trained`); `version` only names the folder while it is written."""
         folder = begin(self.run_dir, version)
-        self.writing = (folder, list(trained))
+        self.writing = (folder, updates, list(trained))
         return folder
 
-    def finish(self, folder: str, version: int, updates: int, next_group: int) -> Path:
-        """The core saved into `folder`: commit it with the driver state; its final path."""
+    def finish(self, folder: str, version: int, next_group: int) -> Path:
+        """The core saved `version` into `folder`: commit it with the driver state; its final
+        path."""
         assert self.writing is not None and str(self.writing[0]) == folder
-        written, trained = self.writing
+        written, updates, trained = self.writing
         state = {"version": version, "updates": updates, "trained": trained,
                  "next_group": next_group, "t": time.time()}  # fmt: skip
         final = commit(self.run_dir, written, state, self.cfg.keep)
-        self.writing, self.last = None, time.time()
+        self.writing, self.last, self.updates = None, time.time(), updates
         return final
 
 

@@ -417,14 +417,13 @@ class Coordinator:
         (nothing can update them before it reads this); the groups those weights trained
         are noted now, with them.
         """
-        folder = self.checkpoints.start(self.sched.version, self.trained)
+        folder = self.checkpoints.start(self.sched.version, self.updates, self.trained)
         self.to_rank(self.engine_ranks[0], msg.SaveCheckpoint(str(folder)))
 
     def checkpointed(self, m: msg.Checkpointed) -> None:
         """Commit the checkpoint the core just saved (its driver state; rename; prune)."""
-        updates = self.updates - (self.sched.version - m.version)  # a resume starts mid-count
         next_group = self.resume.group_number(len(self.ledger.groups))
-        final = self.checkpoints.finish(m.folder, m.version, updates, next_group)
+        final = self.checkpoints.finish(m.folder, m.version, next_group)
         self.rec.event("checkpoint", version=m.version, path=str(final), bytes=m.bytes,
                        seconds=m.seconds)  # fmt: skip
 
@@ -436,15 +435,28 @@ class Coordinator:
         self.finishing = True
         if self.checkpoints.writing is None:
             self.start_checkpoint()
-        self.drain_until(lambda: self.checkpoints.writing is None, (*REPORTS, msg.Checkpointed),
-                         self.cfg.timeouts.drain_s, awaited=msg.Checkpointed)  # fmt: skip
         self.status = checkpoint.EXIT_CHECKPOINTED
         return self.finish()
 
+    def await_checkpoint(self) -> None:
+        """Until the checkpoint being written (if any) is committed."""
+        self.drain_until(lambda: self.checkpoints.writing is None, (*REPORTS, msg.Checkpointed),
+                         self.cfg.timeouts.drain_s, awaited=msg.Checkpointed)  # fmt: skip
+
     def finish(self) -> dict[str, Any]:
-        """Cancel running harnesses, record every execution, save the policy, stop all ranks."""
+        """Checkpoint the last update, cancel running harnesses, record every execution, save
+        the policy, stop all ranks.
+
+        A finished run with checkpoints on ends with one of its last update, so `gyre run
+        --resume RUN_DIR --steps MORE` continues it (without, it would retrain from the
+        newest periodic checkpoint, or from the start)."""
         timeouts = self.cfg.timeouts
         self.finishing = True
+        if self.status == 0 and self.checkpoints.enabled:
+            self.await_checkpoint()  # a periodic one: one at a time
+            if self.checkpoints.updates != self.updates:
+                self.start_checkpoint()
+        self.await_checkpoint()  # this one, or a preemption's (later drains drop its message)
         self.to_proxy(msg.Cancel([x.id for x in self.ledger.live()]))
         self.drain_until(lambda: not self.ledger.live(), CLOSING, timeouts.drain_s)
         # never stop a cell in the middle of restarting its engine: let the restart finish

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +75,46 @@ def write_config(tmp_path: Path, cfg: dict[str, Any], name: str = "run.yaml") ->
 @pytest.fixture
 def config_path(tmp_path: Path) -> Path:
     return write_config(tmp_path, small_config(tmp_path))
+
+
+def final_policy_loads_and_serves(policy: Path, version: int) -> None:
+    """The run's product, the policy of `version`: transformers loads it (no quantization
+    mark left); `gyre engine` serves it, greedy tokens the model's own."""
+    import urllib.request
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(policy, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
+    assert tok.chat_template and "tools" in tok.chat_template
+    meta = json.loads((policy / "gyre-policy.json").read_text())
+    assert meta["version"] == version and (policy / "model.safetensors").exists()
+    assert "quantization_config" not in json.loads((policy / "config.json").read_text())
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                  return_dict=True)["input_ids"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gyre", "engine", "--model", str(policy), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = ""
+        while "listening on" not in line:
+            line = proc.stdout.readline()
+            assert line, "gyre engine exited before serving the policy"
+        url = line.strip().rsplit(" ", 1)[-1]
+        body = json.dumps({"input_ids": list(ids), "return_logprob": True,
+                           "sampling_params": {"max_new_tokens": 4, "temperature": 0}})  # fmt: skip
+        req = urllib.request.Request(url + "/generate", data=body.encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    import torch
+
+    out = reply["meta_info"]["output_token_logprobs"]
+    first = out[0][1]  # greedy: the engine's first token is the model's own argmax
+    with torch.no_grad():
+        logits = model(torch.tensor([list(ids)])).logits[0, -1]
+    assert first == int(logits.argmax())

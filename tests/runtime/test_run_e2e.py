@@ -32,7 +32,7 @@ from worlds import World
 
 from gyre.trajectory.store import TraceReader
 
-from .conftest import small_config, write_config
+from .conftest import final_policy_loads_and_serves, small_config, write_config
 
 
 @pytest.mark.mpi
@@ -125,7 +125,7 @@ def test_gyre_run_end_to_end_with_engine_kill(e2e_run: World) -> None:
     # a cell went rollout -> train -> rollout while executions were live
     assert _round_trip_while_live(roles, execs)
 
-    _final_policy_loads_and_serves(run_dir / "policies" / "final")
+    final_policy_loads_and_serves(run_dir / "policies" / "final", version=2)
 
     # every tracker got each step's metrics, as the trace has them
     _trackers_have_the_steps(run_dir, steps)
@@ -188,47 +188,6 @@ def _notes_score(workspace: Path) -> float:
     texts = check_notes.notes(workspace, LEARN_DIR / "notes" / "workspace")
     bullets = sum(check_notes.is_bullet(t) for t in texts)
     return min(1.0, (0.25 * len(texts) + 0.75 * bullets) / 2)
-
-
-def _final_policy_loads_and_serves(policy: Path) -> None:
-    """The run's product: transformers loads it; `gyre engine` serves it."""
-    import urllib.request
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(policy, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
-    assert tok.chat_template and "tools" in tok.chat_template
-    meta = json.loads((policy / "gyre-policy.json").read_text())
-    assert meta["version"] == 2 and (policy / "model.safetensors").exists()
-    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                  return_dict=True)["input_ids"]  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre", "engine", "--model", str(policy), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = ""
-        while "listening on" not in line:
-            line = proc.stdout.readline()
-            assert line, "gyre engine exited before serving the policy"
-        url = line.strip().rsplit(" ", 1)[-1]
-        body = json.dumps({"input_ids": list(ids), "return_logprob": True,
-                           "sampling_params": {"max_new_tokens": 4, "temperature": 0}})  # fmt: skip
-        req = urllib.request.Request(url + "/generate", data=body.encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-        reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    import torch
-
-    out = reply["meta_info"]["output_token_logprobs"]
-    first = out[0][1]  # greedy: the engine's first token is the model's own argmax
-    with torch.no_grad():
-        logits = model(torch.tensor([list(ids)])).logits[0, -1]
-    assert first == int(logits.argmax())
 
 
 def _round_trip_while_live(roles: list[dict], execs: dict) -> bool:
