@@ -261,10 +261,17 @@ class ProxyMetrics:
                 self._count_call(tree, node_id)
             self._counted[eid] = len(tree)
         self.executions.labels("open").set(open_)
-        self.executions.labels("closed").set(len(service.executions) - open_)
+        self.executions.labels("closed").set(
+            len(service.executions) - open_ + len(service.forgotten)
+        )
         router = service.router
         self.engines.labels("draining").set(len(router.draining & set(router.engines)))
         self.engines.labels("live").set(len(set(router.engines) - router.draining))
+
+    def forget(self, execution_id: str, tree: Any) -> None:
+        """Count the calls of an execution the proxy drops that no scrape counted yet."""
+        for node_id in range(self._counted.pop(execution_id, 0) + 1, len(tree) + 1):
+            self._count_call(tree, node_id)
 
     def _count_call(self, tree: Any, node_id: int) -> None:
         node = tree.node(node_id)

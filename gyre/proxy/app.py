@@ -73,6 +73,13 @@ class ProxyApp:
         """Close an execution and return its tree; the store write is queued (`flush_store`)."""
         return self.service.close_execution(execution_id, status, meta)
 
+    def forget_execution(self, execution_id: str) -> None:
+        """Drop a closed execution's tree (the caller has it elsewhere); its id stays taken
+        and its calls stay counted in /metrics."""
+        tree = self.service.execution(execution_id).tree
+        self.service.forget_execution(execution_id)
+        self.metrics.forget(execution_id, tree)
+
     def tree(self, execution_id: str) -> TrajectoryTree:
         return self.service.execution(execution_id).tree
 

@@ -74,6 +74,7 @@ class ProxyService:
         self.clock = clock
         self.tool_format = _tool_format(config, renderer)
         self.executions: dict[str, Execution] = {}
+        self.forgotten: set[str] = set()  # closed, tree dropped (`forget_execution`)
         self._by_key: dict[str, Execution] = {}
         self._render_pool = ThreadPoolExecutor(config.render_threads, "gyre-proxy-render")
         self.calls: set[Abortable] = set()  # model calls in flight (registered by handlers)
@@ -101,7 +102,7 @@ class ProxyService:
         if not isinstance(role, str) or not ROLE_RE.fullmatch(role):
             raise invalid(f"role: {role!r}; allowed: 1-64 of A-Za-z0-9_.-")
         _check_meta(meta)
-        if execution_id in self.executions:
+        if execution_id in self.executions or execution_id in self.forgotten:
             raise ApiError("conflict", f"execution {execution_id!r} is already registered")
         key = f"gyre-{secrets.token_urlsafe(24)}"
         ex = Execution(execution_id=execution_id, role=role, key=key, meta=dict(meta or {}))
@@ -134,9 +135,25 @@ class ProxyService:
             )
         return ex.tree
 
+    def forget_execution(self, execution_id: str) -> None:
+        """Drop a closed execution's tree, keeping its id (no new execution may reuse it).
+
+        For a caller that holds the tree elsewhere: a run's proxy node sent every node to the
+        coordinator as it was recorded, so without this its proxy kept every tree of the run
+        (up to ~1M tokens each) until the job ended.
+        """
+        ex = self.execution(execution_id)
+        if not ex.closed:
+            raise ApiError("conflict", f"execution {execution_id!r} is open: close it first")
+        del self.executions[execution_id]
+        self.forgotten.add(execution_id)
+
     def execution(self, execution_id: str) -> Execution:
         ex = self.executions.get(execution_id)
         if ex is None:
+            if execution_id in self.forgotten:
+                raise ApiError("not_found", f"execution {execution_id!r} is closed and its tree "
+                               "is no longer held here (it is in the run's trace)")  # fmt: skip
             raise ApiError("not_found", f"execution {execution_id!r} is not registered")
         return ex
 

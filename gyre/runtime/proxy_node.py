@@ -156,8 +156,9 @@ class ExecutionHost:
         """One execution: key, route, harness, close, score -> (ended, verdict).
 
         `ended` is called as soon as the harness ends, before the tree is closed and scored.
-        The closed tree stays in the proxy: a run's proxy node sent each of its nodes to the
-        coordinator as it was recorded (`_Journal`), and the coordinator writes the trace.
+        The closed tree is dropped from the proxy: a run's proxy node sent each of its nodes
+        to the coordinator as it was recorded (`_Journal`), and the coordinator writes the
+        trace.
         """
         app = self.proxy
         key = app.register_execution(eid, role="main", meta={"task": task.instance_id})
@@ -170,6 +171,7 @@ class ExecutionHost:
         if ended is not None:
             ended(term)
         app.close_execution(eid, term.outcome.value)  # the router forgets it too
+        app.forget_execution(eid)
         return term, await self._assess(term, task)
 
     async def _assess(self, term: Terminated, task: Task) -> msg.VerdictRecord:

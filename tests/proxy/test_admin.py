@@ -75,6 +75,11 @@ def test_admin_routes_keys_and_store(engine_url: str, tokenizer: Any, tmp_path: 
         with pytest.raises(openai.AuthenticationError):
             client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
         tree = p.call(p.app.tree, "a")
+        # a caller that holds the tree elsewhere drops it; the id stays taken
+        p.call(p.app.forget_execution, "a")
+        status, body = admin(url, "/admin/executions/a", token=tok, method="GET")
+        assert status == 404 and "no longer held" in body["error"]["message"], body
+        assert admin(url, "/admin/executions", {"execution_id": "a"}, token=tok)[0] == 409
         p.call(p.app.close_store)
     with TraceReader(tmp_path / "trace.h5") as reader:
         assert trees_equal(reader.tree("a"), tree)

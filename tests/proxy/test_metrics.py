@@ -20,6 +20,7 @@ from conftest import MODEL, engine_requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from gyre.proxy.config import Config
+from gyre.proxy.errors import ApiError
 from gyre.proxy.testing import RunningProxy, running_proxy
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -132,3 +133,19 @@ def test_metrics_count_calls_errors_tokens_and_reroutes(engine_url: str, tokeniz
         assert value(again, "gyre_proxy_executions", state="open") == 0
         assert value(again, "gyre_proxy_executions", state="closed") == 1
         assert total(again, "gyre_proxy_calls_total") == 2  # a second scrape counts nothing twice
+
+        # an execution closed and dropped between scrapes (as a run's proxy node drops each
+        # tree it has forwarded): its call is still counted, once, and it counts as closed
+        key2 = p.call(p.app.register_execution, "m2", "main")
+        other = openai.OpenAI(base_url=p.url + "/v1", api_key=key2, max_retries=0)
+        other.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        with pytest.raises(ApiError, match="open: close it first"):
+            p.call(p.app.forget_execution, "m2")
+        p.call(p.app.close_execution, "m2", "completed")
+        p.call(p.app.forget_execution, "m2")
+        _, _, last = scrape(p, p.admin_token)
+        assert total(last, "gyre_proxy_calls_total") == 3
+        assert value(last, "gyre_proxy_executions", state="closed") == 2
+        assert value(last, "gyre_proxy_executions", state="open") == 0
