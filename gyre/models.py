@@ -184,7 +184,8 @@ def smollm2_gguf_path() -> Path:
 def _load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """De-quantizing the GGUF file takes ~30 CPU-s a process (a run loads it in every cell
     and engine), so its float32 result is kept as a Hugging Face directory in the cache and
-    later loads read that (~1 s); both give the same tensors."""
+    later loads read that (~4 s in a fresh process, imports included); both give the
+    same tensors."""
     import torch
     from transformers import AutoModelForCausalLM
 
