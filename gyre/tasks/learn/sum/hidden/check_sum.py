@@ -33,12 +33,13 @@ def main() -> None:
     args = ap.parse_args()
     root = Path.cwd()
     answer = root / ANSWER
-    text = answer.read_text(errors="replace").strip() if answer.is_file() else None
+    text = answer.read_text(errors="replace").strip() if answer.is_file() else ""
+    digits = text.isdigit()  # False for ""
     parts = {
         "wrote": bool(changed(root, args.initial)),
-        "named": text is not None,
-        "digits": bool(text) and text.isdigit(),
-        "right": bool(text) and text.isdigit() and int(text) == args.a + args.b,
+        "named": answer.is_file(),
+        "digits": digits,
+        "right": digits and int(text) == args.a + args.b,
     }
     print(json.dumps(parts))
     print(sum(parts.values()) / len(parts))
