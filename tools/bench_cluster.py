@@ -14,7 +14,8 @@ held-out reward of the policy at the middle and the end of the run (`--eval-ever
 paced hours to `--target`. Per policy: the median over seeds; the ratios async/elastic and
 colocate/elastic in paced time (> 1: Elastic is faster); the runtime-vs-replay error.
 
-`--quick` (one seed, 4 steps, held-out at the end only) took 12 min 45 s here (2026-12-03).
+`--quick` (one seed, 4 steps, held-out at the end only) took 12 min 45 s here (2026-12-03,
+before the template's hard queries).
 `--json` prints {"policies": {"elastic": {"wall_s", "paced_h", "sim_h", ...}, ...},
 "ratios": ..., "runs": [...]}. Each kept run directory has its role timeline
 (`gyre report RUN_DIR`).

@@ -124,8 +124,10 @@ def harness_env(
     else:
         env.update(ANTHROPIC_BASE_URL=base, ANTHROPIC_API_KEY=api_key)
     if adapter.applies_tool_latency:
-        env["GYRE_TOOL_LATENCY"] = json.dumps(task.tool_latency.to_dict())
-        env["GYRE_TOOL_SEED"] = str(zlib.crc32(execution_id.encode()))
+        query = f"{task.suite}/{task.name}/{task.instance}"  # a group's executions share it
+        latency = task.tool_latency.for_execution(query, execution_id)
+        env["GYRE_TOOL_LATENCY"] = json.dumps(latency.to_dict())
+        env["GYRE_TOOL_SEED"] = str(zlib.crc32(f"{query}/{execution_id}".encode()))
     env.update(adapter_env)
     return env
 

@@ -93,6 +93,7 @@ class TrainingPlane:
         self.updaters: set[int] = set()
         self.passes: dict[int, dict[str, int]] = {}  # step -> {"prepass": cell, "gradient": cell}
         self.t_first: float | None = None  # when the batch's first pass was sent
+        self.t_update: float | None = None  # when its update began (every pass done)
         self.t_done: float | None = None  # when its update finished
         self.new_set_aside: list[str] = []  # groups the last admit set aside
         self._set_aside_seen = 0
@@ -205,6 +206,7 @@ class TrainingPlane:
         e = info.num_executions
         self.stats.executions = e
         self.updaters = set(cells)
+        self.t_update = time.time()
         if self.audit_dir is not None:
             audit.record_steps(self.audit_dir, self.batch, {
                 "version": self.version, "steps": [self.steps[i] for i in sorted(self.steps)],
@@ -244,4 +246,5 @@ class TrainingPlane:
             "prepass_s": st.prepass_s,
             "gradient_s": st.gradient_s,
             "train_wall_s": (self.t_done or math.nan) - (self.t_first or math.nan),
+            "update_s": (self.t_done or math.nan) - (self.t_update or math.nan),
         }

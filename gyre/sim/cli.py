@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ablation", help="Table 1 configuration (A0-A3, C0-C3, E0-E2) or table1")
     p.add_argument("--replay", metavar="RUN_DIR|TRACE",
                    help="fit the workload and costs of a recorded run and simulate them")  # fmt: skip
+    p.add_argument("--in-order", action="store_true",
+                   help="replay: the recorded groups in the run's dispatch order, not drawn "
+                   "with replacement (one replay: no draw to average)")  # fmt: skip
     p.add_argument("--seeds", type=int, default=5,
                    help="replay: seeds to average the recorded groups' draws over (default 5)")  # fmt: skip
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
@@ -63,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         if args.overrides or "=" in (args.config or "") or args.replay or args.sweep:
             raise ConfigError("overrides: --ablation runs a built-in configuration; drop them")
         return _ablation(args)
+    if args.in_order and not args.replay:
+        raise ConfigError("--in-order: replays a recorded run's groups; give --replay RUN too")
     if args.replay:
         if args.config:  # `gyre sim --replay RUN key=v`: argparse puts the first override here
             args.overrides = [args.config, *args.overrides]
@@ -148,6 +153,7 @@ def _run_one(cfg: Any, policy: str, steps: int | None, seed: int | None, groups:
 
 def _replay(args: argparse.Namespace) -> int:
     from gyre.config import apply_overrides, load
+    from gyre.errors import ConfigError
     from gyre.sim.config import SimConfig, check_policy
     from gyre.sim.replay import fit, format_replay, read_run
     from gyre.sim.simulator import Simulator
@@ -158,6 +164,10 @@ def _replay(args: argparse.Namespace) -> int:
     cfg = load(SimConfig, data, path="replay")
     same_groups = cfg.scheduler.group_size == recorded.group_size
     groups = f.groups if same_groups else None  # other N: the parametric fit
+    if args.in_order and (args.sweep or args.overrides or args.staleness is not None
+                          or (args.policy or cfg.policy) != cfg.policy):  # fmt: skip
+        raise ConfigError("--in-order: replays the run as it ran; allowed without overrides, "
+                          "--policy, --staleness and --sweep")  # fmt: skip
     if args.sweep:
         return _sweep(args, data, "replay", groups)
     policy = args.policy or cfg.policy
@@ -165,8 +175,11 @@ def _replay(args: argparse.Namespace) -> int:
     if policy != cfg.policy or args.overrides or args.staleness is not None:
         return _simulate(args, data, "replay", groups)  # another topology on the fit
     seeds = [args.seed] if args.seed is not None else list(range(max(1, args.seeds)))
-    replays = [Simulator(cfg, policy, steps=args.steps, seed=s, groups=groups).run()
-               for s in seeds]  # fmt: skip
+    order = args.in_order and groups is not None
+    replays = [
+        Simulator(cfg, policy, steps=args.steps, seed=s, groups=groups, in_order=order).run()
+        for s in (seeds[:1] if order else seeds)
+    ]
     fitted = [Simulator(cfg, policy, steps=args.steps, seed=s).run() for s in seeds]
     _write_timeline(args.timeline, replays)
     if args.json:

@@ -14,7 +14,8 @@ config (the run meta), and fits:
   passes), the start-up before the first dispatch.
 
 The replay simulates the run's own topology on the *recorded* groups (drawn with
-replacement), so its wall time can be compared with the run's; `fit_workload` also gives the
+replacement, or with `--in-order` in the order the run dispatched them), so its wall time
+can be compared with the run's; `fit_workload` also gives the
 parametric `WorkloadConfig` that `nominal_stats` compares with the recorded figures. Any
 topology can be simulated on the fit by overriding template keys. A file that is not a
 Gyre trace of a run is a `StoreError` naming it.
@@ -37,6 +38,7 @@ from gyre.trajectory.reader import trace_path
 from gyre.vocabulary import Outcome, VerdictStatus
 
 TREE_SAMPLE = 400  # executions whose call timings are read (trees hold every token)
+TIMED_OUT_WORK = 100.0  # a recorded timeout's nominal work, in timeouts: beyond it at any load
 
 
 @dataclass(slots=True)
@@ -64,6 +66,7 @@ class RecordedRun:
     executions: list[RecordedExecution]
     steps: list[dict[str, float]]
     admitted: dict[int, list[str]]  # batch -> groups
+    dispatch_order: dict[str, int] = field(default_factory=dict)  # group -> its position
     switch_to_train_s: list[float] = field(default_factory=list)
     switch_to_rollout_s: list[float] = field(default_factory=list)
     publish_s: list[float] = field(default_factory=list)
@@ -110,8 +113,10 @@ def _read(reader: Any, path: Path) -> RecordedRun:
     run = RecordedRun(path=path, config=config, executions=[], steps=rows, admitted={})
     t0 = rows[0]["t"] - rows[0]["elapsed_s"]
     run.wall_s = rows[-1]["elapsed_s"]
-    dispatched = [g["t_dispatch"] for g in reader.rows("groups")]
-    run.startup_s = max(0.0, min(dispatched) - t0) if dispatched else 0.0
+    dispatched = sorted((float(g["t_dispatch"]), str(g["group_id"])) for g in reader.rows("groups"))
+    run.startup_s = max(0.0, dispatched[0][0] - t0) if dispatched else 0.0
+    for _, group in dispatched:
+        run.dispatch_order.setdefault(group, len(run.dispatch_order))
     infos = [i for i in reader.executions() if i.closed]
     if not infos:
         raise StoreError(f"{path}: the run closed no execution; nothing to replay")
@@ -284,7 +289,10 @@ def fit_costs(run: RecordedRun) -> dict[str, Any]:
     gradient_s = sum(s.get("gradient_s", 0.0) for s in steps)
     prepass_s = sum(s.get("prepass_s", 0.0) for s in steps)
     microsteps = sum(s.get("microsteps", 0.0) for s in steps)
-    beyond = [
+    # the update's own wall time (reduce to updated), recorded since 2026-12; older traces:
+    # the training window beyond its passes, which also holds a streaming batch's waits for
+    # its late groups (an Elastic run's update came out ~25x its modelled seconds)
+    beyond = [s["update_s"] for s in steps if math.isfinite(s.get("update_s", math.nan))] or [
         max(0.0, s["train_wall_s"] - (s.get("prepass_s", 0.0) + s.get("gradient_s", 0.0))
             / max(1.0, min(s.get("microsteps", 1.0), s.get("train_cells", 1.0))))
         for s in steps if math.isfinite(s.get("train_wall_s", math.nan))
@@ -319,18 +327,23 @@ def _step_tokens(run: RecordedRun) -> list[float]:
 
 
 def empirical_groups(run: RecordedRun) -> list[GroupSample]:
-    """Every complete recorded group, as the simulator samples them."""
+    """Every complete recorded group, as the simulator samples them, in dispatch order."""
     harness = run.section("harness")
     timeout_s = float(harness.get("harness_timeout_s", math.inf))
     overall_s = float(harness.get("overall_timeout_s", math.inf))
     out = []
-    for g in run.groups().values():
+    order = run.dispatch_order
+    for _, g in sorted(run.groups().items(), key=lambda kv: order.get(kv[0], len(order))):
         if len(g) != run.group_size:
             continue
-        nominal = [timeout_s * 1.001 if x.timed_out else x.run_s for x in g]
+        # a timeout's work goes on past its timeout at any load (an engine below its limit
+        # runs faster than nominal, and 1.001 x the timeout would then complete in time);
+        # its tokens grow with it, so the share done at the timeout is what it recorded
+        more = [TIMED_OUT_WORK if x.timed_out else 1.0 for x in g]
+        nominal = [timeout_s * m if x.timed_out else x.run_s for x, m in zip(g, more)]
         evals = [x.eval_s if x.valid else overall_s + 1.0 for x in g]  # excluded: past it
         out.append(GroupSample(nominal_s=np.array(nominal), eval_s=np.array(evals),
-                               tokens=np.array([x.tokens for x in g])))  # fmt: skip
+                               tokens=np.array([x.tokens * m for x, m in zip(g, more)])))  # fmt: skip
     if not out:
         raise StoreError(f"{run.path}: no complete group of {run.group_size} executions to replay")
     return out

@@ -43,7 +43,7 @@ class Simulator:
     """Runs one policy of a `SimConfig` for `steps` training steps.
 
     `groups`, when given, replaces the synthetic workload by recorded groups drawn with
-    replacement (`gyre sim --replay`).
+    replacement, or in their order with `in_order` (`gyre sim --replay [--in-order]`).
     """
 
     def __init__(
@@ -53,6 +53,7 @@ class Simulator:
         steps: int | None = None,
         seed: int | None = None,
         groups: list[GroupSample] | None = None,
+        in_order: bool = False,
     ) -> None:
         self.config = config
         self.sched_config, policy_config = config.scheduler_for(policy)
@@ -62,7 +63,7 @@ class Simulator:
         self.seed = seed if seed is not None else config.seed
         sc, wl = self.sched_config, config.workload
         self.workload: Workload | EmpiricalWorkload = (
-            EmpiricalWorkload(groups, self.seed)
+            EmpiricalWorkload(groups, self.seed, in_order)
             if groups is not None
             else Workload(wl, sc.group_size, self.seed)
         )

@@ -121,15 +121,24 @@ class Workload:
 
 
 class EmpiricalWorkload:
-    """Recorded groups drawn with replacement (trace replay); same seed, same draws."""
+    """Recorded groups drawn with replacement (trace replay); same seed, same draws.
 
-    def __init__(self, groups: list[GroupSample], seed: int) -> None:
+    `in_order`: the groups in their given order instead (the run's dispatch order), then
+    again from the first, so a replay meets the run's own sequence of long and short groups.
+    """
+
+    def __init__(self, groups: list[GroupSample], seed: int, in_order: bool = False) -> None:
         if not groups:
             raise ValueError("an empirical workload needs at least one recorded group")
         self.groups = groups
         self.rng = np.random.default_rng(seed)
+        self.in_order = in_order
+        self.drawn = 0
 
     def sample_group(self) -> GroupSample:
+        if self.in_order:
+            self.drawn += 1
+            return self.groups[(self.drawn - 1) % len(self.groups)]
         return self.groups[int(self.rng.integers(len(self.groups)))]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from gyre.errors import ConfigError, HarnessError
 from gyre.harness import Adapter, HarnessRunner, Launched, Terminated
-from gyre.tasks import Evaluator, Validity
+from gyre.tasks import Evaluator, ToolLatency, Validity
 from gyre.vocabulary import Outcome, VerdictStatus
 
 
@@ -216,3 +217,30 @@ def test_cancel_before_launch_still_reports_exactly_one_termination(make_runner,
     assert [type(e) for e in runner.events] == [Terminated]
     assert runner.events[0].outcome is Outcome.CANCELLED and not runner.events[0].assessable
     assert runner.running == []
+
+
+def test_a_harness_waits_its_querys_and_its_own_latency_factor(make_runner, spec_for, suite):
+    """The runner gives each execution the task's tool latency with the execution's factors
+    drawn: a group's executions (one task instance) share the query's, a hard query's
+    executions are all slow together, and every execution has its own spread."""
+    base = ToolLatency(dist="fixed", seconds=0.5, max_s=60, query_sigma=0.2,
+                       hard_query_prob=0.5, hard_query_factor=8.0, execution_sigma=0.1)  # fmt: skip
+    task = dataclasses.replace(suite["add"], tool_latency=base)
+    adapter = Adapter(name="sh", api="openai", command=["bash", "-c", "{script}"],
+                      params={"script": "true"}, applies_tool_latency=True)  # fmt: skip
+    runner = make_runner()
+    seconds: dict[tuple[int, int], float] = {}
+    for instance in (3, 4, 5, 6):
+        for e in range(2):
+            eid = f"i{instance}-e{e}"
+            spec = spec_for('echo "$GYRE_TOOL_LATENCY" > latency.json', execution_id=eid,
+                            task_obj=task.instantiate(instance), adapter=adapter)  # fmt: skip
+            term = asyncio.run(runner.run(spec))
+            got = json.loads((Path(term.workspace) / "latency.json").read_text())
+            query = f"{task.suite}/add/{instance}"
+            assert got["seconds"] == pytest.approx(0.5 * base.factor(query, eid))
+            assert got["hard_query_prob"] == 0.0  # drawn once, here: nothing left to draw
+            seconds[instance, e] = got["seconds"]
+    ratios = [seconds[i, 0] / seconds[i, 1] for i in (3, 4, 5, 6)]
+    assert all(0.5 < r < 2 for r in ratios)  # a group: the same query, a small spread
+    assert len({round(s, 9) for s in seconds.values()}) == 8  # but each its own

@@ -269,7 +269,8 @@ def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
     """One run: first preempted (SIGUSR1 -> checkpoint, exit 75), then resumed after each fatal
     kill of every kind, during start-up and mid-run. Before every kill the closed executions
     (status, tree digest, reward rows) are read from the live trace; after it, and at the end,
-    every one of them is still there, unchanged."""
+    every one of them is still there, unchanged. Finished, it continues for one more step
+    from its last update."""
     run_dir = tmp_path / "run"
     args = [str(_config(tmp_path, record_batches=True, ranks_per_cell=2)), "--run-dir",
             str(run_dir)]  # fmt: skip
@@ -344,3 +345,18 @@ def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
     assert int(got["step"]) == int(want["step"]) == 1
     assert torch.equal(got["exp_avg"], want["exp_avg"])
     assert torch.equal(got["exp_avg_sq"], want["exp_avg_sq"])
+
+    # the finished run ends with a checkpoint of its last update, and `--resume RUN --steps
+    # MORE` continues from exactly that: its first update starts from the final parameters
+    last = latest(run_dir)
+    assert last is not None and last[1]["updates"] == STEPS and last[0].name == f"v{STEPS:05d}"
+    rc, out = _finish(_start(["--resume", str(run_dir), "--steps", str(STEPS + 1)]))
+    assert rc == 0, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == {"version": STEPS, "updates": STEPS}
+    assert summary["steps_done"] == STEPS + 1
+    final = torch.load(last[0] / "core.pt", weights_only=True)
+    more = torch.load(run_dir / "batches" / f"b{STEPS:05d}-core.pt", weights_only=False)
+    assert more["version"] == STEPS
+    flat = torch.cat([t.reshape(-1) for t in dict(final["named"]).values()])
+    assert torch.equal(more["params_before"], flat)

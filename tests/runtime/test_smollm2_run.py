@@ -5,9 +5,8 @@ template: SmolLM2-135M-Instruct with its real tokenizer, chat template and tool 
 trained on the learnable `sum` task. It checks what a user of the real model relies on:
 
 * `gyre run` completes its steps: the core publishes each update into the engines, saves
-  the Hugging Face policy directories, and ends with a checkpoint of its last update;
-* `gyre run --resume RUN_DIR --steps MORE` continues that finished run from its last
-  update (not from the start), and publishes again;
+  the Hugging Face policy directories, and ends with a checkpoint of its last update (that
+  a finished run continues from it is checked on the tiny model, test_kill_matrix.py);
 * the final policy is a plain de-quantized model: transformers loads it and
   `gyre engine --model DIR` serves it;
 * `gyre eval` scores it on held-out instances and `gyre report` renders the run.
@@ -35,7 +34,7 @@ def _gyre(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
                           timeout=timeout)  # fmt: skip
 
 
-def test_smollm2_template_publishes_resumes_evaluates_and_reports(
+def test_smollm2_template_publishes_checkpoints_evaluates_and_reports(
     tmp_path: Path, smollm2_policy: object
 ) -> None:
     # smollm2_policy: the session's first SmolLM2 load, which keeps the converted model in
@@ -56,29 +55,21 @@ def test_smollm2_template_publishes_resumes_evaluates_and_reports(
     state = json.loads((run_dir / "checkpoints" / "v00002" / "state.json").read_text())
     assert state["updates"] == 2 and state["version"] == 2, state  # the last update's
 
-    more = _gyre("run", "--resume", str(run_dir), "--steps", "3", "--quiet")
-    assert more.returncode == 0, more.stdout[-2000:] + more.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["resumed_from"] == {"version": 2, "updates": 2}, summary["resumed_from"]
-    assert summary["steps_done"] == 3 and summary["harness_errors"] == 0, summary
+    assert summary["steps_done"] == 2 and summary["harness_errors"] == 0, summary
     with TraceReader(run_dir / "trace.h5") as r:
         events = [(e["kind"], json.loads(e["detail"])) for e in r.rows("events")]
         rewards = r.rows("rewards")
-        served = {i.execution_id: {n.policy_version for n in r.tree(i.execution_id).nodes}
-                  for i in r.executions()}  # fmt: skip
-    # each job publishes every update but its last into the engines: here v1, taken by all
+    # the job publishes every update but its last into the engines: here v1, taken by all
     assert [(d["version"], d["missed"]) for k, d in events if k == "publish"] == [(1, [])]
-    # the second job's engines start from the checkpoint's weights, not the base model
-    later = [e for e in served if int(e.split("-")[0][1:]) >= state["next_group"]]
-    assert {v for e in later for v in served[e]} == {2}, served
     assert rewards and all(0.0 <= row["reward"] <= 1.0 for row in rewards if row["valid"])
 
-    final_policy_loads_and_serves(run_dir / "policies" / "final", version=3)
+    final_policy_loads_and_serves(run_dir / "policies" / "final", version=2)
 
     ev = _gyre("eval", str(run_dir), "--instances", "2", "--json")
     assert ev.returncode == 0, ev.stderr[-4000:]
     scored = json.loads(ev.stdout.strip().splitlines()[-1])
-    assert scored["version"] == 3 and scored["n"] == 2 and scored["excluded"] == 0, scored
+    assert scored["version"] == 2 and scored["n"] == 2 and scored["excluded"] == 0, scored
 
     rep = _gyre("report", str(run_dir), timeout=180)
     assert rep.returncode == 0, rep.stderr[-4000:]

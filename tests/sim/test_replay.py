@@ -40,8 +40,12 @@ def _tree(eid: str, start: float, calls: list[tuple[float, float, int]]) -> Traj
     return tree
 
 
-def write_run(run_dir: Path) -> Path:
-    """Two steps of a 2-cell run: 4 groups of 2; one execution times out at 50 s."""
+def write_run(
+    run_dir: Path, dispatch: tuple[int, ...] = (0, 1, 2, 3), update_s: float | None = None
+) -> Path:
+    """Two steps of a 2-cell run: 4 groups of 2; one execution (g3's) times out at 50 s.
+    `dispatch`: the groups in the order the groups table says they were dispatched;
+    `update_s`: each step's recorded update time (traces before 2026-12 have none)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "trace.h5"
     now = [T0]
@@ -49,8 +53,9 @@ def write_run(run_dir: Path) -> Path:
                      clock=lambda: now[0]) as w:  # fmt: skip
         for g in range(4):
             start = T0 + 1.0 + 20.0 * g
+            at = T0 + 1.0 + 20.0 * dispatch.index(g)
             w.append("groups", [{"group_id": f"g{g}", "task_id": "t", "execution_id": f"g{g}-e{e}",
-                                 "policy_version": 0, "t_dispatch": start} for e in range(2)])  # fmt: skip
+                                 "policy_version": 0, "t_dispatch": at} for e in range(2)])  # fmt: skip
             for e in range(2):
                 eid = f"g{g}-e{e}"
                 now[0] = start
@@ -65,6 +70,9 @@ def write_run(run_dir: Path) -> Path:
                            for s in (1, 2) for n, v in (("elapsed_s", 60.0 * s),
                            ("prepass_s", 1.0), ("gradient_s", 3.0), ("microsteps", 2.0),
                            ("train_cells", 1.0), ("train_wall_s", 4.5))])  # fmt: skip
+        if update_s is not None:
+            w.append("steps", [{"step": s, "t": T0 + 60.0 * s, "name": "update_s",
+                                "value": update_s} for s in (1, 2)])  # fmt: skip
         w.append("events", [
             {"t": T0, "kind": "admit", "detail": json.dumps({"group": "g0", "batch": 0})},
             {"t": T0, "kind": "admit", "detail": json.dumps({"group": "g1", "batch": 1})},
@@ -95,10 +103,37 @@ def test_fit_reads_the_run_s_own_figures(tmp_path: Path) -> None:
     assert costs["train_tokens_per_node_s"] == pytest.approx(tokens_g0 / 6.0)  # 2 x 3 s
     assert costs["microstep_tokens"] == pytest.approx(tokens_g0 / 4.0)
     assert costs["update_s"] == pytest.approx(0.5)  # 4.5 s wall - (1 + 3) s of passes
+    # a trace that records the update's own time: that, not the window beyond the passes
+    # (which also holds a streaming batch's wait for its late groups)
+    recorded = fit(read_run(write_run(tmp_path / "run2", update_s=0.2)))
+    assert recorded.template["costs"]["update_s"] == pytest.approx(0.2)
     assert sched["cells"] == 2 and sched["concurrency_per_cell"] == 2
     assert f.template["workload"]["harness_timeout_h"] == pytest.approx(50 / 3600)
     assert f.recorded["wall_s"] == 120.0 and len(f.groups) == 4
     assert f.groups[3].nominal_s[1] > 50.0  # the timeout stays a timeout in the replay
+
+
+def test_a_recorded_timeout_times_out_in_the_replay_at_any_load(tmp_path: Path) -> None:
+    """An engine below its concurrency limit runs executions faster than nominal; a recorded
+    timeout must still end at the timeout, training on the tokens it recorded."""
+    from gyre.config import load
+    from gyre.sim.config import SimConfig
+    from gyre.sim.simulator import Simulator
+    from gyre.vocabulary import Outcome
+
+    f = fit(read_run(write_run(tmp_path / "run")))
+    template = {**f.template, "workload": {**f.template["workload"],
+                                           "saturation_half_per_node": 1.0}}  # fmt: skip
+    sim = Simulator(load(SimConfig, template, path="replay"), "elastic", steps=8,
+                    groups=f.groups, in_order=True)  # fmt: skip
+    sim.run()
+    assert sim.pool.model.rate(1) > 1.2  # one execution alone on an engine: much faster
+    timed_out = [x for x, o in enumerate(sim.outcome) if o is Outcome.TIMED_OUT]
+    assert timed_out and all(x % 8 == 7 for x in timed_out)  # g3-e1, each time it comes
+    x = timed_out[0]
+    assert sim.end_t[x] - sim.launch_t[x] == pytest.approx(50.0)
+    recorded = next(r for r in read_run(tmp_path / "run").executions if r.timed_out)
+    assert sim.tokens[x] == pytest.approx(recorded.tokens, rel=0.5)
 
 
 def test_replay_cli_prints_the_fit_beside_the_run(
@@ -116,6 +151,25 @@ def test_replay_cli_prints_the_fit_beside_the_run(
     assert main(["sim", "--replay", str(run_dir), "scheduler.cells=1", "scheduler.nodes=1",
                  "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["policies"]["elastic"]["total_h"] > 0
+
+
+def test_an_in_order_replay_meets_the_runs_groups_in_dispatch_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gyre.sim.workload import EmpiricalWorkload
+
+    f = fit(read_run(write_run(tmp_path / "run", dispatch=(3, 0, 1, 2))))
+    assert f.groups[0].nominal_s[1] > 50.0  # g3, the group with the timeout, went first
+    drawn = EmpiricalWorkload(f.groups, seed=0, in_order=True)
+    assert [drawn.sample_group() for _ in range(6)] == [*f.groups, *f.groups[:2]]  # then again
+    run_dir = tmp_path / "run"
+    assert main(["sim", "--replay", str(run_dir), "--in-order", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["replay_wall_s"]) == 1  # no draw to average
+    for extra in (["scheduler.cells=1"], ["--policy", "async"], ["--sweep", "phi=0,1"]):
+        assert main(["sim", "--replay", str(run_dir), "--in-order", *extra]) == 2
+        assert "--in-order: replays the run as it ran" in capsys.readouterr().err
+    assert main(["sim", str(tmp_path / "any.yaml"), "--in-order"]) == 2
+    assert "give --replay RUN too" in capsys.readouterr().err
 
 
 def test_corrupt_or_foreign_files_are_one_line_errors(

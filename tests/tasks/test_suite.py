@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 import shutil
 import statistics
@@ -177,3 +179,67 @@ def test_tool_latency_rejects_bad_values():
         ToolLatency(dist="lognormal", sigma=-1.0)
     with pytest.raises(ConfigError, match=r"high: 1\.0 must be >= low"):
         ToolLatency(dist="uniform", low=2.0, high=1.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    dist=st.sampled_from(["none", "fixed", "uniform", "lognormal"]),
+    a=st.floats(0, 5),
+    b=st.floats(0, 5),
+    mu=st.floats(-5, 3),
+    cap=st.floats(0, 10),
+    qs=st.floats(0, 2),
+    es=st.floats(0, 2),
+    hard=st.floats(0, 1),
+    hf=st.floats(0.1, 8),
+    query=st.text(max_size=8),
+    seed=st.integers(0, 2**32),
+)
+def test_an_executions_latency_is_the_base_draw_times_its_factor(
+    dist, a, b, mu, cap, qs, es, hard, hf, query, seed
+):
+    """Against the obvious reference: one execution's latency draws what the base one
+    draws, times the execution's factor, then capped; and it has no factor left to draw."""
+    lo, hi = min(a, b), max(a, b)
+    base = ToolLatency(dist=dist, seconds=a, low=lo, high=hi, mu=mu, sigma=0.7, max_s=cap,
+                       query_sigma=qs, execution_sigma=es, hard_query_prob=hard,
+                       hard_query_factor=hf)  # fmt: skip
+    f = base.factor(query, "g0-e1")
+    own = base.for_execution(query, "g0-e1")
+    uncapped = dataclasses.replace(base, max_s=1e300).sample(random.Random(seed))
+    assert own.sample(random.Random(seed)) == pytest.approx(min(cap, f * uncapped), rel=1e-9)
+    assert own.factor(query, "g0-e1") == 1.0
+
+
+def test_a_querys_executions_share_its_difficulty_and_hard_queries_are_hard_together():
+    lat = ToolLatency(dist="fixed", seconds=1.0, query_sigma=0.3, hard_query_prob=0.25,
+                      hard_query_factor=4.0)  # fmt: skip
+    queries = [f"learn/notes/{i}" for i in range(2000)]
+    per_query = [{lat.factor(q, f"g0-e{e}") for e in range(4)} for q in queries]
+    assert all(len(f) == 1 for f in per_query)  # no execution spread: one factor a group
+    logs = [math.log(f.pop()) for f in per_query]
+    hard = [x > math.log(4.0) / 2 for x in logs]
+    assert 0.21 < sum(hard) / len(logs) < 0.29  # the hard share
+    easy = [x for x, h in zip(logs, hard) if not h]
+    assert statistics.pstdev(easy) == pytest.approx(0.3, rel=0.1)  # the query spread
+    # and the same query is as hard in every run (its name decides, not the process)
+    assert lat.factor(queries[0], "g9-e0") == lat.factor(queries[0], "g0-e0")
+
+
+def test_executions_of_one_query_spread_by_their_own_factor():
+    lat = ToolLatency(dist="fixed", seconds=1.0, execution_sigma=0.5)
+    logs = [
+        math.log(lat.factor("learn/notes/7", f"g{g}-e{e}")) for g in range(500) for e in range(4)
+    ]
+    assert statistics.fmean(logs) == pytest.approx(0.0, abs=0.05)
+    assert statistics.pstdev(logs) == pytest.approx(0.5, rel=0.1)
+    assert lat.factor("learn/notes/7", "g0-e0") != lat.factor("learn/notes/8", "g0-e0")
+
+
+def test_latency_factors_reject_bad_values():
+    with pytest.raises(ConfigError, match=r"hard_query_prob: 1\.5 must be in 0\.\.1"):
+        ToolLatency(hard_query_prob=1.5)
+    with pytest.raises(ConfigError, match=r"hard_query_factor: 0\.0 must be a finite number > 0"):
+        ToolLatency(hard_query_factor=0.0)
+    with pytest.raises(ConfigError, match=r"execution_sigma: -0\.1 must be"):
+        ToolLatency(execution_sigma=-0.1)
