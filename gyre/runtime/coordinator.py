@@ -49,8 +49,10 @@ from gyre.vocabulary import EngineId, Outcome, Role, VerdictStatus
 
 # what a wait for one message handles meanwhile: executions' reports, restarts, saved policies
 REPORTS = (msg.HarnessEnded, msg.Assessed, msg.JournalNode, msg.EngineReady, msg.PolicySaved)
-# what the end of a run handles while its executions close
-CLOSING = (msg.HarnessEnded, msg.Assessed, msg.JournalNode, msg.PolicySaved, msg.Checkpointed)
+# what the end of a run handles while its executions close (an engine restarted before the
+# last update may report back now: its report ends the restart the run then waits for)
+CLOSING = (msg.HarnessEnded, msg.Assessed, msg.JournalNode, msg.EngineReady, msg.PolicySaved,
+           msg.Checkpointed)  # fmt: skip
 
 
 class Coordinator:

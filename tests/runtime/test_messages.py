@@ -371,6 +371,42 @@ def test_engine_ready_after_a_restart_gives_the_proxy_its_new_url(
     ]
 
 
+def test_an_engine_back_while_the_run_closes_is_not_waited_for_again(
+    world: CoordinatorWorld,
+) -> None:
+    """An engine lost before the last update reports back while the run's executions close:
+    the end of the run takes that report, saves the policy and stops (it does not wait out
+    timeouts.startup_s for a report that already came)."""
+    world.handle(msg.EngineLost(1, -9))
+    world.c.cfg.timeouts.startup_s = 5.0  # how long a missed report would be waited for
+    live = [i for i, x in enumerate(world.c.ledger.executions) if x.live]
+    assert len(live) >= 2  # the close takes several rounds of messages
+    summaries: list[dict[str, Any]] = []
+    closing = threading.Thread(target=lambda: summaries.append(world.c.finish()), daemon=True)
+
+    def sent(kind: type[msg.Message], rank: int) -> Any:
+        got: list[Any] = []
+        _wait(lambda: bool(got.extend(world.take(kind, rank)) or got), kind.__name__)
+        return got[0]
+
+    def reply(rank: int, m: msg.Message) -> None:
+        world.peers[rank].send(m, COORDINATOR_RANK)
+
+    closing.start()
+    save = sent(msg.SaveCheckpoint, world.ranks[0])
+    reply(world.ranks[0], msg.Checkpointed(0, save.folder, 1, 0.1))
+    sent(msg.Cancel, PROXY_RANK)
+    reply(world.ranks[1], msg.EngineReady(1, "http://engine1-again", 0))  # during the close
+    for x in live:
+        reply(PROXY_RANK, msg.HarnessEnded(x, Outcome.CANCELLED, 1.0, 2.0, ""))
+        reply(PROXY_RANK, msg.Assessed(x, _verdict(0.0), 0))
+    sent(msg.SavePolicy, world.ranks[0])
+    reply(world.ranks[0], msg.PolicySaved(0, "/runs/x/policies/final"))
+    closing.join(timeout=20)
+    assert summaries and summaries[0]["policies"] == ["/runs/x/policies/final"]
+    assert world.c.fleet.respawning == set() and world.c.fleet[1].url == "http://engine1-again"
+
+
 @delivers(msg.Checkpointed)
 def test_checkpointed_commits_the_checkpoint(world: CoordinatorWorld) -> None:
     world.c.start_checkpoint()
