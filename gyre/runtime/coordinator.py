@@ -49,10 +49,9 @@ from gyre.vocabulary import EngineId, Outcome, Role, VerdictStatus
 
 # what a wait for one message handles meanwhile: executions' reports, restarts, saved policies
 REPORTS = (msg.HarnessEnded, msg.Assessed, msg.JournalNode, msg.EngineReady, msg.PolicySaved)
-# what the end of a run handles while its executions close (an engine restarted before the
-# last update may report back now: its report ends the restart the run then waits for)
-CLOSING = (msg.HarnessEnded, msg.Assessed, msg.JournalNode, msg.EngineReady, msg.PolicySaved,
-           msg.Checkpointed)  # fmt: skip
+# ... and while a checkpoint commits or the run's executions close (every report still
+# counts then: an engine restarted before the last update may report back during the close)
+CLOSING = (*REPORTS, msg.Checkpointed)
 
 
 class Coordinator:
@@ -442,7 +441,7 @@ class Coordinator:
 
     def await_checkpoint(self) -> None:
         """Until the checkpoint being written (if any) is committed."""
-        self.drain_until(lambda: self.checkpoints.writing is None, (*REPORTS, msg.Checkpointed),
+        self.drain_until(lambda: self.checkpoints.writing is None, CLOSING,
                          self.cfg.timeouts.drain_s, awaited=msg.Checkpointed)  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
