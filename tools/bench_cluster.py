@@ -2,7 +2,8 @@
 run checked against the simulator's replay of it.
 
     python tools/bench_cluster.py [--config templates/bench/cluster.yaml] [--steps 8]
-                                  [--seeds 3] [--staleness 1.5] [--quick] [--json] [--keep DIR]
+                                  [--seeds 3] [--first-seed 0] [--staleness 1.5] [--quick]
+                                  [--json] [--keep DIR]
 
 For every seed and policy: the real `gyre run` (MPI world, proxy, harness processes, tool
 latency, scheduler, reroutes) on the paced template (`pace:`, docs/pacing.md), at the (φ, μ)
@@ -110,6 +111,12 @@ def main() -> int:
     p.add_argument("--config", default=str(ROOT / "templates" / "bench" / "cluster.yaml"))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="seeds run are FIRST_SEED .. FIRST_SEED+SEEDS-1 (split a study across calls)",
+    )
     p.add_argument("--staleness", type=float, default=1.5, help="target E[d] for all policies")
     p.add_argument("--min-phi", type=float, default=1.0, help="Elastic's smallest φ (gyre plan)")
     p.add_argument(
@@ -121,6 +128,8 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--keep", metavar="DIR", help="keep the runs under DIR")
     args = p.parse_args()
+    if args.first_seed < 0 or args.seeds < 1:
+        p.error("--first-seed must be >= 0 and --seeds >= 1")
     if args.quick:
         args.seeds, args.steps, args.eval_every = 1, 4, 4
     from gyre.schedule import plan_for
@@ -132,12 +141,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gyre-cluster-") as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
         rows = [one_run(base, pol, seed, args, work / pol)
-                for seed in range(args.seeds) for pol in POLICIES]  # fmt: skip
+                for seed in range(args.first_seed, args.first_seed + args.seeds)
+                for pol in POLICIES]  # fmt: skip
     policies = per_policy(rows)
     elastic = policies["elastic"]["paced_h"]
     ratios = {f"{pol}/elastic": policies[pol]["paced_h"] / elastic for pol in POLICIES[1:]}
     if args.json:
         print(json.dumps({"config": args.config, "steps": args.steps, "seeds": args.seeds,
+                          "first_seed": args.first_seed,
                           "staleness": args.staleness, "target": args.target,
                           "policies": policies, "ratios": ratios, "runs": rows}, indent=2))  # fmt: skip
         return 0

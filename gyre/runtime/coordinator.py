@@ -309,6 +309,7 @@ class Coordinator:
     def terminated(self, m: msg.HarnessEnded) -> None:
         x = self.ledger.executions[m.execution]
         x.state, x.outcome, x.reason = "terminated", m.outcome.value, m.reason
+        x.t_ended = time.time()  # the slot is free from here: the replay's run time ends here
         if m.outcome not in (Outcome.COMPLETED, Outcome.CANCELLED):
             self.rec.event("terminated", execution=x.id, outcome=m.outcome.value, reason=m.reason)
         if not self.finishing:
@@ -329,7 +330,7 @@ class Coordinator:
         recovered = self.resume.recovering.pop(m.execution, None)
         tree = recovered if recovered is not None else self.rec.journaled_tree(x.id)
         status = x.outcome if x.state == "terminated" else "failed"
-        self.rec.close_execution(x.id, g.id, tree, status, m.verdict)
+        self.rec.close_execution(x.id, g.id, tree, status, m.verdict, t_ended=x.t_ended)
         if m.verdict.status is VerdictStatus.EXCLUDED:
             self.rec.event("excluded", execution=x.id, error=m.verdict.error)
         x.state, x.verdict = "recorded", m.verdict

@@ -28,6 +28,7 @@ class Execution:
     # timed_out, cancelled), or not_launched | unrecoverable | recovered
     outcome: str = "not_launched"
     reason: str = ""  # why the harness did not complete
+    t_ended: float | None = None  # when its harness ended (the coordinator's clock)
     verdict: msg.VerdictRecord | None = None
     tree: Any = None  # kept from scoring until its group is admitted
 

@@ -103,14 +103,24 @@ class RunRecorder:
         return self.writer.journaled_tree(eid)
 
     def close_execution(
-        self, eid: str, group_id: str, tree: TrajectoryTree, status: str, verdict: VerdictRecord
+        self,
+        eid: str,
+        group_id: str,
+        tree: TrajectoryTree,
+        status: str,
+        verdict: VerdictRecord,
+        *,
+        t_ended: float | None = None,
     ) -> None:
-        """The tree, its reward and validity, and every assessment of one execution."""
+        """The tree, its reward and validity, and every assessment of one execution;
+        `t_ended`: when its harness ended (between its last model call and its close)."""
         valid = verdict.usable
         reward = verdict.reward
         meta: dict[str, Any] = {"reward": reward, "valid": valid, "verdict": verdict.status.value}
         if verdict.error:
             meta["error"] = verdict.error
+        if t_ended is not None:
+            meta["t_ended"] = t_ended
         self.writer.close_execution(eid, tree, status=status, meta=meta)
         r = float("nan") if reward is None else float(reward)
         self.writer.append(

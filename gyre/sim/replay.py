@@ -3,10 +3,12 @@
 `gyre sim --replay RUN_DIR|TRACE` reads the run's HDF5 trace (docs/trace-format.md) and its
 config (the run meta), and fits:
 
-* the workload: per execution its run time (open to its last model call, or the harness
-  timeout), evaluation time (to its close), model calls, training tokens (the flat tokens of
-  at most J_max of its trajectories), outcome (harness timeout, excluded by the overall
-  budget); per group (query) the span of its executions;
+* the workload: per execution its run time (open to its harness's end, or the harness
+  timeout; a trace written before runs recorded `t_ended`: to its last model call, which
+  leaves the harness's last tool work out of the slot's time), evaluation time (to its
+  close), model calls, training tokens (the flat tokens of at most J_max of its
+  trajectories), outcome (harness timeout, excluded by the overall budget); per group
+  (query) the span of its executions;
 * the costs: switch seconds per direction (the `roles` timeline's transitions), publication
   seconds (`publish` events), gradient throughput and prepass share (the `steps` table's
   `gradient_s` / `prepass_s` over the admitted groups' tokens, from `admit` events),
@@ -141,11 +143,11 @@ def _execution(info: Any, tree: Any, timeout_s: float, j_max: int) -> RecordedEx
     timed_out = info.status == Outcome.TIMED_OUT.value
     total = float(info.t_close - info.t_open)
     gen = None
-    run_s = min(total, timeout_s) if timed_out else math.nan
+    run_s = min(total, timeout_s) if timed_out else _harness_s(meta, info)
     if tree is not None and len(tree):
         nodes = tree.nodes  # one per model call
         gen = sum(n.t_end - n.t_start for n in nodes)
-        if not timed_out:
+        if math.isnan(run_s):  # a trace without the harness's end: its last model call
             run_s = max(n.t_end for n in nodes) - info.t_open
     leaves = max(1, info.num_leaves)
     return RecordedExecution(
@@ -159,6 +161,15 @@ def _execution(info: Any, tree: Any, timeout_s: float, j_max: int) -> RecordedEx
         valid=meta.get("verdict") == VerdictStatus.SCORED.value,
         generation_s=gen,
     )
+
+
+def _harness_s(meta: Any, info: Any) -> float:
+    """Open to the harness's end (`t_ended`, recorded since 2026-12-04): the execution's slot
+    is busy until then, through its last tool work after its last model call; NaN without it."""
+    ended = meta.get("t_ended")
+    if isinstance(ended, (int, float)) and info.t_open <= ended <= info.t_close:
+        return float(ended - info.t_open)
+    return math.nan
 
 
 def _fill_unsampled(executions: list[RecordedExecution]) -> None:

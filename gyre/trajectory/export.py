@@ -60,6 +60,7 @@ EXECUTION_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("closed", pa.bool_(), "false: never closed, exported from the journal"),
     ("t_dispatch", pa.float64(), "dispatch time (unix s; NaN if not in groups)"),
     ("t_open", pa.float64(), "open time (unix s)"),
+    ("t_ended", pa.float64(), "its harness's end (unix s; NaN: not recorded)"),
     ("t_close", pa.float64(), "close time (unix s; NaN while open)"),
     ("seconds", pa.float64(), "t_close - t_open"),
     ("dispatch_policy_version", pa.int64(), "policy version at dispatch (null if unknown)"),
@@ -191,6 +192,10 @@ def node_columns(
     return cols
 
 
+def _seconds(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
 def _execution_row(
     info: ExecutionInfo, tree: TrajectoryTree, nodes: dict[str, Any], joins: dict[str, Any]
 ) -> dict[str, Any]:
@@ -219,6 +224,7 @@ def _execution_row(
         "closed": info.closed,
         "t_dispatch": group.get("t_dispatch", math.nan),
         "t_open": info.t_open,
+        "t_ended": _seconds(meta.get("t_ended")),
         "t_close": t_close,
         "seconds": t_close - info.t_open,
         "dispatch_policy_version": group.get("policy_version"),

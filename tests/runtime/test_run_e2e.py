@@ -105,6 +105,9 @@ def test_gyre_run_end_to_end_with_engine_kill(e2e_run: World) -> None:
         if execs[eid].status == "completed":
             report = json.loads(stdout.read_text().strip().splitlines()[-1])["report"]
             assert len(tree) == sum(report["calls"].values()), eid
+            # its harness's end, after its last call, before its close: the replay's run time
+            last_call = max((n.t_end for n in tree.nodes), default=execs[eid].t_open)
+            assert last_call <= execs[eid].meta["t_ended"] <= execs[eid].t_close, eid
 
     # the engine loss is recorded; the calls it was serving needed a second engine attempt,
     # and every such call was recorded once, served by a live engine

@@ -41,11 +41,15 @@ def _tree(eid: str, start: float, calls: list[tuple[float, float, int]]) -> Traj
 
 
 def write_run(
-    run_dir: Path, dispatch: tuple[int, ...] = (0, 1, 2, 3), update_s: float | None = None
+    run_dir: Path,
+    dispatch: tuple[int, ...] = (0, 1, 2, 3),
+    update_s: float | None = None,
+    ended: float | None = None,
 ) -> Path:
     """Two steps of a 2-cell run: 4 groups of 2; one execution (g3's) times out at 50 s.
     `dispatch`: the groups in the order the groups table says they were dispatched;
-    `update_s`: each step's recorded update time (traces before 2026-12 have none)."""
+    `update_s`: each step's recorded update time (traces before 2026-12 have none);
+    `ended`: seconds after its open each harness ended (`t_ended`; older traces: none)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "trace.h5"
     now = [T0]
@@ -63,9 +67,12 @@ def write_run(
                 now[0] = start + 12.0  # closed after a 3 s (e0) or 1 s (e1) evaluation
                 timed_out = g == 3 and e == 1
                 calls = [(1.0, 4.0, 100), (5.0, 9.0 + 2 * e, 100)]  # 2 calls, 6-7 s generating
+                meta = {"verdict": "scored", "reward": 0.5}
+                if ended is not None:
+                    meta["t_ended"] = start + ended
                 w.close_execution(eid, _tree(eid, start, calls),
                                   status="timed_out" if timed_out else "completed",
-                                  meta={"verdict": "scored", "reward": 0.5})  # fmt: skip
+                                  meta=meta)  # fmt: skip
         w.append("steps", [{"step": s, "t": T0 + 60.0 * s, "name": n, "value": v}
                            for s in (1, 2) for n, v in (("elapsed_s", 60.0 * s),
                            ("prepass_s", 1.0), ("gradient_s", 3.0), ("microsteps", 2.0),
@@ -111,6 +118,19 @@ def test_fit_reads_the_run_s_own_figures(tmp_path: Path) -> None:
     assert f.template["workload"]["harness_timeout_h"] == pytest.approx(50 / 3600)
     assert f.recorded["wall_s"] == 120.0 and len(f.groups) == 4
     assert f.groups[3].nominal_s[1] > 50.0  # the timeout stays a timeout in the replay
+
+
+def test_an_executions_run_time_ends_where_its_harness_ended(tmp_path: Path) -> None:
+    """The slot is busy until the harness exits, through its tool work after its last model
+    call; only the rest to the close is evaluation (a trace without `t_ended`: the last call)."""
+    run = read_run(write_run(tmp_path / "run", ended=11.5))
+    g0 = [x for x in run.executions if x.group == "g0"]
+    assert [x.run_s for x in g0] == pytest.approx([11.5, 11.5])  # last calls end at +9, +11
+    assert [x.eval_s for x in g0] == pytest.approx([0.5, 0.5])
+    assert fit(run).groups[0].nominal_s.tolist() == pytest.approx([11.5, 11.5])
+    # an end outside the execution's open..close is not a harness end: the last call counts
+    late = read_run(write_run(tmp_path / "late", ended=13.0))
+    assert [x.run_s for x in late.executions if x.group == "g0"] == pytest.approx([9.0, 11.0])
 
 
 def test_a_recorded_timeout_times_out_in_the_replay_at_any_load(tmp_path: Path) -> None:

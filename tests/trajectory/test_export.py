@@ -66,7 +66,7 @@ def write_trace(path: Path) -> dict[str, TrajectoryTree]:
         w.append("groups", groups)
         w.open_execution("g0-e0", {"engine": "e1", "group": "g0", "task": "tâsk"})
         w.close_execution("g0-e0", closed, status="timed_out",
-                          meta={"verdict": "scored", "reward": 0.5})  # fmt: skip
+                          meta={"verdict": "scored", "reward": 0.5, "t_ended": 12.5})  # fmt: skip
         w.append("rewards", [{"execution_id": "g0-e0", "group_id": "g0", "reward": 0.5,
                               "valid": True, "t": 11.0}])  # fmt: skip
         w.open_execution(OPEN_ID, {"group": "g0", "task": "tâsk"})
@@ -155,6 +155,7 @@ def test_executions_join_tables_meta_and_tree_stats(exported: tuple) -> None:
     assert json.loads(done.meta)["reward"] == 0.5
     assert (live.status, live.closed, live.task_id, live.num_nodes) == ("open", False, "tâsk@7", 3)
     assert np.isnan(live.reward) and pd.isna(live.valid) and np.isnan(live.t_close)
+    assert done.t_ended == 12.5 and np.isnan(live.t_ended)  # the harness's end, where recorded
 
 
 def test_store_tables_and_run_json(exported: tuple, tmp_path: Path) -> None:
