@@ -19,6 +19,11 @@ the same for any split of rows into micro-steps and any assignment of micro-step
 
 `token_weight="sequence_ratio"` uses rho_t = s_i instead, which is exactly GSPO's gradient
 (Zheng et al., 2025) with our execution-level sequences and normalization.
+
+l_t comes from `target_logprobs(logits, ids)`, chunked over the sequence in forward and backward
+so that no full-vocabulary log-softmax of a row exists; `lm_head_target_logprobs(hidden,
+lm_head_weight, ids)` also makes each chunk's logits inside the chunk, for rows whose logits
+would not fit (docs/training.md, "Memory per token (measured)").
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from gyre.errors import TrainingError
 from gyre.train.config import ObjectiveConfig
@@ -77,11 +84,173 @@ def step_tensors(step: MicroStep, device: str | torch.device = "cpu") -> StepTen
     )
 
 
-def target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log pi(ids[:, t] | ids[:, :t]) for t >= 1 (column 0 is 0), in the logits' dtype."""
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
-    picked = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(picked, (1, 0))
+CHUNK_ELEMENTS = 1 << 25
+"""Logits per chunk of `target_logprobs` when no `chunk_tokens` is given (128 MiB in float32):
+the bound on each per-chunk temporary, whatever the row length."""
+
+
+def target_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, *, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """log pi(ids[:, t] | ids[:, :t]) for t >= 1 (column 0 is 0), in the logits' dtype.
+
+    Computed `logits[target] - logsumexp(logits)` chunk by chunk over the sequence, forward and
+    backward (which recomputes each chunk's softmax), so no full-vocabulary log-softmax, upcast
+    copy or second gradient buffer of the `[rows, len, vocab]` logits is ever allocated; the
+    only full-size tensor besides the logits is their own gradient. A chunk holds about
+    `chunk_tokens` positions of all rows (default: `CHUNK_ELEMENTS // vocab`); the arithmetic
+    is in float32 for 16-bit logits (float64 stays float64).
+    """
+    chunk = _chunk_positions(logits.shape[0], logits.shape[-1], chunk_tokens)
+    out = _TargetLogprobs.apply(logits, ids, chunk)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def lm_head_target_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """`target_logprobs(hidden @ weight.T, ids)` without the logits tensor.
+
+    `hidden` [rows, len, H] is the model's last hidden state (after its final norm) and
+    `weight` [vocab, H] its bias-free LM head (`model.get_output_embeddings().weight`, tied
+    or not); each chunk's logits are computed, used and dropped, in forward and again in
+    backward, so memory per token is O(H), not O(vocab). Gradients flow to both `hidden` and
+    `weight` (the head's gradient is accumulated over chunks in float32 for 16-bit weights).
+    """
+    chunk = _chunk_positions(hidden.shape[0], weight.shape[0], chunk_tokens)
+    out = _HeadTargetLogprobs.apply(hidden, weight, ids, chunk)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _chunk_positions(rows: int, vocab: int, chunk_tokens: int | None) -> int:
+    """Sequence positions per chunk so that one chunk holds ~`chunk_tokens` rows x positions."""
+    tokens = chunk_tokens if chunk_tokens is not None else CHUNK_ELEMENTS // max(vocab, 1)
+    if tokens < 1:
+        raise TrainingError(f"chunk_tokens: {chunk_tokens}; allowed >= 1")
+    return max(1, tokens // max(rows, 1))
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _spans(width: int, chunk: int) -> list[tuple[int, int]]:
+    """[s, e) over the predicting positions 0 .. width-2 (position t predicts ids[:, t+1])."""
+    return [(s, min(s + chunk, width - 1)) for s in range(0, width - 1, chunk)]
+
+
+def _chunk_logprobs(
+    z: torch.Tensor, ids: torch.Tensor, s: int, e: int, ct: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target log-probs, max, log-sum-exp of logits - max) of the logits chunk `z` (positions
+    s..e-1), in `ct`; the target's `logit - max` is taken before the log-sum is subtracted, as
+    in log_softmax, so a target near probability 1 keeps its small log-prob."""
+    top = z.amax(dim=-1).to(ct)
+    shifted = torch.sub(z, top[..., None])  # the chunk's one temporary (in ct)
+    logsum = shifted.exp_().sum(dim=-1).log_()
+    picked = z.gather(-1, ids[:, s + 1 : e + 1, None]).squeeze(-1).to(ct)
+    return (picked - top) - logsum, top, logsum
+
+
+def _chunk_grad(
+    z: torch.Tensor,
+    ids: torch.Tensor,
+    top: torch.Tensor,
+    logsum: torch.Tensor,
+    g: torch.Tensor,
+    s: int,
+    e: int,
+) -> torch.Tensor:
+    """d/dz of sum g * log_softmax(z)[target] = g * (onehot(target) - softmax(z)), in the
+    dtype of `top` (one chunk-sized temporary, updated in place)."""
+    dz = torch.sub(z, top[..., None]).sub_(logsum[..., None]).exp_().mul_(-g[..., None])
+    return dz.scatter_add_(-1, ids[:, s + 1 : e + 1, None], g[..., None])
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """`target_logprobs` from the logits, chunked over the sequence in forward and backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: torch.Tensor, ids: torch.Tensor, chunk: int
+    ) -> torch.Tensor:
+        n, width, _ = logits.shape
+        ct = _compute_dtype(logits.dtype)
+        out, top, logsum = torch.zeros((3, n, width), dtype=ct, device=logits.device).unbind(0)
+        for s, e in _spans(width, chunk):
+            col = slice(s + 1, e + 1)
+            out[:, col], top[:, col], logsum[:, col] = _chunk_logprobs(
+                logits[:, s:e], ids, s, e, ct
+            )
+        ctx.save_for_backward(logits, ids, top, logsum)
+        ctx.chunk = chunk
+        return out.to(logits.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        logits, ids, top, logsum = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        grad = torch.empty_like(logits)
+        grad[:, -1].zero_()  # the last position predicts nothing
+        for s, e in _spans(logits.shape[1], ctx.chunk):
+            col = slice(s + 1, e + 1)
+            g = grad_out[:, col].to(top.dtype)
+            grad[:, s:e].copy_(
+                _chunk_grad(logits[:, s:e], ids, top[:, col], logsum[:, col], g, s, e)
+            )
+        return grad, None, None
+
+
+class _HeadTargetLogprobs(torch.autograd.Function):
+    """`lm_head_target_logprobs`: each chunk's logits recomputed from hidden states."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, chunk: int
+    ) -> torch.Tensor:
+        n, width, _ = hidden.shape
+        ct = _compute_dtype(hidden.dtype)
+        out, top, logsum = torch.zeros((3, n, width), dtype=ct, device=hidden.device).unbind(0)
+        for s, e in _spans(width, chunk):
+            z = torch.nn.functional.linear(hidden[:, s:e], weight)
+            col = slice(s + 1, e + 1)
+            out[:, col], top[:, col], logsum[:, col] = _chunk_logprobs(z, ids, s, e, ct)
+        ctx.save_for_backward(hidden, weight, ids, top, logsum)
+        ctx.chunk = chunk
+        return out.to(hidden.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        hidden, weight, ids, top, logsum = ctx.saved_tensors
+        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=_compute_dtype(weight.dtype), device=weight.device)
+            if ctx.needs_input_grad[1]
+            else None
+        )
+        for s, e in _spans(hidden.shape[1], ctx.chunk):
+            h = hidden[:, s:e]
+            z = torch.nn.functional.linear(h, weight)
+            col = slice(s + 1, e + 1)
+            g = grad_out[:, col].to(top.dtype)
+            dz = _chunk_grad(z, ids, top[:, col], logsum[:, col], g, s, e).to(hidden.dtype)
+            del z
+            if grad_h is not None:
+                grad_h[:, s:e] = dz @ weight
+            if grad_w is not None:
+                grad_w += (dz.flatten(0, 1).T @ h.flatten(0, 1)).to(grad_w.dtype)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None
 
 
 def check_finite(logp: torch.Tensor, st: StepTensors, where: str) -> None:

@@ -1,4 +1,6 @@
-"""The execution-level objective against slow per-token references, and split invariance."""
+"""The execution-level objective against slow per-token references, and split invariance;
+chunked target log-probs against plain log-softmax + gather, with a check that no
+full-vocabulary temporary comes back."""
 
 from __future__ import annotations
 
@@ -11,16 +13,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import train_batch_reference
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gyre.errors import TrainingError
 from gyre.train.cell import CoreOptimizer, OptimConfig, TorchCell
 from gyre.train.objective import (
     ObjectiveConfig,
     execution_scalars,
+    lm_head_target_logprobs,
     merge_sums,
     ratio_sums,
     step_loss,
     step_tensors,
+    target_logprobs,
     token_coefficients,
 )
 from gyre.train.packing import MicroStep, pack_rows
@@ -154,3 +159,155 @@ def test_missing_execution_sums_are_an_error() -> None:
         execution_scalars(
             merge_sums([{"a": 0.1}]), {"a": (1.0, 3), "b": (0.5, 2)}, ObjectiveConfig()
         )
+
+
+# ---- target log-probs: chunked vs the obvious full log-softmax --------------------------------
+
+
+def _reference_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The slow, obvious definition (and the code before chunking): log_softmax, then gather."""
+    picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])
+    return torch.nn.functional.pad(picked.squeeze(-1), (1, 0))
+
+
+def _values_and_grad(fn, logits: torch.Tensor, ids, weights):
+    x = logits.detach().clone().requires_grad_(True)
+    out = fn(x, ids)
+    (out.to(weights.dtype) * weights).sum().backward()
+    assert x.grad is not None
+    return out.detach(), x.grad
+
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 3),
+    width=st.integers(1, 12),
+    vocab=st.integers(1, 40),
+    chunk=st.one_of(st.none(), st.integers(1, 20)),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    scale=st.sampled_from([0.1, 3.0, 40.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_target_logprobs_match_log_softmax(rows, width, vocab, chunk, dtype, scale, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    logits = (scale * torch.randn(rows, width, vocab, generator=gen, dtype=torch.float64)).to(dtype)
+    ids = torch.randint(0, vocab, (rows, width), generator=gen)
+    weights = torch.randn(rows, width, generator=gen, dtype=torch.float64)
+    got, g_got = _values_and_grad(
+        lambda x, i: target_logprobs(x, i, chunk_tokens=chunk), logits, ids, weights
+    )
+    want, g_want = _values_and_grad(_reference_logprobs, logits, ids, weights)
+    assert got.dtype == dtype and got.shape == (rows, width) and g_got.dtype == dtype
+    assert torch.equal(got[:, 0], torch.zeros(rows, dtype=dtype))
+    tol = TOL[dtype]
+    assert torch.allclose(got, want, rtol=tol, atol=tol)
+    assert torch.allclose(g_got, g_want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, None])
+def test_bfloat16_logprobs_keep_dtype_and_round_once(chunk) -> None:
+    """16-bit logits: the result and gradient stay bfloat16 (as before), computed in float32
+    and rounded once, so they lie within one bfloat16 step of the float32 reference."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 17, 300, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, 300, (3, 17), generator=gen)
+    weights = torch.randn(3, 17, generator=gen)
+    got, g_got = _values_and_grad(
+        lambda x, i: target_logprobs(x, i, chunk_tokens=chunk), logits, ids, weights
+    )
+    want, g_want = _values_and_grad(_reference_logprobs, logits.float(), ids, weights)
+    assert got.dtype == torch.bfloat16 and g_got.dtype == torch.bfloat16
+    step = 2.0**-7
+    assert torch.allclose(got.float(), want, rtol=step, atol=1e-6)
+    assert torch.allclose(g_got.float(), g_want, rtol=step, atol=step * float(g_want.abs().max()))
+    old, _ = _values_and_grad(_reference_logprobs, logits, ids, weights)  # bf16 log_softmax
+    assert torch.allclose(got.float(), old.float(), rtol=2 * step, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 3),
+    width=st.integers(1, 10),
+    chunk=st.one_of(st.none(), st.integers(1, 12)),
+    seed=st.integers(0, 2**16),
+)
+def test_lm_head_logprobs_match_logits_path(rows, width, chunk, seed) -> None:
+    """From hidden states and the head weight: the same values and both gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, width, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(30, 8, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, 30, (rows, width), generator=gen)
+    coeff = torch.randn(rows, width, generator=gen, dtype=torch.float64)
+
+    def run(fn):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = fn(h, w)
+        step_loss(out, coeff).backward()
+        return out.detach(), h.grad, w.grad
+
+    got = run(lambda h, w: lm_head_target_logprobs(h, w, ids, chunk_tokens=chunk))
+    want = run(lambda h, w: _reference_logprobs(h @ w.T, ids))
+    for a, b in zip(got, want):
+        assert a is not None and b is not None
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_lm_head_logprobs_bfloat16_accumulates_head_gradient_in_float32() -> None:
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 40, 16, generator=gen).to(torch.bfloat16)
+    weight = (0.3 * torch.randn(200, 16, generator=gen)).to(torch.bfloat16)
+    ids = torch.randint(0, 200, (2, 40), generator=gen)
+    coeff = torch.randn(2, 40, generator=gen, dtype=torch.float64)
+    w = weight.clone().requires_grad_(True)
+    out = lm_head_target_logprobs(hidden, w, ids, chunk_tokens=4)
+    step_loss(out, coeff).backward()
+    w32 = weight.float().requires_grad_(True)
+    step_loss(_reference_logprobs(hidden.float() @ w32.T, ids), coeff).backward()
+    assert out.dtype == torch.bfloat16 and w.grad is not None and w.grad.dtype == torch.bfloat16
+    assert w32.grad is not None
+    err = float((w.grad.float() - w32.grad).norm() / w32.grad.norm())
+    assert err < 2.0**-8  # one rounding of the sum, not one per chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_full_vocabulary_temporary(dtype: torch.dtype) -> None:
+    """Forward + backward of the step loss through `target_logprobs` allocates one full-size
+    tensor besides the logits: their gradient. Every op's output is seen by a dispatch mode
+    (backward included) and every tensor saved for backward by a saved-tensors hook; the
+    plain log-softmax (4 full-size buffers, one saved) fails both checks."""
+    rows, width, vocab = 2, 64, 500
+    full = rows * (width - 1) * vocab
+    logits = torch.randn(rows, width, vocab).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, vocab, (rows, width))
+    coeff = torch.randn(rows, width, dtype=torch.float64)
+    big, saved = _FullSizeOutputs(full * logits.element_size() // 2), set[int]()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() >= full // 2:
+            saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), big:
+        step_loss(target_logprobs(logits, ids, chunk_tokens=rows * 8), coeff).backward()
+    own = logits.untyped_storage().data_ptr()
+    assert logits.grad is not None
+    assert saved <= {own}, "a full-size tensor other than the logits is saved for backward"
+    assert big.storages - {own} == {logits.grad.untyped_storage().data_ptr()}
+
+
+class _FullSizeOutputs(TorchDispatchMode):
+    """The storages of every op output of at least `nbytes` bytes."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        self.nbytes, self.storages = nbytes, set[int]()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= self.nbytes:
+                self.storages.add(t.untyped_storage().data_ptr())
+        return out
