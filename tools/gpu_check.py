@@ -19,11 +19,20 @@ recorded and the next still runs):
   memory at every point (engine release, trainer load + one micro-step, trainer release,
   engine resume, trainer resume); that the released engine says so and refuses calls (503),
   the bytes the trainer's buffers gave back and still hold, whether the engine answers
-  identically afterwards and the trainer gets its exact weights back.
+  identically afterwards and the trainer gets its exact weights back;
+* ``megatron_tp2`` — a Megatron cell with tensor parallelism 2: two processes
+  (`torch.multiprocessing.spawn`; NCCL, one GPU each, or gloo on CPU with the CPU patches
+  of `gyre.train.megatron.cpu`) load their TP shards of the model (`hf_to_mcore`) and run
+  one phase-A + phase-B step in float32; objective, global gradient norm and every
+  gathered gradient tensor against the one-process torch backend. Skipped, with the reason,
+  on a machine with fewer than two GPUs.
 
 The model is built from a config (nothing is downloaded): ``--size 0.5b`` is Qwen2.5-0.5B's
 shape (hidden 896, 24 layers, 14 heads / 2 KV heads, MLP 4864, vocab 151936, tied); the
 engine sections use the same shape with the shipped 4096-token tokenizer's vocabulary.
+`meta.imports` lists the version of every third-party package the sections import beyond
+torch / transformers / numpy / h5py / yaml (tools/gpu_check.sh carries their wheels), or why
+it failed to import.
 """
 
 from __future__ import annotations
@@ -54,8 +63,13 @@ TOLERANCES = {
     "float32": {"objective_rel": 1e-4, "grad_norm_rel": 1e-4},
     "bfloat16": {"objective_rel": 3e-2, "grad_norm_rel": 3e-2},
 }
-SECTIONS = ("parity", "train_speed", "engine", "role_switch")
-BUDGET_S = {"parity": 140, "train_speed": 90, "engine": 140, "role_switch": 90}
+SECTIONS = ("parity", "train_speed", "engine", "role_switch", "megatron_tp2")
+BUDGET_S = {"parity": 140, "train_speed": 90, "engine": 140, "role_switch": 90,
+            "megatron_tp2": 120}  # fmt: skip
+# Imported by the sections (directly or through gyre) beyond the device image's torch,
+# transformers, numpy, h5py and yaml: tools/gpu_check.sh's WHEELS carries them.
+CARRIED = {"megatron.core": "megatron-core", "tornado": "tornado", "orjson": "orjson",
+           "aiohttp": "aiohttp"}  # module: distribution  # fmt: skip
 
 
 # ----- shared helpers ---------------------------------------------------------------------
@@ -438,9 +452,120 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
     return points
 
 
+# ----- (e) Megatron TP = 2 ----------------------------------------------------------------
+def section_megatron_tp2(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.multiprocessing as mp
+
+    from gyre.rollout.sglang.process import free_port
+
+    cuda = args.device.startswith("cuda")
+    if cuda and torch.cuda.device_count() < 2:
+        return {"status": "skipped",
+                "reason": f"needs 2 GPUs (NCCL, one per TP rank); {torch.cuda.device_count()} "
+                          "visible"}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(tp2_rank, args=(args.device, args.size, free_port(), tmp), nprocs=2, join=True)
+        out: dict[str, Any] = json.loads((Path(tmp) / "result.json").read_text())
+    out["status"] = "ok"
+    return out
+
+
+def tp2_rank(rank: int, device: str, size: str, port: int, tmp: str) -> None:
+    """One TP rank of `section_megatron_tp2` (rank 0 also runs the torch reference)."""
+    import torch
+    import torch.distributed as dist
+
+    from gyre.train.config import ObjectiveConfig, OptimConfig
+    from gyre.train.megatron.config import MegatronConfig
+    from gyre.train.megatron.model import (
+        MegatronCell,
+        ModelParallelOptimizer,
+        build_gpt_model,
+        init_model_parallel,
+    )
+    from gyre.train.megatron.weights import Layout, hf_to_mcore
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=2)  # fmt: skip
+    try:
+        cfg = MegatronConfig(tensor_parallel=2, dtype="float32")
+        init_model_parallel(cfg)
+        config = qwen_config(size)
+        hfc, layout = config.to_dict(), Layout.from_hf_config(config.to_dict())
+        ref = hf_model(config, "cpu", torch.float32)  # the same seed on both ranks
+        meg = build_gpt_model(hfc, cfg, device=f"cuda:{rank}" if cuda else "cpu")
+        shard = hf_to_mcore(ref.state_dict(), layout, tp_rank=rank, tp_size=2)
+        load = meg.load_state_dict(shard, strict=False)
+        assert not load.unexpected_keys, load.unexpected_keys
+        steps, info = batch(config.vocab_size, executions=6, length=(64, 384), budget=2048)
+        cell = MegatronCell(meg, objective=ObjectiveConfig())
+        got = run_batch(cell, steps, info)
+        norm = ModelParallelOptimizer(cell, OptimConfig()).global_norm(cell.flat_grads)
+        got["grad_norm"] = norm / info.num_executions
+        grads = {k: p.grad.detach().cpu() for k, p in meg.named_parameters() if p.grad is not None}
+        torch.save(grads, Path(tmp) / f"grads{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            result = tp2_compare(ref.to(device=f"cuda:{rank}" if cuda else "cpu"), got,
+                                 steps, info, layout, Path(tmp))  # fmt: skip
+            (Path(tmp) / "result.json").write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def tp2_compare(ref: Any, got: dict[str, Any], steps: list, info: Any, layout: Any,
+                tmp: Path) -> dict[str, Any]:  # fmt: skip
+    """The torch backend's step on the whole model against the TP = 2 cell's."""
+    import torch
+
+    from gyre.train.cell import TorchCell
+    from gyre.train.config import ObjectiveConfig
+    from gyre.train.megatron.weights import mcore_to_hf
+
+    want = run_batch(TorchCell(ref, objective=ObjectiveConfig()), steps, info)
+    shards = [torch.load(tmp / f"grads{r}.pt") for r in range(2)]
+    gathered = mcore_to_hf(shards, layout)
+    worst = max(
+        float((gathered[k].double() - p.grad.double().cpu()).norm()
+              / p.grad.double().norm().clamp_min(1e-30))
+        for k, p in ref.named_parameters() if k in gathered
+    )  # fmt: skip
+    tol = TOLERANCES["float32"]
+    return {
+        "tensor_parallel": 2, "dtype": "float32", "micro_steps": len(steps),
+        "torch": want, "megatron_tp2": got,
+        "objective_rel_diff": rel(got["objective"], want["objective"]),
+        "grad_norm_rel_diff": rel(got["grad_norm"], want["grad_norm"]),
+        "worst_tensor_grad_rel_l2": worst, "tensors_compared": len(gathered), "tolerance": tol,
+        "pass": rel(got["objective"], want["objective"]) <= tol["objective_rel"]
+        and rel(got["grad_norm"], want["grad_norm"]) <= tol["grad_norm_rel"],
+    }  # fmt: skip
+
+
 # ----- orchestration ----------------------------------------------------------------------
 FUNCS = {"parity": section_parity, "train_speed": section_train_speed,
-         "engine": section_engine, "role_switch": section_role_switch}  # fmt: skip
+         "engine": section_engine, "role_switch": section_role_switch,
+         "megatron_tp2": section_megatron_tp2}  # fmt: skip
+
+
+def imports() -> dict[str, str]:
+    """Version of each carried package, or why it does not import."""
+    import importlib
+    import importlib.metadata
+
+    found = {}
+    for name, dist in CARRIED.items():
+        try:
+            importlib.import_module(name)
+            found[name] = importlib.metadata.version(dist)
+        except Exception as e:  # ImportError, or a package broken on this machine
+            found[name] = f"{type(e).__name__}: {e}"
+    return found
 
 
 def meta(args: argparse.Namespace) -> dict[str, Any]:
@@ -453,12 +578,9 @@ def meta(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
-    try:
-        import megatron.core
-
-        info["megatron_core"] = getattr(megatron.core, "__version__", "unknown")
-    except ImportError:
-        info["megatron_core"] = None
+        info["gpus"] = torch.cuda.device_count()
+    info["imports"] = imports()
+    info["megatron_core"] = info["imports"]["megatron.core"]
     return info
 
 

@@ -3,7 +3,7 @@
 #
 # On the development machine (has PyPI), once, in the repository root:
 #     echo /.whl/ >> .git/info/exclude      # keep the wheels out of git
-#     tools/gpu_check.sh --fetch-wheels     # megatron-core + tornado for Python 3.12 into .whl/
+#     tools/gpu_check.sh --fetch-wheels     # WHEELS below, for Python 3.12, into .whl/
 # Then with the device tool:
 #     run(command="tools/gpu_check.sh", carry=[".whl"], timeout_s=560)
 # The device machine has Python 3.12 with a CUDA torch, transformers, numpy, h5py, yaml and no
@@ -11,11 +11,19 @@
 # is put on PYTHONPATH (no pip install of gyre). Results: $OUT/gpu_check.json (written after
 # every section, so a late timeout keeps the finished ones), $OUT/gpu_check.log,
 # $OUT/nvidia-smi.txt. Without $OUT they go to docs/results/.
-# Arguments after the script name go to tools/gpu_check.py (e.g. --sections engine).
+# Arguments after the script name go to tools/gpu_check.py (e.g. --sections engine). With two
+# GPUs the megatron_tp2 section runs last (budget 120 s): give it its own run
+# (--sections megatron_tp2) if the others use the whole 470 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-WHEELS=(megatron-core==0.16.1 tornado==6.6.1)
+# Every package tools/gpu_check.py's sections import, directly or through gyre, beyond the
+# image's torch / transformers / numpy / h5py / yaml (their `meta.imports` in the JSON):
+# megatron-core; tornado (the embedded engine's server); orjson (EngineClient's bodies);
+# aiohttp (EngineClient's transport) with its own dependencies, idna included (yarl's).
+WHEELS=(megatron-core==0.16.1 tornado==6.6.1 orjson==3.13.0 aiohttp==3.14.5
+        aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0
+        multidict==7.2.1 propcache==0.5.4 yarl==1.25.1 idna==3.20)
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
     exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \

@@ -1,8 +1,10 @@
 """tools/gpu_check.py's sections on CPU with the tiny shape: the script the GPU session runs
 is exercised end to end here (engine launcher `gyre.gpu.engine`, behaviour log-probs vs the
 trainer's recomputation, the rollout → training → rollout switch: what each side frees and
-gets back). On CPU the parity section reports itself skipped (megatron-core needs CUDA for
-forward passes)."""
+gets back, the Megatron TP = 2 step over two gloo processes against the torch backend). On
+CPU the parity section reports itself skipped; the TP = 2 section skips itself, with the
+reason, on one GPU. tools/gpu_check.sh carries a wheel for every package the sections import
+beyond the device image's."""
 
 from __future__ import annotations
 
@@ -62,3 +64,31 @@ def test_parity_reports_skip_without_cuda(gpu_check):
     if torch.cuda.is_available():
         pytest.skip("on CUDA the parity section is run by tools/gpu_check.sh")
     assert gpu_check.section_parity(ARGS)["status"] == "skipped"
+
+
+@pytest.mark.slow
+def test_megatron_tp2_step_matches_torch_backend(gpu_check):
+    """Two spawned ranks (gloo on CPU), each with its TP shard, one phase A + B step: the same
+    objective, global gradient norm and (gathered) gradient tensors as the torch backend."""
+    out = gpu_check.run_section("megatron_tp2", ARGS)
+    assert out["status"] == "ok", out
+    assert out["pass"] is True and out["tensors_compared"] == 2 + 2 * 12  # every tiny tensor
+    assert out["worst_tensor_grad_rel_l2"] < 1e-5  # measured 1.0e-6
+
+
+def test_megatron_tp2_skips_with_reason_on_one_gpu(gpu_check, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    out = gpu_check.section_megatron_tp2(argparse.Namespace(device="cuda", size="tiny"))
+    assert out == {"status": "skipped", "reason": "needs 2 GPUs (NCCL, one per TP rank); 1 visible"}
+
+
+def test_every_carried_import_has_a_wheel(gpu_check):
+    """The device image has torch, transformers, numpy, h5py and yaml only: every other
+    package the sections import is in gpu_check.sh's WHEELS, and imports here."""
+    sh = (TOOL.parent / "gpu_check.sh").read_text()
+    wheels = sh.split("WHEELS=(", 1)[1].split(")", 1)[0].split()
+    pinned = {w.split("==")[0] for w in wheels}
+    assert set(gpu_check.CARRIED.values()) <= pinned
+    assert all("Error" not in v for v in gpu_check.imports().values()), gpu_check.imports()

@@ -2,7 +2,9 @@
 
 Torch-free, so CLI modules and config loading can import it. `transformer_kwargs(hf)` turns a
 Hugging Face Qwen2 / Llama `config.json` (a dict) into the keyword arguments of
-`megatron.core.transformer.TransformerConfig` plus the `GPTModel` arguments (`gpt_kwargs`):
+`megatron.core.transformer.TransformerConfig` plus the `GPTModel` arguments (`gpt_kwargs`,
+RoPE scaling included: `rope_scaling_kwargs` maps HF's linear and llama3 scaling and refuses
+what Megatron's `RotaryEmbedding` cannot reproduce, such as yarn or dynamic):
 
     cfg = MegatronConfig(tensor_parallel=2, dtype="bfloat16")
     tk, gk = transformer_kwargs(hf_config, cfg), gpt_kwargs(hf_config)
@@ -123,5 +125,73 @@ def gpt_kwargs(hf: Mapping[str, Any]) -> dict[str, Any]:
         "max_sequence_length": int(hf.get("max_position_embeddings", 4096)),
         "position_embedding_type": "rope",
         "rotary_base": int(rope_theta(hf)),
+        **rope_scaling_kwargs(hf),
         "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
     }
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+# Megatron's llama3 scaling (`RotaryEmbedding._apply_scaling`, megatron-core 0.16) is given the
+# factor only: the other three parameters stay at these defaults of its signature
+# (tests/gpu/test_gpu_megatron_rope.py reads them from Megatron itself).
+MEGATRON_LLAMA3 = {
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+}  # fmt: skip
+
+
+def rope_scaling(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's RoPE parameters as transformers reads them: `rope_scaling` (transformers
+    4's field) when set, else `rope_parameters` (5's); the type under `rope_type` or `type`."""
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params.pop("type", None)
+    return params
+
+
+def rope_scaling_kwargs(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """`GPTModel`'s RoPE scaling arguments reproducing the HF config's rotary frequencies:
+    linear → `seq_len_interpolation_factor` (positions / factor, the same angles as HF's
+    inv_freq / factor); llama3 → `rope_scaling` with `rope_scaling_factor`. Anything else
+    Megatron's `RotaryEmbedding` cannot reproduce is a ConfigError naming the key."""
+    params = rope_scaling(hf)
+    kind = params["rope_type"]
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(
+            f"hf_config.partial_rotary_factor: {partial!r}; allowed 1.0 (Qwen2 / Llama rotate "
+            "the whole head)"
+        )
+    if kind not in ROPE_TYPES:
+        raise ConfigError(
+            f"hf_config.rope_scaling.rope_type: {kind!r}; allowed {', '.join(ROPE_TYPES)} "
+            "(what Megatron's RotaryEmbedding reproduces)"
+        )
+    if kind == "default":
+        return {"rope_scaling": False, "seq_len_interpolation_factor": None}
+    factor = params.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+        raise ConfigError(f"hf_config.rope_scaling.factor: {factor!r}; allowed a number > 0")
+    if kind == "linear":
+        return {"rope_scaling": False, "seq_len_interpolation_factor": float(factor)}
+    _check_llama3(hf, params)
+    return {"rope_scaling": True, "rope_scaling_factor": float(factor),
+            "seq_len_interpolation_factor": None}  # fmt: skip
+
+
+def _check_llama3(hf: Mapping[str, Any], params: Mapping[str, Any]) -> None:
+    """Refuse llama3 parameters other than the ones Megatron hard-codes. The original context
+    is read as transformers does: the top-level field first, then the rope dict's, then
+    max_position_embeddings."""
+    given = {
+        "low_freq_factor": params.get("low_freq_factor"),
+        "high_freq_factor": params.get("high_freq_factor"),
+        "original_max_position_embeddings": hf.get("original_max_position_embeddings")
+        or params.get("original_max_position_embeddings")
+        or hf.get("max_position_embeddings"),
+    }
+    for key, fixed in MEGATRON_LLAMA3.items():
+        if given[key] != fixed:
+            raise ConfigError(
+                f"hf_config.rope_scaling.{key}: {given[key]!r}; allowed {fixed} (megatron-core's "
+                "llama3 RoPE scaling takes only the factor and fixes this value)"
+            )
