@@ -26,8 +26,8 @@ def bench(model: str, repeats: int) -> dict[str, float]:
     import torch
 
     from gyre.runtime import checkpoint
-    from gyre.runtime.cell import build_replica
     from gyre.runtime.config import load_run_config
+    from gyre.runtime.replica import build_replica
 
     torch.set_num_threads(1)
     cfg = load_run_config(ROOT / "templates" / "local.yaml", [f"model={model}"])
@@ -41,7 +41,7 @@ def bench(model: str, repeats: int) -> dict[str, float]:
         for v in range(1, repeats + 1):
             t0 = time.perf_counter()
             folder = checkpoint.begin(run_dir, v)
-            size = checkpoint.save_core(folder, named, replica.optimizer, v)
+            size = checkpoint.save_core(folder, named, replica.optimizer_state(), v)
             checkpoint.commit(run_dir, folder, {"version": v, "updates": v, "trained": []}, keep=2)
             seconds.append(time.perf_counter() - t0)
         t0 = time.perf_counter()

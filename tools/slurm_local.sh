@@ -9,17 +9,37 @@
 # State lives in $GYRE_SLURM_DIR (default /tmp/gyre-slurm); `source $GYRE_SLURM_DIR/env.sh`
 # points sbatch/srun/squeue at this cluster (SLURM_CONF). A heterogeneous job needs its
 # components on different nodes, hence several virtual nodes sharing this machine's CPUs.
+#
+# Namespaced nodes: every node in its own network namespace, as on a real cluster (needs root):
+#
+#   bash tools/slurm_local.sh start-netns [NODES] [CPUS_PER_NODE]
+#   bash tools/slurm_local.sh stop-netns
+#
+# Node nI runs in namespace $GYRE_NETNS_PREFIX-nI (default gyre-nI) with its own loopback and
+# the address $GYRE_NETNS_NET.I/24 (default 10.213.0.I) on a veth into the bridge
+# $GYRE_NETNS_PREFIX-br, which holds $GYRE_NETNS_NET.254 for slurmctld (root namespace). No
+# route leaves that /24. State in $GYRE_SLURM_DIR (default /tmp/gyre-slurm-netns); the
+# controller listens on $GYRE_SLURM_PORT (default 6917) and the slurmds on the next port,
+# so the plain cluster (6817/6818) can run at the same time. munged is shared: its socket is
+# a file. `stop` (or `stop-netns`) also deletes the namespaces, veths and bridge it recorded.
 set -euo pipefail
-dir="${GYRE_SLURM_DIR:-/tmp/gyre-slurm}"
 cmd="${1:-status}"
+case "$cmd" in
+  *-netns) netns=1; cmd="${cmd%-netns}"; dir="${GYRE_SLURM_DIR:-/tmp/gyre-slurm-netns}" ;;
+  *) netns=0; dir="${GYRE_SLURM_DIR:-/tmp/gyre-slurm}" ;;
+esac
 nodes="${2:-4}"
 cpus="${3:-4}"
+prefix="${GYRE_NETNS_PREFIX:-gyre}"
+net="${GYRE_NETNS_NET:-10.213.0}"
+if ((netns)); then port="${GYRE_SLURM_PORT:-6917}"; else port="${GYRE_SLURM_PORT:-6817}"; fi
 
 log() { printf '[slurm-local] %s\n' "$*" >&2; }
 
 install() {
   local missing=()
   for p in slurmctld slurmd slurm-client munge; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if ((netns)) && ! command -v ip >/dev/null; then missing+=(iproute2); fi
   if ((${#missing[@]})); then
     log "apt-get install ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
@@ -29,14 +49,19 @@ install() {
 }
 
 write_conf() {
-  local host; host="$(hostname -s)"
+  local host ctld=127.0.0.1 nodeaddr=127.0.0.1 nodeports
+  host="$(hostname -s)"
+  nodeports="$((port + 4))-$((port + 3 + nodes))"
+  if ((netns)); then  # one address per node: the same slurmd port on each
+    ctld="$net.254"; nodeaddr="$net.[1-$nodes]"; nodeports="$((port + 1))"
+  fi
   mkdir -p "$dir"/{state,spool,tmp,log}
   for i in $(seq 1 "$nodes"); do mkdir -p "$dir/spool/n$i" "$dir/tmp/n$i"; done
   cat >"$dir/slurm.conf" <<CONF
 ClusterName=gyrelocal
-SlurmctldHost=$host(127.0.0.1)
-SlurmctldPort=6817
-SlurmdPort=6818
+SlurmctldHost=$host($ctld)
+SlurmctldPort=$port
+SlurmdPort=$((port + 1))
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -65,7 +90,7 @@ KillWait=5
 MinJobAge=600
 InactiveLimit=0
 Waittime=0
-NodeName=n[1-$nodes] NodeHostname=$host NodeAddr=127.0.0.1 Port=6821-$((6820 + nodes)) CPUs=$cpus State=UNKNOWN
+NodeName=n[1-$nodes] NodeHostname=$host NodeAddr=$nodeaddr Port=$nodeports CPUs=$cpus State=UNKNOWN
 PartitionName=gyre Nodes=n[1-$nodes] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
   printf 'export SLURM_CONF=%s/slurm.conf\n' "$dir" >"$dir/env.sh"
@@ -80,14 +105,60 @@ start_munge() {
   su -s /bin/sh munge -c /usr/sbin/munged
 }
 
+# The bridge, and per node a namespace with its loopback up and one veth into the bridge.
+# Every name is recorded in $dir/netns before it is made, so teardown removes exactly these.
+make_netns() {
+  local br="$prefix-br" i ns
+  if ip link show "$br" >/dev/null 2>&1; then
+    log "bridge $br exists (another namespaced cluster?): stop it or set GYRE_NETNS_PREFIX"; return 1
+  fi
+  mkdir -p "$dir"
+  echo "link $br" >>"$dir/netns"
+  ip link add "$br" type bridge
+  ip addr add "$net.254/24" dev "$br"
+  ip link set "$br" up
+  for i in $(seq 1 "$nodes"); do
+    ns="$prefix-n$i"
+    echo "netns $ns" >>"$dir/netns"
+    echo "link $prefix-v$i" >>"$dir/netns"
+    ip netns add "$ns"
+    ip link add "$prefix-v$i" type veth peer name eth0 netns "$ns"
+    ip link set "$prefix-v$i" master "$br" up
+    ip -n "$ns" link set lo up
+    ip -n "$ns" addr add "$net.$i/24" dev eth0
+    ip -n "$ns" link set eth0 up
+  done
+}
+
+remove_netns() {
+  [ -f "$dir/netns" ] || return 0
+  local kind name
+  while read -r kind name; do  # veths go with their namespace; the bridge last
+    if [ "$kind" = netns ]; then ip netns del "$name" 2>/dev/null || true; fi
+  done <"$dir/netns"
+  while read -r kind name; do
+    if [ "$kind" = link ]; then ip link del "$name" 2>/dev/null || true; fi
+  done <"$dir/netns"
+  rm -f "$dir/netns"
+}
+
 start() {
   install
   stop_daemons quiet
+  remove_netns
   write_conf
   start_munge
   export SLURM_CONF="$dir/slurm.conf"
+  if ((netns)); then make_netns; fi
   slurmctld -f "$SLURM_CONF"
-  for i in $(seq 1 "$nodes"); do slurmd -f "$SLURM_CONF" -N "n$i"; done
+  for i in $(seq 1 "$nodes"); do
+    if ((netns)); then
+      # nsenter, not `ip netns exec`: that remounts /sys, and slurmd needs /sys/fs/cgroup
+      nsenter --net="/run/netns/$prefix-n$i" slurmd -f "$SLURM_CONF" -N "n$i"
+    else
+      slurmd -f "$SLURM_CONF" -N "n$i"
+    fi
+  done
   for _ in $(seq 1 60); do
     idle=$(sinfo -h -t idle -o '%D' 2>/dev/null | awk '{s+=$1} END {print s+0}')
     if [ "$idle" -ge "$nodes" ]; then log "$nodes nodes idle ($dir)"; return 0; fi
@@ -121,7 +192,7 @@ stop_daemons() {
 
 case "$cmd" in
   start) start ;;
-  stop) stop_daemons; rm -rf "$dir/state" ;;
+  stop) stop_daemons; remove_netns; rm -rf "$dir/state" ;;
   status) SLURM_CONF="$dir/slurm.conf" sinfo ;;
-  *) echo "usage: $0 start [NODES] [CPUS]|stop|status" >&2; exit 2 ;;
+  *) echo "usage: $0 start[-netns] [NODES] [CPUS]|stop[-netns]|status[-netns]" >&2; exit 2 ;;
 esac

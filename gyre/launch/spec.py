@@ -46,6 +46,8 @@ class Launch:
     """The task suite (`harness.suite`): shipped name, directory or YAML file."""
     warnings: tuple[str, ...] = ()
     """The run config's own warnings (`RunConfig.warnings`)."""
+    backends: str = ""
+    """The cells' training and engine backends and parallel sizes, in words (`gyre render`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,6 +108,8 @@ class JobSpec:
         hours = "unlimited" if minutes is None else f"{self.gpus * minutes / 60:g}"
         lines = [f"{self.total_nodes} nodes, {self.gpus} GPUs, {self.world_size} ranks; "
                  f"{hours} GPU-hours at the time limit {limit}"]  # fmt: skip
+        if self.launch.backends:
+            lines.append(f"cells: {self.launch.backends}")
         proxy = next(c for c in self.components if c.role == "proxy")
         if self.launch.harness_concurrency > proxy.cpus_per_task:
             lines.append(
@@ -140,7 +144,16 @@ def load_launch(path: str | Path, overrides: Sequence[str] = ()) -> Launch:
     engines = run.topology.cells + run.topology.standalone_engines
     return Launch(path=p, name=run.name, runs_dir=run.runs_dir, topology=run.topology, slurm=slurm,
                   harness_concurrency=run.schedule.concurrency_per_cell * engines,
-                  suite=run.harness.suite, warnings=tuple(run.warnings()))  # fmt: skip
+                  suite=run.harness.suite, warnings=tuple(run.warnings()),
+                  backends=backends(run))  # fmt: skip
+
+
+def backends(run: Any) -> str:
+    """A run's cell backends in words: `train megatron (tensor 2 x pipeline 1 x data 1 per
+    cell), engine sglang (TP 2)`."""
+    d = run.dims
+    return (f"train {run.train.backend} (tensor {d.tensor} x pipeline {d.pipeline} x data "
+            f"{d.data} per cell), engine {run.engine.backend} (TP {run.engine.tensor_parallel})")  # fmt: skip
 
 
 def check_suite(launch: Launch) -> None:

@@ -13,7 +13,9 @@ Control operations (abort, pause, weight updates, memory release, KV pins and im
 take the same lock through `at_boundary`, so they happen exactly at the next step boundary
 (the worker starts no step while one waits). Memory release and weight updates keep
 SGLang's preconditions (idle engine; inside a weight-update session): `EngineConflict`,
-HTTP 409. Sampling and behaviour log-probs: see gyre.rollout.sampling; grammar constraints
+HTTP 409. Weights arrive by value (/update_weights_from_tensor) or by broadcast in an update
+group the engine joined (/update_weights_from_distributed, gyre.rollout.update_group); both
+are loaded the same way, at a step boundary. Sampling and behaviour log-probs: see gyre.rollout.sampling; grammar constraints
 (regex, ebnf, json_schema): gyre.rollout.constrain; KV-cache migration on reroute:
 gyre.rollout.kvstore (pin, read) and gyre.rollout.kvmigrate (the handoff).
 """
@@ -34,13 +36,14 @@ import numpy as np
 import torch
 
 from gyre.errors import ConfigError, EngineError, ProtocolError
-from gyre.rollout import kvstore, weights
+from gyre.rollout import kvstore, update_group, weights
 from gyre.rollout.constrain import Constraint, GrammarCompiler
 from gyre.rollout.kv import KVBatch, cache_from, cache_kwarg, output_cache
 from gyre.rollout.pacing import Deliver, EnginePace
 from gyre.rollout.prefix import PrefixCache
 from gyre.rollout.protocol import KV_TRANSPORTS, GenerateRequest, KVSegment
 from gyre.rollout.sampling import next_token
+from gyre.rollout.sglang.control import UpdateGroup
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,7 @@ class Engine:
         self._paused = False
         self._controls = 0  # control operations waiting for the step lock
         self._updating = False  # a weight-update session is open
+        self._groups: dict[str, Any] = {}  # update groups joined (gyre.rollout.update_group)
         self._stopping = False
         self._snapshot: weights.Snapshot | None = None
         self._log: collections.deque[tuple[str, np.ndarray, float]] = collections.deque()
@@ -301,6 +305,42 @@ class Engine:
             self._prefix.clear()
             self._version = version if version is not None else _next_version(self._version)
             return self._version
+
+    def join_update_group(self, group: UpdateGroup, rank_offset: int) -> None:
+        """/init_weights_update_group: join the publisher's group at `rank_offset` (blocks
+        until every member joined; no step lock: the model is not touched)."""
+        with self._cond:
+            if group.group_name in self._groups:
+                raise EngineConflict(f"update group {group.group_name!r} exists; POST "
+                                     "/destroy_weights_update_group first")  # fmt: skip
+        pg = update_group.join(group, rank_offset)
+        with self._cond:
+            self._groups[group.group_name] = pg
+
+    def leave_update_group(self, name: str) -> None:
+        """/destroy_weights_update_group."""
+        with self._cond:
+            pg = self._groups.pop(name, None)
+        if pg is None:
+            raise ProtocolError(f"group_name: {name!r}: no such update group (joined: "
+                                f"{sorted(self._groups)})")  # fmt: skip
+        update_group.leave(pg)
+
+    def update_weights_from_distributed(self, req: update_group.DistributedUpdate) -> str:
+        """Receive `req.specs` by broadcast from the publisher (group rank 0) and load them
+        like `update_weights`: inside a weight-update session, at a step boundary. Names,
+        shapes and dtypes are checked before anything is received; the receive itself holds
+        no lock (the publisher paused generation for the session)."""
+        with self._cond:
+            pg, updating = self._groups.get(req.group_name), self._updating
+        if not updating:
+            raise EngineConflict("update_weights_from_distributed must run between "
+                                 "/begin_weight_update and /end_weight_update")  # fmt: skip
+        update_group.check_specs(self.model, req.specs)
+        if pg is None:
+            raise ProtocolError(f"group_name: {req.group_name!r}: no such update group; POST "
+                                "/init_weights_update_group first")  # fmt: skip
+        return self.update_weights(update_group.receive(pg, req.specs), req.version)
 
     def release_memory(self) -> None:
         """Drop the KV caches and the weights (kept in a CPU snapshot). Like SGLang, only

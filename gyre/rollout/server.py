@@ -6,6 +6,8 @@ Routes (SGLang 0.5.21's names, request bodies and preconditions; see docs/engine
     POST /continue_generation       GET|POST /flush_cache        GET /health
     GET  /model_info (weight_version; /get_model_info: SGLang's deprecated alias)
     POST /begin_weight_update       POST /update_weights_from_tensor  POST /end_weight_update
+    POST /init_weights_update_group POST /update_weights_from_distributed
+    POST /destroy_weights_update_group  (the update-group path: gyre.rollout.update_group)
     POST /release_memory_occupation POST /resume_memory_occupation
     GET|DELETE /gyre/requests       (Gyre only: log of received /generate calls)
     GET  /gyre/stats                (Gyre only: batch sizes, queue lengths)
@@ -16,8 +18,9 @@ Errors become HTTP responses in one place (`BaseHandler.write_error`): `Protocol
 400, `EngineConflict` (a release while calls run, a weight update outside a weight-update
 session) → 409, `EngineUnavailable` → 503, anything else → 500, each with SGLang's error body
 ``{"object": "error", "message": ..., "type": ..., "code": ...}``. A /generate whose client
-disconnects is aborted. Engine control calls block on a step boundary, so they run on the
-default executor and the IOLoop stays responsive.
+disconnects is aborted. Engine control calls block on a step boundary (and joining an
+update group or receiving its broadcast blocks on the publisher), so they run on the default
+executor and the IOLoop stays responsive.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import tornado.web
 from gyre.errors import ConfigError, ProtocolError
 from gyre.lifetime import until_signal
 from gyre.rollout import engine as engine_mod
-from gyre.rollout import kvstore, weights
+from gyre.rollout import kvstore, update_group, weights
 from gyre.rollout.protocol import (
     authorized,
     parse_generate,
@@ -240,6 +243,30 @@ class UpdateWeightsHandler(BaseHandler):
         )
 
 
+class InitGroupHandler(BaseHandler):
+    async def post(self) -> None:
+        group, rank_offset = update_group.parse_init(self.json_body())
+        await self.blocking(self.engine.join_update_group, group, rank_offset)
+        print(f"gyre engine: joined update group {group.group_name} at rank {rank_offset} of "
+              f"{group.world_size}", file=sys.stderr, flush=True)  # fmt: skip
+        self.send({"success": True, "message": "Succeeded to initialize custom process group."})
+
+
+class DistributedUpdateHandler(BaseHandler):
+    async def post(self) -> None:
+        req = update_group.parse_update(self.json_body())
+        new = await self.blocking(self.engine.update_weights_from_distributed, req)
+        self.send({"success": True, "message": f"Updated {len(req.specs)} tensors from "
+                   f"{req.group_name!r}; weight version {new}."})  # fmt: skip
+
+
+class DestroyGroupHandler(BaseHandler):
+    async def post(self) -> None:
+        name = update_group.parse_destroy(self.json_body())
+        await self.blocking(self.engine.leave_update_group, name)
+        self.send({"success": True, "message": "Succeeded to destroy custom process group."})
+
+
 def _all_memory(body: Any) -> None:
     """The embedded engine releases weights and KV cache together (it has no CUDA graphs)."""
     tags = parse_memory_tags(body)
@@ -329,6 +356,9 @@ ROUTES: list[tuple[str, type[BaseHandler]]] = [
     ("/begin_weight_update", BeginUpdateHandler),
     ("/update_weights_from_tensor", UpdateWeightsHandler),
     ("/end_weight_update", EndUpdateHandler),
+    ("/init_weights_update_group", InitGroupHandler),
+    ("/update_weights_from_distributed", DistributedUpdateHandler),
+    ("/destroy_weights_update_group", DestroyGroupHandler),
     ("/release_memory_occupation", ReleaseHandler),
     ("/resume_memory_occupation", ResumeHandler),
     ("/gyre/requests", RequestLogHandler),

@@ -59,7 +59,12 @@ def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 def publish_procedure(
     named: Iterable[tuple[str, torch.Tensor]], version: str | None, *, tp_size: int = 1
 ) -> Procedure:
-    """The calls that publish `named` as `version` (every TP rank reads the same payload)."""
+    """The calls that publish `named` as `version` to an engine of `tp_size` TP ranks.
+
+    SGLang's TP rank r deserializes payload r only (`TpModelWorker.deserialize_own_rank`), so
+    the body holds `tp_size` payloads; each is the same by-value pickle of the whole tensors
+    (every rank shards them itself in its model's `load_weights`)."""
+    assert tp_size >= 1, tp_size  # EngineConfig / ServerConfig refuse tensor_parallel < 1
     payload = serialize_named_tensors(named)
     return weight_update_procedure(tensor_update_call([payload] * tp_size, version))
 
@@ -79,9 +84,13 @@ def decode_update(body: Any) -> tuple[NamedTensors, str | None, bool]:
             f"load_format: {body.get('load_format')!r}; allowed: null (the model's own names)"
         )
     payloads = body.get("serialized_named_tensors")
-    if not isinstance(payloads, list) or len(payloads) != 1 or not isinstance(payloads[0], str):
+    if not isinstance(payloads, list) or not all(isinstance(p, str) for p in payloads):
+        raise ProtocolError("serialized_named_tensors: expected a list of base64 strings")
+    if len(payloads) != 1:
         raise ProtocolError(
-            "serialized_named_tensors: expected a list with one base64 string (one TP rank)"
+            f"serialized_named_tensors: {len(payloads)} payloads; allowed: exactly one (the "
+            "embedded engine is a single tensor-parallel rank, tensor_parallel 1: one payload "
+            "per TP rank is SGLang's format)"
         )
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str):

@@ -24,7 +24,6 @@ import copy
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +35,15 @@ from gyre.rollout.pacing import Pacer
 from gyre.runtime import audit, checkpoint, policies, wire
 from gyre.runtime import messages as msg
 from gyre.runtime.config import RunConfig
-from gyre.runtime.engine_host import EngineHost, push_weights
+from gyre.runtime.engine_host import EngineHost, push_weights, push_weights_distributed
 from gyre.runtime.layout import COORDINATOR_RANK
+from gyre.runtime.replica import Replica
+from gyre.runtime.residency import TrainerResidency
 from gyre.schedule.devices import PaceConfig
-from gyre.train.cell import CoreOptimizer, StepStats, TorchCell
+from gyre.train.cell import StepStats
 from gyre.train.comm import (
     Communicators,
+    arrive,
     broadcast_from_core,
     broadcast_in_cell,
     reduce_to_core,
@@ -50,27 +52,6 @@ from gyre.train.comm import (
 from gyre.train.objective import batch_gradient
 from gyre.train.packing import MicroStep
 from gyre.vocabulary import Role
-
-
-@dataclass(slots=True)
-class Replica:
-    """A cell's training state: the model replica, its tokenizer, the core's optimizer."""
-
-    cell: TorchCell
-    tokenizer: Any
-    optimizer: CoreOptimizer | None = None
-
-
-def build_replica(cfg: RunConfig, core: bool) -> Replica:
-    """A cell rank's training replica (and, on the core's leader, the optimizer)."""
-    from gyre.models import load_model
-
-    model, tokenizer = load_model(cfg.model)
-    module: torch.nn.Module = model
-    module.to(torch.device(cfg.train.device)).train()
-    cell = TorchCell(model, objective=cfg.train.objective)
-    return Replica(cell, tokenizer, CoreOptimizer(cell, cfg.train.optim) if core else None)
-
 
 IDLE_S = 0.05
 """How long a cell rank waits for a message before it watches its engine and, on the core,
@@ -126,24 +107,44 @@ class Pace:
 
 
 class CellTrainer:
-    """One rank's part of its cell's training replica.
+    """One rank's part of its cell's training replica (`gyre.runtime.replica`).
 
-    Every rank of a cell holds the whole model (torch data parallel inside the cell): each
-    pass's rows are split over the cell's ranks, whose results the leader (shard 0) gathers
-    and reports; an update sums gradients over the prefix communicator at every shard
-    position, then inside the core cell, steps the optimizer on the core's leader and
-    broadcasts back the same way. With one rank per cell every collective inside the cell
-    is a no-op and this is the single-rank cell.
+    Data parallel inside the cell (the torch backend, `dims.splits_rows`): every rank holds
+    the whole model, each pass's rows are split over the cell's ranks, whose results the
+    leader (shard 0) gathers and reports; an update sums gradients over the prefix
+    communicator at every shard position, then inside the core cell, steps the optimizer on
+    the core's leader and broadcasts back the same way. Model parallel (the Megatron
+    backend): every rank runs every row on its shard (the leader reports its own results,
+    the same on every rank), the prefix sums are per shard, and every core rank steps its
+    shard. With one rank per cell every collective inside the cell is a no-op and this is
+    the single-rank cell.
     """
 
     def __init__(
         self, cfg: RunConfig, replica: Replica, comms: Communicators, transport: Any, *,
-        version: int, run_dir: Path,
+        version: int, run_dir: Path, residency: TrainerResidency | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.replica, self.comms, self.transport = cfg, replica, comms, transport
         self.version = version  # of the weights held (> 0 after a resume)
         self.run_dir = run_dir
         self.ranks = comms.cell.Get_size()
+        self.residency = residency  # a trainer sharing its GPU with the engine (placement)
+        if residency is not None:  # cells start in rollout: the engine has the GPU
+            residency.release(replica.cell, replica.optimizer)
+
+    def to_train(self) -> None:
+        """The cell switches to training, its engine has let go of the GPUs (every rank of
+        the cell waits for the leader's release): the trainer's state comes back."""
+        arrive(self.comms.cell)
+        if self.residency is not None:
+            self.residency.restore(self.replica.cell, self.replica.optimizer)
+
+    def to_rollout(self) -> None:
+        """The cell switches to rollout: the trainer's state leaves the GPU before the
+        engine takes it back (the leader resumes its engine once every rank is done)."""
+        if self.residency is not None:
+            self.residency.release(self.replica.cell, self.replica.optimizer)
+        arrive(self.comms.cell)
 
     @property
     def core(self) -> bool:
@@ -158,6 +159,7 @@ class CellTrainer:
                 f"cell {self.comms.cell_id}: holds v{self.version}, the batch needs v{version}"
             )
         self.transport.pull(self.replica.cell.flat_params)
+        self.replica.refresh()
         self.version = version
 
     def idle(self) -> None:
@@ -165,14 +167,23 @@ class CellTrainer:
         if self.core and self.transport is not None:
             self.transport.progress()
 
+    @property
+    def splits_rows(self) -> bool:
+        return self.replica.dims.splits_rows
+
     def _mine(self, step: MicroStep) -> MicroStep:
-        return share(step, self.comms.shard, self.ranks)
+        return share(step, self.comms.shard, self.ranks) if self.splits_rows else step
+
+    def _leader(self) -> bool:
+        return self.comms.shard == 0
 
     def prepass(self, m: msg.Prepass) -> dict[str, float] | None:
-        """This rank's rows' ratio sums; on the leader the cell's, gathered."""
+        """This rank's rows' ratio sums; on the leader the cell's (gathered if rows split)."""
         self._sync(m.version)
         mine = self._mine(m.step)
         sums = self.replica.cell.prepass(mine) if mine.rows else {}
+        if not self.splits_rows:
+            return sums if self._leader() else None
         parts = self.comms.cell.gather(sums, root=0)
         if parts is None:
             return None
@@ -188,6 +199,8 @@ class CellTrainer:
         mine = self._mine(m.step)
         stats = (self.replica.cell.accumulate(mine, m.scalars) if mine.rows
                  else StepStats(targets=0, objective=0.0))  # fmt: skip
+        if not self.splits_rows:
+            return stats if self._leader() else None
         parts = self.comms.cell.gather((stats.targets, stats.objective), root=0)
         if parts is None:
             return None
@@ -203,40 +216,53 @@ class CellTrainer:
         total = reduce_to_core(comms, cell.flat_grads, participants=m.cells)  # my position
         norm = None
         if self.core:
-            total = sum_in_cell(comms, total)
-            if replica.optimizer is not None:  # the core's leader
+            if self.splits_rows:
+                total = sum_in_cell(comms, total)
+            if replica.optimizer is not None:  # the core's leader, or every model-parallel rank
                 norm = self._step(total, m)
-            broadcast_in_cell(comms, cell.flat_params)
+            if self.splits_rows:
+                broadcast_in_cell(comms, cell.flat_params)
             if self.transport is not None:
                 self.transport.expose(cell.flat_params)
         broadcast_from_core(comms, cell.flat_params, participants=m.cells)
         cell.zero_grad()
+        replica.refresh()
         self.version += 1
-        return norm
+        return norm if self._leader() else None
 
     def _step(self, total: torch.Tensor, m: msg.Reduce) -> float:
         replica, cell = self.replica, self.replica.cell
         assert replica.optimizer is not None
         if m.num_executions == 0:
             return 0.0  # nothing to train (every group set aside): no optimizer step
-        record = self.cfg.train.record_batches
-        before = cell.flat_params.detach().clone() if record else None
-        opt_before = copy.deepcopy(replica.optimizer.opt.state_dict()) if record else None
+        record = self.cfg.train.record_batches  # in the HF model's flat order, on the leader
+        before = replica.hf_flat(cell.flat_params.detach().clone()) if record else None
+        grad_sum = replica.hf_flat(total.clone()) if record else None
+        opt_before = copy.deepcopy(replica.optimizer_state()) if record else None
         norm = replica.optimizer.step(batch_gradient(total, m.num_executions))
+        after = replica.hf_flat(cell.flat_params.detach().clone()) if record else None
         if before is not None:
             audit.record_update(self.run_dir, m.batch, {
-                "version": self.version, "params_before": before, "grad_sum": total.clone(),
-                "optimizer_before": opt_before,
-                "grad_norm": norm, "params_after": cell.flat_params.detach().clone(),
+                "version": self.version, "params_before": before, "grad_sum": grad_sum,
+                "optimizer_before": opt_before, "backend": self.cfg.train.backend,
+                "grad_norm": norm, "params_after": after,
                 "objective": dataclasses.asdict(cell.objective)})  # fmt: skip
         return norm
+
+    def save_checkpoint(self, m: msg.SaveCheckpoint) -> int:
+        """This rank's part of the core's checkpoint (every core rank takes part); bytes."""
+        size = self.replica.save(Path(m.folder), self.version, self.comms.shard)
+        arrive(self.comms.cell)  # the leader reports once every shard is on disk
+        return size
 
 
 class CellFollower:
     """A cell rank other than the leader: takes its part of every training pass, no engine.
 
-    The coordinator sends the cell's training messages (Prepass, Accumulate, Reduce) and
-    Stop to every rank of the cell; only the leader answers.
+    The coordinator sends the cell's training messages (Prepass, Accumulate, Reduce), its
+    role switches (ToTrain, ToRollout: a trainer sharing its GPU with the engine moves its
+    state), the core's SaveCheckpoint and Stop to every rank of the cell; only the leader
+    answers.
     """
 
     def __init__(self, trainer: CellTrainer) -> None:
@@ -246,6 +272,8 @@ class CellFollower:
         t = self.trainer
         handlers: dict[type, Callable[[Any], object]] = {
             msg.Prepass: t.prepass, msg.Accumulate: t.accumulate, msg.Reduce: t.reduce,
+            msg.SaveCheckpoint: t.save_checkpoint,
+            msg.ToTrain: lambda _: t.to_train(), msg.ToRollout: lambda _: t.to_rollout(),
         }  # fmt: skip
         while True:
             m = link.recv(timeout=IDLE_S if t.core else 3600.0)
@@ -258,7 +286,8 @@ class CellFollower:
             if handler is None:
                 raise TrainingError(
                     f"cell {t.comms.cell_id} rank {t.comms.shard}: got {type(m).__name__}; "
-                    "a follower only takes Prepass, Accumulate, Reduce and Stop"
+                    "a follower only takes Prepass, Accumulate, Reduce, SaveCheckpoint, "
+                    "ToTrain, ToRollout and Stop"
                 )
             handler(m)
 
@@ -277,12 +306,14 @@ class CellProcess:
         replica: Replica | None = None,
         transport: Any = None,
         version: int = 0,
+        residency: TrainerResidency | None = None,
     ) -> None:
         self.cfg, self.index, self.comms, self.run_dir = cfg, engine_index, comms, run_dir
         self.engine = engine
         self.trainer = (
             None if replica is None or comms is None
-            else CellTrainer(cfg, replica, comms, transport, version=version, run_dir=run_dir)
+            else CellTrainer(cfg, replica, comms, transport, version=version, run_dir=run_dir,
+                             residency=residency)
         )  # fmt: skip
         self.link: wire.Link | None = None
         self.pace = Pace.of(cfg, run_dir / "logs" / "pace" / f"cell{engine_index}.json")
@@ -390,11 +421,15 @@ class CellProcess:
             self.engine.release()
 
         self._engine_call(switch)
+        self._trainer().to_train()
         self.pace.switch(to_train=True)
         self._up(msg.Switched(self.index, Role.TRAIN, time.perf_counter() - t0, detail))
 
     def to_rollout(self, m: msg.ToRollout) -> None:
         t0 = time.perf_counter()
+
+        if self.trainer is not None:
+            self.trainer.to_rollout()
 
         def restore() -> None:
             self.engine.resume()
@@ -455,17 +490,23 @@ class CellProcess:
         The policy directory is written first, so an engine that dies around the
         publication (its push fails, or it restarts before it) loads this version when it
         comes back. Engines whose push failed are reported, never fatal: the coordinator has
-        them reload.
+        them reload. The weights go as HTTP bodies to each engine, or through one update
+        group per publication broadcast to all (`engine.publication`, by size when auto).
         """
         t0 = time.perf_counter()
         self._save(policies.version_name(m.version), keep=self.cfg.train.keep_policies)
         named = self._named()
-        missed = []
-        for engine, url in m.targets:
-            try:
-                push_weights(url, named, m.version)
-            except EngineError:  # refused / reset / timed out: the engine died or is dying
-                missed.append(engine)
+        tp = self.cfg.engine.tensor_parallel
+        if self.cfg.engine.distributed(sum(t.numel() * t.element_size() for _, t in named)):
+            missed = push_weights_distributed(m.targets, named, m.version, tp_size=tp,
+                                              host=self.engine.host)  # fmt: skip
+        else:
+            missed = []
+            for engine, url in m.targets:
+                try:
+                    push_weights(url, named, m.version, tp_size=tp)
+                except EngineError:  # refused / reset / timed out: the engine died or is dying
+                    missed.append(engine)
         self.pace.hold(self.cfg.pace.costs.publish_s)
         self._up(msg.Published(m.version, time.perf_counter() - t0, missed))
 
@@ -475,11 +516,11 @@ class CellProcess:
 
     def _save(self, name: str, keep: int | None) -> Path:
         replica = self._replica()
-        return policies.save_policy(self.run_dir, name, replica.cell.model, replica.tokenizer,
+        return policies.save_policy(self.run_dir, name, replica.policy_model, replica.tokenizer,
                                     version=self.version, keep=keep)  # fmt: skip
 
     def _named(self) -> list[tuple[str, torch.Tensor]]:
-        return [(n, p.detach()) for n, p in self._replica().cell.model.named_parameters()]
+        return self._replica().named()
 
     # ------------------------------------------------------------------ engine loss
 
@@ -530,6 +571,5 @@ class CellProcess:
     def save_checkpoint(self, m: msg.SaveCheckpoint) -> None:
         """Core: weights + optimizer state into the checkpoint directory being written."""
         t0 = time.perf_counter()
-        size = checkpoint.save_core(Path(m.folder), self._named(), self._replica().optimizer,
-                                    self.version)  # fmt: skip
+        size = self._trainer().save_checkpoint(m)
         self._up(msg.Checkpointed(self.version, m.folder, size, time.perf_counter() - t0))

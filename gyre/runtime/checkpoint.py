@@ -4,7 +4,9 @@ A checkpoint is taken right after an optimizer update — every `checkpoint.ever
 updates and/or `checkpoint.every_minutes` — and when Slurm's SIGUSR1 announces the time
 limit. It is one directory, written beside its final name and renamed into place:
 
-    RUN_DIR/checkpoints/v<version>/core.pt     the core's weights and AdamW state
+    RUN_DIR/checkpoints/v<version>/core.pt     the core's weights and AdamW state, both in
+                                               the Hugging Face layout whatever the backend
+                                               (a Megatron core gathers its shards)
     RUN_DIR/checkpoints/v<version>/state.json  updates done, policy version, the groups
                                                trained so far, the next group index
 
@@ -99,11 +101,12 @@ def begin(run_dir: Path, version: int) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".v{version:05d}-", dir=root))
 
 
-def save_core(folder: Path, named: list[tuple[str, Any]], optimizer: Any, version: int) -> int:
-    """The core's weights and AdamW state into `folder` (its `begin` directory); bytes written."""
+def save_core(
+    folder: Path, named: list[tuple[str, Any]], opt: dict[str, Any] | None, version: int
+) -> int:
+    """The core's weights and AdamW state dict into `folder` (its `begin` directory); bytes."""
     import torch
 
-    opt = optimizer.opt.state_dict() if optimizer is not None else None
     torch.save({"version": version, "named": named, "optimizer": opt}, folder / CORE)
     return (folder / CORE).stat().st_size
 

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_run_config(config, overrides, steps=args.steps, policy=args.policy)
     check_fits_this_machine(cfg.topology)
     check_model(cfg.model)
-    cfg.engine.check_machine(cfg.model)
+    cfg.check_machine()
     check_harness(cfg)
     for warning in cfg.warnings():
         print(f"gyre run: warning: {warning}", file=sys.stderr)

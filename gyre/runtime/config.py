@@ -32,7 +32,7 @@ from gyre.schedule.config import Config as SchedulerConfig
 from gyre.schedule.devices import PaceConfig
 from gyre.tasks.suite import ToolLatency
 from gyre.tracking import TrackingConfig
-from gyre.train.config import TrainConfig
+from gyre.train.config import ParallelDims, TrainConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "templates" / "local.yaml"
 """The run config `gyre run` and `gyre eval` use when none is given (one local job)."""
@@ -166,10 +166,21 @@ class EngineConfig:
     """sglang: --tp-size, GPUs of one server."""
     mem_fraction_static: float = 0.8
     """sglang: --mem-fraction-static, share of GPU memory for weights + KV cache."""
+    publication: Literal["http", "distributed", "auto"] = "auto"
+    """How the core publishes weights: http (base64 bodies to each engine), distributed (one
+    update group per publication, tensors broadcast: gloo on CPU, NCCL on GPU), auto (by size)."""
+    distributed_above_mb: float = 64.0
+    """auto: distributed when the published tensors exceed this many MB, else http."""
 
     def __post_init__(self) -> None:
         if self.threads < 1 or self.max_batch_size < 1 or self.prefix_cache_mb < 0:
             raise ConfigError("threads / max_batch_size >= 1, prefix_cache_mb >= 0")
+        if self.publication not in ("http", "distributed", "auto"):
+            raise ConfigError(f"engine.publication: {self.publication!r}; allowed: http, "
+                              "distributed, auto")  # fmt: skip
+        if not self.distributed_above_mb >= 0:
+            raise ConfigError(f"engine.distributed_above_mb: {self.distributed_above_mb}; "
+                              "allowed: >= 0")  # fmt: skip
         if self.tensor_parallel < 1 or not 0 < self.mem_fraction_static < 1:
             raise ConfigError(
                 f"tensor_parallel: {self.tensor_parallel}, mem_fraction_static: "
@@ -177,18 +188,33 @@ class EngineConfig:
                 "mem_fraction_static in (0, 1)"
             )
 
-    def server(self, model: str, version: int) -> Any:
-        """The `ServerConfig` that launches this engine for `model` at weight `version`."""
+    def distributed(self, nbytes: int) -> bool:
+        """Whether a publication of `nbytes` of tensors goes through an update group."""
+        if self.publication == "auto":
+            return nbytes > self.distributed_above_mb * 1e6
+        return self.publication == "distributed"
+
+    def server(
+        self, model: str, version: int, host: str = "127.0.0.1", base_gpu_id: int = 0
+    ) -> Any:
+        """The `ServerConfig` that launches this engine for `model` at weight `version`, bound
+        to and reached at `host` (the rank's address: `gyre.runtime.address`), on the GPUs
+        from `base_gpu_id` on (`gyre.runtime.placement`; SGLang only)."""
         from gyre.rollout.sglang.config import ServerConfig
 
         embedded = [  # the embedded engine's own knobs (SGLang sizes itself)
             "--threads", str(self.threads), "--max-batch-size", str(self.max_batch_size),
             "--prefix-cache-mb", str(self.prefix_cache_mb),
         ]  # fmt: skip
+        # Every call of a run is seeded (`gyre.runtime.proxy_node.proxy_config`: the proxy's
+        # sampling_seed, else train.seed), and SGLang drops `sampling_seed` unless launched
+        # deterministic (sglang/srt/sampling/sampling_batch_info.py: no seed tensor without
+        # it). The flag also pins SGLang's sampling (pytorch) and attention backends.
+        sglang = ["--enable-deterministic-inference"]
         return ServerConfig(
-            model_path=model, launch=self.backend, weight_version=str(version),
-            tensor_parallel=self.tensor_parallel, mem_fraction_static=self.mem_fraction_static,
-            extra_args=embedded if self.backend == "embedded" else [],
+            model_path=model, launch=self.backend, weight_version=str(version), host=host,
+            base_gpu_id=base_gpu_id, tensor_parallel=self.tensor_parallel, mem_fraction_static=self.mem_fraction_static,
+            extra_args=embedded if self.backend == "embedded" else sglang,
         )  # fmt: skip
 
     def check_machine(self, model: str) -> None:
@@ -314,10 +340,32 @@ class RunConfig:
                 "allowed: pacing the embedded engine only (pace.scale 0 on GPUs)"
             )
         tiny_size(self.model)  # a malformed tiny:HxL is refused here, before any process starts
+        try:  # the cell's parallel sizes: tensor x pipeline x data = topology.ranks_per_cell
+            self.train.parallel.dims(self.train.backend, self.topology.ranks_per_cell)
+        except ConfigError as e:
+            raise ConfigError(f"train.{e}") from None
         try:  # the scheduler validates both; its messages start with the field name
             make_policy(*self.schedule.scheduler(self.topology))
         except ConfigError as e:
             raise ConfigError(f"schedule.{e}") from None
+
+    @property
+    def dims(self) -> ParallelDims:
+        """A cell's parallel sizes: the training backend's layout of its ranks."""
+        return self.train.parallel.dims(self.train.backend, self.topology.ranks_per_cell)
+
+    def check_machine(self) -> None:
+        """Refuse backends this machine cannot run, before any process starts."""
+        self.engine.check_machine(self.model)
+        if self.train.backend == "megatron":
+            import importlib.util
+
+            if importlib.util.find_spec("megatron.core") is None:
+                raise ConfigError(
+                    "train.backend: megatron, but megatron-core is not installed here "
+                    "(pip install '.[megatron]'; on a GPU cluster '.[gpu]'); "
+                    "allowed here: torch"
+                )
 
     def warnings(self) -> list[str]:
         """What loads but deserves the operator's attention (`gyre run` and `gyre render`

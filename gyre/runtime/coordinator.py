@@ -167,7 +167,7 @@ class Coordinator:
             if role is Role.TRAIN:
                 self.fleet.fix_in_training(c)  # not a scheduler switch: no SwitchDone
                 self.to_proxy(msg.Drain(str(EngineId(c)), {}, ack=False))
-                self.to_rank(self.engine_ranks[c], msg.ToTrain())
+                self.to_cell(c, msg.ToTrain())
         self.rec.set_roles(list(self.sched.roles))
         self.rec.event("started", seconds=time.time() - self.t0, proxy=self.proxy_url)
 
@@ -200,7 +200,8 @@ class Coordinator:
         self.link.send(m, rank)
 
     def to_cell(self, cell: int, m: msg.Message) -> None:
-        """A training message to every rank of `cell` (each takes its share; the leader answers)."""
+        """A training or role message to every rank of `cell` (each takes its share; the
+        leader answers)."""
         for rank in self.cell_members[cell]:
             self.link.send(m, rank)
 
@@ -248,7 +249,7 @@ class Coordinator:
             self.fleet.switch_to_train(a.cell, time.time())
         else:
             self.fleet.switch_to_rollout(a.cell, time.time())
-            self.to_rank(self.engine_ranks[a.cell], msg.ToRollout(self.sched.published))
+            self.to_cell(a.cell, msg.ToRollout(self.sched.published))
 
     def reroute(self, a: ev.Reroute) -> None:
         self.stats["reroutes"] += 1
@@ -291,7 +292,7 @@ class Coordinator:
 
     def drained(self, m: msg.Drained) -> None:
         c = EngineId.parse(m.engine).index
-        self.to_rank(self.engine_ranks[c], msg.ToTrain(routes=self.fleet.drained(c)))
+        self.to_cell(c, msg.ToTrain(routes=self.fleet.drained(c)))
 
     def switched(self, m: msg.Switched) -> None:
         """The cell is in its new role; the whole transition (drain and reroute included,
@@ -420,7 +421,7 @@ class Coordinator:
         are noted now, with them.
         """
         folder = self.checkpoints.start(self.sched.version, self.updates, self.trained)
-        self.to_rank(self.engine_ranks[0], msg.SaveCheckpoint(str(folder)))
+        self.to_cell(0, msg.SaveCheckpoint(str(folder)))  # every core rank saves its part
 
     def checkpointed(self, m: msg.Checkpointed) -> None:
         """Commit the checkpoint the core just saved (its driver state; rename; prune)."""

@@ -10,12 +10,23 @@ the cell rank has no event loop): release (pause in mode "abort", then
 `continue_generation`) on role switches, and `update_weights_from_tensor`
 (`gyre.rollout.weights.publish_procedure`) to publish. Failures are `EngineError`s
 (refused, reset, timed out, an HTTP error, a control call answered ``success: false``).
+
+The core publishes to all the cells' engines in one of two ways (`EngineConfig.publication`):
+`push_weights`, base64 HTTP bodies (one per TP rank) to each engine in turn, or
+`push_weights_distributed`, one update group per publication (the core at rank 0, every
+engine's ranks after it; gloo on CPU, NCCL when the tensors are on CUDA) over which the
+tensors are broadcast once to all engines (SGLang's `/init_weights_update_group`,
+`/update_weights_from_distributed`, `/destroy_weights_update_group`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import logging
+import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +36,12 @@ from gyre.errors import ConfigError
 from gyre.rollout.client import blocking
 from gyre.rollout.protocol import release_procedure, resume_procedure
 from gyre.rollout.sglang.config import ServerConfig
+from gyre.rollout.sglang.control import ManagedEngine, UpdateGroup, tensor_specs
+from gyre.rollout.sglang.nccl import broadcast_tensors, open_update_group, rank_offsets
 from gyre.rollout.sglang.process import EngineProcess
 from gyre.runtime.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 class EngineHost(EngineProcess):
@@ -36,6 +51,7 @@ class EngineHost(EngineProcess):
     Starting, readiness and stopping are `EngineProcess`'s (one implementation for every
     engine Gyre starts); this class adds what only a cell needs: the launch from the run's
     config (offline Hugging Face hub, torch threads, `labels` in its environment), the
+    address it binds and is reached at (`host`: the rank's, `gyre.runtime.address`), the
     weight version it serves (a restarted engine is launched at it) and whether it is
     released.
     """
@@ -48,8 +64,12 @@ class EngineHost(EngineProcess):
         version: int,
         labels: dict[str, str] | None = None,
         pace: dict[str, Any] | None = None,
+        host: str = "127.0.0.1",
+        base_gpu_id: int = 0,
     ) -> None:
         self.model, self.engine_config = model, config
+        self.host = host  # bound and advertised: the rank's address (gyre.runtime.address)
+        self.base_gpu_id = base_gpu_id  # its first GPU (gyre.runtime.placement)
         self.pace = pace  # paced (`PaceConfig.engine`): the embedded engine's --pace
         self.labels = labels or {}  # extra environment: lets operators and tests find it
         self.version = version
@@ -57,7 +77,8 @@ class EngineHost(EngineProcess):
         super().__init__(self._server(), log_path=log_path)
 
     def _server(self) -> ServerConfig:
-        server = self.engine_config.server(self.model, self.version)
+        server = self.engine_config.server(self.model, self.version, host=self.host,
+                                           base_gpu_id=self.base_gpu_id)  # fmt: skip
         if self.pace is not None:
             if server.launch != "embedded":
                 raise ConfigError("pace: only the embedded engine is paced (engine.backend)")
@@ -85,12 +106,105 @@ class EngineHost(EngineProcess):
         self.released = False
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """Publish weights of `version` into the engine."""
-        push_weights(self.url, named, version)
+        """Publish weights of `version` into the engine (one payload per TP rank)."""
+        push_weights(self.url, named, version, tp_size=self.engine_config.tensor_parallel)
         self.version = version
 
 
-def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int) -> None:
-    """Publish `named` as `version` on the engine at `url`."""
-    blocking(url, lambda client: client.update_weights_from_tensor(named, str(version)),
-             timeout=600)  # fmt: skip
+def push_weights(
+    url: str, named: list[tuple[str, torch.Tensor]], version: int, *, tp_size: int
+) -> None:
+    """Publish `named` as `version` on the engine at `url`, served by `tp_size` TP ranks.
+
+    SGLang's TP rank r reads payload r of the body (`TpModelWorker.deserialize_own_rank`,
+    sglang/srt/managers/tp_worker.py), so an engine with `--tp-size` 2 needs two payloads;
+    the embedded engine (`tp_size` 1) takes exactly one."""
+    blocking(
+        url,
+        lambda client: client.update_weights_from_tensor(named, str(version), tp_size=tp_size),
+        timeout=600,
+    )
+
+
+def push_weights_distributed(
+    targets: Sequence[tuple[int, str]],
+    named: list[tuple[str, torch.Tensor]],
+    version: int,
+    *,
+    tp_size: int,
+    host: str,
+    timeout: float = 120.0,
+) -> list[int]:
+    """Publish `named` as `version` to every (engine, url) in `targets` through one update
+    group made for this publication; returns the engines that missed it.
+
+    The core (this process, group rank 0, rendezvous at `host`: the rank's own address)
+    opens the group while every engine that answers /health joins at its rank offset; each
+    engine then runs the weight-update session (pause, begin, `/update_weights_from_
+    distributed`, end, continue) while the core broadcasts the tensors in the posted order,
+    and both sides destroy the group. An engine that is down, refuses, dies or times out
+    (`timeout` bounds the group's rendezvous and each broadcast; HTTP calls get 5x that) is
+    reported missed, like a failed `push_weights`; the core is never left waiting longer."""
+    return asyncio.run(_distributed(targets, named, str(version), tp_size, host, timeout))
+
+
+async def _distributed(
+    targets: Sequence[tuple[int, str]], named: list[tuple[str, torch.Tensor]], version: str,
+    tp_size: int, host: str, timeout: float,
+) -> list[int]:  # fmt: skip
+    engines = {e: ManagedEngine(str(e), url, tensor_parallel=tp_size, timeout=5 * timeout)
+               for e, url in targets}  # fmt: skip
+    try:
+        up = await asyncio.gather(*(m.client.health() for m in engines.values()),
+                                  return_exceptions=True)  # fmt: skip
+        live = {e: m for (e, m), ok in zip(engines.items(), up) if ok is True}
+        got = await _broadcast(list(live.values()), named, version, host, timeout) if live else []
+        return [e for e, m in engines.items() if m.engine_id not in got]
+    finally:
+        for m in engines.values():
+            m.client.close()
+
+
+async def _broadcast(
+    live: list[ManagedEngine], named: list[tuple[str, torch.Tensor]], version: str,
+    host: str, timeout: float,
+) -> set[str]:  # fmt: skip
+    """The engines of `live` that loaded `named` through one update group (their ids)."""
+    offsets, world = rank_offsets([m.tensor_parallel for m in live])
+    port = _free_port(host)
+    group = UpdateGroup(master_address=host, master_port=port, world_size=world,
+                        group_name=f"gyre_weights_v{version}_{port}",
+                        backend="nccl" if named and named[0][1].is_cuda else "gloo")  # fmt: skip
+    loop = asyncio.get_running_loop()
+    core = loop.run_in_executor(None, lambda: open_update_group(group, timeout=timeout))
+    joins = await asyncio.gather(*(m.init_update_group(group, o) for m, o in zip(live, offsets)),
+                                 core, return_exceptions=True)  # fmt: skip
+    pg = joins[-1]
+    if any(isinstance(j, BaseException) for j in joins):  # no group: every engine missed it
+        if not isinstance(pg, BaseException):
+            _destroy(pg)
+        return set()
+    specs = tensor_specs(named)
+    sending = loop.run_in_executor(None, broadcast_tensors, pg, [t for _, t in named])
+    done = await asyncio.gather(*(m.update_from_distributed(specs, group, version) for m in live),
+                                return_exceptions=True)  # fmt: skip
+    await asyncio.gather(sending, *(m.destroy_update_group(group) for m in live),
+                         return_exceptions=True)  # fmt: skip
+    _destroy(pg)
+    return {m.engine_id for m, d in zip(live, done) if not isinstance(d, BaseException)}
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _destroy(pg: Any) -> None:
+    """Free the core's side of a group; a group broken by a lost engine may refuse."""
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group(pg)
+    except (RuntimeError, ValueError) as e:
+        log.warning("update group: destroy failed (%s)", e)

@@ -35,12 +35,17 @@ class TopologyConfig:
     """R: MPI ranks of one cell (on a GPU cluster: one per GPU of the cell)."""
     standalone_engines: int = 0
     """Rollout engines that never switch (one rank each)."""
+    placement: Literal["colocated", "disjoint"] = "colocated"
+    """GPUs of a node (gyre.runtime.placement): colocated — a cell's trainer ranks share its
+    engine's GPUs and leave them on every switch to rollout; disjoint — separate GPUs."""
 
     def __post_init__(self) -> None:
         if self.cells < 1:
             raise ConfigError(f"cells: {self.cells}; allowed: an integer >= 1")
         if self.ranks_per_cell < 1:
             raise ConfigError(f"ranks_per_cell: {self.ranks_per_cell}; allowed: an integer >= 1")
+        if self.placement not in ("colocated", "disjoint"):
+            raise ConfigError(f"placement: {self.placement!r}; allowed: colocated, disjoint")
         if self.standalone_engines < 0:
             raise ConfigError(f"standalone_engines: {self.standalone_engines}; allowed: >= 0")
 

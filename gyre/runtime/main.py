@@ -34,6 +34,8 @@ from gyre.runtime.layout import (
     engine_ranks,
     layout,
 )
+from gyre.runtime.placement import RankDevice
+from gyre.runtime.residency import TrainerResidency
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -138,35 +140,37 @@ def run_component(
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from gyre.runtime import wire
+    from gyre.runtime.address import node_address
 
     comms = build_communicators(world, cell_of_rank=cell_of_rank(components))
-    link = wire.connect(world)  # the control channel (MPI stays for collectives)
-    # where every rank runs: its Slurm node (else host) for the trace and the summary, and
-    # its host name, by which snapshot peers on other hosts reach it
-    where = world.allgather((os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-                             socket.gethostname()))  # fmt: skip
-    hosts = [node for node, _ in where]
-    one_host = len({name for _, name in where}) == 1
-    from gyre.runtime.checkpoint import latest, restore_replica
+    # how other ranks reach this one: its engine's URL, the control port, snapshot peers
+    address = node_address(world)
+    link = wire.connect(world, address)  # the control channel (MPI stays for collectives)
+    # where every rank runs: its Slurm node (else host), for the trace and the summary
+    hosts = world.allgather(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+    from gyre.runtime.checkpoint import latest
 
+    placed = place_rank(cfg, world, components)  # this rank's device, its engine's GPUs
     replica = engine = None
     version = 0
     if me.kind == "standalone" or (me.kind == "cell" and me.shard == 0):
-        engine = _start_engine(cfg, me, run_dir)  # the cell's leader hosts its engine
+        engine = _start_engine(cfg, me, run_dir, address, placed)  # the cell's leader hosts it
     if me.kind == "cell":
         import torch
 
-        from gyre.runtime.cell import build_replica
+        from gyre.runtime.replica import build_replica
 
         torch.set_num_threads(1)
-        replica = build_replica(cfg, core=me.index == 0 and me.shard == 0)
-        version = restore_replica(run_dir, replica.cell.model, replica.optimizer)
+        owns_optimizer = me.index == 0 and (me.shard == 0 or cfg.train.backend == "megatron")
+        replica = build_replica(cfg, core=owns_optimizer, comms=comms, host=address,
+                                device=placed.device)  # fmt: skip
+        version = replica.restore(run_dir, me.shard)
     elif me.kind == "standalone" and (found := latest(run_dir)) is not None:
         version = int(found[1]["version"])
     flat = replica.cell.flat_params if replica is not None else None
     transport = make_transport(
         cfg.train.transport, world, core_ranks=cell_members(components)[0], shard=me.shard,
-        flat=flat, host="127.0.0.1" if one_host else socket.gethostname(),
+        flat=flat, host=address,
     )  # fmt: skip
     if me.kind == "coordinator":
         status = _run_coordinator(cfg, link, components, run_dir, hosts)
@@ -178,7 +182,8 @@ def run_component(
         from gyre.runtime.cell import CellFollower, CellTrainer
 
         assert replica is not None
-        trainer = CellTrainer(cfg, replica, comms, transport, version=version, run_dir=run_dir)
+        trainer = CellTrainer(cfg, replica, comms, transport, version=version, run_dir=run_dir,
+                              residency=TrainerResidency.for_rank(placed))  # fmt: skip
         status = CellFollower(trainer).serve(link)
     else:
         from gyre.runtime.cell import CellProcess
@@ -189,6 +194,7 @@ def run_component(
         status = CellProcess(
             cfg, engine_index=index, comms=comms, run_dir=run_dir, engine=engine,
             replica=replica, transport=transport, version=version,
+            residency=TrainerResidency.for_rank(placed) if replica is not None else None,
         ).serve(link)  # fmt: skip
     _debug(f"{me.kind} {me.index} stopped")
     transport.close()  # collective: every rank gets here once its component stopped
@@ -206,7 +212,32 @@ def _debug(text: str) -> None:
         print(f"[{time.time():.1f}] {text}", file=sys.stderr, flush=True)
 
 
-def _start_engine(cfg: RunConfig, me: Component, run_dir: Path) -> Any:
+def place_rank(cfg: RunConfig, world: Any, components: list[Component]) -> RankDevice:
+    """This rank's device and its engine's GPUs (`gyre.runtime.placement`; the CUDA device
+    bound). A run that uses no GPU (`train.device: cpu`, embedded engines) plans nothing:
+    every rank is on the CPU. Otherwise collective over `world` (the ranks of each node)."""
+    from gyre.runtime.placement import RankDevice, node_ranks, plan_node
+
+    me = components[world.Get_rank()]
+    if not (cfg.train.device.startswith("cuda") or cfg.engine.backend == "sglang"):
+        return RankDevice(local_rank=0, component=me, device="cpu")
+    import torch
+
+    on_node = node_ranks(world, os.environ)
+    plan = plan_node(torch.cuda.device_count(), [components[r] for r in on_node],
+                     tensor_parallel=cfg.engine.tensor_parallel,
+                     mode=cfg.topology.placement)  # fmt: skip
+    mine = plan[on_node.index(world.Get_rank())]
+    if mine.device.startswith("cuda"):
+        torch.cuda.set_device(mine.device)
+    return mine
+
+
+def _start_engine(
+    cfg: RunConfig, me: Component, run_dir: Path, address: str, placed: RankDevice
+) -> Any:
+    """Spawn this rank's engine, bound to (and reached at) this rank's `address`, on the
+    GPUs its placement gives it."""
     from gyre.runtime.engine_host import EngineHost
 
     name = f"engine-cell{me.index}" if me.kind == "cell" else f"engine-standalone{me.index}"
@@ -214,7 +245,8 @@ def _start_engine(cfg: RunConfig, me: Component, run_dir: Path) -> Any:
     labels = {"GYRE_RUN_DIR": str(run_dir.resolve()), "GYRE_ENGINE_INDEX": str(index)}
     pace = cfg.pace.engine(cfg.schedule.concurrency_per_cell) if cfg.pace.enabled else None
     engine = EngineHost(cfg.model, cfg.engine, run_dir / "logs" / f"{name}.log", version=0,
-                        labels=labels, pace=pace)  # fmt: skip
+                        labels=labels, pace=pace, host=address,
+                        base_gpu_id=placed.engine.base_gpu_id if placed.engine else 0)  # fmt: skip
     engine.spawn()
     return engine
 

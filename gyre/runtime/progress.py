@@ -9,6 +9,7 @@ prints the GYRE-PROGRESS JSON that `gyre run` renders live; `summary` is `summar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -100,6 +101,9 @@ class Progress:
             "run_dir": str(run_dir),
             "policy": self.cfg.schedule.policy,
             "ranks_per_cell": self.cfg.topology.ranks_per_cell,
+            "train_backend": self.cfg.train.backend,
+            "engine_backend": self.cfg.engine.backend,
+            "parallel": dataclasses.asdict(self.cfg.dims),
             "cell_hosts": cell_hosts,
             "status": status,
             "resumed_from": None

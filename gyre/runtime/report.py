@@ -238,9 +238,17 @@ def _html(run_dir: Path, summary: dict[str, Any], evals: list[dict[str, Any]],
         from gyre.runtime.progress import paced_line
 
         paced = f"<p class='paced'><b>{html.escape(paced_line(summary['pace']))}</b></p>"
+    cells = ""
+    if "train_backend" in summary:  # runs from before the backends were recorded lack it
+        par = summary.get("parallel") or {}
+        cells = (f"<p class='cells'>{summary.get('ranks_per_cell')} ranks per cell; training "
+                 f"backend <b>{html.escape(str(summary['train_backend']))}</b> (tensor "
+                 f"{par.get('tensor')} x pipeline {par.get('pipeline')} x data "
+                 f"{par.get('data')}); engine backend "
+                 f"<b>{html.escape(str(summary.get('engine_backend')))}</b></p>")  # fmt: skip
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>Gyre run {name}</title>"
-        f"<style>{STYLE}</style></head><body><h1>Gyre run {name}</h1>{paced}"
+        f"<style>{STYLE}</style></head><body><h1>Gyre run {name}</h1>{cells}{paced}"
         f"<h2>Held-out evaluations</h2>{_evals_table(evals)}"
         f"<h2>Summary</h2><table class='summary'>{rows}</table>{imgs}</body></html>"
     )

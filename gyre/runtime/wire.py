@@ -11,9 +11,10 @@ its `Assessed`), and a dead peer is seen at once: its connection closes.
 
 The coordinator listens; every other rank connects and proves it belongs to the job with a
 token the coordinator broadcast over MPI (pickles are only ever read from the job's own
-ranks). On one machine everything stays on 127.0.0.1.
+ranks). The coordinator listens on its advertised address (`gyre.runtime.address`:
+127.0.0.1 when every rank shares one network namespace, else its node's address).
 
-    link = connect(MPI.COMM_WORLD)          # every rank, once
+    link = connect(MPI.COMM_WORLD, node_address(MPI.COMM_WORLD))   # every rank, once
     link.send(messages.Stop(0), dest=3)     # coordinator -> rank 3
     m = link.recv(timeout=1.0)              # the next message, or None
 """
@@ -115,17 +116,16 @@ def _exact(sock: socket.socket, n: int) -> bytes | None:
     return b"".join(parts)
 
 
-def connect(world: Any, coordinator: int = 0, timeout: float = 120.0) -> Link:
-    """Collective over `world`: the coordinator's link to every rank, each rank's to it."""
+def connect(world: Any, address: str, coordinator: int = 0, timeout: float = 120.0) -> Link:
+    """Collective over `world`: the coordinator's link to every rank, each rank's to it.
+    `address`: this rank's advertised address (`gyre.runtime.address.node_address`); the
+    coordinator listens on its own."""
     rank, size = world.Get_rank(), world.Get_size()
-    hosts = world.allgather(socket.gethostname())
-    local = len(set(hosts)) == 1
     if rank == coordinator:
-        server = socket.create_server(("127.0.0.1" if local else "", 0))
+        server = socket.create_server((address, 0))
         server.settimeout(timeout)
         token = secrets.token_bytes(16)
-        host = "127.0.0.1" if local else hosts[coordinator]
-        world.bcast((host, server.getsockname()[1], token), root=coordinator)
+        world.bcast((address, server.getsockname()[1], token), root=coordinator)
         # a netmod without asynchronous progress (MPICH's OFI over tcp) may still hold the
         # broadcast in this rank's queue; the barrier delivers it before accept() blocks
         world.Barrier()

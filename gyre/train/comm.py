@@ -3,6 +3,8 @@
 * `world` — every process (coordinator + all cell ranks), used for control messages;
 * `cell`  — `Split` by cell id (the ranks of one cell, its leader first; the coordinator gets
   its own): inside a cell the ranks split each pass's rows and sum their gradients;
+* `cells` — every cell rank in world-rank order (cell by cell, shards in order): the world
+  of a training backend's own process groups (Megatron's torch.distributed);
 * `prefix[m]` for m = 2..K — ranks of cells 0..m-1 holding the same shard position, ordered by
   cell, so rank 0 of every prefix communicator is the core's rank at that position.
 
@@ -52,6 +54,7 @@ class Communicators:
     shard: int  # position within the cell
     num_cells: int
     prefix: dict[int, Any] = field(default_factory=dict)  # m -> communicator of cells 0..m-1
+    cells: Any = None  # every cell rank, cell by cell (None off the cells): a backend's world
 
     @classmethod
     def alone(cls, cell_id: int) -> Communicators:
@@ -78,6 +81,8 @@ def build_communicators(world: Any, *, cell_of_rank: Sequence[int | None]) -> Co
     shard = [r for r, c in enumerate(cell_of_rank) if c == cid].index(rank)
     cell = world.Split(len(cells) if cid is None else cid, rank)
     comms = Communicators(world=world, cell=cell, cell_id=cid, shard=shard, num_cells=len(cells))
+    every_cell = world.Split(MPI.UNDEFINED if cid is None else 0, rank)
+    comms.cells = None if cid is None else every_cell
     for m in range(2, len(cells) + 1):
         member = cid is not None and cid < m
         color = shard if member else MPI.UNDEFINED

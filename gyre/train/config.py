@@ -11,6 +11,8 @@
       j_max: 5                   # trajectories admitted per execution
       token_budget: 16384        # padded tokens per micro-step
       transport: mooncake        # or mpi
+      backend: megatron          # or torch (the default)
+      parallel: {tensor: 2}      # a cell's ranks: tensor x pipeline x data (ParallelDims)
 
 Its parts (`ObjectiveConfig`, `OptimConfig`, admission, advantages, the packing buffer's
 `StreamConfig`) are derived from it, so there is one source for each value.
@@ -83,6 +85,70 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
+class ParallelConfig:
+    """How one cell's ranks share its training replica: tensor x pipeline x data = ranks.
+
+    Unset sizes are derived from `topology.ranks_per_cell` by `dims`: the torch backend is
+    data parallel inside a cell (every rank a whole replica, rows split); the Megatron
+    backend shards the model over the cell with tensor parallelism (data parallelism runs
+    across cells, between the core and its satellites).
+    """
+
+    tensor: int | None = None
+    """Tensor-parallel size of a cell (megatron; null: ranks_per_cell / pipeline)."""
+    pipeline: int = 1
+    """Pipeline-parallel size of a cell (megatron; only 1 runs today)."""
+
+    def __post_init__(self) -> None:
+        if self.tensor is not None and self.tensor < 1:
+            raise ConfigError(f"tensor: {self.tensor}; allowed an integer >= 1 or null")
+        if self.pipeline < 1:
+            raise ConfigError(f"pipeline: {self.pipeline}; allowed an integer >= 1")
+
+    def dims(self, backend: str, ranks_per_cell: int) -> ParallelDims:
+        """The cell's parallel sizes for `backend` over `ranks_per_cell` ranks (validated)."""
+        if backend == "torch":
+            if (self.tensor or 1) != 1 or self.pipeline != 1:
+                raise ConfigError(
+                    f"parallel: tensor {self.tensor}, pipeline {self.pipeline} with backend "
+                    "torch; allowed: tensor 1 (or null) and pipeline 1 — the torch backend is "
+                    "data parallel inside a cell (train.backend megatron shards the model)"
+                )
+            return ParallelDims(tensor=1, pipeline=1, data=ranks_per_cell)
+        tensor = self.tensor if self.tensor is not None else ranks_per_cell // self.pipeline
+        if self.pipeline != 1:
+            raise ConfigError(
+                f"parallel.pipeline: {self.pipeline}; allowed: 1 (the Megatron backend runs "
+                "one pipeline stage per cell rank today: use tensor parallelism)"
+            )
+        if tensor * self.pipeline != ranks_per_cell:
+            raise ConfigError(
+                f"parallel: tensor {tensor} x pipeline {self.pipeline} != "
+                f"topology.ranks_per_cell {ranks_per_cell}; allowed: tensor x pipeline = "
+                "ranks_per_cell (the Megatron backend shards a cell's model over all its ranks)"
+            )
+        return ParallelDims(tensor=tensor, pipeline=self.pipeline, data=1)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelDims:
+    """A cell's parallel sizes, validated: tensor x pipeline x data = ranks of the cell."""
+
+    tensor: int
+    pipeline: int
+    data: int
+
+    @property
+    def ranks(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    @property
+    def splits_rows(self) -> bool:
+        """Whether a micro-step's rows are split over the cell's ranks (data parallel)."""
+        return self.data > 1
+
+
+@dataclass(kw_only=True)
 class TrainConfig(OptimConfig, ObjectiveConfig):
     """The trainer: the run YAML's `train:` section, flat (`train.clip_high`, `train.lr`, ...).
 
@@ -106,6 +172,12 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
     """Torch device of the cells (cpu, cuda, cuda:N)."""
     transport: Literal["mpi", "mooncake"] = "mpi"
     """How satellites pull the core's weight snapshot."""
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training backend of the cells: torch (a whole replica per rank, the embedded default) or
+    megatron (megatron-core, the model sharded over a cell's ranks; extra `gyre[gpu]`, on CPU
+    through gyre.train.megatron.cpu)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How a cell's ranks share its replica (tensor / pipeline sizes; docs/gpu.md)."""
     keep_policies: int = 3
     """Publications kept as Hugging Face model directories under RUN_DIR/policies (>= 1)."""
     record_batches: bool = False

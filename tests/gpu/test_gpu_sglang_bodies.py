@@ -25,10 +25,12 @@ from typing import Any
 import pytest
 import torch
 
+from gyre.errors import ProtocolError
 from gyre.rollout.client import EngineClient
 from gyre.rollout.protocol import PAUSE_MODES, SamplingParams
 from gyre.rollout.sglang.config import SERVER_ENV, ServerConfig, hicache_shared_l3
 from gyre.rollout.sglang.control import ManagedEngine, UpdateGroup, tensor_specs
+from gyre.rollout.weights import decode_update
 from gyre.runtime.config import EngineConfig
 from gyre.runtime.engine_host import EngineHost, push_weights
 
@@ -124,14 +126,19 @@ async def _async_clients(url: str) -> None:
     group = UpdateGroup(master_address="10.0.0.1", master_port=29500, world_size=3)
     await engine.init_update_group(group, 1)
     await engine.update_from_distributed(tensor_specs(NAMED), group, "6")
+    await engine.destroy_update_group(group)  # the core's one group per publication
 
 
 def _blocking_clients(url: str, tmp: Path) -> None:
-    host = EngineHost("tiny", EngineConfig(), tmp / "engine.log", version=0)
+    """The cell's engine host of an SGLang engine with --tp-size 2: switches, a publication
+    through the host, then the core's `push_weights` to the same engine."""
+    config = EngineConfig(backend="sglang", tensor_parallel=2)
+    host = EngineHost("/models/qwen", config, tmp / "engine.log", version=0)
     host.url = url
     host.release()
     host.resume()
-    push_weights(url, NAMED, 7)
+    host.load_weights(NAMED, 7)
+    push_weights(url, NAMED, 8, tp_size=config.tensor_parallel)
 
 
 def _traffic(url: str, tmp: Path) -> None:
@@ -160,8 +167,9 @@ def test_role_switches_and_publications_follow_sglang_preconditions(recorder, tm
                "continue_generation", "flush_cache", "release_memory_occupation",
                "resume_memory_occupation"]  # fmt: skip
     distributed = [*PUBLISH[:2], "update_weights_from_distributed", *PUBLISH[3:]]
-    managed = [*RELEASE, *RESUME, *PUBLISH, "init_weights_update_group", *distributed]
-    assert posts == singles + managed + RELEASE + RESUME + PUBLISH  # then the cell's host
+    managed = [*RELEASE, *RESUME, *PUBLISH, "init_weights_update_group", *distributed,
+               "destroy_weights_update_group"]  # fmt: skip
+    assert posts == singles + managed + RELEASE + RESUME + PUBLISH * 2  # then the cell's host
 
 
 LAUNCH_EXPECT = {
@@ -178,6 +186,7 @@ PROBES = [
     {"method": "POST", "route": "/pause_generation", "body": {"mod": "abort"}},
     {"method": "POST", "route": "/init_weights_update_group",
      "body": {"master_address": "h", "master_port": "x", "rank_offset": 1, "world_size": 2}},
+    {"method": "POST", "route": "/destroy_weights_update_group", "body": {"group_name": 7}},
     {"method": "POST", "route": "/generate",
      "body": {"input_ids": [1], "sampling_params": {"max_tokens": 3}}},
     {"method": "POST", "route": "/update_weights_from_tensor",
@@ -225,7 +234,8 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(
     assert run_argv[1:3] == ["-m", "sglang.launch_server"]
     run_expect = {"model_path": "/models/qwen", "tp_size": 2, "mem_fraction_static": 0.6,
                   "weight_version": "3", "api_key": "k3y", "enable_memory_saver": True,
-                  "port": int(run_url.rsplit(":", 1)[1])}  # fmt: skip
+                  "port": int(run_url.rsplit(":", 1)[1]),  # and, the run's calls being seeded:
+                  "enable_deterministic_inference": True}  # fmt: skip
     report = _check({
         "requests": seen + PROBES,
         "launch": [{"argv": argv[3:], "expect": LAUNCH_EXPECT},
@@ -247,12 +257,91 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(
         "/flush_cache", "/health", "/model_info", "/release_memory_occupation",
         "/resume_memory_occupation", "/begin_weight_update", "/update_weights_from_tensor",
         "/end_weight_update", "/init_weights_update_group", "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
     }  # fmt: skip
     # SGLang's deserializer reads Gyre's tensor payloads back exactly, on every TP rank
-    # (ManagedEngine with tensor_parallel 2, then the cell's push_weights)
-    sent = [[n, str(t.dtype), list(t.shape), t.double().flatten().tolist()] for n, t in NAMED]
+    # (ManagedEngine, the cell's EngineHost and the core's push_weights, all at TP 2)
     updates = [r["tensors"] for r in checked if r["route"] == "/update_weights_from_tensor"]
-    assert [sorted({t[0] for t in u}) for u in updates] == [[0, 1], [0]]
+    assert [sorted({t[0] for t in u}) for u in updates] == [[0, 1]] * 3
     for u in updates:
-        for rank in {t[0] for t in u}:
-            assert [t[1:] for t in u if t[0] == rank] == sent
+        assert _by_rank(u) == {0: SENT, 1: SENT}
+
+
+SENT = [[n, str(t.dtype), list(t.shape), t.double().flatten().tolist()] for n, t in NAMED]
+
+
+def _by_rank(tensors: list[list[Any]]) -> dict[int, list[list[Any]]]:
+    """The checker's [rank, name, dtype, shape, values] rows, grouped by TP rank."""
+    out: dict[int, list[list[Any]]] = {}
+    for rank, *rest in tensors:
+        out.setdefault(rank, []).append(rest)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_each_tp_rank_gets_a_payload_sglang_reads(recorder, tmp_path: Path, tp: int) -> None:
+    """SGLang's TP rank r deserializes `serialized_named_tensors[r]` only
+    (`TpModelWorker.deserialize_own_rank`): a publication to an engine of `tp` ranks carries
+    `tp` payloads, and SGLang's `MultiprocessingSerializer.deserialize` reads each one to the
+    published tensors. With one payload, rank 1 of a TP 2 engine raised IndexError."""
+    url, seen = recorder
+    config = EngineConfig(backend="sglang", tensor_parallel=tp)
+    host = EngineHost("/models/qwen", config, tmp_path / "engine.log", version=0)
+    host.url = url
+    host.load_weights(NAMED, 3)
+    [update] = [r for r in seen if r["route"] == "/update_weights_from_tensor"]
+    assert len(update["body"]["serialized_named_tensors"]) == tp
+    [checked] = _check({"requests": [update]})["requests"]
+    assert checked["errors"] == []
+    assert _by_rank(checked["tensors"]) == {rank: SENT for rank in range(tp)}
+    if tp == 1:  # the embedded engine is one TP rank: it reads exactly this body
+        assert [n for n, _ in decode_update(update["body"])[0]] == [n for n, _ in NAMED]
+    else:  # ... and says why it refuses a TP engine's
+        with pytest.raises(ProtocolError, match="2 payloads; allowed: exactly one"):
+            decode_update(update["body"])
+
+
+_FIELDS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import sglang_check
+sglang_check._stub_torchvision()
+import msgspec
+from sglang.srt.managers import io_struct
+names = sys.argv[2:]
+fields = {n: [f.name for f in msgspec.structs.fields(getattr(io_struct, n))] for n in names}
+print(json.dumps(fields))
+"""
+
+
+@pytest.mark.slow
+def test_the_embedded_update_group_routes_take_sglangs_request_types(recorder, tmp_path) -> None:
+    """The embedded engine's /init_weights_update_group, /update_weights_from_distributed and
+    /destroy_weights_update_group take exactly the fields of SGLang's request types, and
+    read the bodies Gyre's clients send (the ones SGLang validates above)."""
+    from gyre.rollout import update_group
+
+    if not SGLANG_PYTHON.exists():
+        pytest.fail(f"{SGLANG_PYTHON} is missing: run `bash tools/setup.sh --test`")
+    types = {"InitWeightsUpdateGroupReqInput": update_group._INIT,
+             "UpdateWeightsFromDistributedReqInput": update_group._UPDATE,
+             "DestroyWeightsUpdateGroupReqInput": {"group_name"}}  # fmt: skip
+    out = subprocess.run([str(SGLANG_PYTHON), "-c", _FIELDS, str(REPO / "tools"), *types],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    fields = json.loads(out.stdout.strip().splitlines()[-1])
+    for name, ours in types.items():
+        assert set(fields[name]) == ours | update_group._COMMON, name
+    url, seen = recorder
+    asyncio.run(_async_clients(url))
+    body = {r["route"]: r["body"] for r in seen}
+    group, offset = update_group.parse_init({**body["/init_weights_update_group"],
+                                             "backend": "gloo"})  # fmt: skip
+    assert (group.master_address, group.master_port, group.world_size, offset) == (
+        "10.0.0.1", 29500, 3, 1)  # fmt: skip
+    with pytest.raises(ProtocolError, match="allowed gloo"):  # the engine is a CPU rank
+        update_group.parse_init(body["/init_weights_update_group"])
+    update = update_group.parse_update(body["/update_weights_from_distributed"])
+    assert update.specs == tensor_specs(NAMED) and update.version == "6"
+    assert update_group.parse_destroy(body["/destroy_weights_update_group"]) == group.group_name

@@ -61,15 +61,20 @@ def test_render_states_the_footprint_and_warns_on_an_overloaded_proxy(tmp_path: 
     assert spec.footprint()[0] == (
         "194 nodes, 1536 GPUs, 1538 ranks; 110592 GPU-hours at the time limit 3-00:00:00"
     )
-    # 4 cells x 96 harnesses on a proxy of 96 CPUs
     lines = spec.footprint()
-    assert "up to 384 harnesses run at once on the proxy node, which has 96 CPUs" in lines[1]
+    # the cells' backends and their parallel layout (torch: every rank a data-parallel replica)
+    assert lines[1].startswith("cells: train torch (tensor 1 x pipeline 1 x data ")
+    # 4 cells x 96 harnesses on a proxy of 96 CPUs
+    assert "up to 384 harnesses run at once on the proxy node, which has 96 CPUs" in lines[2]
     # 256k-token contexts, a 16k micro-step budget: the longest paths train alone
-    assert "proxy.max_context_tokens 262144 > train.token_budget 16384" in lines[2]
+    assert "proxy.max_context_tokens 262144 > train.token_budget 16384" in lines[3]
     roomy = variant(tmp_path, "nl2repo-192.yaml", slurm__proxy={"cpus_per_task": 384},
                     slurm__time_limit="12:00:00", train__token_budget=262144)  # fmt: skip
     lines = job_spec(load_launch(roomy)).footprint()
-    assert lines == ["194 nodes, 1536 GPUs, 1538 ranks; 18432 GPU-hours at the time limit 12:00:00"]
+    assert (
+        lines[0] == "194 nodes, 1536 GPUs, 1538 ranks; 18432 GPU-hours at the time limit 12:00:00"
+    )
+    assert len(lines) == 2  # no warning left
 
 
 def test_cell_layout_must_divide_nodes(tmp_path: Path) -> None:

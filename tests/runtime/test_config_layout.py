@@ -308,3 +308,55 @@ def test_a_backend_this_machine_cannot_run_is_refused_in_one_line(tmp_path: Path
         assert words in out.stderr and "embedded" in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
         assert not (tmp_path / "run").exists()
+
+
+LOCAL = ROOT / "templates" / "local.yaml"
+
+
+@pytest.mark.parametrize(
+    "overrides,dims",
+    [
+        (["topology.ranks_per_cell=2"], (1, 1, 2)),  # torch: data parallel inside the cell
+        (["topology.ranks_per_cell=2", "train.backend=megatron"], (2, 1, 1)),
+        (["topology.ranks_per_cell=4", "train.backend=megatron", "train.parallel.tensor=4"],
+         (4, 1, 1)),
+    ],
+)  # fmt: skip
+def test_a_cells_parallel_sizes_follow_its_backend(overrides: list[str], dims: tuple) -> None:
+    d = load_run_config(LOCAL, overrides).dims
+    assert (d.tensor, d.pipeline, d.data) == dims and d.ranks == d.tensor * d.pipeline * d.data
+
+
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["train.backend=jax"], "run.train.backend: 'jax' is not allowed; choose one of 'torch', 'megatron'"),
+        (["topology.ranks_per_cell=2", "train.parallel.tensor=2"], "with backend torch; allowed"),
+        (["topology.ranks_per_cell=2", "train.backend=megatron", "train.parallel.tensor=4"],
+         "train.parallel: tensor 4 x pipeline 1 != topology.ranks_per_cell 2"),
+        (["topology.ranks_per_cell=2", "train.backend=megatron", "train.parallel.pipeline=2"],
+         "train.parallel.pipeline: 2; allowed: 1"),
+        (["train.parallel.tensor=0"], "tensor: 0; allowed an integer >= 1"),
+    ],
+)  # fmt: skip
+def test_a_parallel_layout_the_cells_cannot_hold_is_refused(overrides: list[str], says: str):
+    with pytest.raises(ConfigError) as e:
+        load_run_config(LOCAL, overrides)
+    assert says in str(e.value)
+
+
+def test_render_names_both_backends_and_the_cell_layout() -> None:
+    from gyre.launch.spec import job_spec, load_launch
+
+    spec = job_spec(load_launch(ROOT / "templates" / "cluster-cpu.yaml",
+                                ["train.backend=megatron"]))  # fmt: skip
+    assert ("cells: train megatron (tensor 2 x pipeline 1 x data 1 per cell), engine embedded "
+            "(TP 1)") in spec.footprint()  # fmt: skip
+
+
+def test_every_training_backend_the_config_allows_has_a_builder() -> None:
+    from gyre.runtime.replica import BACKENDS
+    from gyre.train.config import TrainConfig
+
+    allowed = typing.get_args(typing.get_type_hints(TrainConfig)["backend"])
+    assert set(allowed) == set(BACKENDS)

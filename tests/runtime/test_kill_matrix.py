@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -263,19 +264,10 @@ def _ranks(run_dir: Path) -> list[int]:
     return [p.pid for p in scan(run_dir) if p.kind == "rank"]
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
-    """One run: first preempted (SIGUSR1 -> checkpoint, exit 75), then resumed after each fatal
-    kill of every kind, during start-up and mid-run. Before every kill the closed executions
-    (status, tree digest, reward rows) are read from the live trace; after it, and at the end,
-    every one of them is still there, unchanged. Finished, it continues for one more step
-    from its last update."""
-    run_dir = tmp_path / "run"
-    args = [str(_config(tmp_path, record_batches=True, ranks_per_cell=2)), "--run-dir",
-            str(run_dir)]  # fmt: skip
-
-    # segment 0: preemption after the first optimizer step (what Slurm's --signal=USR1@T does)
+def _preempt(run_dir: Path, args: list[str]) -> tuple[dict[str, Any], dict[str, Closed]]:
+    """Segment 0: SIGUSR1 after the first optimizer step (what Slurm's --signal=USR1@T does):
+    checkpoint, exit 75, nothing closed lost. Returns the checkpoint's core file and the
+    closed executions."""
     proc = _start(args)
     try:
         _wait_steps(run_dir, proc, 1)
@@ -292,34 +284,42 @@ def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
     saved = torch.load(found[0] / "core.pt", weights_only=True)
     closed = _closed(run_dir)
     assert not _lost(before, closed), "preemption lost closed executions"
-    args = ["--resume", str(run_dir)]
+    return saved, closed
 
-    kills = [(kind, phase) for kind in FATAL for phase in ("startup", "midrun")
-             if phase == "midrun" or kind in STARTUP_KILLS]  # fmt: skip
-    for kind, phase in kills:
-        (run_dir / "job.log").unlink(missing_ok=True)  # the segment's own progress, from zero
-        proc = _start(args)
-        try:
-            if phase == "startup":  # before the first step of this segment
-                wait_for(run_dir, "engine", 1)  # every rank is up, engines are starting
-            else:
-                _mid_run(run_dir, proc)
-            victims = FATAL[kind](scan(run_dir))
-            assert victims, f"no {kind} process to kill among {scan(run_dir)}"
-            everything = [p.pid for p in scan(run_dir)]
-            before = _closed_live(run_dir, closed)
-            _kill(victims)
-            rc, out = _finish(proc, timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        assert rc != 0, f"{kind} killed {phase}: the job went on as if nothing happened"
-        assert gone(everything), f"{kind} killed {phase}: processes outlived the job"
-        after = _closed(run_dir)
-        assert not _lost(before, after), f"{kind} killed {phase}: lost {_lost(before, after)}"
-        assert not _lost(closed, after), f"{kind} killed {phase}: lost an earlier segment's"
-        closed = after
-    rc, out = _finish(_start(args))
+
+def _kill_segment(run_dir: Path, kind: str, phase: str, closed: dict[str, Closed],
+                  victims_of: Any) -> dict[str, Closed]:  # fmt: skip
+    """A resumed segment in which `victims_of(processes)` are SIGKILLed at `phase`: the job
+    stops, no process outlives it, nothing closed is lost. Returns the closed executions."""
+    (run_dir / "job.log").unlink(missing_ok=True)  # the segment's own progress, from zero
+    proc = _start(["--resume", str(run_dir)])
+    try:
+        if phase == "startup":  # before the first step of this segment
+            wait_for(run_dir, "engine", 1)  # every rank is up, engines are starting
+        else:
+            _mid_run(run_dir, proc)
+        victims = victims_of(scan(run_dir))
+        assert victims, f"no {kind} process to kill among {scan(run_dir)}"
+        everything = [p.pid for p in scan(run_dir)]
+        before = _closed_live(run_dir, closed)
+        _kill(victims)
+        rc, _ = _finish(proc, timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc != 0, f"{kind} killed {phase}: the job went on as if nothing happened"
+    assert gone(everything), f"{kind} killed {phase}: processes outlived the job"
+    after = _closed(run_dir)
+    assert not _lost(before, after), f"{kind} killed {phase}: lost {_lost(before, after)}"
+    assert not _lost(closed, after), f"{kind} killed {phase}: lost an earlier segment's"
+    return after
+
+
+def _completes(run_dir: Path, closed: dict[str, Closed], saved: dict[str, Any]) -> None:
+    """The last resume finishes every step, keeps every closed execution, and its first
+    update after the preemption started from exactly the checkpoint's parameters and AdamW
+    state (step count and both moments; batch 0 keeps the first segment's record)."""
+    rc, out = _finish(_start(["--resume", str(run_dir)]))
     assert rc == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_done"] == STEPS
@@ -329,13 +329,8 @@ def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
         assert all(i.closed for i in r.executions()), "an execution stayed open after the resume"
         events = [(e["kind"], json.loads(e["detail"] or "{}")) for e in r.rows("events")]
     resumed = [d for k, d in events if k == "resumed"]
-    # every mid-run segment continued a previous one (start-up kills may precede the takeover)
-    assert len(resumed) >= len(FATAL) and "preempted" in [k for k, _ in events]
+    assert resumed and "preempted" in [k for k, _ in events]
     assert resumed[0]["carried"], "groups scored but not trained before the preemption"
-
-    # the preemption's checkpoint is exactly where training went on: the first update after
-    # it (batch 1; batch 0 keeps the first segment's record) started from its parameters and
-    # AdamW state (step count and both moments)
     assert torch.load(run_dir / "batches" / "b00000-core.pt", weights_only=False)["version"] == 0
     resumed_core = torch.load(run_dir / "batches" / "b00001-core.pt", weights_only=False)
     assert resumed_core["version"] == 1
@@ -345,6 +340,29 @@ def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
     assert int(got["step"]) == int(want["step"]) == 1
     assert torch.equal(got["exp_avg"], want["exp_avg"])
     assert torch.equal(got["exp_avg_sq"], want["exp_avg_sq"])
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
+    """One run: first preempted (SIGUSR1 -> checkpoint, exit 75), then resumed after each fatal
+    kill of every kind, during start-up and mid-run. Before every kill the closed executions
+    (status, tree digest, reward rows) are read from the live trace; after it, and at the end,
+    every one of them is still there, unchanged. Finished, it continues for one more step
+    from its last update."""
+    run_dir = tmp_path / "run"
+    args = [str(_config(tmp_path, record_batches=True, ranks_per_cell=2)), "--run-dir",
+            str(run_dir)]  # fmt: skip
+    saved, closed = _preempt(run_dir, args)
+    kills = [(kind, phase) for kind in FATAL for phase in ("startup", "midrun")
+             if phase == "midrun" or kind in STARTUP_KILLS]  # fmt: skip
+    for kind, phase in kills:
+        closed = _kill_segment(run_dir, kind, phase, closed, FATAL[kind])
+    _completes(run_dir, closed, saved)
+    with TraceReader(run_dir / "trace.h5") as r:
+        resumed = [e for e in r.rows("events") if e["kind"] == "resumed"]
+    # every mid-run segment continued a previous one (start-up kills may precede the takeover)
+    assert len(resumed) >= len(FATAL)
 
     # the finished run ends with a checkpoint of its last update, and `--resume RUN --steps
     # MORE` continues from exactly that: its first update starts from the final parameters
@@ -360,3 +378,24 @@ def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
     assert more["version"] == STEPS
     flat = torch.cat([t.reshape(-1) for t in dict(final["named"]).values()])
     assert torch.equal(more["params_before"], flat)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_megatron_core_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """The same chain with Megatron tensor-parallel cells (train.backend megatron, TP = 2):
+    preempted, then the core cell's second rank — the other half of every core layer and
+    its own AdamW shard — killed mid-run, then resumed to the end. The checkpoint holds the
+    gathered Hugging Face-layout weights and moments, and the first update after the
+    preemption starts from exactly them on both shards (the recorded update is gathered)."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (gyre[gpu])")
+    run_dir = tmp_path / "run"
+    config = str(_config(tmp_path, record_batches=True, ranks_per_cell=2))
+    args = [config, "train.backend=megatron", "--run-dir", str(run_dir)]
+    saved, closed = _preempt(run_dir, args)
+    second = "core cell's second rank"  # world rank 3: the core's other tensor-parallel half
+    closed = _kill_segment(run_dir, second, "midrun", closed,
+                           lambda ps: [p for p in ps if p.kind == "rank" and p.index == 3])  # fmt: skip
+    _completes(run_dir, closed, saved)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["train_backend"] == "megatron" and summary["parallel"]["tensor"] == 2

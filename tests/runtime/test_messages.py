@@ -38,12 +38,13 @@ from gyre.harness.workspace import prepare
 from gyre.rollout.client import EngineClient, blocking
 from gyre.runtime import checkpoint, policies, wire
 from gyre.runtime import messages as msg
-from gyre.runtime.cell import CellProcess, Replica, build_replica
+from gyre.runtime.cell import CellProcess
 from gyre.runtime.config import DEFAULT_CONFIG, RunConfig, load_run_config
 from gyre.runtime.coordinator import MESSAGES, Coordinator
 from gyre.runtime.engine_host import EngineHost
 from gyre.runtime.layout import COORDINATOR_RANK, PROXY_RANK
 from gyre.runtime.proxy_node import ProxyNode
+from gyre.runtime.replica import Replica, build_replica
 from gyre.runtime.training import TrainingPlane
 from gyre.schedule import events as ev
 from gyre.train.comm import Communicators
@@ -497,6 +498,41 @@ def test_to_rollout_resumes_the_engine_with_the_published_weights(rig: CellRig) 
     assert _served_version(engine) == rig.cell.version
     switched = rig.reply(msg.Switched)
     assert switched.role is Role.ROLLOUT and switched.detail == {"engine_version": rig.cell.version}
+
+
+def test_a_colocated_trainer_leaves_the_gpu_for_rollout_and_returns_for_training(
+    tmp_path: Path, engine: EngineHost, replica: Replica
+) -> None:
+    """Placement `colocated` (a trainer sharing its GPU with the engine,
+    gyre.runtime.placement): the cell starts in rollout with its trainer state off the
+    device, gets it back on each switch to train only once the engine has released the GPU,
+    and moves it off again on each switch to rollout before the engine resumes (CPU: a fake
+    device map records the moves)."""
+    from gyre.runtime.residency import TrainerResidency
+
+    moves: list[tuple[str, str, bool]] = []  # (tensor, to device, engine released then)
+
+    def move(what: str, t: Any, device: str) -> Any:
+        moves.append((what, device, bool(_health(engine)["released"])))
+        return t
+
+    rig = CellRig(tmp_path, engine, replica)
+    residency = TrainerResidency(device="cuda:1", move=move)
+    rig.cell.trainer = type(rig.cell.trainer)(  # type: ignore[misc]
+        _config(), replica, Communicators.alone(cell_id=0), None, version=0, run_dir=tmp_path,
+        residency=residency)  # fmt: skip
+    params = [(d, released) for w, d, released in moves if w == "flat_params"]
+    assert params == [("cpu", False)]  # at start: the engine serves, the trainer is off it
+    for _ in range(2):
+        rig.deliver(msg.ToTrain())
+        rig.reply(msg.Switched)
+        rig.deliver(msg.ToRollout(published=0))
+        rig.reply(msg.Switched)
+    params = [(d, released) for w, d, released in moves if w == "flat_params"]
+    assert params == [("cpu", False), ("cuda:1", True), ("cpu", True), ("cuda:1", True),
+                      ("cpu", True)]  # fmt: skip
+    assert {w for w, _, _ in moves} >= {"flat_params", "flat_grads"}
+    assert _health(engine)["released"] is False and residency.released is True
 
 
 def _training_plane(rig: CellRig) -> tuple[TrainingPlane, list[msg.Message]]:

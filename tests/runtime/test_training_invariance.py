@@ -10,7 +10,10 @@ every update (its Adam state carried across batches). The objective the cells us
 run's: non-default clip bounds and IS cap given as `gyre run CONFIG train.clip_high=...`
 overrides, recorded in the run's config.yaml and read back from the core's records. Both
 snapshot transports run, each with 2-rank cells (every pass's rows split over a cell's two
-ranks, gradients summed inside the cell, satellites pulling the core shard by shard).
+ranks, gradients summed inside the cell, satellites pulling the core shard by shard); and the
+Megatron backend with tensor-parallel 2-rank cells (each rank a half of every layer, the
+core's two ranks each stepping their shard): its updates, gathered into the Hugging Face
+layout, must equal the same one-process torch reference.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ STEPS = 3
 OBJECTIVE = {"clip_low": 0.9, "clip_high": 1.2, "token_weight_cap": 3.0}
 
 
-def _run(tmp_path: Path, transport: str, ranks: int, budget: int) -> Path:
+def _run(tmp_path: Path, transport: str, ranks: int, budget: int, backend: str) -> Path:
     cfg = small_config(tmp_path, steps=STEPS)
     cfg["harness"].update({"suite": "learn", "tasks": ["notes"]})
     cfg["harness"]["params"].update({"max_turns": "3", "max_tokens": "96"})
@@ -47,7 +50,8 @@ def _run(tmp_path: Path, transport: str, ranks: int, budget: int) -> Path:
     path = write_config(tmp_path, cfg)
     # the objective and the transport come from the command line: `gyre run CONFIG KEY=VALUE`
     overrides = [f"train.{k}={v}" for k, v in OBJECTIVE.items()] + [
-        f"train.transport={transport}", f"topology.ranks_per_cell={ranks}"]  # fmt: skip
+        f"train.transport={transport}", f"topology.ranks_per_cell={ranks}",
+        f"train.backend={backend}"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "gyre", "run", str(path), *overrides, "--run-dir", str(run_dir),
          "--quiet"], capture_output=True, text=True, timeout=400,
@@ -59,15 +63,20 @@ def _run(tmp_path: Path, transport: str, ranks: int, budget: int) -> Path:
 @pytest.mark.mpi
 @pytest.mark.slow
 # the Mooncake run's budget is shorter than most paths: those train alone in a micro-step
-@pytest.mark.parametrize("transport,ranks,budget", [("mpi", 2, 1500), ("mooncake", 2, 160)])
+@pytest.mark.parametrize(
+    "transport,ranks,budget,backend",
+    [("mpi", 2, 1500, "torch"), ("mooncake", 2, 160, "torch"), ("mpi", 2, 1500, "megatron")],
+)
 def test_every_update_equals_the_single_process_reference(
-    tmp_path: Path, transport: str, ranks: int, budget: int
+    tmp_path: Path, transport: str, ranks: int, budget: int, backend: str
 ):
     if transport == "mooncake":
         pytest.importorskip(
             "mooncake.engine", reason="pip install mooncake-transfer-engine-non-cuda"
         )
-    run_dir = _run(tmp_path, transport, ranks, budget)
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="megatron-core not installed (gyre[gpu])")
+    run_dir = _run(tmp_path, transport, ranks, budget, backend)
     train = TrainConfig(**yaml.safe_load((run_dir / "config.yaml").read_text())["train"])
     assert {k: getattr(train, k) for k in OBJECTIVE} == OBJECTIVE
     from gyre.models import load_model
@@ -88,7 +97,9 @@ def test_every_update_equals_the_single_process_reference(
         got = core["grad_sum"]
         assert float(ref.norm()) > 0, f"batch {batch}: an all-zero gradient proves nothing"
         assert float((got - ref).norm()) <= 1e-4 * float(ref.norm()), f"batch {batch}"
-        optimizer.step(got / steps["num_executions"])  # 1/E, clip, AdamW: the core's update
+        norm = optimizer.step(got / steps["num_executions"])  # 1/E, clip, AdamW: the update
+        # the norm the core clipped by is the whole model's (a TP core: over its shards)
+        assert core["grad_norm"] == pytest.approx(norm, rel=1e-5), f"batch {batch}"
         assert torch.allclose(replay.flat_params, core["params_after"], rtol=0, atol=1e-7)
         oversize += sum(1 for s in steps["steps"] for r in s.rows if r.length > budget)
         passes = steps["passes"]
@@ -98,7 +109,8 @@ def test_every_update_equals_the_single_process_reference(
     assert len(workers) >= 2, f"only cells {workers} trained: nothing was split"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_done"] == STEPS and summary["no_signal_steps"] < STEPS
-    assert summary["ranks_per_cell"] == ranks
+    assert summary["ranks_per_cell"] == ranks and summary["train_backend"] == backend
+    assert summary["parallel"]["tensor"] == (ranks if backend == "megatron" else 1)
     with TraceReader(run_dir / "trace.h5") as r:
         reported = sum(float(row["value"]) for row in r.rows("steps")
                        if row["name"] == "oversize_rows")  # fmt: skip

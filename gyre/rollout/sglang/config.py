@@ -56,6 +56,7 @@ PRESETS: dict[str, list[str]] = {
 # log-probs are the model's own (raw logits, T = 1: `gyre.rollout.sampling.policy_logprob`),
 # the quantity the trainer recomputes. The embedded engine ignores it.
 SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+WILDCARDS = ("", "0.0.0.0", "::")  # bind every interface: no address to put in a URL
 PLACEHOLDERS = (
     "python", "model_path", "host", "port", "tp", "mem_fraction", "base_gpu_id", "weight_version",
     "api_key",
@@ -71,7 +72,9 @@ class ServerConfig:
     launch: str | list[str] = "sglang"
     """Preset name (sglang | embedded) or a command template (list of argv strings)."""
     host: str = "127.0.0.1"
-    """Address the server binds and the manager connects to."""
+    """Address the server binds and its URL names (one address, so the URL is reachable
+    wherever the address is): a job gives its rank's (`gyre.runtime.address`), never a
+    wildcard such as 0.0.0.0."""
     port: int = 0
     """TCP port; 0 picks a free one at start."""
     tensor_parallel: int = 1
@@ -98,6 +101,11 @@ class ServerConfig:
             )
         if isinstance(self.launch, list):
             _check_template(self.launch)
+        if self.host in WILDCARDS:
+            raise ConfigError(
+                f"host: {self.host!r}; allowed an address others reach the server at (the URL "
+                "names it): 127.0.0.1 on one machine, the node's address across nodes"
+            )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: {self.port}; allowed 0..65535 (0 = pick a free port)")
         if self.tensor_parallel < 1:

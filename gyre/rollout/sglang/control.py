@@ -10,8 +10,9 @@ every publication:
     await engine.resume()                       # training -> rollout: resume, continue
     await engine.abort_all()                    # reroute: in-flight calls end with "abort"
     await engine.publish_tensors(named, "7")    # /update_weights_from_tensor (by value)
-    await engine.init_update_group(group, 1)    # NCCL path, once per engine
+    await engine.init_update_group(group, 1)    # update-group path (NCCL or gloo)
     await engine.update_from_distributed(specs, group, "8")   # while the core broadcasts
+    await engine.destroy_update_group(group)    # leave it (one group per publication)
 
 A publication pauses generation (mode "retract") and opens a weight-update session
 (`/begin_weight_update` … `/end_weight_update`, then `/continue_generation`): SGLang refuses
@@ -90,6 +91,11 @@ def distributed_update_body(
     }
 
 
+def destroy_update_group_body(group_name: str) -> dict[str, Any]:
+    """SGLang's DestroyWeightsUpdateGroupReqInput."""
+    return {"group_name": group_name}
+
+
 class ManagedEngine:
     """One rollout server as the coordinator sees it."""
 
@@ -144,6 +150,11 @@ class ManagedEngine:
         update = Call("/update_weights_from_distributed", body)
         await self.client.run(weight_update_procedure(update))
         await self._confirm(version)
+
+    async def destroy_update_group(self, group: UpdateGroup) -> None:
+        """Leave `group` (the engine destroys its side)."""
+        call = Call("/destroy_weights_update_group", destroy_update_group_body(group.group_name))
+        await self.client.control(call)
 
     async def _confirm(self, version: str) -> None:
         got = await self.refresh_version()

@@ -7,7 +7,11 @@
 * `groups` — the K−1 prefix process groups (NCCL) over a cell's parallel layout, matching
   the MPI prefix communicators of `gyre.train.comm`;
 * `model` — `build_gpt_model` and `MegatronCell`, a drop-in for `gyre.train.cell.TorchCell`
-  (same micro-step stream, objective and flat buffers; forward/backward need CUDA).
+  (same micro-step stream, objective and flat buffers);
+* `cpu` — the three scoped patches that let megatron-core's forward and backward run on a
+  machine without CUDA (inactive where CUDA is present).
+
+`gyre run` uses it through `train.backend: megatron` (`gyre.runtime.replica`).
 
 See docs/gpu.md.
 """

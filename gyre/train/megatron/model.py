@@ -11,8 +11,9 @@ cross-entropy. `ModelParallelOptimizer` is the core's optimizer: AdamW on each r
 with the global gradient norm summed over the cell's model-parallel group (replicated
 parameters counted once), so clipping matches a single-device run.
 
-Forward and backward need CUDA (megatron-core calls `torch.cuda` unconditionally); building
-the model and reading its state dict work on CPU.
+On a machine without CUDA, `init_model_parallel` applies the three scoped patches of
+`gyre.train.megatron.cpu` (megatron-core calls `torch.cuda` at three points even with every
+fusion off), so forward and backward run on CPU too; with CUDA it changes nothing.
 
     init_model_parallel(cfg)                  # after torch.distributed.init_process_group
     model = build_gpt_model(hf_config, cfg, device="cuda")
@@ -41,8 +42,11 @@ def init_model_parallel(cfg: MegatronConfig) -> None:
     """
     from megatron.core import parallel_state
 
+    from gyre.train.megatron import cpu
+
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(cfg.tensor_parallel, cfg.pipeline_parallel)
+    cpu.enable()  # CPU only: Megatron's three CUDA-only points (gyre.train.megatron.cpu)
 
 
 def build_gpt_model(

@@ -1,0 +1,101 @@
+"""Megatron-core on a CPU: the three scoped patches that let its forward and backward run.
+
+megatron-core (0.16) assumes a CUDA device at three points even with every fusion off:
+
+* `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` at the first
+  forward — here it runs with the tensor's own device instead;
+* `parallel_state`'s `GlobalMemoryBuffer` (scratch space of core attention and the
+  tensor-parallel collectives) allocates on the CUDA device — here a subclass allocates in
+  host memory;
+* the model-parallel RNG tracker refuses any forward whose "model-parallel-rng" CUDA state
+  was never added (even with dropout 0) — here Megatron's own
+  `initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)` installs its
+  no-state tracker.
+
+`enable()` applies them only when no CUDA device is visible (on a GPU machine it does
+nothing, so a cluster job runs unpatched Megatron), after every `parallel_state`
+initialization (which makes a new buffer and tracker). It is called by the
+Megatron training backend right after `parallel_state` is initialized
+(`gyre.train.megatron.model.init_model_parallel`).
+
+    init_model_parallel(cfg)     # calls cpu.enable() on a CPU-only machine
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_rotary_patched = False
+
+
+def active() -> bool:
+    """Whether the patches are in force in this process."""
+    return _rotary_patched
+
+
+def enable() -> bool:
+    """Apply the patches on a machine without CUDA (after `parallel_state` is initialized);
+    returns whether they are active."""
+    global _rotary_patched
+    if torch.cuda.is_available():
+        return False
+    if not _rotary_patched:
+        _patch_rotary()
+        _rotary_patched = True
+    _host_memory_buffer()
+    _rng_tracker()
+    return True
+
+
+@contextlib.contextmanager
+def _current_device(device: torch.device) -> Iterator[None]:
+    """`torch.cuda.current_device()` answers `device` for the duration of the block."""
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: device  # type: ignore[assignment,return-value]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved  # type: ignore[method-assign]
+
+
+def _patch_rotary() -> None:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    original: Callable[..., torch.Tensor] = RotaryEmbedding.get_emb
+
+    @functools.wraps(original)
+    def get_emb(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with _current_device(self.inv_freq.device):
+            return original(self, *args, **kwargs)
+
+    RotaryEmbedding.get_emb = get_emb  # type: ignore[method-assign]
+
+
+def _host_memory_buffer() -> None:
+    from megatron.core import parallel_state
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    class HostMemoryBuffer(GlobalMemoryBuffer):  # type: ignore[misc]
+        """Megatron's scratch buffer, in host memory."""
+
+        def get_tensor(self, tensor_shape: Any, dtype: torch.dtype, name: str,
+                       mem_alloc_context: Any = None) -> torch.Tensor:  # fmt: skip
+            need = functools.reduce(operator.mul, tensor_shape, 1)
+            held = self.buffer.get((name, dtype))
+            if held is None or held.numel() < need:
+                self.buffer[(name, dtype)] = torch.empty(need, dtype=dtype, device="cpu")
+            return self.buffer[(name, dtype)][0:need].view(*tensor_shape)
+
+    parallel_state._GLOBAL_MEMORY_BUFFER = HostMemoryBuffer()
+
+
+def _rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random
+
+    random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

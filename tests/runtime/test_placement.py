@@ -1,0 +1,265 @@
+"""Device placement of a node's ranks, local-rank discovery, and the colocated trainer's
+offload / restore on each role switch (on CPU, through a fake device map)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre.errors import ConfigError, TrainingError
+from gyre.runtime.layout import Component
+from gyre.runtime.placement import EngineGpus, RankDevice, local_rank, node_ranks, plan_node
+from gyre.runtime.residency import TrainerResidency
+from gyre.train.cell import CoreOptimizer, OptimConfig, TorchCell
+from gyre.train.config import ObjectiveConfig
+
+COORD, PROXY = Component("coordinator"), Component("proxy")
+
+
+def cell(c: int, shard: int) -> Component:
+    return Component("cell", c, shard)
+
+
+def test_four_gpus_two_cells_of_two_ranks_colocated_with_tp2_engines() -> None:
+    ranks = [COORD, PROXY, cell(0, 0), cell(0, 1), cell(1, 0), cell(1, 1)]
+    plan = plan_node(4, ranks, tensor_parallel=2, mode="colocated")
+    assert [r.device for r in plan.ranks] == ["cpu", "cpu", "cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert plan[2].engine == EngineGpus(base_gpu_id=0, gpus=(0, 1))
+    assert plan[4].engine == EngineGpus(base_gpu_id=2, gpus=(2, 3))
+    assert [r.engine for r in (plan[0], plan[1], plan[3], plan[5])] == [None] * 4
+    assert [r.offload for r in plan.ranks] == [False, False, True, True, True, True]
+    assert plan.used == 4
+
+
+def test_disjoint_where_it_fits_engine_gpus_follow_the_cells_trainers() -> None:
+    plan = plan_node(4, [cell(0, 1), cell(0, 0)], tensor_parallel=2, mode="disjoint")
+    assert plan[1] == RankDevice(1, cell(0, 0), "cuda:0", EngineGpus(2, (2, 3)), offload=False)
+    assert plan[0] == RankDevice(0, cell(0, 1), "cuda:1")
+    one_each = plan_node(4, [cell(0, 0), cell(1, 0)], tensor_parallel=1, mode="disjoint")
+    assert [(r.device, r.engine) for r in one_each.ranks] == [
+        ("cuda:0", EngineGpus(1, (1,))),
+        ("cuda:2", EngineGpus(3, (3,))),
+    ]
+
+
+def test_disjoint_where_it_does_not_fit_names_the_counts() -> None:
+    ranks = [cell(0, 0), cell(0, 1), cell(1, 0), cell(1, 1)]
+    with pytest.raises(ConfigError) as err:
+        plan_node(4, ranks, tensor_parallel=2, mode="disjoint")
+    assert str(err.value).startswith(
+        "this node has 4 GPUs but disjoint placement of its 4 trainer ranks and 2 engines with "
+        "tensor_parallel 2 needs 8 (trainer ranks + engines x tensor_parallel)"
+    )
+    with pytest.raises(ConfigError, match=r"has 3 GPUs but colocated .* needs 4"):
+        plan_node(3, ranks, tensor_parallel=2, mode="colocated")
+
+
+def test_no_gpus_puts_everything_on_the_cpu_and_bad_arguments_are_errors() -> None:
+    plan = plan_node(0, [COORD, cell(0, 0)], tensor_parallel=4, mode="disjoint")
+    assert [r.device for r in plan.ranks] == ["cpu", "cpu"] and plan[1].engine is None
+    with pytest.raises(ConfigError, match="placement mode: 'shared'; allowed: disjoint"):
+        plan_node(4, [], tensor_parallel=1, mode="shared")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="tensor_parallel: 0"):
+        plan_node(4, [], tensor_parallel=0, mode="disjoint")
+
+
+def _need(cells: list[int], standalone: int, tp: int, mode: str) -> int:
+    """GPUs a node needs, from the definitions (every cell's leader is on the node)."""
+    if mode == "disjoint":
+        return sum(cells) + (len(cells) + standalone) * tp
+    return sum(max(r, tp) for r in cells) + standalone * tp
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cells=st.lists(st.integers(1, 4), min_size=0, max_size=4),
+    standalone=st.integers(0, 2),
+    tp=st.integers(1, 4),
+    gpus=st.integers(0, 24),
+    mode=st.sampled_from(["disjoint", "colocated"]),
+    data=st.data(),
+)
+def test_placement_properties(cells, standalone, tp, gpus, mode, data) -> None:
+    comps = [COORD, PROXY] + [cell(c, s) for c, r in enumerate(cells) for s in range(r)]
+    comps += [Component("standalone", j) for j in range(standalone)]
+    comps = data.draw(st.permutations(comps))  # the launcher's local order is arbitrary
+    need = _need(cells, standalone, tp, mode)
+    if 0 < gpus < need:
+        with pytest.raises(ConfigError, match=f"has {gpus} GPUs .* needs {need} "):
+            plan_node(gpus, comps, tensor_parallel=tp, mode=mode)
+        return
+    plan = plan_node(gpus, comps, tensor_parallel=tp, mode=mode)
+    trainers = [r for r in plan.ranks if r.component.kind == "cell"]
+    engines = [r.engine for r in plan.ranks if r.engine is not None]
+    if gpus == 0:
+        assert all(r.device == "cpu" for r in plan.ranks) and not engines
+        return
+    devices = [r.device for r in trainers]
+    assert len(set(devices)) == len(devices)  # no two trainer ranks share a device
+    assert len(engines) == len(cells) + standalone
+    engine_gpus = [g for e in engines for g in e.gpus]
+    assert len(set(engine_gpus)) == len(engine_gpus)  # engines never share a GPU
+    for e in engines:
+        assert e.gpus == tuple(range(e.base_gpu_id, e.base_gpu_id + tp))
+        assert e.base_gpu_id >= 0 and e.gpus[-1] < gpus  # within the node
+    for r in plan.ranks:
+        if r.component.kind in ("coordinator", "proxy"):
+            assert r.device == "cpu" and r.engine is None
+    own = {r.component.index: r.engine for r in trainers if r.engine is not None}
+    for r in trainers:
+        gpu = int(r.device.removeprefix("cuda:"))
+        assert 0 <= gpu < gpus
+        assert r.offload == (gpu in own[r.component.index].gpus)
+        if mode == "disjoint":
+            assert gpu not in engine_gpus and not r.offload
+    assert plan.used == need
+
+
+class FakeWorld:
+    """A communicator of one node's ranks, seen from `rank` (Split_type / allgather / Free)."""
+
+    def __init__(self, rank: int, env_local: list[int] | None = None) -> None:
+        self.rank, self.env_local, self.freed = rank, env_local, 0
+
+    def Get_rank(self) -> int:
+        return self.rank
+
+    def Split_type(self, kind: int, key: int) -> FakeWorld:
+        assert kind == 7 and key == self.rank
+        return self
+
+    def allgather(self, item: tuple[int, int]) -> list[tuple[int, int]]:
+        assert self.env_local is not None
+        return [(lr, r) for r, lr in enumerate(self.env_local)]
+
+    def Free(self) -> None:
+        self.freed += 1
+
+
+def test_local_rank_from_the_launcher_else_the_shared_memory_split() -> None:
+    both = {"SLURM_LOCALID": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "LOCAL_RANK": "0"}
+    assert local_rank(both) == 3
+    assert local_rank({"MPI_LOCALRANKID": "2", "LOCAL_RANK": "5"}) == 2
+    assert local_rank({"OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == 1
+    world = FakeWorld(rank=5)
+    assert local_rank({}, world, kind=7) == 5 and world.freed == 1
+    with pytest.raises(ConfigError, match="SLURM_LOCALID='x'; allowed: a local rank >= 0"):
+        local_rank({"SLURM_LOCALID": "x"})
+    with pytest.raises(ConfigError, match="none of SLURM_LOCALID, MPI_LOCALRANKID"):
+        local_rank({})
+
+
+def test_node_ranks_are_ordered_by_local_rank() -> None:
+    world = FakeWorld(rank=0, env_local=[2, 0, 1])
+    assert node_ranks(world, {"SLURM_LOCALID": "2"}, kind=7) == [1, 2, 0]
+    with pytest.raises(ConfigError, match=r"local ranks on this node are \[0, 0, 1\]"):
+        node_ranks(FakeWorld(rank=0, env_local=[0, 1, 0]), {"LOCAL_RANK": "0"}, kind=7)
+
+
+# ---- the colocated trainer's residency across role switches ----------------------------------
+
+
+class FakeDevices:
+    """A fake device map: each move copies the tensor and records (what, device)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.where: dict[int, str] = {}
+
+    def __call__(self, what: str, t: torch.Tensor, device: str) -> torch.Tensor:
+        self.calls.append((what, device))
+        out = t.clone()
+        self.where[out.data_ptr()] = device
+        return out
+
+
+def _core(seed: int = 0) -> tuple[TorchCell, CoreOptimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False))
+    cell_ = TorchCell(model.double(), objective=ObjectiveConfig())
+    return cell_, CoreOptimizer(cell_, OptimConfig(lr=1e-2))
+
+
+def _grad(cell_: TorchCell, k: int) -> torch.Tensor:
+    return torch.randn(cell_.flat_params.shape, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(k))  # fmt: skip
+
+
+def test_colocated_trainer_is_offloaded_on_every_switch_and_restored_on_its_device() -> None:
+    plan = plan_node(4, [cell(0, 0), cell(0, 1)], tensor_parallel=2, mode="colocated")
+    fake = FakeDevices()
+    residency = TrainerResidency.for_rank(plan[1], move=fake)
+    assert residency is not None and residency.device == "cuda:1"
+    cell_, opt = _core()
+    opt.step(_grad(cell_, 0))  # AdamW state exists
+    to_host = [("flat_params", "cpu"), ("flat_grads", "cpu"),
+               ("optimizer.exp_avg", "cpu"), ("optimizer.exp_avg_sq", "cpu")]  # fmt: skip
+    back = [(what, "cuda:1") for what, _ in to_host]
+    for _ in range(2):  # to_rollout, to_train, twice
+        residency.release(cell_, opt)
+        residency.restore(cell_, opt)
+    assert fake.calls == (to_host + back) * 2
+    residency.release(cell_, opt)
+    state = opt.opt.state[opt._param]
+    on = {fake.where.get(t.data_ptr()) for t in (cell_.flat_params, cell_.flat_grads,
+                                                 state["exp_avg"], state["exp_avg_sq"])}  # fmt: skip
+    assert on == {"cpu"}
+    for p in cell_.model.parameters():  # the parameters are views of the moved buffers
+        assert p.grad is not None
+        assert (
+            cell_.flat_params.data_ptr()
+            <= p.data_ptr()
+            < cell_.flat_params.data_ptr() + (cell_.flat_params.numel() * 8)
+        )
+        assert cell_.flat_grads.data_ptr() <= p.grad.data_ptr()
+    with pytest.raises(TrainingError, match="already released"):
+        residency.release(cell_, opt)
+    residency.restore(cell_, opt)
+    with pytest.raises(TrainingError, match="not released"):
+        residency.restore(cell_, opt)
+
+
+class MaskedOptimizer(CoreOptimizer):
+    """Like `ModelParallelOptimizer`: a flat-sized device tensor of the optimizer's own."""
+
+    def __init__(self, cell_: TorchCell, config: OptimConfig) -> None:
+        super().__init__(cell_, config)
+        self._mask = torch.ones_like(cell_.flat_params)
+
+
+def test_the_optimizers_own_tensors_move_too() -> None:
+    cell_, _ = _core()
+    opt = MaskedOptimizer(cell_, OptimConfig())
+    fake = FakeDevices()
+    residency = TrainerResidency(device="cuda:3", move=fake)
+    residency.release(cell_, opt)
+    assert fake.calls == [("flat_params", "cpu"), ("flat_grads", "cpu"), ("optimizer._mask", "cpu")]
+    assert fake.where[opt._mask.data_ptr()] == "cpu"
+    assert opt._param.data_ptr() == cell_.flat_params.data_ptr()
+
+
+def test_trainer_on_its_own_gpu_needs_no_residency() -> None:
+    plan = plan_node(4, [cell(0, 0), cell(0, 1)], tensor_parallel=1, mode="colocated")
+    assert TrainerResidency.for_rank(plan[0]) is not None  # shares cuda:0 with the engine
+    assert TrainerResidency.for_rank(plan[1]) is None  # cuda:1 is its own
+    disjoint = plan_node(4, [cell(0, 0), cell(0, 1)], tensor_parallel=2, mode="disjoint")
+    assert all(TrainerResidency.for_rank(r) is None for r in disjoint.ranks)
+
+
+def test_training_after_release_and_restore_equals_a_cell_never_released() -> None:
+    cell_, opt = _core()
+    ref_cell, ref_opt = _core()
+    residency = TrainerResidency(device="cuda:0", move=FakeDevices())
+    for k in range(3):
+        opt.step(_grad(cell_, k))
+        ref_opt.step(_grad(ref_cell, k))
+        cell_.flat_grads.fill_(float(k))
+        ref_cell.flat_grads.fill_(float(k))
+        residency.release(cell_, opt)
+        residency.restore(cell_, opt)
+    assert torch.equal(cell_.flat_params, ref_cell.flat_params)
+    assert torch.equal(cell_.flat_grads, ref_cell.flat_grads)  # accumulated grads kept
+    x = torch.randn(5, 4, dtype=torch.float64)
+    assert torch.equal(cell_.model(x), ref_cell.model(x))  # the model computes with them
