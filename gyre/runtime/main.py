@@ -151,6 +151,8 @@ def run_component(
     from gyre.runtime.checkpoint import latest
 
     placed = place_rank(cfg, world, components)  # this rank's device, its engine's GPUs
+    on_gpu = cfg.train.device.startswith("cuda")  # else the trainer stays on the CPU
+    residency = TrainerResidency.for_rank(placed) if on_gpu else None
     replica = engine = None
     version = 0
     if me.kind == "standalone" or (me.kind == "cell" and me.shard == 0):
@@ -163,7 +165,7 @@ def run_component(
         torch.set_num_threads(1)
         owns_optimizer = me.index == 0 and (me.shard == 0 or cfg.train.backend == "megatron")
         replica = build_replica(cfg, core=owns_optimizer, comms=comms, host=address,
-                                device=placed.device)  # fmt: skip
+                                device=placed.device if on_gpu else "cpu")  # fmt: skip
         version = replica.restore(run_dir, me.shard)
     elif me.kind == "standalone" and (found := latest(run_dir)) is not None:
         version = int(found[1]["version"])
@@ -183,7 +185,7 @@ def run_component(
 
         assert replica is not None
         trainer = CellTrainer(cfg, replica, comms, transport, version=version, run_dir=run_dir,
-                              residency=TrainerResidency.for_rank(placed))  # fmt: skip
+                              residency=residency)  # fmt: skip
         status = CellFollower(trainer).serve(link)
     else:
         from gyre.runtime.cell import CellProcess
@@ -194,7 +196,7 @@ def run_component(
         status = CellProcess(
             cfg, engine_index=index, comms=comms, run_dir=run_dir, engine=engine,
             replica=replica, transport=transport, version=version,
-            residency=TrainerResidency.for_rank(placed) if replica is not None else None,
+            residency=residency if replica is not None else None,
         ).serve(link)  # fmt: skip
     _debug(f"{me.kind} {me.index} stopped")
     transport.close()  # collective: every rank gets here once its component stopped

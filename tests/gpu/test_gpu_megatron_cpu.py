@@ -1,7 +1,6 @@
 """Megatron-core forward and backward on this CPU (gyre.train.megatron.cpu's three patches):
-Gyre's GPTModel of the tiny Qwen2 against transformers' own model, at TP = 1 in this process
-and at TP = 2 over two gloo processes (vocab-parallel cross-entropy, shards gathered back to
-the Hugging Face layout). And the patches stay off where CUDA is present."""
+Gyre's GPTModel of the tiny Qwen2 against transformers' own model at TP = 2 over two gloo
+processes (vocab-parallel cross-entropy, shards gathered back to the Hugging Face layout). And the patches stay off where CUDA is present."""
 
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [2])  # TP = 1: test_gpu_megatron_weights.py, in-process
 def test_megatron_tp_matches_transformers_on_cpu(tmp_path: Path, tp: int) -> None:
     from gyre.models import load_model
     from gyre.train.megatron.weights import Layout, mcore_to_hf

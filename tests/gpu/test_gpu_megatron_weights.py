@@ -1,7 +1,7 @@
 """HF ↔ Megatron ↔ engine weight layouts: exact round trips, TP shards, Megatron's own split.
 
 The pure layout tests run everywhere; the GPTModel tests build a real Megatron model on CPU
-(forward passes need CUDA, but attention's QKV split and the MLP run on CPU) and need
+(its forward runs on CPU through gyre.train.megatron.cpu's patches) and need
 megatron-core.
 """
 
@@ -143,6 +143,14 @@ def test_gpt_model_from_tiny_config_matches_hf_layers(megatron_world):
         mlp = model.decoder.layers[i].mlp(x)
         mlp = mlp[0] if isinstance(mlp, tuple) else mlp
         assert torch.allclose(mlp, layer.mlp(x), atol=1e-6)
+    # the whole forward (on CPU through gyre.train.megatron.cpu) gives transformers' logits
+    ids = torch.randint(0, hfc["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
+    width = ids.shape[1]
+    positions = torch.arange(width).expand(2, width)
+    causal = torch.ones(width, width, dtype=torch.bool).triu(1)[None, None]
+    with torch.no_grad():
+        logits = model(ids, positions, causal)
+        assert torch.allclose(logits, hf_model(input_ids=ids).logits, atol=2e-5)
     # and the export gives the engine exactly the HF tensors back
     back = mcore_to_hf([tensor_state(model)], lay)
     for name, t in hf_model.state_dict().items():

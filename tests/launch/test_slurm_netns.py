@@ -74,13 +74,13 @@ def listening(log: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["torch", "megatron"])
-def test_two_rank_cells_across_namespaced_nodes(
-    netns_cluster: SlurmCluster, tmp_path: Path, backend: str
-):
-    """Each cell's two ranks on two namespaced nodes: torch data parallel, or a Megatron
-    tensor-parallel cell whose every layer is split across the two nodes (its gloo world
-    bound to the nodes' bridge addresses)."""
+def test_two_rank_cells_across_namespaced_nodes(netns_cluster: SlurmCluster, tmp_path: Path):
+    """Each cell's two ranks on two namespaced nodes, as Megatron tensor-parallel halves of
+    every layer (train.backend megatron; its gloo world bound to the nodes' bridge
+    addresses): the engines, the control channel, the snapshot transport and the backend's
+    own world all cross nodes. (The torch backend's 2-rank cells run the same job across
+    nodes that share a loopback in tests/launch/test_slurm.py.)"""
+    backend = "megatron"
     folder = tmp_path / "sub"
     try:
         out = gyre(
