@@ -7,6 +7,9 @@ that do start their own engine with `running_engine`.
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -43,3 +46,15 @@ def prompt(tiny: Any) -> list[int]:
     messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def post_json(url: str, body: Any) -> tuple[int, dict[str, Any]]:
+    """POST a JSON body straight to an engine route: (status, decoded reply), errors included."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

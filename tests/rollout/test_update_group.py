@@ -5,9 +5,6 @@ same weights is, and bodies or sessions the engine cannot take are refused like 
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +17,7 @@ from gyre.rollout.sglang.control import distributed_update_body, tensor_specs
 from gyre.rollout.testing import running_engine
 from gyre.runtime.engine_host import push_weights, push_weights_distributed
 
+from .conftest import post_json as _post
 from .conftest import run
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -105,14 +103,3 @@ def test_bodies_and_sessions_the_engine_cannot_take_are_refused(own_url: str, ti
         assert status == 400 and "x: unknown field" in reply["message"]
     finally:
         assert _post(own_url + "/end_weight_update", {})[0] == 200
-
-
-def _post(url: str, body: Any) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())

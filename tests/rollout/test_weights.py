@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import os
 import pickle
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +18,7 @@ from gyre.rollout.protocol import SamplingParams, release_procedure, resume_proc
 from gyre.rollout.testing import running_engine
 from gyre.rollout.weights import serialize_named_tensors
 
+from .conftest import post_json as _post
 from .conftest import run
 from .reference import reference_logits, slow_distribution
 
@@ -147,14 +145,3 @@ def test_release_needs_an_idle_engine_and_resume_restores(own_url: str, prompt: 
     assert stats["released"] and stats["paused"] and stats["running"] == 0
     assert after.output_ids == before.output_ids
     assert after.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-4)
-
-
-def _post(url: str, body: Any) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
