@@ -13,6 +13,7 @@ import importlib
 import sys
 
 from gyre import __version__
+from gyre.cliargs import Parser
 from gyre.errors import exit_status
 
 # subcommand name -> module that registers it
@@ -31,7 +32,7 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gyre", description=__doc__.splitlines()[0])
+    parser = Parser(prog="gyre", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"gyre {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in dict.fromkeys(COMMANDS.values()):
@@ -41,11 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:  # `gyre run CONFIG --steps 2 train.lr=3e-4`: overrides may follow options too
-        if not hasattr(args, "overrides") or any(_not_override(x) for x in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = [*args.overrides, *extra]
+    try:  # a bad argument, --help, --version: their status, returned (also to in-process callers)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # `gyre run CONFIG --steps 2 train.lr=3e-4`: overrides may follow options too
+            if not hasattr(args, "overrides") or any(_not_override(x) for x in extra):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.overrides = [*args.overrides, *extra]
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -54,10 +54,11 @@ def load_yaml(cls: type[T], file: str | Path, section: str | None = None) -> T:
 
 
 def read_mapping(file: str | Path) -> dict[str, Any]:
-    """A YAML file whose top level is a mapping (an empty file is `{}`), or a ConfigError."""
+    """A YAML file whose top level is a non-empty mapping, or a ConfigError (an empty file
+    is a mistake, not "all defaults": a run would start a whole default job from it)."""
     p = Path(file)
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {str(p)!r} does not exist") from None
     except IsADirectoryError:
@@ -66,6 +67,9 @@ def read_mapping(file: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(p)!r} cannot be read: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if data is None or data == {}:
+        raise ConfigError(f"config file {str(p)!r} is empty; allowed: a YAML mapping of "
+                          "sections (templates/ holds complete examples)")  # fmt: skip
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping at the top level")
     return data

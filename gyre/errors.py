@@ -61,7 +61,9 @@ def exit_status(prog: str, command: Callable[[], int | None]) -> int:
     reader that closed stdout (`gyre trace show ... | head`) is not an error: 141, silent.
     """
     try:
-        return int(command() or 0)
+        status = int(command() or 0)
+        sys.stdout.flush()  # inside: a reader gone before the buffered tail is a closed pipe too
+        return status
     except GyreError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ the same types instead of translating strings between them. Each value is the st
 has always written into traces, journals and JSON files, so persisted data reads the same:
 
     Outcome.TIMED_OUT.value == "timed_out"        # how a harness ended
+    CloseStatus.of(Outcome.FAILED).value          # how the trace closed it: "failed"
     VerdictStatus("excluded")                     # how its work was scored
     Role.TRAIN.value == "train"                   # what a cell does
     EngineId.parse("e3").index == 3; str(EngineId(3)) == "e3"
@@ -35,6 +36,29 @@ class Outcome(enum.Enum):
     FAILED = "failed"  # non-zero exit, or could not be set up / started
     TIMED_OUT = "timed_out"  # exceeded its harness time budget; process group killed
     CANCELLED = "cancelled"  # cancelled by the coordinator; process group killed
+
+
+class CloseStatus(enum.Enum):
+    """How an execution was closed in the trace (its `status`): its harness's `Outcome`, or
+    why it has none."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    NOT_LAUNCHED = "not_launched"  # dispatched, never launched: the run or the job ended first
+    UNRECOVERABLE = "unrecoverable"  # a dead job left it open before its first model call
+    RECOVERED = "recovered"  # a dead job left it open; scored from its preserved workspace
+
+    @classmethod
+    def of(cls, outcome: Outcome) -> CloseStatus:
+        """The close status of an execution whose harness ended with `outcome`."""
+        return _CLOSED_AS[outcome]
+
+
+_CLOSED_AS = {Outcome.COMPLETED: CloseStatus.COMPLETED, Outcome.FAILED: CloseStatus.FAILED,
+              Outcome.TIMED_OUT: CloseStatus.TIMED_OUT,
+              Outcome.CANCELLED: CloseStatus.CANCELLED}  # fmt: skip
 
 
 class VerdictStatus(enum.Enum):

@@ -41,7 +41,11 @@ def test_bad_inputs_get_one_line_and_exit_2(tmp_path: Path) -> None:
          ["neither a known model nor a directory", "allowed: tiny"]),
         (["run", "templates/local.yaml", f"model={half}"], ["has no tokenizer"]),
         (["run", "templates/local.yaml", f"model={tmp_path}"], ["has no config.json"]),
-        (["eval", "tiny", "--tasks", "nope"], ["unknown task 'nope'", "allowed: notes"]),
+        (["eval", "tiny", "--tasks", "nope"], ["--tasks: ['nope'] not in suite 'learn'",
+                                               "allowed: notes"]),
+        # held-out seeds of a task without variables would re-run its one (training) instance
+        (["eval", "tiny", "harness.suite=builtin", "harness.tasks=[add]"],
+         ["task(s) add have no variables", "allowed: eval.suite="]),
         (["engine", "--model", "/tmp/gyre-no-such-model"], ["neither a known model"]),
         (["trace", "show", str(tmp_path)], ["trace.h5"]),
         # an override after an option is an override (its unknown key is the error), not an
@@ -66,13 +70,14 @@ def test_trace_show_takes_a_run_directory_and_a_closed_pipe(tmp_path: Path) -> N
         pass
     shown = gyre("trace", "show", str(run), "--json")
     assert shown.returncode == 0 and '"writer_closed": true' in shown.stdout, shown.stderr
-    # `gyre trace show ... | head`: the reader is gone before the output is written
-    proc = subprocess.Popen([sys.executable, "-m", "gyre", "trace", "show", str(run), "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)  # fmt: skip
-    assert proc.stdout is not None and proc.stderr is not None
-    proc.stdout.close()
-    err = proc.stderr.read().decode()
-    assert proc.wait(timeout=60) == 141 and err == "", err
+    # `gyre trace show ... | head -1`: the reader is gone before the output is written
+    for action in ("show", "stats"):
+        proc = subprocess.Popen([sys.executable, "-m", "gyre", "trace", action, str(run), "--json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 141 and err == "", (action, err)
 
 
 @pytest.mark.parametrize("bad", ["-x=1", "train.lr"])

@@ -5,13 +5,19 @@ from __future__ import annotations
 import pytest
 
 from gyre.train.rewards import Status
-from gyre.vocabulary import EngineId, Outcome, Role, VerdictStatus
+from gyre.vocabulary import CloseStatus, EngineId, Outcome, Role, VerdictStatus
 
 
 def test_values_are_the_persisted_strings() -> None:
     assert [o.value for o in Outcome] == ["completed", "failed", "timed_out", "cancelled"]
     assert [v.value for v in VerdictStatus] == ["scored", "excluded", "placeholder"]
     assert [r.value for r in Role] == ["rollout", "to_train", "train", "to_rollout"]
+    assert [c.value for c in CloseStatus] == ["completed", "failed", "timed_out", "cancelled",
+                                              "not_launched", "unrecoverable", "recovered"]  # fmt: skip
+
+
+def test_a_harness_outcome_closes_as_its_own_status() -> None:
+    assert {o: CloseStatus.of(o).value for o in Outcome} == {o: o.value for o in Outcome}
 
 
 @pytest.mark.parametrize("index", [0, 3, 17])

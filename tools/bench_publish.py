@@ -51,13 +51,13 @@ import torch
 
 from gyre.models import load_model
 from gyre.rollout.client import blocking
-from gyre.rollout.protocol import tensor_update_call
-from gyre.rollout.sglang.control import (
+from gyre.rollout.protocol import (
     UpdateGroup,
     destroy_update_group_body,
     distributed_update_body,
     init_update_group_body,
     tensor_specs,
+    tensor_update_call,
 )
 from gyre.rollout.weights import serialize_named_tensors
 from gyre.runtime.config import EngineConfig

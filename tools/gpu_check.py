@@ -135,7 +135,7 @@ def run_batch(cell: Any, steps: list, info: Any) -> dict[str, Any]:
 def megatron_world(device: str) -> None:
     import torch.distributed as dist
 
-    from gyre.rollout.sglang.process import free_port
+    from gyre.rollout.serving.process import free_port
     from gyre.train.megatron.config import MegatronConfig
     from gyre.train.megatron.model import init_model_parallel
 
@@ -271,8 +271,8 @@ def engine_model_dir(args: argparse.Namespace, where: Path) -> Path:
 
 
 def start_engine(args: argparse.Namespace, model_dir: Path, dtype: str) -> Any:
-    from gyre.rollout.sglang.config import ServerConfig
-    from gyre.rollout.sglang.process import EngineProcess
+    from gyre.rollout.serving.config import ServerConfig
+    from gyre.rollout.serving.process import EngineProcess
 
     launch = ["{python}", "-m", "gyre.gpu.engine", "--device", args.device, "--dtype", dtype,
               "--model", "{model_path}", "--host", "{host}", "--port", "{port}",
@@ -387,8 +387,8 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
     from gyre.gpu.memory import measure
     from gyre.gpu.snapshot import CellOffload
     from gyre.models import load_model
-    from gyre.rollout.client import blocking
-    from gyre.rollout.sglang.control import ManagedEngine
+    from gyre.rollout.client import EngineClient, blocking
+    from gyre.rollout.protocol import release_procedure, resume_procedure
     from gyre.train.cell import TorchCell
     from gyre.train.config import ObjectiveConfig
     from gyre.train.objective import ExecutionScalar
@@ -399,12 +399,12 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
         model_dir = engine_model_dir(args, Path(tmp))
         proc = start_engine(args, model_dir, dtype)
         try:
-            eng = ManagedEngine("cell0", proc.url)
+            eng = EngineClient(proc.url, engine_id="cell0")
             prompt = [[5, 6, 7, 8, 9]]
             first, _ = asyncio.run(generate_many(proc.url, prompt, 16, 0.0))
             points["rollout_serving"] = used(args.device)
             t0 = time.perf_counter()
-            asyncio.run(eng.release())
+            asyncio.run(eng.run(release_procedure()))
             points["engine_release_s"] = time.perf_counter() - t0
             points["after_engine_release"] = used(args.device)
             points["engine_released"] = blocking(
@@ -432,7 +432,7 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
             points["trainer_bytes_held_after_release"] = buffer_bytes(cell)
             points["after_trainer_release"] = used(args.device)
             t0 = time.perf_counter()
-            asyncio.run(eng.resume())
+            asyncio.run(eng.run(resume_procedure()))
             again, _ = asyncio.run(generate_many(proc.url, prompt, 16, 0.0))
             points["engine_resume_s"] = time.perf_counter() - t0
             points["rollout_serving_again"] = used(args.device)
@@ -457,7 +457,7 @@ def section_megatron_tp2(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.multiprocessing as mp
 
-    from gyre.rollout.sglang.process import free_port
+    from gyre.rollout.serving.process import free_port
 
     cuda = args.device.startswith("cuda")
     if cuda and torch.cuda.device_count() < 2:

@@ -4,37 +4,70 @@
 #   bash tools/setup.sh            # what `gyre run` needs
 #   bash tools/setup.sh --test     # + test tools (pytest, hypothesis, SDKs, ruff, mypy, Claude Code,
 #                                  #   the SGLang request-type check venv in .tools/sglang-check)
+#   bash tools/setup.sh --venv [DIR]   # into a virtual environment (default $GYRE_VENV, else
+#                                  #   ~/gyre-venv): what a cluster login node without root uses
 #
+# Where it installs: the active virtual environment if there is one; else with --venv, or
+# when not root, a virtual environment at DIR (made if missing; `source DIR/bin/activate`
+# afterwards; the cluster templates source ${GYRE_VENV:-$HOME/gyre-venv}); else (root, no
+# venv) the system Python. System packages (bubblewrap, libibverbs) come from apt-get only as
+# root; without root a missing one is named with what it costs, and the install goes on.
 # Idempotent: re-running it only checks what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-want_test=0
-for arg in "$@"; do
-  case "$arg" in
+want_test=0 venv=""
+while (($#)); do
+  case "$1" in
     --test) want_test=1 ;;
-    *) echo "setup.sh: unknown argument $arg (allowed: --test)" >&2; exit 2 ;;
+    --venv)
+      if [[ $# -gt 1 && "$2" != --* ]]; then venv="$2"; shift; else venv="${GYRE_VENV:-$HOME/gyre-venv}"; fi ;;
+    *) echo "setup.sh: unknown argument $1 (allowed: --test, --venv [DIR])" >&2; exit 2 ;;
   esac
+  shift
 done
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+fail() { printf '\033[1;31m[setup] FAILED:\033[0m %s\n' "$*" >&2; exit 1; }
+root=0; [[ "$(id -u)" == 0 ]] && root=1
+if [[ -z "$venv" && -z "${VIRTUAL_ENV:-}" && $root == 0 ]]; then
+  venv="${GYRE_VENV:-$HOME/gyre-venv}"  # no root, no venv: never the system Python
+fi
 
 # --- system packages (Debian) ---------------------------------------------------------
-apt_pkgs=(libibverbs1 bubblewrap)
+# what each one is for, said when it is missing and cannot be installed (no root)
+declare -A needed_for=(
+  [bubblewrap]="harnesses run sandboxed (harness.sandbox auto|bwrap); without it gyre run refuses to start: set harness.sandbox=apptainer (docs/harness.md) or harness.sandbox=none"
+  [libibverbs1]="the Mooncake transfer engine (train.transport mooncake, KV migration over RDMA); the default transports do not need it"
+)
 missing=()
-for p in "${apt_pkgs[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+for p in bubblewrap libibverbs1; do
+  if command -v dpkg >/dev/null 2>&1; then dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  elif [[ $p == bubblewrap ]]; then command -v bwrap >/dev/null 2>&1 || missing+=("$p"); fi
 done
 if ((${#missing[@]})); then
-  log "apt-get install ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq >/dev/null
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if ((root)) && command -v apt-get >/dev/null 2>&1; then
+    log "apt-get install ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    for p in "${missing[@]}"; do
+      log "not installed: $p (no root here to apt-get it; ask your admin). Needed for: ${needed_for[$p]}"
+    done
+  fi
 fi
 
 # --- Python packages ------------------------------------------------------------------
 # torch first and pinned: anything unpinned would pull a multi-GB CUDA build.
 py=python3
+if [[ -n "$venv" ]]; then
+  if [[ ! -x "$venv/bin/python" ]]; then
+    log "python3 -m venv $venv"
+    python3 -m venv "$venv" || fail "python3 -m venv $venv (Debian: the python3-venv package)"
+  fi
+  py="$venv/bin/python"
+fi
 pipq=("$py" -m pip install -q --disable-pip-version-check --root-user-action=ignore)
 if ! "$py" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
   log "pip install torch==2.13.0"
@@ -51,9 +84,9 @@ log "pip install -e .[$extras]"
 # --- harness binaries -----------------------------------------------------------------
 # The test command runs the real harness binaries: a failed install fails the setup (and so
 # the test command) here, loudly, instead of turning their tests into skips.
-fail() { printf '\033[1;31m[setup] FAILED:\033[0m %s\n' "$*" >&2; exit 1; }
 if ((want_test)); then
   if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    ((root)) || fail "Node.js and npm are not installed and this is not root (the tests run Claude Code and Codex, npm packages): install Node.js >= 18 into your PATH (nodejs.org binaries unpack anywhere)"
     log "apt-get install nodejs npm (Claude Code and Codex are npm packages)"
     export DEBIAN_FRONTEND=noninteractive
     { apt-get update -qq && apt-get install -y -qq --no-install-recommends nodejs npm; } >/dev/null \
@@ -90,4 +123,6 @@ if ((want_test)); then
 fi
 # pyenv-managed Pythons see new console scripts (`gyre`) only after a rehash.
 command -v pyenv >/dev/null 2>&1 && { pyenv rehash 2>/dev/null || true; }
-log "ready: $("$py" -m gyre --version)"
+version=$("$py" -m gyre --version) || fail "gyre does not import in $py"
+log "ready: $version"
+[[ -z "$venv" ]] || log "in $venv: source $venv/bin/activate (the cluster templates source \${GYRE_VENV:-\$HOME/gyre-venv})"

@@ -11,7 +11,7 @@ whose initializer sets it) and in the engine's worker thread. `CudaEngine` makes
 to pinned host memory (tied weights stay tied) and the CUDA cache is emptied; `/resume_...`
 moves them back.
 
-For small models only: SGLang serves large ones (`gyre.rollout.sglang`). Samplers'
+For small models only: SGLang serves large ones (`gyre.rollout.serving`). Samplers'
 generators are created on the model's device (`Engine.generator`); grammar masks are
 computed on the host and moved to the logits' device (docs/gpu.md).
 """

@@ -9,6 +9,10 @@ Placeholders filled per execution: `{python}` (this interpreter), `{instruction}
 `{instruction_file}`, `{feedback_file}`, `{workspace}`, `{model}`, `{execution_id}`, plus every key of the
 adapter's `params` (overridable per run). An unknown placeholder is a `ConfigError`.
 
+`sandbox_binds` name the folders a harness's program needs inside the sandbox (its
+node_modules, its virtual environment), read-only; `gyre.harness.sandbox` adds them to the
+allow-list.
+
 `role_rules` label the harness's own model calls for the proxy (`gyre.vocabulary.RoleRule`:
 role, source, pattern; first match wins): a black-box harness sends no `x-gyre-role`
 header, so its compaction and sub-agent calls are told apart by what the request says.
@@ -60,6 +64,9 @@ class Adapter:
     params: dict[str, str] = field(default_factory=dict)
     # extra directories searched for the program, relative to the repository root or absolute
     search_path: list[str] = field(default_factory=list)
+    # folders the program needs inside the sandbox, read-only (its node_modules or virtual
+    # environment; gyre/harness/sandbox.py); relative to the repository root or absolute
+    sandbox_binds: list[str] = field(default_factory=list)
     # how to install the harness (shown when the program is not found)
     install: str = ""
     # whether the harness applies the task's tool-latency knob (GYRE_TOOL_LATENCY)
@@ -97,6 +104,10 @@ class Adapter:
                 f"params: unknown parameter {unknown[0]!r} for adapter {self.name!r}; "
                 f"allowed: {', '.join(sorted(self.params)) or '(none)'}"
             )
+
+    def sandbox_paths(self) -> list[Path]:
+        """`sandbox_binds` as absolute paths (the relative ones under the repository root)."""
+        return [Path(d) if Path(d).is_absolute() else REPO_ROOT / d for d in self.sandbox_binds]
 
     def resolve_program(self, path_env: str) -> str | None:
         """Absolute path of the program, or None when it is not installed."""

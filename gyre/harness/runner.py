@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import IO, Literal
 
 from gyre.errors import ConfigError, HarnessError
+from gyre.harness import sandbox
 from gyre.harness.adapters import Adapter
 from gyre.harness.events import HarnessEvent, Launched, Terminated
-from gyre.harness.workspace import ExecutionDir, bwrap_available, bwrap_prefix, harness_env, prepare
+from gyre.harness.workspace import ExecutionDir, harness_env, prepare
 from gyre.lifetime import die_with_parent
 from gyre.tasks.suite import Task
 from gyre.vocabulary import Outcome
@@ -74,8 +75,11 @@ class HarnessRunner:
         overall_timeout_s: float = 4800.0
         # seconds between SIGTERM and SIGKILL of the process group
         kill_grace_s: float = 3.0
-        # none | bwrap (bubblewrap required) | auto (bwrap when installed)
-        sandbox: Literal["none", "bwrap", "auto"] = "none"
+        # none | bwrap (bubblewrap required) | apptainer (apptainer_image) | auto (bwrap when
+        # installed); what a sandboxed harness sees: gyre/harness/sandbox.py
+        sandbox: Literal["none", "bwrap", "apptainer", "auto"] = "none"
+        # apptainer: the image (.sif or sandbox directory) that brings the operating system
+        apptainer_image: str = ""
         # names of runner environment variables passed through (e.g. OMP_NUM_THREADS)
         keep_env: list[str] = field(default_factory=list)
         # directories a sandboxed harness must not see (e.g. the run directory)
@@ -92,6 +96,8 @@ class HarnessRunner:
                     f"overall_timeout_s: {self.overall_timeout_s!r} must be >= harness_timeout_s "
                     f"({self.harness_timeout_s!r}); the overall budget includes the harness"
                 )
+            if self.sandbox == "apptainer" and not self.apptainer_image:
+                raise ConfigError("apptainer_image: must be set for sandbox 'apptainer'")
 
     def __init__(
         self, config: Config, on_event: Callable[[HarnessEvent], None] | None = None
@@ -111,7 +117,7 @@ class HarnessRunner:
     @property
     def sandbox(self) -> str:
         if self.config.sandbox == "auto":
-            return "bwrap" if bwrap_available() else "none"
+            return "bwrap" if sandbox.bwrap_available() else "none"
         return self.config.sandbox
 
     def cancel(self, execution_id: str, reason: str = "cancelled by the coordinator") -> bool:
@@ -164,7 +170,7 @@ class HarnessRunner:
                 eid, Outcome.FAILED, f"setup failed: {e}", None, None, deadline, None, False
             )
         try:
-            argv, env = self._command(spec, ex)
+            argv, env = await asyncio.to_thread(self._command, spec, ex)  # reads the disk
         except (HarnessError, ConfigError) as e:
             return self._end(eid, Outcome.FAILED, str(e), None, None, deadline, ex, False)
         with open(ex.stdout, "wb") as out, open(ex.stderr, "wb") as err:
@@ -228,10 +234,16 @@ class HarnessRunner:
             )
         argv[0] = program
         env["PATH"] = os.pathsep.join([str(Path(program).parent), env["PATH"]])
-        if self.sandbox == "bwrap":
-            hidden = list(spec.task.hidden_paths)
-            argv = bwrap_prefix(ex, self.root, hidden, [Path(d) for d in self.config.hide]) + argv
-        return argv, env
+        if self.sandbox == "none":
+            return argv, env
+        mounts = sandbox.allow_list(
+            ex, program=program, binds=adapter.sandbox_paths(), hidden=spec.task.hidden_paths,
+            hide=[Path(d) for d in self.config.hide], workspace_root=self.root,
+        )  # fmt: skip
+        if self.sandbox == "apptainer":
+            prefix, env = sandbox.apptainer_argv(mounts, ex, self.config.apptainer_image, env)
+            return prefix + argv, env
+        return sandbox.bwrap_argv(mounts, ex) + argv, env
 
     @staticmethod
     async def _spawn(

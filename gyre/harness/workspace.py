@@ -1,4 +1,4 @@
-"""One execution's directory, environment and (optional) bubblewrap sandbox.
+"""One execution's directory and environment.
 
 Layout under the runner's workspace root, one directory per execution:
 
@@ -12,11 +12,10 @@ Layout under the runner's workspace root, one directory per execution:
 
 The harness gets only the environment it needs: PATH, HOME, TMPDIR, LANG, its API's base
 URL and its own key, GYRE_EXECUTION_ID and the adapter's variables — never the runner's own
-environment (other executions' keys, admin tokens). With `bwrap` the harness additionally
-sees the filesystem read-only, its own workspace writable, other executions' directories,
-the task's hidden tests and the directories the runner is told to hide (a run's directory:
-trace, config, policies, checkpoints) not at all, a private /tmp, and its own PID namespace
-(no other process of the run, nor its /proc entries).
+environment (other executions' keys, admin tokens). Sandboxed (`gyre.harness.sandbox`:
+bubblewrap or Apptainer), the harness sees only an allow-list of the filesystem: the system,
+its interpreter and program read-only, its own workspace writable, its instruction and
+feedback files, a private /tmp and its own PID namespace.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import re
 import shutil
 import sys
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,67 +128,3 @@ def harness_env(
         env["GYRE_TOOL_SEED"] = str(zlib.crc32(f"{query}/{execution_id}".encode()))
     env.update(adapter_env)
     return env
-
-
-def bwrap_available() -> bool:
-    return shutil.which("bwrap", path=os.pathsep.join(SYSTEM_PATH)) is not None
-
-
-def _program_roots() -> list[Path]:
-    """Where Python and Gyre itself live, if that is under /tmp (which the sandbox replaces)."""
-    import gyre
-
-    roots = {Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).resolve().parent.parent}
-    tmp = Path("/tmp")
-    return sorted(
-        r.resolve() for r in roots if r.resolve().is_relative_to(tmp) and r.resolve() != tmp
-    )
-
-
-def bwrap_works() -> str | None:
-    """None when bubblewrap can start a sandbox here, else why not (one line)."""
-    import subprocess
-
-    bwrap = shutil.which("bwrap", path=os.pathsep.join(SYSTEM_PATH))
-    if bwrap is None:
-        return "bubblewrap is not installed (apt-get install bubblewrap)"
-    probe = [bwrap, "--ro-bind", "/", "/", "--proc", "/proc", "--unshare-pid", "true"]
-    try:
-        out = subprocess.run(probe, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"bwrap did not run ({e})"
-    if out.returncode != 0:
-        why = out.stderr.strip().splitlines()[-1:] or [f"exit {out.returncode}"]
-        return f"bwrap cannot create a sandbox here ({why[0]}; it needs user namespaces)"
-    return None
-
-
-def bwrap_prefix(
-    ex: ExecutionDir, workspace_root: Path, hidden: list[Path], hide: Sequence[Path] = ()
-) -> list[str]:
-    """bubblewrap argv that confines a harness to its execution directory.
-
-    `hidden`: the task's hidden files; `hide`: directories of the run the harness must not
-    see (the run directory: trace, config, policies, checkpoints, logs)."""
-    bwrap = shutil.which("bwrap", path=os.pathsep.join(SYSTEM_PATH))
-    if bwrap is None:
-        raise HarnessError(
-            "sandbox 'bwrap' requested but bubblewrap is not installed (apt-get install bubblewrap)"
-        )
-    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-    for keep in _program_roots():  # a checkout or venv under /tmp must stay visible, read-only
-        argv += ["--ro-bind", str(keep), str(keep)]
-    for d in hide:  # empty in the sandbox (the own workspace is bound back below)
-        argv += ["--tmpfs", str(Path(d).resolve())]
-    argv += ["--tmpfs", str(workspace_root.resolve())]  # hide every other execution
-    argv += ["--bind", str(ex.workspace), str(ex.workspace)]
-    argv += ["--ro-bind", str(ex.instruction_file), str(ex.instruction_file)]
-    argv += ["--ro-bind", str(ex.feedback_file), str(ex.feedback_file)]
-    for h in hidden:
-        if h.is_dir():
-            argv += ["--tmpfs", str(h)]
-        elif h.exists():
-            argv += ["--ro-bind", "/dev/null", str(h)]
-    argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
-    argv += ["--chdir", str(ex.workspace), "--"]
-    return argv

@@ -15,8 +15,9 @@ import sys
 from collections.abc import Mapping
 
 from gyre.errors import ConfigError, exit_status
-from gyre.launch.spec import JobSpec, check_suite, job_spec, load_launch
+from gyre.launch.spec import JobSpec, job_spec, load_launch
 from gyre.launch.task import het_group_sizes
+from gyre.runtime.preflight import Where
 
 
 def check_allocation(spec: JobSpec, env: Mapping[str, str]) -> None:
@@ -46,9 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def check(config: str) -> int:
     """0 if the allocation this runs in matches `config`; `ConfigError` otherwise."""
-    spec = job_spec(load_launch(config))
+    spec = job_spec(load_launch(config, where=Where.CLUSTER))
     check_allocation(spec, os.environ)
-    check_suite(spec.launch)
     print(f"[gyre] allocation matches {config}: {spec.world_size} ranks", flush=True)
     return 0
 

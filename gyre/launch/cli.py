@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gyre import cliargs
+
 OVERRIDES_HELP = "set config keys (after CONFIG, also after options), e.g. train.lr=3e-4"
 
 
@@ -26,7 +28,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("render", help="print the sbatch script of a run config")
     p.add_argument("config", help="run YAML (templates/local.yaml, templates/cluster/*.yaml)")
     p.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help=OVERRIDES_HELP)
-    p.add_argument("-o", "--output", help="write the script here instead of stdout")
+    p.add_argument(
+        "-o", "--output", type=cliargs.output_file, help="write the script here instead of stdout"
+    )
     p.add_argument("--check", action="store_true", help="check against the cluster (sinfo)")
     p.set_defaults(func=render_main)
 
@@ -34,23 +38,26 @@ def register(sub: Any) -> None:
     s.add_argument("config", help="run YAML")
     s.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help=OVERRIDES_HELP)
     s.add_argument("--folder", help="submitit folder (default: <runs_dir>/submitit)")
-    s.add_argument("--steps", type=int, default=None, help="override the config's steps")
+    s.add_argument("--steps", type=cliargs.count, default=None, help="override the config's steps")
     s.add_argument("--entry", default=None, help="task module (default gyre.runtime.main)")
     s.add_argument("--no-check", action="store_true", help="skip the cluster check")
     s.add_argument("--no-follow", action="store_true", help="print the job id and return")
-    s.add_argument("--timeout", type=float, default=None, help="give up following after S s")
+    s.add_argument(
+        "--timeout", type=cliargs.positive_float, default=None, help="give up following after S s"
+    )
     s.set_defaults(func=submit_main)
 
 
 def render_main(args: argparse.Namespace) -> int:
     from gyre.launch.render import RenderOptions, render_script
-    from gyre.launch.spec import check_suite, job_spec, load_launch
+    from gyre.launch.spec import job_spec, load_launch
+    from gyre.runtime.preflight import Where
 
-    spec = job_spec(load_launch(args.config, args.overrides))
+    where = Where.CLUSTER if args.check else Where.ANYWHERE
+    spec = job_spec(load_launch(args.config, args.overrides, where))
     if args.check:
         from gyre.launch.cluster import query_cluster, validate
 
-        check_suite(spec.launch)
         validate(spec, query_cluster())
     for line in spec.footprint():
         print(f"gyre render: {line}", file=sys.stderr)
@@ -65,15 +72,18 @@ def render_main(args: argparse.Namespace) -> int:
 
 def submit_main(args: argparse.Namespace) -> int:
     from gyre.launch.render import ENTRY
-    from gyre.launch.spec import check_suite, job_spec, load_launch
+    from gyre.launch.spec import job_spec, load_launch
     from gyre.launch.submit import follow, submit
+    from gyre.runtime.preflight import Where
 
-    launch = load_launch(args.config, args.overrides)
+    where = Where.ANYWHERE if args.no_check else Where.CLUSTER
+    launch = load_launch(args.config, args.overrides, where)
     if not args.no_check:
         from gyre.launch.cluster import query_cluster, validate
 
-        check_suite(launch)
         validate(job_spec(launch), query_cluster())
+    for note in launch.warnings:
+        print(f"gyre submit: warning: {note}", file=sys.stderr)
     folder = Path(args.folder or Path(launch.runs_dir) / "submitit")
     job = submit(launch, folder, entry=args.entry or ENTRY, steps=args.steps)
     print(f"[gyre] submitted job {job.job_id} ({folder}/{job.job_id}_submission.sh)", flush=True)

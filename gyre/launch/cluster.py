@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from gyre.errors import ConfigError
 from gyre.launch.config import time_minutes
-from gyre.launch.spec import Component, JobSpec
+from gyre.launch.spec import JobSpec, Request
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,7 +84,7 @@ def validate(spec: JobSpec, cluster: Cluster) -> None:
             )
 
 
-def _partition_for(c: Component, cluster: Cluster) -> Partition:
+def _partition_for(c: Request, cluster: Cluster) -> Partition:
     part = cluster.resolve(c.partition)
     if part is None:
         known = ", ".join(sorted(cluster.partitions)) or "none"
@@ -96,7 +96,7 @@ def _partition_for(c: Component, cluster: Cluster) -> Partition:
     return part
 
 
-def _check_component(c: Component, part: Partition) -> None:
+def _check_component(c: Request, part: Partition) -> None:
     if not part.up:
         raise ConfigError(f"slurm: partition {part.name!r} ({c.label}) is not up")
     if part.max_nodes is not None and c.nodes > part.max_nodes:

@@ -27,22 +27,16 @@ from typing import Any
 from gyre.launch.spec import JobSpec, job_spec, load_launch
 from gyre.launch.task import (
     EXIT_CHECKPOINTED,
-    component_of,
     het_group_sizes,
     locate,
     restart_count,
 )
+from gyre.runtime.layout import Component, Layout
 
 
 def expected_components(spec: JobSpec) -> list[tuple[str, int, int]]:
     """(role, index, shard) of every world rank, in rank order, from the config alone."""
-    out: list[tuple[str, int, int]] = []
-    for c in spec.components:
-        if c.role == "standalone":
-            out += [("standalone", j, 0) for j in range(c.ntasks)]
-        else:
-            out += [(c.role, c.index, s) for s in range(c.ntasks)]
-    return out
+    return [(c.kind, c.index, c.shard) for c in Layout(spec.launch.topology).components]
 
 
 def identify(rank: int, spec: JobSpec, env: dict[str, str]) -> dict[str, Any]:
@@ -61,9 +55,13 @@ def identify(rank: int, spec: JobSpec, env: dict[str, str]) -> dict[str, Any]:
             procid=procid,
             het_group=group,
             rank_in_group=in_group,
-            slurm=list(component_of(group, in_group, spec.launch.topology.cells)),
+            slurm=list(_fields(Layout(spec.launch.topology).component_at(group, in_group))),
         )
     return record
+
+
+def _fields(c: Component) -> tuple[str, int, int]:
+    return c.kind, c.index, c.shard
 
 
 class _StopFlag:

@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 
 from gyre.launch.config import PMI2_ENV
-from gyre.launch.spec import Component, JobSpec
+from gyre.launch.spec import JobSpec, Request
 from gyre.launch.task import EXIT_CHECKPOINTED
 
 TEMPLATE = Path(__file__).parent / "templates" / "hetjob.sbatch.jinja"
@@ -109,7 +109,7 @@ def _context(spec: JobSpec, opts: RenderOptions) -> dict[str, Any]:
     }
 
 
-def _label(c: Component) -> str:
+def _label(c: Request) -> str:
     if c.role == "cell":
         return f"cell {c.index} ({'core' if c.index == 0 else 'satellite'})"
     if c.role == "standalone":
@@ -117,7 +117,7 @@ def _label(c: Component) -> str:
     return c.role
 
 
-def _component_lines(c: Component, spec: JobSpec) -> list[str]:
+def _component_lines(c: Request, spec: JobSpec) -> list[str]:
     s = spec.launch.slurm
     lines = []
     if c.partition:

@@ -21,9 +21,11 @@ from typing import Any
 
 import yaml
 
-from gyre.config import apply_overrides, load, read_mapping
+from gyre.config import load
 from gyre.errors import ConfigError
 from gyre.launch.config import SlurmConfig, TopologyConfig, time_minutes
+from gyre.runtime.layout import Group, Layout
+from gyre.runtime.preflight import Where, preflight
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,8 +44,8 @@ class Launch:
     """The `slurm:` section."""
     harness_concurrency: int = 0
     """Harnesses that may run at once on the proxy node (every rollout engine full)."""
-    suite: str = "builtin"
-    """The task suite (`harness.suite`): shipped name, directory or YAML file."""
+    suite: str | list[str] = "builtin"
+    """The task suite (`harness.suite`): shipped name, directory, YAML or data file, or a list."""
     warnings: tuple[str, ...] = ()
     """The run config's own warnings (`RunConfig.warnings`)."""
     backends: str = ""
@@ -51,17 +53,14 @@ class Launch:
 
 
 @dataclass(kw_only=True, slots=True)
-class Component:
-    """One component of the heterogeneous job (`#SBATCH hetjob` block)."""
+class Request:
+    """What the job asks Slurm for one group of the world's layout (`gyre.runtime.layout.
+    Group`): one `#SBATCH hetjob` block."""
 
-    role: str
-    """coordinator | proxy | cell | standalone."""
-    index: int
-    """Cell id for cells; 0 otherwise."""
+    group: Group
+    """The world ranks it holds: coordinator, proxy, one cell or the standalone pool."""
     nodes: int
     """Nodes of this component."""
-    ntasks: int
-    """Tasks (MPI ranks) of this component."""
     cpus_per_task: int
     """CPUs per task."""
     gpus_per_node: int = 0
@@ -72,6 +71,19 @@ class Component:
     """Memory per node (None: the partition's default)."""
     constraint: str | None = None
     """Node feature constraint."""
+
+    @property
+    def role(self) -> str:
+        return self.group.kind
+
+    @property
+    def index(self) -> int:
+        return self.group.index
+
+    @property
+    def ntasks(self) -> int:
+        """Tasks (MPI ranks) of this component."""
+        return self.group.size
 
     @property
     def label(self) -> str:
@@ -87,7 +99,7 @@ class JobSpec:
     """The whole heterogeneous job: components in world-rank order plus the job options."""
 
     launch: Launch
-    components: list[Component] = field(default_factory=list)
+    components: list[Request] = field(default_factory=list)
 
     @property
     def total_nodes(self) -> int:
@@ -105,9 +117,13 @@ class JobSpec:
         """What the job takes (one line), then a line per warning, for `gyre render`."""
         limit = self.launch.slurm.time_limit
         minutes = time_minutes(limit)
-        hours = "unlimited" if minutes is None else f"{self.gpus * minutes / 60:g}"
+        if minutes is None:
+            hours = "unlimited GPU-hours and node-hours"
+        else:  # node-hours: exclusive coordinator and proxy nodes are billed whole too
+            hours = (f"{self.gpus * minutes / 60:g} GPU-hours and "
+                     f"{self.total_nodes * minutes / 60:g} node-hours")  # fmt: skip
         lines = [f"{self.total_nodes} nodes, {self.gpus} GPUs, {self.world_size} ranks; "
-                 f"{hours} GPU-hours at the time limit {limit}"]  # fmt: skip
+                 f"{hours} at the time limit {limit}"]  # fmt: skip
         if self.launch.backends:
             lines.append(f"cells: {self.launch.backends}")
         proxy = next(c for c in self.components if c.role == "proxy")
@@ -125,26 +141,32 @@ class JobSpec:
         return f"0-{len(self.components) - 1}"
 
 
-def load_launch(path: str | Path, overrides: Sequence[str] = ()) -> Launch:
+def load_launch(
+    path: str | Path, overrides: Sequence[str] = (), where: Where = Where.ANYWHERE
+) -> Launch:
     """Read and fully validate a run config; return what the launcher needs.
 
-    The whole file is validated as a `gyre.runtime.config.RunConfig`, so a bad key is found
-    before submission. With `KEY.PATH=VALUE` overrides, the merged config is written to
+    The whole file is validated as a `gyre.runtime.config.RunConfig` and passes the run's
+    preflight (`gyre.runtime.preflight`: harness, suite and tasks, backends against the GPUs
+    each node requests; `where` says how much of the cluster is visible), so a bad config is
+    found before submission. With `KEY.PATH=VALUE` overrides, the merged config is written to
     `<runs_dir>/configs/<name>-<hash>.yaml` (named by its content) and `Launch.path` points
     there, so every task of the job reads exactly the config validated here.
     """
-    from gyre.runtime.config import RunConfig
+    from gyre.runtime.config import parse_run_config
 
     p = Path(path)
-    data = apply_overrides(read_mapping(p), overrides)
-    run = load(RunConfig, data, path="run")
+    run, data = parse_run_config(p, overrides)
     slurm = load(SlurmConfig, run.slurm, path="run.slurm")
+    notes = preflight(run, where, gpus_per_node=slurm.gpus_per_node,
+                      nodes_per_cell=slurm.nodes_per_cell,
+                      standalone_nodes=slurm.standalone_nodes)  # fmt: skip
     if overrides:
         p = _write_merged(data, p, Path(run.runs_dir) / "configs", run.name)
     engines = run.topology.cells + run.topology.standalone_engines
     return Launch(path=p, name=run.name, runs_dir=run.runs_dir, topology=run.topology, slurm=slurm,
                   harness_concurrency=run.schedule.concurrency_per_cell * engines,
-                  suite=run.harness.suite, warnings=tuple(run.warnings()),
+                  suite=run.harness.suite, warnings=tuple(notes),
                   backends=backends(run))  # fmt: skip
 
 
@@ -154,20 +176,6 @@ def backends(run: Any) -> str:
     d = run.dims
     return (f"train {run.train.backend} (tensor {d.tensor} x pipeline {d.pipeline} x data "
             f"{d.data} per cell), engine {run.engine.backend} (TP {run.engine.tensor_parallel})")  # fmt: skip
-
-
-def check_suite(launch: Launch) -> None:
-    """`ConfigError` unless the run's task suite loads here (before a job is submitted or
-    started: the templates name a suite path on the cluster's shared file system)."""
-    from gyre.tasks.suite import named_suite
-
-    try:
-        named_suite(launch.suite)
-    except ConfigError as e:
-        raise ConfigError(
-            f"harness.suite: {e}; point it at your task suite (docs/tasks.md), e.g. "
-            f"{launch.path} harness.suite=/path/to/suite"
-        ) from None
 
 
 def _write_merged(data: dict[str, Any], source: Path, folder: Path, name: str) -> Path:
@@ -181,51 +189,41 @@ def _write_merged(data: dict[str, Any], source: Path, folder: Path, name: str) -
 
 
 def job_spec(launch: Launch) -> JobSpec:
-    """The components of the job; `ConfigError` when the layout does not fit the nodes."""
+    """The components of the job, one per group of the world's `Layout`; `ConfigError`
+    when the layout does not fit the nodes."""
     s, t = launch.slurm, launch.topology
+    _check_divides("slurm.nodes_per_cell", s.nodes_per_cell, t.ranks_per_cell,
+                   "topology.ranks_per_cell")  # fmt: skip
+    _check_standalone(s, t)
     spec = JobSpec(launch=launch)
-    for role, node in (("coordinator", s.coordinator), ("proxy", s.proxy)):
+    for g in Layout(t).groups:
+        if g.kind in ("coordinator", "proxy"):
+            node = s.coordinator if g.kind == "coordinator" else s.proxy
+            spec.components.append(
+                Request(
+                    group=g,
+                    nodes=1,
+                    cpus_per_task=node.cpus_per_task,
+                    gpus_per_node=node.gpus,
+                    partition=node.partition or s.partition,
+                    mem=node.mem,
+                    constraint=node.constraint,
+                )
+            )
+            continue
+        nodes = s.nodes_per_cell if g.kind == "cell" else s.standalone_nodes
         spec.components.append(
-            Component(
-                role=role,
-                index=0,
-                nodes=1,
-                ntasks=1,
-                cpus_per_task=node.cpus_per_task,
-                gpus_per_node=node.gpus,
-                partition=node.partition or s.partition,
-                mem=node.mem,
-                constraint=node.constraint,
+            Request(
+                group=g,
+                nodes=nodes,
+                cpus_per_task=s.cpus_per_task,
+                gpus_per_node=s.gpus_per_node,
+                partition=s.partition,
+                mem=s.mem,
+                constraint=s.constraint,
             )
         )
-    _check_divides(
-        "slurm.nodes_per_cell",
-        s.nodes_per_cell,
-        t.ranks_per_cell,
-        "topology.ranks_per_cell",
-    )
-    for c in range(t.cells):
-        spec.components.append(_pool_component("cell", c, s.nodes_per_cell, t.ranks_per_cell, s))
-    _check_standalone(s, t)
-    if t.standalone_engines:
-        spec.components.append(
-            _pool_component("standalone", 0, s.standalone_nodes, t.standalone_engines, s)
-        )
     return spec
-
-
-def _pool_component(role: str, index: int, nodes: int, ntasks: int, s: SlurmConfig) -> Component:
-    return Component(
-        role=role,
-        index=index,
-        nodes=nodes,
-        ntasks=ntasks,
-        cpus_per_task=s.cpus_per_task,
-        gpus_per_node=s.gpus_per_node,
-        partition=s.partition,
-        mem=s.mem,
-        constraint=s.constraint,
-    )
 
 
 def _check_divides(nodes_key: str, nodes: int, ranks: int, ranks_key: str) -> None:

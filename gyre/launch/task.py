@@ -12,6 +12,7 @@ two things from the run (docs/slurm.md):
 
     groups = het_group_sizes(os.environ)       # [1, 1, 1, 1, 1]
     locate(int(os.environ["SLURM_PROCID"]), groups)   # (3, 0): het group 3, rank 0 in it
+    Layout(topology).component_at(3, 0)               # what it runs (gyre.runtime.layout)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from gyre.errors import ConfigError
 from gyre.runtime.checkpoint import EXIT_CHECKPOINTED
 
-__all__ = ["EXIT_CHECKPOINTED", "component_of", "het_group_sizes", "locate", "restart_count"]
+__all__ = ["EXIT_CHECKPOINTED", "het_group_sizes", "locate", "restart_count"]
 
 
 def het_group_sizes(env: Mapping[str, str]) -> list[int] | None:
@@ -42,19 +43,6 @@ def locate(procid: int, sizes: list[int]) -> tuple[int, int]:
             return group, procid - start
         start += size
     raise ConfigError(f"SLURM_PROCID: {procid}; allowed: below the step's {start} tasks")
-
-
-def component_of(group: int, rank_in_group: int, cells: int) -> tuple[str, int, int]:
-    """(role, index, shard) of a task in het group `group` of Gyre's layout with K cells."""
-    if group == 0:
-        return "coordinator", 0, rank_in_group
-    if group == 1:
-        return "proxy", 0, rank_in_group
-    if group < 2 + cells:
-        return "cell", group - 2, rank_in_group
-    if group == 2 + cells:
-        return "standalone", rank_in_group, 0
-    raise ConfigError(f"het group {group}: the layout has {cells + 3} groups at most")
 
 
 def restart_count(env: Mapping[str, str]) -> int:

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gyre import cliargs
 from gyre.errors import ConfigError, EngineError, exit_status
 from gyre.lifetime import until_signal
 
@@ -37,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a rollout engine (repeat for several)",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--port", type=cliargs.port, default=8000, help="0 picks a free port")
     p.add_argument("--store", default=None, help="HDF5 trace file to record into (new file)")
     p.add_argument("--admin-token-file", required=True, help="read, or created with a token")
     p.add_argument("--model", default=None, help="tokenizer: tiny | smollm2-135m | HF dir")
@@ -83,23 +84,26 @@ def admin_token(path: str) -> str:
     return token
 
 
-async def model_info(engines: dict[str, str]) -> dict[str, Any]:
-    """The first engine's /model_info ({} if it does not answer)."""
+async def model_info(engines: dict[str, str]) -> dict[str, Any] | str:
+    """The first engine's /model_info, or why it gave none (one line)."""
     from gyre.rollout.client import EngineClient
 
-    client = EngineClient(next(iter(engines.values())), timeout=30)
+    url = next(iter(engines.values()))
+    client = EngineClient(url, timeout=30)
     try:
         info = await client.request("GET", "/model_info", None)
-    except EngineError:
-        return {}
+    except EngineError as e:
+        return f"the first engine ({url}) did not answer /model_info: {e}"
     finally:
         client.close()
-    return info if isinstance(info, dict) else {}
+    return info if isinstance(info, dict) else f"the first engine ({url}) sent no /model_info"
 
 
-def model_spec(args: argparse.Namespace, info: dict[str, Any]) -> str:
+def model_spec(args: argparse.Namespace, info: dict[str, Any] | str) -> str:
     if args.model:
         return str(args.model)
+    if isinstance(info, str):
+        raise ConfigError(f"{info}; start the engine first, or pass --model for the tokenizer")
     if not isinstance(info.get("model_path"), str):
         raise ConfigError(
             "--model not given and the first engine's /model_info did not "
@@ -140,7 +144,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     engines = parse_engines(args.engine)
     info = await model_info(engines)
-    config = build_config(args, info.get("max_position_embeddings"))
+    known = info if isinstance(info, dict) else {}
+    config = build_config(args, known.get("max_position_embeddings"))
     tokenizer = load_tokenizer(model_spec(args, info))
     store = None
     if args.store:

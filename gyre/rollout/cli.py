@@ -14,6 +14,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
+from gyre import cliargs
 from gyre.errors import exit_status
 
 if TYPE_CHECKING:
@@ -24,11 +25,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("engine", help="run the embedded rollout engine (SGLang protocol)")
     p.add_argument("--model", default="tiny", help="tiny | smollm2-135m | local HF model dir")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--port", type=cliargs.port, default=30000, help="0 picks a free port")
+    p.add_argument("--threads", type=cliargs.count, default=1, help="torch intra-op threads")
+    p.add_argument("--max-batch-size", type=cliargs.count, default=32)
     p.add_argument("--weight-version", default="0")
-    p.add_argument("--prefix-cache-mb", type=int, default=512, help="0 disables the prefix cache")
+    p.add_argument(
+        "--prefix-cache-mb", type=cliargs.size, default=512, help="0 disables the prefix cache"
+    )
     p.add_argument(
         "--kv-transport", default="auto", choices=("auto", "mooncake", "http"),
         help="how migrated KV moves between engines (auto: Mooncake if installed, else HTTP)",

@@ -15,6 +15,17 @@ Code without an event loop (a cell rank, a check script) makes the same calls th
 
     blocking(url, lambda client: client.run(release_procedure()))
 
+Role switches are procedures (`gyre.rollout.protocol`'s, in the order SGLang's preconditions
+require), publications methods; each publication is confirmed from /model_info:
+
+    await client.run(release_procedure())                 # rollout -> training
+    await client.run(resume_procedure())                  # training -> rollout
+    await client.update_weights_from_tensor(named, "7", tp_size=2)   # tensors by value
+    await client.init_update_group(group, rank_offset=1)  # or through an update group:
+    await client.update_weights_from_distributed(specs, group, "8")  # while the core broadcasts
+    await client.destroy_update_group(group)              # one group per publication
+    await client.confirm_version("8")
+
 This module is the protocol (routes, bodies, replies); connections, keep-alive pooling,
 timeouts and the resending rule are `gyre.rollout.transport.HttpTransport` (aiohttp).
 Request bodies are encoded with orjson: a /generate body carries the whole context's token
@@ -41,10 +52,16 @@ from gyre.rollout.protocol import (
     KVSegment,
     Procedure,
     SamplingParams,
+    TensorSpec,
+    UpdateGroup,
     abort_call,
+    destroy_update_group_body,
+    distributed_update_body,
     engine_key,
+    init_update_group_body,
     memory_call,
     pause_call,
+    weight_update_procedure,
 )
 from gyre.rollout.transport import HttpTransport
 
@@ -166,6 +183,33 @@ class EngineClient:
         from gyre.rollout.weights import publish_procedure
 
         await self.run(publish_procedure(named_tensors, version, tp_size=tp_size))
+
+    async def init_update_group(self, group: UpdateGroup, rank_offset: int) -> None:
+        """Join the core's weight-update group at `rank_offset` (/init_weights_update_group;
+        returns once every member has joined)."""
+        body = init_update_group_body(group, rank_offset)
+        await self.control(Call("/init_weights_update_group", body))
+
+    async def update_weights_from_distributed(
+        self, specs: Sequence[TensorSpec], group: UpdateGroup, version: str
+    ) -> None:
+        """Receive `specs` as `version` by broadcast from group rank 0 the way SGLang takes an
+        update (`weight_update_procedure`: paused, inside a weight-update session); returns
+        when loaded."""
+        body = distributed_update_body(specs, group.group_name, version)
+        await self.run(weight_update_procedure(Call("/update_weights_from_distributed", body)))
+
+    async def destroy_update_group(self, group: UpdateGroup) -> None:
+        """Leave `group` (the engine destroys its side)."""
+        body = destroy_update_group_body(group.group_name)
+        await self.control(Call("/destroy_weights_update_group", body))
+
+    async def confirm_version(self, version: str) -> None:
+        """EngineError unless the engine serves `version` (/model_info), as after a publication."""
+        got = await self.weight_version()
+        if got != version:
+            served = f"serves weight_version {got!r} after publishing {version!r}"
+            raise EngineError(f"engine {self.engine_id}: {served}")
 
     async def control(self, call: Call, *, timeout: float | None = None) -> Any:
         """POST one control call; EngineError if it fails (HTTP error or success false)."""

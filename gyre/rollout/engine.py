@@ -41,9 +41,8 @@ from gyre.rollout.constrain import Constraint, GrammarCompiler
 from gyre.rollout.kv import KVBatch, cache_from, cache_kwarg, output_cache
 from gyre.rollout.pacing import Deliver, EnginePace
 from gyre.rollout.prefix import PrefixCache
-from gyre.rollout.protocol import KV_TRANSPORTS, GenerateRequest, KVSegment
+from gyre.rollout.protocol import KV_TRANSPORTS, GenerateRequest, KVSegment, UpdateGroup
 from gyre.rollout.sampling import next_token
-from gyre.rollout.sglang.control import UpdateGroup
 
 log = logging.getLogger(__name__)
 

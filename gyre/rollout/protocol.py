@@ -12,7 +12,9 @@ responses into `GenerateResult`. Field names are SGLang's, so the same client dr
 The control calls (abort, pause / continue, memory release / resume, weight updates) are
 built here as `Call`s, and the sequences SGLang's preconditions require as `Procedure`s
 (`release_procedure`, `resume_procedure`, `weight_update_procedure`), made by the async
-`EngineClient.run`, for the proxy and coordinator as for the cell's blocking calls.
+`EngineClient.run`, for the proxy and coordinator as for the cell's blocking calls. So are
+the weight-update group's records and bodies (`UpdateGroup`, `TensorSpec`,
+`init_update_group_body`, `distributed_update_body`, `destroy_update_group_body`).
 
 **The engine key.** In a run every engine takes one secret, SGLang's `--api-key` (the
 embedded engine reads it from `GYRE_ENGINE_KEY`): each route but /health (SGLang also leaves
@@ -32,11 +34,14 @@ import math
 import os
 import secrets
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gyre.errors import ProtocolError
+
+if TYPE_CHECKING:
+    import torch
 
 ENGINE_KEY_ENV = "GYRE_ENGINE_KEY"
 OPEN_ROUTES = ("/health", "/ready", "/metrics")  # open with a key set, as in SGLang
@@ -259,8 +264,8 @@ def parse_sampling(raw: Any, *, vocab_size: int) -> SamplingParams:
 
 # ----- control routes: SGLang's request types, and the call sequences Gyre makes ---------
 #
-# Every control body Gyre sends is built here (the generate body is `EngineClient.generate`'s,
-# the NCCL update group's `gyre.rollout.sglang.control`'s); tests/gpu/test_gpu_sglang_bodies.py
+# Every control body Gyre sends is built here (the generate body is `EngineClient.generate`'s),
+# the weight-update group's too (`UpdateGroup`, `TensorSpec`); tests/gpu/test_gpu_sglang_bodies.py
 # checks each against SGLang's own request types. SGLang's HTTP layer ignores unknown fields,
 # so a misspelt field would be silently dropped there: the field names matter.
 
@@ -341,6 +346,61 @@ def tensor_update_call(
         "weight_version": version,
     }
     return Call("/update_weights_from_tensor", body)
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateGroup:
+    """A weight-update process group: the core at rank 0, engines' ranks after it."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str = "gyre_weights"
+    backend: str = "nccl"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What an engine must allocate to receive one broadcast tensor."""
+
+    name: str
+    dtype: str  # "bfloat16", "float32", ...
+    shape: tuple[int, ...]
+
+
+def tensor_specs(named: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    return [TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
+
+
+def init_update_group_body(group: UpdateGroup, rank_offset: int) -> dict[str, Any]:
+    """SGLang's InitWeightsUpdateGroupReqInput."""
+    return {
+        "master_address": group.master_address,
+        "master_port": group.master_port,
+        "rank_offset": rank_offset,
+        "world_size": group.world_size,
+        "group_name": group.group_name,
+        "backend": group.backend,
+    }
+
+
+def distributed_update_body(
+    specs: Sequence[TensorSpec], group_name: str, version: str, *, flush_cache: bool = True
+) -> dict[str, Any]:
+    """SGLang's UpdateWeightsFromDistributedReqInput."""
+    return {
+        "names": [s.name for s in specs],
+        "dtypes": [s.dtype for s in specs],
+        "shapes": [list(s.shape) for s in specs],
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+        "weight_version": version,
+    }
+
+
+def destroy_update_group_body(group_name: str) -> dict[str, Any]:
+    """SGLang's DestroyWeightsUpdateGroupReqInput."""
+    return {"group_name": group_name}
 
 
 def parse_memory_tags(body: Any) -> tuple[str, ...]:

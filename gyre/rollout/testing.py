@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from gyre.rollout.protocol import ENGINE_KEY_ENV
-from gyre.rollout.sglang.config import ServerConfig
-from gyre.rollout.sglang.process import EngineProcess
+from gyre.rollout.serving.config import ServerConfig
+from gyre.rollout.serving.process import EngineProcess
 
 
 @contextmanager

@@ -10,7 +10,7 @@ session, allocates each posted (name, dtype, shape) and receives it by broadcast
 rank 0, in the posted order, and loads it by name. The embedded engine is one CPU rank, so it
 joins with gloo at `rank_offset`; `gyre.rollout.server` serves the routes and
 `Engine.join_update_group` / `update_weights_from_distributed` / `leave_update_group` run
-these functions. The publisher's side is `gyre.rollout.sglang.nccl` (the same
+these functions. The publisher's side is `gyre.rollout.serving.nccl` (the same
 `open_update_group`), driven by `gyre.runtime.engine_host.push_weights_distributed`.
 """
 
@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from gyre.errors import ProtocolError
-from gyre.rollout.sglang.control import TensorSpec, UpdateGroup
-from gyre.rollout.sglang.nccl import open_update_group
+from gyre.rollout.protocol import TensorSpec, UpdateGroup
+from gyre.rollout.serving.nccl import open_update_group
 
 JOIN_TIMEOUT_S = 120.0
 """How long an engine waits for the other members to join, and for each broadcast."""

@@ -1,27 +1,20 @@
-"""A cell rank: serves rollout through its engine, or trains its replica, as told.
+"""A cell rank's loop: serves rollout through its engine, or trains its replica, as told.
 
 The cell keeps two states in one long-lived process: the embedded engine (a child process,
-`gyre.runtime.engine_host.EngineHost`) and the training replica (`gyre.train.cell.TorchCell`;
-on the core also the optimizer). A switch to TRAIN aborts the engine's outstanding calls and
-releases its memory; a switch to ROLLOUT resumes the engine. A satellite's replica pulls the
-core's weights lazily, at its first pass of a batch whose weight version it does not hold:
-the core's weights are fixed while any pass is outstanding, so a pull never sees an update
-half done.
-Each switch reports its measured duration. Processes and communicators live across
-switches; only model state moves.
+`gyre.runtime.engine_host.EngineHost`) and the training replica. A switch to TRAIN hands the
+engine's running calls' KV to their new engines, aborts them and releases its memory; a
+switch to ROLLOUT resumes the engine. A satellite's replica pulls the core's weights lazily,
+at its first pass of a batch whose weight version it does not hold. Each switch reports its
+measured duration; processes and communicators live across switches, only model state moves.
 
-A cell is R ranks on its cell communicator (`topology.ranks_per_cell`). Its leader (shard 0)
-hosts the engine and answers the coordinator's messages (`gyre.runtime.messages`, one
-handler per type): ToTrain, ToRollout, Prepass, Accumulate, Reduce, Publish, SavePolicy,
-Respawn, Reload, SaveCheckpoint, Stop. The other ranks (`CellFollower`) take their share of
-every training pass and update (`CellTrainer`, the one implementation of a rank's training
-work). A standalone engine rank runs the leader's loop without a replica.
+The leader (shard 0) of a cell's R ranks hosts the engine and answers the coordinator's
+messages (`gyre.runtime.messages`, one handler per type); its training work, and that of the
+other ranks (`gyre.runtime.cell_follower`), is `gyre.runtime.cell_trainer.CellTrainer`. A
+standalone engine rank runs this loop without a replica.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,283 +24,28 @@ import torch
 
 from gyre.errors import EngineError, TrainingError
 from gyre.rollout.kvmigrate import execution_prefix, migrate_kv
-from gyre.rollout.pacing import Pacer
-from gyre.runtime import audit, checkpoint, policies, wire
+from gyre.runtime import checkpoint, policies, wire
 from gyre.runtime import messages as msg
+from gyre.runtime.cell_follower import IDLE_S
+from gyre.runtime.cell_trainer import CellTrainer
 from gyre.runtime.config import RunConfig
-from gyre.runtime.engine_host import EngineHost, push_weights, push_weights_distributed
+from gyre.runtime.engine_host import EngineHost, publish
 from gyre.runtime.layout import COORDINATOR_RANK
+from gyre.runtime.pace import Pace
 from gyre.runtime.replica import Replica
 from gyre.runtime.residency import TrainerResidency
-from gyre.schedule.devices import PaceConfig
-from gyre.train.cell import StepStats
-from gyre.train.comm import (
-    Communicators,
-    arrive,
-    broadcast_from_core,
-    broadcast_in_cell,
-    reduce_to_core,
-    sum_in_cell,
-)
-from gyre.train.objective import batch_gradient
-from gyre.train.packing import MicroStep
+from gyre.train.comm import Communicators
 from gyre.vocabulary import Role
-
-IDLE_S = 0.05
-"""How long a cell rank waits for a message before it watches its engine and, on the core,
-serves snapshot pulls (`CellTrainer.idle`)."""
-
-
-def share(step: MicroStep, shard: int, ranks: int) -> MicroStep:
-    """Rank `shard`'s rows of a micro-step split over a cell's `ranks` ranks.
-
-    Rows are ordered longest first, so striding gives every rank a similar load; a rank
-    left without rows (a step with fewer rows than ranks) does no pass for it.
-    """
-    return dataclasses.replace(step, rows=step.rows[shard::ranks])
-
-
-class Pace:
-    """A cell's device work held to the modelled cluster's time (`pace:`, docs/pacing.md).
-
-    Each message's work is timed from `begin` (the message's arrival): a role switch, a
-    training pass (the first of a batch on this cell also fills the pipeline), the update, a
-    publication. Unpaced (`pace.scale` 0), every call returns at once.
-    """
-
-    def __init__(self, cfg: PaceConfig, pacer: Pacer | None) -> None:
-        self.cfg, self.pacer = cfg, pacer
-        self.began = time.monotonic()
-        self.filled: set[int] = set()  # batches whose pipeline this cell has filled
-
-    @classmethod
-    def of(cls, cfg: RunConfig, report: Path) -> Pace:
-        if not cfg.pace.enabled:
-            return cls(cfg.pace, None)
-        report.parent.mkdir(parents=True, exist_ok=True)
-        return cls(cfg.pace, Pacer(cfg.pace.scale, report))
-
-    def begin(self) -> None:
-        self.began = time.monotonic()
-
-    def hold(self, modelled_s: float) -> None:
-        if self.pacer is not None:
-            self.pacer.hold(modelled_s, self.began)
-
-    def switch(self, *, to_train: bool) -> None:
-        self.hold(self.cfg.costs.switch_s(to_train))
-
-    def train_pass(self, batch: int, step: MicroStep, *, prepass: bool) -> None:
-        tokens = sum(row.length for row in step.rows)
-        seconds = self.cfg.costs.pass_s(tokens, self.cfg.nodes_per_cell, prepass=prepass)
-        if batch not in self.filled:
-            self.filled.add(batch)
-            seconds += self.cfg.costs.pipeline_fill_s
-        self.hold(seconds)
-
-
-class CellTrainer:
-    """One rank's part of its cell's training replica (`gyre.runtime.replica`).
-
-    Data parallel inside the cell (the torch backend, `dims.splits_rows`): every rank holds
-    the whole model, each pass's rows are split over the cell's ranks, whose results the
-    leader (shard 0) gathers and reports; an update sums gradients over the prefix
-    communicator at every shard position, then inside the core cell, steps the optimizer on
-    the core's leader and broadcasts back the same way. Model parallel (the Megatron
-    backend): every rank runs every row on its shard (the leader reports its own results,
-    the same on every rank), the prefix sums are per shard, and every core rank steps its
-    shard. With one rank per cell every collective inside the cell is a no-op and this is
-    the single-rank cell.
-    """
-
-    def __init__(
-        self, cfg: RunConfig, replica: Replica, comms: Communicators, transport: Any, *,
-        version: int, run_dir: Path, residency: TrainerResidency | None = None,
-    ) -> None:  # fmt: skip
-        self.cfg, self.replica, self.comms, self.transport = cfg, replica, comms, transport
-        self.version = version  # of the weights held (> 0 after a resume)
-        self.run_dir = run_dir
-        self.ranks = comms.cell.Get_size()
-        self.residency = residency  # a trainer sharing its GPU with the engine (placement)
-        if residency is not None:  # cells start in rollout: the engine has the GPU
-            residency.release(replica.cell, replica.optimizer)
-
-    def to_train(self) -> None:
-        """The cell switches to training, its engine has let go of the GPUs (every rank of
-        the cell waits for the leader's release): the trainer's state comes back."""
-        arrive(self.comms.cell)
-        if self.residency is not None:
-            self.residency.restore(self.replica.cell, self.replica.optimizer)
-
-    def to_rollout(self) -> None:
-        """The cell switches to rollout: the trainer's state leaves the GPU before the
-        engine takes it back (the leader resumes its engine once every rank is done)."""
-        if self.residency is not None:
-            self.residency.release(self.replica.cell, self.replica.optimizer)
-        arrive(self.comms.cell)
-
-    @property
-    def core(self) -> bool:
-        return self.comms.cell_id == 0
-
-    def _sync(self, version: int) -> None:
-        """Hold the batch's weights: a satellite behind `version` pulls the core's snapshot."""
-        if self.version == version:
-            return
-        if self.core or self.transport is None:
-            raise TrainingError(
-                f"cell {self.comms.cell_id}: holds v{self.version}, the batch needs v{version}"
-            )
-        self.transport.pull(self.replica.cell.flat_params)
-        self.replica.refresh()
-        self.version = version
-
-    def idle(self) -> None:
-        """Between messages: a core rank serves the snapshot pulls waiting on it."""
-        if self.core and self.transport is not None:
-            self.transport.progress()
-
-    @property
-    def splits_rows(self) -> bool:
-        return self.replica.dims.splits_rows
-
-    def _mine(self, step: MicroStep) -> MicroStep:
-        return share(step, self.comms.shard, self.ranks) if self.splits_rows else step
-
-    def _leader(self) -> bool:
-        return self.comms.shard == 0
-
-    def prepass(self, m: msg.Prepass) -> dict[str, float] | None:
-        """This rank's rows' ratio sums; on the leader the cell's (gathered if rows split)."""
-        self._sync(m.version)
-        mine = self._mine(m.step)
-        sums = self.replica.cell.prepass(mine) if mine.rows else {}
-        if not self.splits_rows:
-            return sums if self._leader() else None
-        parts = self.comms.cell.gather(sums, root=0)
-        if parts is None:
-            return None
-        total: dict[str, float] = {}
-        for part in parts:
-            for eid, value in part.items():
-                total[eid] = total.get(eid, 0.0) + value
-        return total
-
-    def accumulate(self, m: msg.Accumulate) -> StepStats | None:
-        """Forward + backward of this rank's rows; on the leader the cell's stats, gathered."""
-        self._sync(m.version)
-        mine = self._mine(m.step)
-        stats = (self.replica.cell.accumulate(mine, m.scalars) if mine.rows
-                 else StepStats(targets=0, objective=0.0))  # fmt: skip
-        if not self.splits_rows:
-            return stats if self._leader() else None
-        parts = self.comms.cell.gather((stats.targets, stats.objective), root=0)
-        if parts is None:
-            return None
-        return StepStats(targets=sum(p[0] for p in parts), objective=sum(p[1] for p in parts))
-
-    def reduce(self, m: msg.Reduce) -> float | None:
-        """Sum gradients over prefix[m] and the core cell, 1/E, clip, AdamW, broadcast.
-
-        Returns the pre-clip gradient norm on the core's leader, None elsewhere.
-        """
-        comms, replica = self.comms, self.replica
-        cell = replica.cell
-        total = reduce_to_core(comms, cell.flat_grads, participants=m.cells)  # my position
-        norm = None
-        if self.core:
-            if self.splits_rows:
-                total = sum_in_cell(comms, total)
-            if replica.optimizer is not None:  # the core's leader, or every model-parallel rank
-                norm = self._step(total, m)
-            if self.splits_rows:
-                broadcast_in_cell(comms, cell.flat_params)
-            if self.transport is not None:
-                self.transport.expose(cell.flat_params)
-        broadcast_from_core(comms, cell.flat_params, participants=m.cells)
-        cell.zero_grad()
-        replica.refresh()
-        self.version += 1
-        return norm if self._leader() else None
-
-    def _step(self, total: torch.Tensor, m: msg.Reduce) -> float:
-        replica, cell = self.replica, self.replica.cell
-        assert replica.optimizer is not None
-        if m.num_executions == 0:
-            return 0.0  # nothing to train (every group set aside): no optimizer step
-        record = self.cfg.train.record_batches  # in the HF model's flat order, on the leader
-        before = replica.hf_flat(cell.flat_params.detach().clone()) if record else None
-        grad_sum = replica.hf_flat(total.clone()) if record else None
-        opt_before = copy.deepcopy(replica.optimizer_state()) if record else None
-        norm = replica.optimizer.step(batch_gradient(total, m.num_executions))
-        after = replica.hf_flat(cell.flat_params.detach().clone()) if record else None
-        if before is not None:
-            audit.record_update(self.run_dir, m.batch, {
-                "version": self.version, "params_before": before, "grad_sum": grad_sum,
-                "optimizer_before": opt_before, "backend": self.cfg.train.backend,
-                "grad_norm": norm, "params_after": after,
-                "objective": dataclasses.asdict(cell.objective)})  # fmt: skip
-        return norm
-
-    def save_checkpoint(self, m: msg.SaveCheckpoint) -> int:
-        """This rank's part of the core's checkpoint (every core rank takes part); bytes."""
-        size = self.replica.save(Path(m.folder), self.version, self.comms.shard)
-        arrive(self.comms.cell)  # the leader reports once every shard is on disk
-        return size
-
-
-class CellFollower:
-    """A cell rank other than the leader: takes its part of every training pass, no engine.
-
-    The coordinator sends the cell's training messages (Prepass, Accumulate, Reduce), its
-    role switches (ToTrain, ToRollout: a trainer sharing its GPU with the engine moves its
-    state), the core's SaveCheckpoint and Stop to every rank of the cell; only the leader
-    answers.
-    """
-
-    def __init__(self, trainer: CellTrainer) -> None:
-        self.trainer = trainer
-
-    def serve(self, link: wire.Link) -> int:
-        t = self.trainer
-        handlers: dict[type, Callable[[Any], object]] = {
-            msg.Prepass: t.prepass, msg.Accumulate: t.accumulate, msg.Reduce: t.reduce,
-            msg.SaveCheckpoint: t.save_checkpoint,
-            msg.ToTrain: lambda _: t.to_train(), msg.ToRollout: lambda _: t.to_rollout(),
-        }  # fmt: skip
-        while True:
-            m = link.recv(timeout=IDLE_S if t.core else 3600.0)
-            t.idle()
-            if m is None:
-                continue
-            if isinstance(m, msg.Stop):
-                return m.status
-            handler = handlers.get(type(m))
-            if handler is None:
-                raise TrainingError(
-                    f"cell {t.comms.cell_id} rank {t.comms.shard}: got {type(m).__name__}; "
-                    "a follower only takes Prepass, Accumulate, Reduce, SaveCheckpoint, "
-                    "ToTrain, ToRollout and Stop"
-                )
-            handler(m)
 
 
 class CellProcess:
     """The loop of one cell (or standalone engine) rank."""
 
     def __init__(
-        self,
-        cfg: RunConfig,
-        *,
-        engine_index: int,
-        comms: Communicators | None,
-        run_dir: Path,
-        engine: EngineHost,
-        replica: Replica | None = None,
-        transport: Any = None,
-        version: int = 0,
-        residency: TrainerResidency | None = None,
-    ) -> None:
+        self, cfg: RunConfig, *, engine_index: int, comms: Communicators | None, run_dir: Path,
+        engine: EngineHost, replica: Replica | None = None, transport: Any = None,
+        version: int = 0, residency: TrainerResidency | None = None,
+    ) -> None:  # fmt: skip
         self.cfg, self.index, self.comms, self.run_dir = cfg, engine_index, comms, run_dir
         self.engine = engine
         self.trainer = (
@@ -320,17 +58,12 @@ class CellProcess:
         self._version = version  # > 0 after a resume
         self.lost_reported = False
         self.handlers: dict[type, Callable[[Any], None]] = {
-            msg.ToTrain: self.to_train,
-            msg.ToRollout: self.to_rollout,
-            msg.Prepass: self.prepass,
-            msg.Accumulate: self.accumulate,
-            msg.Reduce: self.reduce,
-            msg.Publish: self.publish,
-            msg.SavePolicy: self.save_policy,
-            msg.Respawn: self.respawn,
-            msg.Reload: self.reload,
+            msg.ToTrain: self.to_train, msg.ToRollout: self.to_rollout,
+            msg.Prepass: self.prepass, msg.Accumulate: self.accumulate, msg.Reduce: self.reduce,
+            msg.Publish: self.publish, msg.SavePolicy: self.save_policy,
+            msg.Respawn: self.respawn, msg.Reload: self.reload,
             msg.SaveCheckpoint: self.save_checkpoint,
-        }
+        }  # fmt: skip
 
     @property
     def core(self) -> bool:
@@ -495,18 +228,7 @@ class CellProcess:
         """
         t0 = time.perf_counter()
         self._save(policies.version_name(m.version), keep=self.cfg.train.keep_policies)
-        named = self._named()
-        tp = self.cfg.engine.tensor_parallel
-        if self.cfg.engine.distributed(sum(t.numel() * t.element_size() for _, t in named)):
-            missed = push_weights_distributed(m.targets, named, m.version, tp_size=tp,
-                                              host=self.engine.host)  # fmt: skip
-        else:
-            missed = []
-            for engine, url in m.targets:
-                try:
-                    push_weights(url, named, m.version, tp_size=tp)
-                except EngineError:  # refused / reset / timed out: the engine died or is dying
-                    missed.append(engine)
+        missed = publish(m.targets, self._named(), m.version, self.cfg.engine, self.engine.host)
         self.pace.hold(self.cfg.pace.costs.publish_s)
         self._up(msg.Published(m.version, time.perf_counter() - t0, missed))
 

@@ -30,11 +30,13 @@ carried again) and the rest of the executions that were running.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,8 +49,30 @@ CHECKPOINTS = "checkpoints"
 CORE, STATE = "core.pt", "state.json"
 PREEMPT = threading.Event()  # set by the coordinator's SIGUSR1 handler
 
-__all__ = ["EXIT_CHECKPOINTED", "PREEMPT", "Checkpoints", "begin", "commit", "latest", "load_core",
-           "save_core"]  # fmt: skip
+__all__ = ["EXIT_CHECKPOINTED", "PREEMPT", "CheckpointState", "Checkpoints", "begin", "commit",
+           "latest", "load_core", "save_core"]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointState:
+    """A checkpoint's driver state (its `state.json`): what the coordinator resumes from."""
+
+    version: int  # the policy version of the saved weights
+    updates: int  # optimizer updates done
+    trained: tuple[str, ...]  # the groups those weights trained
+    next_group: int  # the first unused group number (g<n>)
+    t: float  # unix seconds it was committed
+
+    def as_dict(self) -> dict[str, Any]:
+        """The `state.json` object (keys as always written)."""
+        return {**dataclasses.asdict(self), "trained": list(self.trained)}
+
+    @classmethod
+    def of(cls, data: dict[str, Any]) -> CheckpointState:
+        """The state read back from a `state.json` object."""
+        return cls(version=int(data["version"]), updates=int(data["updates"]),
+                   trained=tuple(data["trained"]), next_group=int(data["next_group"]),
+                   t=float(data["t"]))  # fmt: skip
 
 
 class Checkpoints:
@@ -87,8 +111,8 @@ class Checkpoints:
         path."""
         assert self.writing is not None and str(self.writing[0]) == folder
         written, updates, trained = self.writing
-        state = {"version": version, "updates": updates, "trained": trained,
-                 "next_group": next_group, "t": time.time()}  # fmt: skip
+        state = CheckpointState(version=version, updates=updates, trained=tuple(trained),
+                                next_group=next_group, t=time.time())  # fmt: skip
         final = commit(self.run_dir, written, state, self.cfg.keep)
         self.writing, self.last, self.updates = None, time.time(), updates
         return final
@@ -111,10 +135,10 @@ def save_core(
     return (folder / CORE).stat().st_size
 
 
-def commit(run_dir: Path, folder: Path, state: dict[str, Any], keep: int) -> Path:
+def commit(run_dir: Path, folder: Path, state: CheckpointState, keep: int) -> Path:
     """Write the driver state, rename the checkpoint into place, prune to the newest `keep`."""
-    (folder / STATE).write_text(json.dumps(state))
-    final = run_dir / CHECKPOINTS / f"v{int(state['version']):05d}"
+    (folder / STATE).write_text(json.dumps(state.as_dict()))
+    final = run_dir / CHECKPOINTS / f"v{state.version:05d}"
     if final.exists():
         shutil.rmtree(final)
     folder.rename(final)

@@ -2,6 +2,7 @@
 held-out tasks, and its plots.
 
     gyre run [CONFIG] [--steps S] [--policy elastic|async|colocate] [--run-dir D]
+    gyre run [CONFIG] [KEY.PATH=VALUE ...] --print-config | --dry-run
     gyre eval RUN_DIR [--initial] [--policies all] [--instances N]
     gyre report RUN_DIR
 
@@ -18,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,10 +29,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from gyre import cliargs
 from gyre.errors import ConfigError
 from gyre.runtime.checkpoint import EXIT_CHECKPOINTED
 from gyre.runtime.config import DEFAULT_CONFIG
-from gyre.runtime.layout import TopologyConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,9 +45,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             metavar="KEY.PATH=VALUE",
             help="config overrides after CONFIG (also after options), e.g. train.lr=3e-4",
         )
-        p.add_argument("--steps", type=int, default=None, help="optimizer updates")
+        p.add_argument("--steps", type=cliargs.count, default=None, help="optimizer updates")
         p.add_argument("--policy", default=None, help="elastic | async | colocate")
-        p.add_argument("--run-dir", default=None, help="default: runs/<name>-<policy>-<time>")
+        p.add_argument(
+            "--run-dir",
+            type=cliargs.directory_to_make,
+            default=None,
+            help="default: runs/<name>-<policy>-<time>",
+        )
         p.add_argument(
             "--resume",
             metavar="RUN_DIR",
@@ -54,6 +61,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "checkpoint and its trace (config: RUN_DIR/config.yaml + overrides)",
         )
         p.add_argument("--quiet", action="store_true", help="no live display; summary only")
+        p.add_argument("--print-config", action="store_true",
+                       help="print the merged, validated config (YAML) and exit")  # fmt: skip
+        p.add_argument("--dry-run", action="store_true",
+                       help="run every check, print the command the job would start, and exit")  # fmt: skip
         p.set_defaults(func=run)
     if "eval" not in subparsers.choices:
         e = subparsers.add_parser(
@@ -62,13 +73,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "held-out instances of the run's tasks, with the run's harness and evaluator.",
         )  # fmt: skip
         e.add_argument("target", help="RUN_DIR | MODEL_DIR | tiny | tiny:HxL | smollm2-135m")
+        e.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE",
+                       help="config overrides, e.g. eval.suite=/path/to/heldout.jsonl")  # fmt: skip
         e.add_argument(
             "--config",
             default=None,
             help="run YAML (default: the run's config.yaml, else the local template)",
         )
-        e.add_argument("--tasks", nargs="+", default=None, help="task names (default: the run's)")
-        e.add_argument("--instances", type=int, default=16, help="held-out instances per task")
+        e.add_argument("--tasks", nargs="+", default=None,
+                       help="task names (default: eval.tasks with eval.suite, else the run's)")  # fmt: skip
+        e.add_argument(
+            "--instances", type=cliargs.count, default=16, help="held-out instances per task"
+        )
         e.add_argument(
             "--initial", action="store_true", help="also evaluate the model the run started from"
         )
@@ -80,11 +96,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         )
         e.add_argument(
             "--concurrency",
-            type=int,
+            type=cliargs.count,
             default=None,
             help="executions at once (default: engine.max_batch_size)",
         )
-        e.add_argument("--out", default=None, help="work directory (default RUN_DIR/eval)")
+        e.add_argument(
+            "--out",
+            type=cliargs.directory_to_make,
+            default=None,
+            help="work directory: each policy's executions in DIR/NAME, replaced by each evaluation (default RUN_DIR/eval)",
+        )
         e.add_argument("--json", action="store_true", help="one JSON line per policy")
         e.set_defaults(func=evaluate)
     if "report" not in subparsers.choices:
@@ -104,47 +125,33 @@ def find_mpiexec() -> str:
     return found
 
 
-RANKS_PER_CPU = 8
-"""`gyre run` starts every rank on this machine: at most this many per CPU (the default job
-runs 5 ranks + 3 engine processes on 2 CPUs, 2-rank cells 8 + 3)."""
-
-
-def check_fits_this_machine(t: TopologyConfig) -> None:
-    """Refuse a world `gyre run` cannot start here (a cluster template), before anything runs."""
-    cpus = os.cpu_count() or 1
-    if t.world_size > RANKS_PER_CPU * cpus:
-        raise ConfigError(
-            f"topology: {t.world_size} ranks (1 coordinator + 1 proxy + {t.cells} cells x "
-            f"{t.ranks_per_cell} ranks + {t.standalone_engines} standalone engines); gyre run "
-            f"starts them all on this machine, which has {cpus} CPUs; allowed: at most {RANKS_PER_CPU * cpus} ranks here. Run a cluster "
-            "config with `gyre submit CONFIG` or `gyre render CONFIG -o job.sbatch && sbatch "
-            "job.sbatch`, or shrink it (topology.cells=3 topology.ranks_per_cell=1)"
-        )
-
-
 def run(args: argparse.Namespace) -> int:
-    from gyre.models import check_model
     from gyre.runtime.config import dump_run_config, load_run_config
     from gyre.runtime.main import default_run_dir
-    from gyre.runtime.proxy_node import check_harness
+    from gyre.runtime.preflight import Where, preflight
 
     config, overrides = _split_overrides(args.config, args.overrides)
     if args.resume is not None:
         config, args.run_dir = _resumable(Path(args.resume), args.run_dir), args.resume
     cfg = load_run_config(config, overrides, steps=args.steps, policy=args.policy)
-    check_fits_this_machine(cfg.topology)
-    check_model(cfg.model)
-    cfg.check_machine()
-    check_harness(cfg)
-    for warning in cfg.warnings():
-        print(f"gyre run: warning: {warning}", file=sys.stderr)
+    if args.print_config:
+        print(dump_run_config(cfg), end="")
+        return 0
+    for note in preflight(cfg, Where.HERE):
+        print(f"gyre run: warning: {note}", file=sys.stderr)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # what every rank reads, the file plus the overrides; rank 0 keeps it as the run's own
     merged = run_dir / "config.yaml"
-    merged.write_text(dump_run_config(cfg))
     cmd = [find_mpiexec(), "-n", str(cfg.topology.world_size), sys.executable, "-m",
            "gyre.runtime.main", str(merged), "--run-dir", str(run_dir)]  # fmt: skip
+    if args.dry_run:
+        t = cfg.topology
+        print(f"gyre run: checks passed; would start {t.world_size} ranks (coordinator, proxy, "
+              f"{t.cells} cells x {t.ranks_per_cell}, {t.standalone_engines} standalone) for "
+              f"{cfg.steps} steps in {run_dir}:\n{shlex.join(cmd)}")  # fmt: skip
+        return 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # what every rank reads, the file plus the overrides; rank 0 keeps it as the run's own
+    merged.write_text(dump_run_config(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "HF_HUB_OFFLINE": "1"}  # fmt: skip
     rc, summary, tail = _supervise(cmd, env, run_dir, quiet=args.quiet, limit=cfg.timeouts.run_s)
@@ -317,12 +324,10 @@ def _table(p: dict[str, Any]) -> Any:
 def evaluate(args: argparse.Namespace) -> int:
     from gyre.runtime.evaluation import run_eval
 
-    if args.instances < 1:
-        raise ConfigError(f"--instances: {args.instances}; allowed: >= 1")
     results = run_eval(
         args.target, config=args.config, tasks=args.tasks, instances=args.instances,
         initial=args.initial, every=args.policies == "all", concurrency=args.concurrency,
-        out=args.out,
+        out=args.out, overrides=args.overrides,
     )  # fmt: skip
     for r in results:
         d = r.to_dict()

@@ -54,6 +54,9 @@ class ScheduleConfig:
     """Executions one cell's engine serves at once."""
     group_size: int = 2
     """N: executions per group."""
+    oversample: int = 0
+    """k: extra executions launched per group; the first N to settle valid train, the surplus
+    is cancelled (docs/scheduler.md "Oversampling"; 0: N launched)."""
     batch_groups: int = 2
     """B: groups per training step."""
     phi: float = 0.5
@@ -102,9 +105,9 @@ class HarnessConfig:
     """Adapter parameter overrides (e.g. max_turns)."""
     adapters: dict[str, Any] = field(default_factory=dict)
     """Extra adapters of this run (same keys as gyre/harness/adapters.yaml), by name."""
-    suite: str = "builtin"
+    suite: str | list[str] = "builtin"
     """Task suite: builtin | learn (shipped) | a suite directory, YAML file or .jsonl / .parquet
-    data file (docs/tasks.md)."""
+    data file (docs/tasks.md); a list of them is one suite of all their tasks."""
     tasks: list[str] = field(default_factory=list)
     """Task names to draw groups from (round robin); empty: every task of the suite."""
     harness_timeout_s: float = 60.0
@@ -116,11 +119,14 @@ class HarnessConfig:
     eval_attempts: int = 0
     """Evaluator attempts per execution: 0 (the paper's rule) retries a failed scoring with
     doubling pauses as long as the execution's overall budget lasts; N caps the attempts."""
-    sandbox: Literal["auto", "bwrap", "none"] = "auto"
-    """Confine every harness (bubblewrap): its workspace read-write, the system read-only; the
-    task's hidden files, the run directory, other executions and other processes invisible.
-    auto and bwrap refuse to start without a working bubblewrap; none runs harnesses
-    unconfined, where a harness can read and rewrite its task's checker (docs/harness.md)."""
+    sandbox: Literal["auto", "bwrap", "apptainer", "none"] = "auto"
+    """Confine every harness to an allow-list (gyre/harness/sandbox.py): the system, its
+    interpreter and program read-only, its workspace read-write; no suite's hidden files, no
+    run directory, HOME or checkout, no other process. auto and bwrap refuse to start without
+    a working bubblewrap, apptainer without Apptainer and `apptainer_image`; none runs
+    harnesses unconfined, where a harness can read and rewrite checkers (docs/harness.md)."""
+    apptainer_image: str = ""
+    """sandbox apptainer: the image (.sif file or sandbox directory) harnesses run in."""
     tool_latency: ToolLatency | None = None
     """Replaces every task's tool latency (benchmarks, what-if runs); None keeps the suite's."""
 
@@ -155,7 +161,7 @@ class EngineConfig:
     backend: Literal["embedded", "sglang"] = "embedded"
     """embedded: Gyre's CPU engine (`gyre.rollout.cli`); sglang: an SGLang server on the cell's
     GPUs (needs CUDA and the `gpu` extra; `model` is then a model directory). Both are
-    launched from `gyre.rollout.sglang.config` presets and driven over the same routes."""
+    launched from `gyre.rollout.serving.config` presets and driven over the same routes."""
     threads: int = 1
     """embedded: torch threads of one engine process."""
     max_batch_size: int = 8
@@ -200,7 +206,7 @@ class EngineConfig:
         """The `ServerConfig` that launches this engine for `model` at weight `version`, bound
         to and reached at `host` (the rank's address: `gyre.runtime.address`), on the GPUs
         from `base_gpu_id` on (`gyre.runtime.placement`; SGLang only)."""
-        from gyre.rollout.sglang.config import ServerConfig
+        from gyre.rollout.serving.config import ServerConfig
 
         embedded = [  # the embedded engine's own knobs (SGLang sizes itself)
             "--threads", str(self.threads), "--max-batch-size", str(self.max_batch_size),
@@ -280,6 +286,18 @@ class TimeoutsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """What `gyre eval` scores a run's policies on (docs/tasks.md "Held-out evaluation")."""
+
+    suite: str | list[str] | None = None
+    """A held-out suite (same forms as harness.suite). None: held-out instances of the
+    training suite's tasks, drawn from seeds training never uses; a task without variables
+    has only its one instance, which training runs, so it needs an eval suite."""
+    tasks: list[str] = field(default_factory=list)
+    """Task names of the eval suite to score; empty: every task of it."""
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     """A whole Gyre job."""
 
@@ -313,6 +331,9 @@ class RunConfig:
     """Experiment trackers fed the per-step metrics: TensorBoard, W&B, MLflow (docs/tracking.md)."""
     pace: PaceConfig = field(default_factory=PaceConfig)
     """Paced devices: engines and cells take a modelled cluster's time (docs/pacing.md)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation (`gyre eval`): its own suite, or the training suite's held-out
+    instances."""
     slurm: dict[str, Any] = field(default_factory=dict)
     """Cluster launch: `gyre.launch.config.SlurmConfig`, validated by the launcher only."""
 
@@ -381,11 +402,13 @@ class RunConfig:
         return out
 
 
-def load_run_config(
+def parse_run_config(
     path: str | Path, overrides: Sequence[str] = (), *, steps: int | None = None,
     policy: str | None = None,
-) -> RunConfig:  # fmt: skip
-    """Read a run YAML, apply `KEY.PATH=VALUE` overrides and `--steps` / `--policy`.
+) -> tuple[RunConfig, dict[str, Any]]:  # fmt: skip
+    """The one parse of a run config: read the YAML, apply `KEY.PATH=VALUE` overrides and
+    `--steps` / `--policy`, validate. Returns the config and the merged mapping it was
+    loaded from (what the launcher writes for the job's ranks to read).
 
     Overrides go through the same strict loader: an unknown key names the allowed ones.
     """
@@ -394,7 +417,15 @@ def load_run_config(
         data["steps"] = steps
     if policy is not None:
         data.setdefault("schedule", {})["policy"] = policy
-    return load(RunConfig, data, path="run")
+    return load(RunConfig, data, path="run"), data
+
+
+def load_run_config(
+    path: str | Path, overrides: Sequence[str] = (), *, steps: int | None = None,
+    policy: str | None = None,
+) -> RunConfig:  # fmt: skip
+    """`parse_run_config`'s config (`gyre run`, `gyre eval`, every rank of a job)."""
+    return parse_run_config(path, overrides, steps=steps, policy=policy)[0]
 
 
 def dump_run_config(cfg: RunConfig) -> str:

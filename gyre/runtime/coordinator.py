@@ -3,14 +3,17 @@
 The loop reads top to bottom: take the next message from the proxy node or a cell, turn it
 into a scheduler event, and carry out the actions the scheduler returns —
 
-    dispatch  -> record the group, pick its task instance
+    dispatch  -> record the group (N + k executions), pick its task instance
     launch    -> the proxy node starts the harness, routed to the named engine
+    cancel    -> a surplus execution of a group that has its N members stops (oversampling);
+                 withdraw: one still queued is closed as never launched
     switch    -> to TRAIN: the proxy drains the source and reroutes its executions, acks,
                  then the cell aborts its calls and releases its engine; to ROLLOUT: the
                  cell resumes its engine, then the proxy routes to it again
     close     -> a terminated execution's tree goes into the trace
-    score     -> its verdict completes the group; a complete group is ready
-    admit     -> the packing buffer takes the ready group; cells claim micro-step passes
+    score     -> its verdict (valid or excluded) goes to the scheduler, which makes a group
+                 ready once N are valid or all are in
+    admit     -> the packing buffer takes the ready group's N members; cells claim passes
     train     -> the training prefix reduces at the core, which updates once
     publish   -> the core pushes weights to every rollout engine and keeps the policy
 
@@ -37,21 +40,23 @@ from gyre.runtime import messages as msg
 from gyre.runtime.config import RunConfig
 from gyre.runtime.fleet import Fleet
 from gyre.runtime.layout import PROXY_RANK
-from gyre.runtime.ledger import Execution, Group, Ledger
-from gyre.runtime.progress import Progress
+from gyre.runtime.ledger import Execution, ExecutionState, Group, Ledger
+from gyre.runtime.progress import Progress, StepMetrics
 from gyre.runtime.record import RunRecorder
 from gyre.runtime.training import TrainingPlane
 from gyre.schedule import Scheduler, make_policy
 from gyre.schedule import events as ev
 from gyre.tasks.suite import instance_seed
 from gyre.tracking import open_tracker
-from gyre.vocabulary import EngineId, Outcome, Role, VerdictStatus
+from gyre.vocabulary import CloseStatus, EngineId, Outcome, Role, VerdictStatus
 
 # what a wait for one message handles meanwhile: executions' reports, restarts, saved policies
 REPORTS = (msg.HarnessEnded, msg.Assessed, msg.JournalNode, msg.EngineReady, msg.PolicySaved)
 # ... and while a checkpoint commits or the run's executions close (every report still
 # counts then: an engine restarted before the last update may report back during the close)
 CLOSING = (*REPORTS, msg.Checkpointed)
+# how a surplus execution closes: cancelled while it ran, or withdrawn before it launched
+_SURPLUS = (CloseStatus.CANCELLED, CloseStatus.NOT_LAUNCHED)
 
 
 class Coordinator:
@@ -69,6 +74,7 @@ class Coordinator:
         sc, pc = cfg.schedule.scheduler(cfg.topology)
         self.sched = Scheduler(sc, make_policy(sc, pc))
         self.n, self.k = sc.group_size, sc.cells
+        self.per_group = sc.executions_per_group  # N + k (oversampling)
         self.task_names: list[str] = []  # groups' tasks, round robin: the proxy node's suite
         self.resume = resume.Resume(run_dir)
         self.rec = RunRecorder(run_dir / "trace.h5", meta, self.k)
@@ -78,17 +84,18 @@ class Coordinator:
             send=self.to_cell, audit_dir=run_dir,
         )  # fmt: skip
         self.fleet = Fleet()
-        self.ledger = Ledger(self.n)
+        self.ledger = Ledger(self.per_group)
         self.progress = Progress(cfg, self.sched, self.ledger, self.rec, self.tracker)
         self.stats = self.progress.stats
+        self.stats.update(surplus_cancelled=0, surplus_withdrawn=0, excluded_replaced=0)
         self.pending: deque[ev.Event] = deque()
         self.updates = 0
         self.trained = list(self.resume.trained)  # groups the current weights have trained
         self.batch_groups: dict[int, list[str]] = {}
         self.checkpoints = checkpoint.Checkpoints(run_dir, cfg.checkpoint)
         if self.resume.state is not None:  # continue from the checkpoint's policy version
-            self.updates = int(self.resume.state["updates"])
-            self.sched.version = self.sched.published = int(self.resume.state["version"])
+            self.updates = self.resume.state.updates
+            self.sched.version = self.sched.published = self.resume.state.version
             # batch k is update k+1: numbering goes on, so no batch's records are overwritten
             self.sched.batches_opened = self.updates
         self.status = 0
@@ -227,7 +234,7 @@ class Coordinator:
         task = self.task_names[number % len(self.task_names)]
         group = Group(id=f"g{number}", task=task, version=a.version,
                       instance=instance_seed(self.cfg.train.seed, number))  # fmt: skip
-        ids = [f"{group.id}-e{x - a.group * self.n}" for x in a.executions]
+        ids = [f"{group.id}-e{x - a.executions[0]}" for x in a.executions]
         self.ledger.add(group, [Execution(id=i, group=g) for i in ids])
         self.rec.groups(group.id, f"{task}@{group.instance}", ids, a.version)
         self.rec.dispatch(a.version, 1, len(a.executions), self.sched)
@@ -236,12 +243,29 @@ class Coordinator:
         if self.finishing:
             return
         x, g = self.ledger.executions[a.execution], self.ledger.group_of(a.execution)
-        x.state = "running"
+        x.state = ExecutionState.RUNNING
         engine = str(EngineId(a.engine))
         self.rec.open_execution(x.id, {"group": g.id, "task": g.task, "instance": g.instance,
                                        "engine": engine})  # fmt: skip
         self.to_proxy(msg.StartExecution(execution=a.execution, execution_id=x.id, task=g.task,
                                          instance=g.instance, engine=engine))  # fmt: skip
+
+    def cancel(self, a: ev.Cancel) -> None:
+        """A surplus execution: its group has its N members; it still closes and is scored."""
+        x = self.ledger.executions[a.execution]
+        self.stats["surplus_cancelled"] += 1
+        self.rec.event("surplus", execution=x.id, group=self.ledger.group_of(a.execution).id,
+                       action="cancel")  # fmt: skip
+        self.to_proxy(msg.Cancel([x.id]))
+
+    def withdraw(self, a: ev.Withdraw) -> None:
+        """A surplus execution that never launched: closed in the trace as not launched."""
+        self.stats["surplus_withdrawn"] += 1
+        g = self.ledger.group_of(a.execution)
+        self.rec.event("surplus", execution=self.ledger.executions[a.execution].id, group=g.id,
+                       action="withdraw")  # fmt: skip
+        resume.close_not_launched(self.ledger, self.rec, a.execution,
+                                  f"surplus: group {g.id} had its {self.n} members first")  # fmt: skip
 
     def switch(self, a: ev.SwitchCell) -> None:
         self.stats["switches"] += 1
@@ -267,13 +291,40 @@ class Coordinator:
 
     def admit(self, a: ev.AdmitGroup) -> None:
         g = self.ledger.groups[a.group]
-        outcomes, trees = self.ledger.outcomes(a.group)
-        self.rec.event("admit", group=g.id, batch=a.batch, staleness=a.staleness)
+        members = a.members or self.ledger.trained(a.group, self.n)  # () : carried in
+        outcomes, trees = self.ledger.outcomes(a.group, members)
+        self.rec.event("admit", group=g.id, batch=a.batch, staleness=a.staleness,
+                       **self.oversampled(a.group, members))  # fmt: skip
+        for i in self.ledger.indices(a.group):
+            self.replaced(i)
         self.batch_groups.setdefault(a.batch, []).append(g.id)
         count = self.train.admit(g.id, g.version, a.staleness, outcomes, trees)
         for group in self.train.new_set_aside:  # too few usable outcomes (docs/training.md)
             self.rec.event("set_aside", group=group, batch=a.batch)
         self.feed(ev.MicroStepsQueued(batch=a.batch, group=a.group, count=count))
+
+    def oversampled(self, group: int, members: tuple[int, ...]) -> dict[str, list[str]]:
+        """Under oversampling, the `admit` event's members and surplus; nothing without."""
+        if self.per_group == self.n:
+            return {}
+        xs = self.ledger.executions
+        return {"members": [xs[i].id for i in members],
+                "surplus": [xs[i].id for i in self.ledger.indices(group) if i not in members]}  # fmt: skip
+
+    def replaced(self, i: int) -> None:
+        """Record an excluded execution (not a cancelled or withdrawn surplus one) whose group
+        trains N valid members: oversampling replaced it. Checked when its group is admitted
+        and, for a verdict that comes later, when it closes."""
+        x = self.ledger.executions[i]
+        g = self.ledger.groups[x.group]
+        if self.per_group == self.n or g.trained is None or i in g.trained:
+            return
+        if x.verdict is None or x.verdict.usable or x.outcome in _SURPLUS:
+            return
+        verdicts = [self.ledger.executions[j].verdict for j in g.trained]
+        if all(v is not None and v.usable for v in verdicts):
+            self.stats["excluded_replaced"] += 1
+            self.rec.event("replaced", execution=x.id, group=g.id)
 
     def claim(self, a: ev.ClaimMicroStep) -> None:
         self.train.claim(a.cell, a.work)
@@ -309,7 +360,8 @@ class Coordinator:
 
     def terminated(self, m: msg.HarnessEnded) -> None:
         x = self.ledger.executions[m.execution]
-        x.state, x.outcome, x.reason = "terminated", m.outcome.value, m.reason
+        x.state, x.outcome = ExecutionState.TERMINATED, CloseStatus.of(m.outcome)
+        x.reason = m.reason
         x.t_ended = time.time()  # the slot is free from here: the replay's run time ends here
         if m.outcome not in (Outcome.COMPLETED, Outcome.CANCELLED):
             self.rec.event("terminated", execution=x.id, outcome=m.outcome.value, reason=m.reason)
@@ -330,21 +382,24 @@ class Coordinator:
         x, g = self.ledger.executions[m.execution], self.ledger.group_of(m.execution)
         recovered = self.resume.recovering.pop(m.execution, None)
         tree = recovered if recovered is not None else self.rec.journaled_tree(x.id)
-        status = x.outcome if x.state == "terminated" else "failed"
+        status = x.outcome if x.state is ExecutionState.TERMINATED else CloseStatus.FAILED
         self.rec.close_execution(x.id, g.id, tree, status, m.verdict, t_ended=x.t_ended)
         if m.verdict.status is VerdictStatus.EXCLUDED:
             self.rec.event("excluded", execution=x.id, error=m.verdict.error)
-        x.state, x.verdict = "recorded", m.verdict
-        if m.verdict.status is VerdictStatus.SCORED:
+        x.state, x.verdict = ExecutionState.RECORDED, m.verdict
+        if m.verdict.status is VerdictStatus.SCORED and g.trained is None:
             x.tree = tree
+        self.replaced(m.execution)  # a verdict after its group was admitted
         return recovered is None  # a resumed run's takeover: the scheduler has not started yet
 
     def score(self, execution: int) -> None:
-        """One more verdict for the group; a group with all N is ready for a batch."""
-        g = self.ledger.group_of(execution)
-        g.assessed += 1
-        if g.assessed == self.n and not self.finishing:
-            self.feed(ev.GroupReady(self.ledger.executions[execution].group))
+        """One more verdict for the group: the scheduler makes the group ready once N of its
+        executions are valid (usable), or all N + k are in."""
+        x = self.ledger.executions[execution]
+        self.ledger.groups[x.group].assessed += 1
+        if not self.finishing:
+            assert x.verdict is not None
+            self.feed(ev.Assessed(execution, valid=x.verdict.usable))
 
     def prepassed(self, m: msg.Prepassed) -> None:
         if self.finishing:
@@ -365,13 +420,13 @@ class Coordinator:
             return
         self.updates += 1
         self.trained += self.batch_groups.pop(m.batch, [])
-        row = {
+        metrics = StepMetrics(
             **self.train.metrics(),
-            "train_cells": float(len(self.sched.training_cells())),
-            "duration_s": time.time() - self.batch_t0,
-            "elapsed_s": time.time() - self.t0,
-        }
-        self.progress.step(self.updates, row)
+            train_cells=float(len(self.sched.training_cells())),
+            duration_s=time.time() - self.batch_t0,
+            elapsed_s=time.time() - self.t0,
+        )
+        self.progress.step(self.updates, metrics)
         if self.updates >= self.cfg.steps:
             self.finishing = True  # nothing new starts: no satellite return, no publication
             return
@@ -505,6 +560,8 @@ class Coordinator:
 ACTIONS: dict[type, Callable[[Coordinator, Any], None]] = {
     ev.Dispatch: Coordinator.dispatch,
     ev.Launch: Coordinator.launch,
+    ev.Cancel: Coordinator.cancel,
+    ev.Withdraw: Coordinator.withdraw,
     ev.SwitchCell: Coordinator.switch,
     ev.Reroute: Coordinator.reroute,
     ev.OpenJoinWindow: Coordinator.open_window,

@@ -1,7 +1,7 @@
 """A cell's rollout engine as a child process of the cell rank.
 
 The engine (`engine.backend`: the embedded engine, `python -m gyre.rollout.cli`, or an SGLang
-server; both launched from the `gyre.rollout.sglang.config` presets, with the run's engine
+server; both launched from the `gyre.rollout.serving.config` presets, with the run's engine
 key) runs in its own process so that it can be killed (SIGKILL, OOM) without taking the MPI
 world down: the cell notices the exit, reports the loss, and restarts it on request. The
 cell drives it with `EngineClient`'s calls made blocking (`gyre.rollout.client.blocking`:
@@ -32,13 +32,18 @@ from typing import Any
 
 import torch
 
-from gyre.errors import ConfigError
-from gyre.rollout.client import blocking
-from gyre.rollout.protocol import release_procedure, resume_procedure
-from gyre.rollout.sglang.config import ServerConfig
-from gyre.rollout.sglang.control import ManagedEngine, UpdateGroup, tensor_specs
-from gyre.rollout.sglang.nccl import broadcast_tensors, open_update_group, rank_offsets
-from gyre.rollout.sglang.process import EngineProcess
+from gyre.errors import ConfigError, EngineError
+from gyre.rollout.client import EngineClient, blocking
+from gyre.rollout.protocol import (
+    TensorSpec,
+    UpdateGroup,
+    release_procedure,
+    resume_procedure,
+    tensor_specs,
+)
+from gyre.rollout.serving.config import ServerConfig
+from gyre.rollout.serving.nccl import broadcast_tensors, open_update_group, rank_offsets
+from gyre.rollout.serving.process import EngineProcess
 from gyre.runtime.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -126,6 +131,27 @@ def push_weights(
     )
 
 
+def publish(
+    targets: Sequence[tuple[int, str]], named: list[tuple[str, torch.Tensor]], version: int,
+    config: EngineConfig, host: str,
+) -> list[int]:  # fmt: skip
+    """Push a publication to every target engine; returns the engines that missed it.
+
+    The weights go as HTTP bodies to each engine, or through one update group broadcast to
+    all (`engine.publication`, by size when auto). A refused, reset or timed-out push (the
+    engine died or is dying) is a miss, never fatal: the coordinator has it reload."""
+    tp = config.tensor_parallel
+    if config.distributed(sum(t.numel() * t.element_size() for _, t in named)):
+        return push_weights_distributed(targets, named, version, tp_size=tp, host=host)
+    missed = []
+    for engine, url in targets:
+        try:
+            push_weights(url, named, version, tp_size=tp)
+        except EngineError:
+            missed.append(engine)
+    return missed
+
+
 def push_weights_distributed(
     targets: Sequence[tuple[int, str]],
     named: list[tuple[str, torch.Tensor]],
@@ -152,32 +178,32 @@ async def _distributed(
     targets: Sequence[tuple[int, str]], named: list[tuple[str, torch.Tensor]], version: str,
     tp_size: int, host: str, timeout: float,
 ) -> list[int]:  # fmt: skip
-    engines = {e: ManagedEngine(str(e), url, tensor_parallel=tp_size, timeout=5 * timeout)
-               for e, url in targets}  # fmt: skip
+    engines = {e: EngineClient(url, engine_id=str(e), timeout=5 * timeout) for e, url in targets}
     try:
-        up = await asyncio.gather(*(m.client.health() for m in engines.values()),
+        up = await asyncio.gather(*(c.health() for c in engines.values()),
                                   return_exceptions=True)  # fmt: skip
-        live = {e: m for (e, m), ok in zip(engines.items(), up) if ok is True}
-        got = await _broadcast(list(live.values()), named, version, host, timeout) if live else []
-        return [e for e, m in engines.items() if m.engine_id not in got]
+        live = [c for c, ok in zip(engines.values(), up) if ok is True]
+        got = await _broadcast(live, tp_size, named, version, host, timeout) if live else set()
+        return [e for e, c in engines.items() if c.engine_id not in got]
     finally:
-        for m in engines.values():
-            m.client.close()
+        for c in engines.values():
+            c.close()
 
 
 async def _broadcast(
-    live: list[ManagedEngine], named: list[tuple[str, torch.Tensor]], version: str,
-    host: str, timeout: float,
+    live: list[EngineClient], tp_size: int, named: list[tuple[str, torch.Tensor]],
+    version: str, host: str, timeout: float,
 ) -> set[str]:  # fmt: skip
-    """The engines of `live` that loaded `named` through one update group (their ids)."""
-    offsets, world = rank_offsets([m.tensor_parallel for m in live])
+    """The engines of `live` (each of `tp_size` ranks) that loaded `named` through one update
+    group and serve `version` (their ids)."""
+    offsets, world = rank_offsets([tp_size] * len(live))
     port = _free_port(host)
     group = UpdateGroup(master_address=host, master_port=port, world_size=world,
                         group_name=f"gyre_weights_v{version}_{port}",
                         backend="nccl" if named and named[0][1].is_cuda else "gloo")  # fmt: skip
     loop = asyncio.get_running_loop()
     core = loop.run_in_executor(None, lambda: open_update_group(group, timeout=timeout))
-    joins = await asyncio.gather(*(m.init_update_group(group, o) for m, o in zip(live, offsets)),
+    joins = await asyncio.gather(*(c.init_update_group(group, o) for c, o in zip(live, offsets)),
                                  core, return_exceptions=True)  # fmt: skip
     pg = joins[-1]
     if any(isinstance(j, BaseException) for j in joins):  # no group: every engine missed it
@@ -186,12 +212,20 @@ async def _broadcast(
         return set()
     specs = tensor_specs(named)
     sending = loop.run_in_executor(None, broadcast_tensors, pg, [t for _, t in named])
-    done = await asyncio.gather(*(m.update_from_distributed(specs, group, version) for m in live),
+    done = await asyncio.gather(*(_receive(c, specs, group, version) for c in live),
                                 return_exceptions=True)  # fmt: skip
-    await asyncio.gather(sending, *(m.destroy_update_group(group) for m in live),
+    await asyncio.gather(sending, *(c.destroy_update_group(group) for c in live),
                          return_exceptions=True)  # fmt: skip
     _destroy(pg)
-    return {m.engine_id for m, d in zip(live, done) if not isinstance(d, BaseException)}
+    return {c.engine_id for c, d in zip(live, done) if not isinstance(d, BaseException)}
+
+
+async def _receive(
+    client: EngineClient, specs: list[TensorSpec], group: UpdateGroup, version: str
+) -> None:
+    """One engine's side of the broadcast: the weight-update session, then the version."""
+    await client.update_weights_from_distributed(specs, group, version)
+    await client.confirm_version(version)
 
 
 def _free_port(host: str) -> int:

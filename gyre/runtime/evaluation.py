@@ -9,7 +9,9 @@ no training.
 One embedded engine serves the policy; an `ExecutionHost` (the very object a run's proxy
 node drives) runs one execution per task instance, `concurrency` at a time. Instances are
 drawn from held-out seeds (`gyre.tasks.suite.heldout_seed`, never used for training), the
-same ones for every policy, so before/after compare like with like. For a run directory
+same ones for every policy, so before/after compare like with like. Each policy's executions
+go to `WORK/NAME` (WORK: `--out`, default `RUN_DIR/eval`), replaced by each evaluation, so a
+second `gyre eval` of a run scores afresh and gives the same answer. For a run directory
 the results are also written to `RUN_DIR/eval.json`, which `gyre report` plots, and sent to
 the run's trackers (its `tracking:`) as `heldout/*` metrics against the policy version.
 """
@@ -20,12 +22,14 @@ import asyncio
 import dataclasses
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gyre.errors import ConfigError
 from gyre.models import check_model
@@ -33,6 +37,10 @@ from gyre.rollout.protocol import ensure_engine_key
 from gyre.runtime import policies
 from gyre.runtime.config import DEFAULT_CONFIG, RunConfig, load_run_config
 from gyre.tasks.suite import heldout_seed
+
+if TYPE_CHECKING:
+    from gyre.runtime.messages import VerdictRecord
+    from gyre.tasks.scoring import TestVerdict
 
 EVAL_FILE = "eval.json"
 
@@ -46,6 +54,8 @@ class EvalResult:
     model: str
     rewards: dict[str, float | None] = field(default_factory=dict)  # execution -> reward
     wall_s: float = 0.0
+    # execution -> a repository task's per-test outcomes behind its reward (else empty)
+    tests: dict[str, tuple[TestVerdict, ...]] = field(default_factory=dict)
 
     @property
     def scored(self) -> list[float]:
@@ -68,6 +78,7 @@ class EvalResult:
         return {"name": self.name, "version": self.version, "model": self.model,
                 "mean": self.mean, "std": self.std, "n": len(self.scored),
                 "excluded": len(self.rewards) - len(self.scored), "rewards": self.rewards,
+                "tests": {x: [t.to_dict() for t in self.tests.get(x, ())] for x in self.rewards},
                 "wall_s": self.wall_s}  # fmt: skip
 
 
@@ -103,7 +114,9 @@ def evaluate(
     """Run `instances` held-out instances of every task in `tasks` against `target`."""
     from gyre.runtime.engine_host import EngineHost
 
-    work_dir.mkdir(parents=True, exist_ok=True)
+    if work_dir.exists():  # an earlier evaluation of this policy: start from nothing of it
+        shutil.rmtree(work_dir)
+    work_dir.mkdir(parents=True)
     ensure_engine_key()  # the engine takes a key; its harnesses never see it
     engine = EngineHost(target.model, cfg.engine, work_dir / "engine.log", version=0)
     engine.spawn()
@@ -111,16 +124,20 @@ def evaluate(
         url = engine.wait_ready(cfg.timeouts.startup_s)
         run_cfg = dataclasses.replace(cfg, model=target.model)
         t0 = time.time()
-        rewards = asyncio.run(_run_all(run_cfg, work_dir, url, tasks, instances, concurrency, hide))
+        verdicts = asyncio.run(
+            _run_all(run_cfg, work_dir, url, tasks, instances, concurrency, hide)
+        )
     finally:
         engine.stop()
-    return EvalResult(target.name, target.version, target.model, rewards, time.time() - t0)
+    rewards = {x: v.reward if v.usable else None for x, v in verdicts.items()}
+    tests = {x: v.tests for x, v in verdicts.items()}
+    return EvalResult(target.name, target.version, target.model, rewards, time.time() - t0, tests)
 
 
 async def _run_all(
     cfg: RunConfig, work_dir: Path, url: str, tasks: list[str], instances: int, concurrency: int,
     hide: tuple[Path, ...],
-) -> dict[str, float | None]:  # fmt: skip
+) -> dict[str, VerdictRecord]:  # fmt: skip
     from gyre.runtime.proxy_node import ExecutionHost
 
     host = ExecutionHost(cfg, work_dir, hide)
@@ -128,7 +145,7 @@ async def _run_all(
     gate = asyncio.Semaphore(concurrency)
     total, finished = len(tasks) * instances, [0]
 
-    async def one(task_name: str, k: int) -> tuple[str, float | None]:
+    async def one(task_name: str, k: int) -> tuple[str, VerdictRecord]:
         task = host.suite[task_name].instantiate(heldout_seed(k))
         eid = f"eval-{task_name}-{k}"
         async with gate:
@@ -138,7 +155,7 @@ async def _run_all(
         shown = "excluded" if reward is None else f"reward {reward:.3f}"
         print(f"gyre eval: {work_dir.name} {finished[0]}/{total} {eid} {shown}",
               file=sys.stderr, flush=True)  # fmt: skip
-        return eid, reward
+        return eid, verdict
 
     try:
         done = await asyncio.gather(*(one(t, k) for t in tasks for k in range(instances)))
@@ -150,27 +167,21 @@ async def _run_all(
 def run_eval(
     target: str, *, config: str | None, tasks: list[str] | None, instances: int,
     initial: bool, every: bool, concurrency: int | None, out: str | None,
+    overrides: Sequence[str] = (),
 ) -> list[EvalResult]:  # fmt: skip
     """The `gyre eval` command: resolve the target, evaluate, write RUN_DIR/eval.json."""
     path = Path(target)
     run_dir = path if (path / "config.yaml").is_file() else None
     if run_dir is not None:
-        cfg = load_run_config(config or run_dir / "config.yaml")
+        cfg = load_run_config(config or run_dir / "config.yaml", overrides)
         todo = targets_of(run_dir, cfg, initial=initial, every=every)
     else:
-        cfg = load_run_config(config or DEFAULT_CONFIG)
+        cfg = load_run_config(config or DEFAULT_CONFIG, overrides)
         todo = [Target(target, str(path.resolve()) if path.is_dir() else target, None)]
-    from gyre.runtime.proxy_node import check_harness
-
-    known = check_harness(cfg)
+    cfg, names = heldout(cfg, tasks)
     for t in todo:
         check_model(t.model)
         cfg.engine.check_machine(t.model)
-    names = tasks or cfg.harness.tasks or list(known)
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ConfigError(f"--tasks: unknown task {unknown[0]!r} in suite "
-                          f"{cfg.harness.suite!r}; allowed: {', '.join(known)}")  # fmt: skip
     base = Path(out) if out else (run_dir / "eval" if run_dir else Path(tempfile.mkdtemp()))
     limit = concurrency or cfg.engine.max_batch_size
     hide = (base,) + ((run_dir,) if run_dir is not None else ())  # the run's policies, trace
@@ -184,6 +195,40 @@ def run_eval(
         _merge(run_dir / EVAL_FILE, results, names, instances)
         _track(cfg, run_dir, results)
     return results
+
+
+def heldout(cfg: RunConfig, tasks: list[str] | None) -> tuple[RunConfig, list[str]]:
+    """The config an evaluation runs (the held-out suite and tasks) and the task names.
+
+    `eval.suite` when the run has one (its `eval.tasks`, else all of it); otherwise the
+    training suite's tasks (`harness.tasks`), each on held-out seeds, which only a task with
+    variables has: a task without is a single instance training runs, so it is refused
+    rather than scored as held-out. `tasks` (`--tasks`) replaces the task list."""
+    from gyre.runtime.proxy_node import check_adapter, check_sandbox, load_tasks
+
+    own = cfg.eval.suite is not None
+    suite = cfg.eval.suite if own else cfg.harness.suite
+    chosen = list(tasks or (cfg.eval.tasks if own else cfg.harness.tasks))
+    run_cfg = dataclasses.replace(
+        cfg,
+        harness=dataclasses.replace(cfg.harness, suite=suite, tasks=chosen),  # type: ignore[arg-type]
+    )
+    check_adapter(run_cfg, program=True)
+    check_sandbox(run_cfg.harness.sandbox, run_cfg.harness.apptainer_image)
+    try:
+        loaded, names = load_tasks(run_cfg)
+    except ConfigError as e:
+        key = "--tasks" if tasks else ("eval.tasks" if own else "harness.tasks")
+        raise ConfigError(f"{key}: {e}".replace("harness.tasks: ", "", 1)) from None
+    fixed = [n for n in names if not own and not loaded[n].variables]
+    if fixed:
+        raise ConfigError(
+            f"harness.suite {suite!r}: task(s) {', '.join(fixed)} have no variables, so their one "
+            "instance is a training row and held-out seeds would re-run it; allowed: "
+            "eval.suite=<a held-out suite> (e.g. eval.suite=builtin to score them anyway), or "
+            "--tasks with tasks that have variables"
+        )
+    return run_cfg, names
 
 
 def _track(cfg: RunConfig, run_dir: Path, results: list[EvalResult]) -> None:

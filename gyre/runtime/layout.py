@@ -5,7 +5,8 @@ World layout (docs/runtime.md): rank 0 the coordinator, rank 1 the proxy node (w
 harness pool), ranks 2 .. 2+K*R-1 the cells (cell c holds ranks 2+c*R .. 2+c*R+R-1, R ranks
 per cell), then the standalone rollout engines, one rank each.
 
-    layout(5, cfg.topology)[3]  ->  Component(kind="cell", index=1, shard=0)
+    Layout(cfg.topology).components[3]  ->  Component(kind="cell", index=1, shard=0)
+    Layout(cfg.topology).groups[3]      ->  Group(kind="cell", index=1, first=3, size=1)
 """
 
 from __future__ import annotations
@@ -64,21 +65,78 @@ class Component:
     shard: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Consecutive world ranks that run one kind of component: one component of the
+    heterogeneous Slurm job (the coordinator, the proxy node, one cell, the standalone
+    pool)."""
+
+    kind: Literal["coordinator", "proxy", "cell", "standalone"]
+    index: int  # the cell id of a cell; 0 otherwise
+    first: int  # its first world rank
+    size: int  # its ranks
+
+    def component(self, rank_in_group: int) -> Component:
+        """What the group's `rank_in_group`-th rank runs."""
+        if not 0 <= rank_in_group < self.size:
+            raise ConfigError(f"{self.kind} group: rank {rank_in_group}; it has {self.size}")
+        if self.kind == "standalone":
+            return Component("standalone", rank_in_group)
+        return Component(self.kind, self.index, rank_in_group)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The one layout of a job's world, from its topology: the launcher sizes the het job's
+    components from `groups`, the sbatch renderer writes them, every rank finds what it runs
+    in `components` (and a Slurm task its group's), the coordinator its cells' ranks."""
+
+    topology: TopologyConfig
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def groups(self) -> list[Group]:
+        """The world's groups in rank order: coordinator, proxy, cells 0..K-1, then (if any)
+        the standalone pool."""
+        t = self.topology
+        out = [Group("coordinator", 0, 0, 1), Group("proxy", 0, 1, 1)]
+        out += [Group("cell", c, 2 + c * t.ranks_per_cell, t.ranks_per_cell)
+                for c in range(t.cells)]  # fmt: skip
+        if t.standalone_engines:
+            out.append(Group("standalone", 0, 2 + t.cells * t.ranks_per_cell, t.standalone_engines))
+        return out
+
+    @property
+    def components(self) -> list[Component]:
+        """What every world rank runs, by rank."""
+        return [g.component(r) for g in self.groups for r in range(g.size)]
+
+    def check(self, world_size: int) -> list[Component]:
+        """`components` of a world of `world_size` ranks; the wrong size is a ConfigError."""
+        t = self.topology
+        if world_size != self.world_size:
+            raise ConfigError(
+                f"world size {world_size} does not match the topology: 1 coordinator + 1 proxy + "
+                f"{t.cells} cells x {t.ranks_per_cell} ranks + {t.standalone_engines} standalone "
+                f"engines = {self.world_size} ranks; start {self.world_size} ranks (mpiexec -n "
+                f"{self.world_size}) or change `topology`"
+            )
+        return self.components
+
+    def component_at(self, group: int, rank_in_group: int) -> Component:
+        """What a task of het group `group` runs (Slurm numbers the groups in this order)."""
+        groups = self.groups
+        if not 0 <= group < len(groups):
+            raise ConfigError(f"het group {group}: the layout has {len(groups)} groups")
+        return groups[group].component(rank_in_group)
+
+
 def layout(world_size: int, topology: TopologyConfig) -> list[Component]:
-    """The component of every rank; a world of the wrong size is a `ConfigError`."""
-    expected = topology.world_size
-    if world_size != expected:
-        raise ConfigError(
-            f"world size {world_size} does not match the topology: 1 coordinator + 1 proxy + "
-            f"{topology.cells} cells x {topology.ranks_per_cell} ranks + "
-            f"{topology.standalone_engines} standalone engines = {expected} ranks; start "
-            f"{expected} ranks (mpiexec -n {expected}) or change `topology`"
-        )
-    out = [Component("coordinator"), Component("proxy")]
-    for c in range(topology.cells):
-        out += [Component("cell", c, s) for s in range(topology.ranks_per_cell)]
-    out += [Component("standalone", j) for j in range(topology.standalone_engines)]
-    return out
+    """The component of every rank (`Layout.check`)."""
+    return Layout(topology).check(world_size)
 
 
 def cell_of_rank(components: list[Component]) -> list[int | None]:

@@ -181,7 +181,8 @@ def run_component(
 
         status = run_proxy_node(cfg, link, run_dir)
     elif me.kind == "cell" and me.shard > 0:
-        from gyre.runtime.cell import CellFollower, CellTrainer
+        from gyre.runtime.cell_follower import CellFollower
+        from gyre.runtime.cell_trainer import CellTrainer
 
         assert replica is not None
         trainer = CellTrainer(cfg, replica, comms, transport, version=version, run_dir=run_dir,

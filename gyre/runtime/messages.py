@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gyre.vocabulary import Outcome, Role, VerdictStatus
+
+if TYPE_CHECKING:
+    from gyre.tasks.scoring import TestVerdict
 
 PROXY, CELL, COORDINATOR = "proxy node", "cell", "coordinator"
 
@@ -30,7 +33,9 @@ class VerdictRecord:
     """An execution's verdict as the coordinator records it: status, reward, why, when.
 
     `assessments` are the evaluator's rows of every attempt (`Assessment.to_row()`), written
-    to the trace's `assessments` table; `error` says why there is no valid score.
+    to the trace's `assessments` table; `error` says why there is no valid score. `tests`:
+    a repository task's per-test outcomes behind the reward (`Verdict.tests`), written to
+    the execution's meta; empty for other tasks and when there is no valid score.
     """
 
     status: VerdictStatus
@@ -38,6 +43,7 @@ class VerdictRecord:
     t: float  # unix seconds the verdict was reached
     error: str = ""
     assessments: tuple[dict[str, Any], ...] = ()
+    tests: tuple[TestVerdict, ...] = ()
 
     @property
     def usable(self) -> bool:

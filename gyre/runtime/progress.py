@@ -1,7 +1,7 @@
 """What a run reports as it goes and at its end: step rows, progress lines, the summary.
 
 The coordinator counts (`stats`), and after every optimizer update hands `step` the batch's
-training metrics: the row goes into the trace, the tracker and `summary.json`'s `steps`; a
+`StepMetrics`: its row goes into the trace, the tracker and `summary.json`'s `steps`; a
 step without learning signal or with nothing to train is an event and a GYRE-WARNING line,
 and too many empty batches in a row stop the run with the executions' outcomes. `line`
 prints the GYRE-PROGRESS JSON that `gyre run` renders live; `summary` is `summary.json`.
@@ -12,15 +12,50 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gyre.runtime import wire
+from gyre.runtime.checkpoint import CheckpointState
 from gyre.runtime.config import RunConfig
 from gyre.runtime.ledger import Ledger
 from gyre.runtime.record import RunRecorder
 from gyre.schedule import Scheduler
 from gyre.tracking import Tracker
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    """One optimizer step's metrics: the trace's `steps` rows, `summary.json`'s `steps`.
+
+    The batch's training metrics (`TrainingPlane.metrics()`, docs/runtime.md) and what the
+    coordinator adds: the cells that trained it and how long it took."""
+
+    loss: float
+    objective: float
+    targets: float
+    grad_norm: float
+    reward_mean: float
+    tied_groups: float  # share of the batch's groups whose rewards all tie
+    gated_executions: float
+    staleness_mean: float
+    staleness_max: float
+    microsteps: float
+    oversize_rows: float
+    executions: float  # executions trained; 0: the batch had nothing to train
+    set_aside_groups: float
+    prepass_s: float
+    gradient_s: float
+    train_wall_s: float
+    update_s: float
+    train_cells: float  # cells that trained the batch (> 1: satellites joined)
+    duration_s: float  # from the batch's join window opening to its update
+    elapsed_s: float  # since the run started
+
+    def to_row(self) -> dict[str, float]:
+        """Metric name -> value, in field order (the keys the trace and JSON have always had)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 class Progress:
@@ -35,35 +70,36 @@ class Progress:
                       "set_aside_groups": 0}  # fmt: skip
         self.empty_in_a_row = 0
         self.switch_seconds: list[float] = []
-        self.step_rows: list[dict[str, float]] = []
+        self.step_rows: list[StepMetrics] = []
         self.policies: list[str] = []
         self.last_progress = 0.0
         self.t0 = time.time()
 
-    def step(self, updates: int, row: dict[str, float]) -> None:
-        """Record update `updates`' row; warn about a step that taught nothing."""
-        self.step_rows.append(row)
+    def step(self, updates: int, metrics: StepMetrics) -> None:
+        """Record update `updates`' metrics; warn about a step that taught nothing."""
+        self.step_rows.append(metrics)
+        row = metrics.to_row()
         self.rec.step(updates, row)
         self.tracker.log_step(updates, row)
         self.rec.dispatch(self.sched.version, 0, 0, self.sched)
-        self.stats["set_aside_groups"] += int(row["set_aside_groups"])
-        if row["executions"] == 0:
-            self._empty_step(updates, row)
+        self.stats["set_aside_groups"] += int(metrics.set_aside_groups)
+        if metrics.executions == 0:
+            self._empty_step(updates, metrics)
             return
         self.empty_in_a_row = 0
-        if not row["grad_norm"] > 0:
+        if not metrics.grad_norm > 0:
             self.stats["no_signal_steps"] += 1
-            why = ("every group's rewards tie" if row["tied_groups"] == 1.0
+            why = ("every group's rewards tie" if metrics.tied_groups == 1.0
                    else "every execution was clipped or has advantage 0")  # fmt: skip
             self.rec.event("no_signal", step=updates, reason=why)
             print(f"GYRE-WARNING step {updates} carried no learning signal "
-                  f"(grad_norm {row['grad_norm']:.3g}): {why}", flush=True)  # fmt: skip
+                  f"(grad_norm {metrics.grad_norm:.3g}): {why}", flush=True)  # fmt: skip
 
-    def _empty_step(self, updates: int, row: dict[str, float]) -> None:
+    def _empty_step(self, updates: int, metrics: StepMetrics) -> None:
         """A batch with nothing to train skipped its update; too many in a row stop the run."""
         self.stats["empty_steps"] += 1
         self.empty_in_a_row += 1
-        why = (f"{row['set_aside_groups']:.0f} of its groups set aside "
+        why = (f"{metrics.set_aside_groups:.0f} of its groups set aside "
                f"(fewer than train.min_group_outcomes={self.cfg.train.min_group_outcomes} "
                "usable outcomes), the rest only failure placeholders")  # fmt: skip
         self.rec.event("empty_step", step=updates, reason=why)
@@ -81,7 +117,7 @@ class Progress:
         if now - self.last_progress < 0.5:
             return
         self.last_progress = now
-        last = self.step_rows[-1] if self.step_rows else {}
+        last = self.step_rows[-1].to_row() if self.step_rows else {}
         line = {
             "t": now - self.t0, "step": updates, "steps": self.cfg.steps,
             "waterlevel": self.sched.waterlevel, "roles": [r.value for r in self.sched.roles],
@@ -94,7 +130,7 @@ class Progress:
 
     def summary(
         self, run_dir: Path, cell_hosts: list[list[str]] | None, status: int,
-        resumed: dict[str, Any] | None, updates: int,
+        resumed: CheckpointState | None, updates: int,
     ) -> dict[str, Any]:  # fmt: skip
         """The run's `summary.json`."""
         return {
@@ -108,7 +144,7 @@ class Progress:
             "status": status,
             "resumed_from": None
             if resumed is None
-            else {k: resumed[k] for k in ("version", "updates")},
+            else {"version": resumed.version, "updates": resumed.updates},
             "steps_done": updates,
             "wall_s": time.time() - self.t0,
             "executions": len(self.ledger.executions),
@@ -116,12 +152,12 @@ class Progress:
             "wasted_switches": self.sched.wasted_switches,
             # Elastic: steps whose batch satellites joined (the other policies train on
             # cells fixed for the whole batch: None)
-            "satellite_steps": sum(1 for r in self.step_rows if r.get("train_cells", 1) > 1)
+            "satellite_steps": sum(1 for r in self.step_rows if r.train_cells > 1)
             if self.cfg.schedule.policy == "elastic"
             else None,
             **self.stats,
             "policies": self.policies,
-            "steps": self.step_rows,
+            "steps": [r.to_row() for r in self.step_rows],
         }
 
     def pace(self, run_dir: Path, engine_urls: list[str], wall_s: float) -> dict[str, Any] | None:

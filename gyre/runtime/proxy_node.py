@@ -31,7 +31,7 @@ from typing import Any
 
 from gyre.errors import ConfigError
 from gyre.harness import ExecutionSpec, HarnessRunner, Terminated
-from gyre.harness.workspace import bwrap_works
+from gyre.harness.sandbox import apptainer_works, bwrap_works
 from gyre.proxy.app import ProxyApp
 from gyre.proxy.config import Config as ProxyConfig
 from gyre.runtime import messages as msg
@@ -71,11 +71,22 @@ def proxy_config(cfg: RunConfig) -> ProxyConfig:
 
 
 def check_harness(cfg: RunConfig) -> list[str]:
-    """Fail fast (before any process starts) when the adapter or its program is missing, or a
-    task is not in the suite; returns the task names groups are drawn from."""
-    adapter = cfg.harness.adapter_object()
+    """Fail fast (before any process starts) when the adapter or its program is missing, the
+    sandbox cannot run, or a task is not in the suite; returns the task names groups are
+    drawn from."""
+    check_adapter(cfg, program=True)
+    check_sandbox(cfg.harness.sandbox, cfg.harness.apptainer_image)
+    return load_tasks(cfg)[1]
+
+
+def check_adapter(cfg: RunConfig, *, program: bool) -> None:
+    """The adapter is known and its params valid; with `program`, its program is installed."""
+    try:
+        adapter = cfg.harness.adapter_object()
+    except ConfigError as exc:
+        raise ConfigError(f"harness.{exc}") from None
     path = os.environ.get("PATH", os.defpath)
-    if adapter.resolve_program(path) is None:
+    if program and adapter.resolve_program(path) is None:
         hint = f"; install it with {adapter.install}" if adapter.install else ""
         raise ConfigError(
             f"harness.adapter: {cfg.harness.adapter!r} needs the program "
@@ -85,13 +96,22 @@ def check_harness(cfg: RunConfig) -> list[str]:
         adapter.check_params(cfg.harness.params)
     except ConfigError as exc:
         raise ConfigError(f"harness.{exc}") from None
-    if cfg.harness.sandbox != "none" and (why := bwrap_works()) is not None:
-        raise ConfigError(
-            f"harness.sandbox: {cfg.harness.sandbox}: {why}; allowed: a working bubblewrap, or "
-            "harness.sandbox=none to run harnesses unconfined (they can then read and rewrite "
-            "their task's checker: docs/harness.md)"
-        )
-    return load_tasks(cfg)[1]
+
+
+def check_sandbox(sandbox: str, image: str) -> None:
+    """Refuse (one line: what is missing, what is allowed) a sandbox that cannot run here."""
+    if sandbox == "none":
+        return
+    why = apptainer_works(image) if sandbox == "apptainer" else bwrap_works()
+    if why is None:
+        return
+    need = ("Apptainer with harness.apptainer_image a local image" if sandbox == "apptainer"
+            else "a working bubblewrap")  # fmt: skip
+    other = "harness.sandbox=bwrap" if sandbox == "apptainer" else "harness.sandbox=apptainer"
+    raise ConfigError(
+        f"harness.sandbox: {sandbox}: {why}; allowed: {need}, {other}, or harness.sandbox=none "
+        "to run harnesses unconfined (they can then read and rewrite checkers: docs/harness.md)"
+    )
 
 
 class ExecutionHost:
@@ -102,8 +122,8 @@ class ExecutionHost:
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, hide: Sequence[Path] = ()) -> None:
-        """`run_dir` holds the executions' workspaces; it and `hide` are invisible to a
-        sandboxed harness."""
+        """`run_dir` holds the executions' workspaces; it, the folder of runs beside it and
+        `hide` are invisible to a sandboxed harness."""
         self.cfg, self.run_dir = cfg, run_dir
         self.suite, self.task_names = load_tasks(cfg)  # the run's one load of its suite
         self.adapter = cfg.harness.adapter_object()
@@ -115,8 +135,9 @@ class ExecutionHost:
                 overall_timeout_s=h.overall_timeout_s,
                 kill_grace_s=h.kill_grace_s,
                 keep_env=["OMP_NUM_THREADS", "HF_HUB_OFFLINE"],
-                sandbox="none" if h.sandbox == "none" else "bwrap",
-                hide=[str(d) for d in (run_dir, *hide)],
+                sandbox="bwrap" if h.sandbox == "auto" else h.sandbox,
+                apptainer_image=h.apptainer_image,
+                hide=[str(d) for d in (run_dir, run_dir.resolve().parent, *hide)],
             )
         )
         self.evaluator = Evaluator(
@@ -182,7 +203,8 @@ class ExecutionHost:
             return msg.VerdictRecord.excluded(f"evaluator crashed: {e}", t0)
         rows = tuple(a.to_row() for a in self.evaluator.log.for_execution(term.execution_id))
         return msg.VerdictRecord(status=v.status, reward=v.reward, t=time.time(),
-                                 error=v.assessment.error, assessments=rows)  # fmt: skip
+                                 error=v.assessment.error, assessments=rows,
+                                 tests=v.tests)  # fmt: skip
 
     async def rescore(self, eid: str, task: Task) -> msg.VerdictRecord:
         """Score an execution's preserved workspace after the job running it died."""

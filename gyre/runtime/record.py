@@ -24,7 +24,7 @@ from typing import Any
 from gyre.runtime.messages import VerdictRecord
 from gyre.trajectory.store import TraceWriter
 from gyre.trajectory.tree import TrajectoryTree
-from gyre.vocabulary import Role
+from gyre.vocabulary import CloseStatus, Role
 
 
 class RunRecorder:
@@ -107,21 +107,25 @@ class RunRecorder:
         eid: str,
         group_id: str,
         tree: TrajectoryTree,
-        status: str,
+        status: CloseStatus,
         verdict: VerdictRecord,
         *,
         t_ended: float | None = None,
     ) -> None:
-        """The tree, its reward and validity, and every assessment of one execution;
-        `t_ended`: when its harness ended (between its last model call and its close)."""
+        """The tree, its close status, its reward and validity, and every assessment of one
+        execution; `t_ended`: when its harness ended (between its last model call and its
+        close)."""
         valid = verdict.usable
         reward = verdict.reward
         meta: dict[str, Any] = {"reward": reward, "valid": valid, "verdict": verdict.status.value}
         if verdict.error:
             meta["error"] = verdict.error
+        if verdict.tests:  # a repository task's per-test outcomes; absent: none
+            meta["tests"] = [t.to_dict() for t in verdict.tests]
         if t_ended is not None:
             meta["t_ended"] = t_ended
-        self.writer.close_execution(eid, tree, status=status, meta=meta)
+        closed_as = CloseStatus(status).value  # (a caller's plain "completed" reads too)
+        self.writer.close_execution(eid, tree, status=closed_as, meta=meta)
         r = float("nan") if reward is None else float(reward)
         self.writer.append(
             "rewards",

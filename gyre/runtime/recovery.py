@@ -10,6 +10,7 @@ tree journaled while it ran (to be scored from its preserved workspace), or noth
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,15 @@ from typing import Any
 from gyre.runtime.messages import VerdictRecord
 from gyre.trajectory.reader import TraceReader
 from gyre.trajectory.tree import TrajectoryTree
-from gyre.vocabulary import VerdictStatus
+from gyre.vocabulary import CloseStatus, VerdictStatus
+
+
+class MemberState(enum.Enum):
+    """What the trace says of a taken-over group's execution."""
+
+    CLOSED = "closed"  # closed with its verdict (and, when scored, its tree)
+    OPEN = "open"  # opened, never closed: its journaled tree is to be scored
+    UNLAUNCHED = "unlaunched"  # dispatched, never opened
 
 
 @dataclass(slots=True)
@@ -26,9 +35,9 @@ class Member:
     """One execution of a taken-over group."""
 
     id: str
-    state: str  # "closed" | "open" (journaled, to be scored) | "unlaunched"
+    state: MemberState
     verdict: VerdictRecord | None = None  # closed: status + reward (no assessment rows)
-    outcome: str = ""  # closed: the execution's close status
+    outcome: CloseStatus = CloseStatus.NOT_LAUNCHED  # closed: the execution's close status
     tree: TrajectoryTree | None = None  # closed & scored: its tree; open: the journal's
 
 
@@ -66,7 +75,7 @@ def read_trace(path: Path, trained: set[str]) -> Takeover:
                 g = dispatched[gid] = CarriedGroup(
                     id=gid, task=task, instance=int(inst or 0), version=int(row["policy_version"])
                 )
-            g.members.append(Member(id=row["execution_id"], state="unlaunched"))
+            g.members.append(Member(id=row["execution_id"], state=MemberState.UNLAUNCHED))
         numbers = [
             int(gid.rsplit("g", 1)[1]) for gid in dispatched if gid.rsplit("g", 1)[1].isdigit()
         ]
@@ -82,13 +91,13 @@ def _fill(m: Member, info: Any, journal: dict[str, TrajectoryTree], r: TraceRead
     if info is None:
         return  # dispatched, never opened: it never launched
     if not info.closed:
-        m.state, m.tree = "open", journal.get(m.id) or TrajectoryTree(m.id)
+        m.state, m.tree = MemberState.OPEN, journal.get(m.id) or TrajectoryTree(m.id)
         return
     meta = info.meta
     reward = meta.get("reward")
     if isinstance(reward, float) and math.isnan(reward):
         reward = None
-    m.state, m.outcome = "closed", info.status
+    m.state, m.outcome = MemberState.CLOSED, CloseStatus(info.status)
     status = VerdictStatus(meta.get("verdict", VerdictStatus.EXCLUDED.value))
     m.verdict = VerdictRecord(status=status, reward=reward, t=info.t_close or info.t_open)
     if status is VerdictStatus.SCORED:

@@ -17,14 +17,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from gyre.runtime import checkpoint, wire
 from gyre.runtime import messages as msg
-from gyre.runtime.ledger import Execution, Group, Ledger
+from gyre.runtime.checkpoint import CheckpointState
+from gyre.runtime.ledger import Execution, ExecutionState, Group, Ledger
 from gyre.runtime.record import RunRecorder
-from gyre.runtime.recovery import CarriedGroup, read_trace
+from gyre.runtime.recovery import CarriedGroup, MemberState, read_trace
 from gyre.trajectory.tree import TrajectoryTree
+from gyre.vocabulary import CloseStatus
 
 
 class Resume:
@@ -33,8 +34,8 @@ class Resume:
 
     def __init__(self, run_dir: Path) -> None:
         found = checkpoint.latest(run_dir)
-        self.state: dict[str, Any] | None = found[1] if found is not None else None
-        self.trained: list[str] = sorted(self.state["trained"]) if self.state else []
+        self.state = CheckpointState.of(found[1]) if found is not None else None
+        self.trained: list[str] = sorted(self.state.trained) if self.state else []
         trace = run_dir / "trace.h5"
         self.takeover = read_trace(trace, set(self.trained)) if trace.exists() else None
         self.carried = 0  # scheduler groups 0..carried-1 were taken over from the trace
@@ -55,24 +56,25 @@ class Resume:
         for cg in self.takeover.groups:
             if len(cg.members) != ledger.n:
                 raise wire.RuntimeFailure(
-                    f"resume: group {cg.id} has {len(cg.members)} executions, the config's "
-                    f"schedule.group_size is {ledger.n}; resume with the run's own config.yaml"
+                    f"resume: group {cg.id} has {len(cg.members)} executions, the config "
+                    f"runs {ledger.n} per group (schedule.group_size + schedule.oversample); "
+                    "resume with the run's own config.yaml"
                 )
             g = len(ledger.groups)
             first = len(ledger.executions)
             ledger.add(Group(cg.id, cg.task, cg.instance, cg.version), [
-                Execution(id=m.id, group=g, state="recorded", outcome=m.outcome,
+                Execution(id=m.id, group=g, state=ExecutionState.RECORDED, outcome=m.outcome,
                           verdict=m.verdict, tree=m.tree) for m in cg.members
             ])  # fmt: skip
             for i, m in enumerate(cg.members, start=first):
                 x = ledger.executions[i]
-                if m.state == "open" and m.tree is not None and len(m.tree):
-                    x.state, x.outcome = "terminated", "recovered"
+                if m.state is MemberState.OPEN and m.tree is not None and len(m.tree):
+                    x.state, x.outcome = ExecutionState.TERMINATED, CloseStatus.RECOVERED
                     self.recovering[i] = m.tree
                     to_proxy(msg.Rescore(i, m.id, cg.task, cg.instance))
-                elif m.state == "open":  # no model call yet: its reward would say nothing
+                elif m.state is MemberState.OPEN:  # no model call yet: its reward would say nothing
                     close_unrecoverable(ledger, rec, i, "the job died before it made a model call")
-                elif m.state == "unlaunched":
+                elif m.state is MemberState.UNLAUNCHED:
                     close_not_launched(ledger, rec, i, "the job died first")
 
     def carry(self, ledger: Ledger) -> tuple[list[CarriedGroup], list[str]]:
@@ -95,8 +97,8 @@ def close_unrecoverable(ledger: Ledger, rec: RunRecorder, i: int, why: str) -> N
     x = ledger.executions[i]
     verdict = msg.VerdictRecord.excluded(f"unrecoverable: {why}", time.time())
     rec.close_execution(x.id, ledger.groups[x.group].id, rec.journaled_tree(x.id),
-                        "unrecoverable", verdict)  # fmt: skip
-    x.state, x.outcome, x.verdict = "recorded", "unrecoverable", verdict
+                        CloseStatus.UNRECOVERABLE, verdict)  # fmt: skip
+    x.state, x.outcome, x.verdict = ExecutionState.RECORDED, CloseStatus.UNRECOVERABLE, verdict
 
 
 def close_not_launched(ledger: Ledger, rec: RunRecorder, i: int,
@@ -105,5 +107,5 @@ def close_not_launched(ledger: Ledger, rec: RunRecorder, i: int,
     x, g = ledger.executions[i], ledger.group_of(i)
     rec.open_execution(x.id, {"group": g.id, "task": g.task, "instance": g.instance})
     verdict = msg.VerdictRecord.excluded(f"dispatched, never launched: {why}", time.time())
-    rec.close_execution(x.id, g.id, TrajectoryTree(x.id), "not_launched", verdict)
-    x.state, x.outcome, x.verdict = "recorded", "not_launched", verdict
+    rec.close_execution(x.id, g.id, TrajectoryTree(x.id), CloseStatus.NOT_LAUNCHED, verdict)
+    x.state, x.outcome, x.verdict = ExecutionState.RECORDED, CloseStatus.NOT_LAUNCHED, verdict

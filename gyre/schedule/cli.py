@@ -12,10 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 
+from gyre import cliargs
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="(φ, μ) per policy for a target mean staleness E[d]")
-    p.add_argument("--staleness", type=float, required=True, metavar="E", help="target E[d]")
+    p.add_argument(
+        "--staleness",
+        type=cliargs.nonnegative_float,
+        required=True,
+        metavar="E",
+        help="target E[d]",
+    )
     p.add_argument(
         "--min-phi", type=float, default=0.5, help="Elastic's minimum extra dispatch (batches)"
     )

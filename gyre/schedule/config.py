@@ -1,6 +1,6 @@
 """Typed configuration of the scheduler: the cluster's cells, the RL batch shape, dispatch.
 
-`Config` holds what every policy shares (cells, standalone pool, N, B, φ, μ, supply and join
+`Config` holds what every policy shares (cells, standalone pool, N, k, B, φ, μ, supply and join
 thresholds, the priors of the online cost estimates); `PolicyConfig` picks Elastic, Async or
 Colocate and the Table 1 knobs that only a policy reads (streaming, the Async training split).
 Both validate in `__post_init__` and raise `ConfigError` naming the field, the value and what
@@ -33,7 +33,10 @@ class Config:
     standalone_nodes: int = 0
     """Nodes that stay in rollout; grouped into engines of one cell's size and concurrency."""
     group_size: int = 16
-    """N: executions per rollout group."""
+    """N: executions per rollout group (the ones a group trains)."""
+    oversample: int = 0
+    """k: extra executions launched per group; the first N valid to settle train, the surplus
+    is cancelled (docs/scheduler.md "Oversampling"). 0: exactly N launched."""
     batch_groups: int = 32
     """B: groups per training step."""
     phi: float = 0.5
@@ -83,6 +86,7 @@ class Config:
                 f"cell size ({self.nodes_per_cell}), 0 or more"
             )
         _positive("group_size", self.group_size)
+        _count("oversample", self.oversample)
         _positive("batch_groups", self.batch_groups)
         if not self.phi >= 0:
             raise ConfigError(f"phi: {self.phi} is negative; allowed φ >= 0")
@@ -107,6 +111,11 @@ class Config:
     @property
     def standalone_engines(self) -> int:
         return self.standalone_nodes // self.nodes_per_cell
+
+    @property
+    def executions_per_group(self) -> int:
+        """N + k: executions dispatched per group (group g owns g(N+k) .. g(N+k)+N+k-1)."""
+        return self.group_size + self.oversample
 
     @property
     def extra_groups(self) -> int:
@@ -134,3 +143,8 @@ class PolicyConfig:
 def _positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}: {value!r}; allowed: an integer >= 1")
+
+
+def _count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name}: {value!r}; allowed: an integer >= 0")

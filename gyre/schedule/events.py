@@ -2,11 +2,12 @@
 
 The scheduler (`gyre.schedule.machine.Scheduler`) is a pure state machine: the real
 coordinator and the simulator feed it these small frozen events and carry out the actions it
-returns (starting harnesses, switching cells, moving model calls, training micro-steps,
-publishing weights). A termination's `Outcome` and a cell's `Role` are the shared enums of
-`gyre.vocabulary`. Ids are plain integers so the same objects travel between ranks unchanged:
-execution `x` belongs to group `x // N`; engines `0..K-1` are the cells' rollout engines and
-`K..K+S-1` the standalone engines.
+returns (starting and cancelling harnesses, switching cells, moving model calls, training
+micro-steps, publishing weights). A termination's `Outcome` and a cell's `Role` are the
+shared enums of `gyre.vocabulary`. Ids are plain integers so the same objects travel between
+ranks unchanged: execution `x` belongs to group `x // (N + k)` (k: oversampling, 0 by
+default); engines `0..K-1` are the cells' rollout engines and `K..K+S-1` the standalone
+engines.
 """
 
 from __future__ import annotations
@@ -57,9 +58,23 @@ class Terminated:
 
 @dataclass(frozen=True, slots=True)
 class GroupReady:
-    """All N executions of a group are closed with their outcomes settled (scored/discarded)."""
+    """Shorthand for a driver that knows no validity: every execution of the group has
+    terminated; settle each one not settled yet as valid, in id order (`Assessed`)."""
 
     group: int
+
+
+@dataclass(frozen=True, slots=True)
+class Assessed:
+    """A terminated execution's outcome settled: `valid` (a score or a failure placeholder,
+    usable by training) or excluded (no valid score: evaluator crash, overall budget, ...).
+
+    A group is ready once N of its executions settled valid, or all N + k settled
+    (`gyre.schedule.groups`); a surplus execution may settle after that (no effect).
+    """
+
+    execution: int
+    valid: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +168,7 @@ Event = (
     Start
     | Launched
     | Terminated
+    | Assessed
     | GroupReady
     | MicroStepsQueued
     | GradientsReady
@@ -184,6 +200,22 @@ class Launch:
 
     execution: int
     engine: int
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Stop a surplus execution (its group has its N members); answer with `Terminated`
+    (outcome CANCELLED, or whatever it ended with first)."""
+
+    execution: int
+
+
+@dataclass(frozen=True, slots=True)
+class Withdraw:
+    """A surplus execution still queued when its group completed never launches: it left the
+    queue (counted launched and terminated at once, so d - p stays the queue); no answer."""
+
+    execution: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,11 +251,15 @@ class CloseJoinWindow:
 
 @dataclass(frozen=True, slots=True)
 class AdmitGroup:
-    """The packing buffer takes a ready group into `batch`; d = v_t - v_d is its staleness."""
+    """The packing buffer takes a ready group into `batch`; d = v_t - v_d is its staleness.
+
+    `members`: the N executions whose outcomes train, ascending (`groups.trained_members`);
+    () for a group a resumed job carried in (its driver's records say which)."""
 
     group: int
     batch: int
     staleness: int
+    members: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +295,8 @@ class Publish:
 Action = (
     Dispatch
     | Launch
+    | Cancel
+    | Withdraw
     | SwitchCell
     | Reroute
     | OpenJoinWindow

@@ -7,6 +7,8 @@ implements are written down in docs/scheduler.md:
 
 * counters d(t) >= p(t) >= f(t) >= 0 (dispatched, launched, terminated executions) and the
   waterlevel W = d - f (queued + running);
+* groups of N + k executions (k: oversampling), ready once N settled valid or all settled;
+  the surplus is cancelled or withdrawn (`gyre.schedule.groups`);
 * boundary dispatch: (φ+μ)B groups at start, μB after each burst's publication;
 * a switch unit leaves rollout when the remaining rollout capacity still serves every
   outstanding execution, C_R - C_u >= W, and (core) the supply check passes or (satellite)
@@ -39,7 +41,9 @@ from gyre.schedule.costs import CostEstimates, join_pays
 from gyre.schedule.events import (
     Action,
     AdmitGroup,
+    Assessed,
     BatchDone,
+    Cancel,
     ClaimMicroStep,
     CloseJoinWindow,
     Dispatch,
@@ -62,8 +66,10 @@ from gyre.schedule.events import (
     Terminated,
     Tick,
     WeightsPublished,
+    Withdraw,
     Work,
 )
+from gyre.schedule.groups import CLOSED, Groups
 from gyre.schedule.policy import Policy
 from gyre.schedule.routing import Engine, Engines
 from gyre.vocabulary import Role
@@ -120,13 +126,13 @@ class Scheduler:
         self.route = self.routing.route  # running execution -> engine
         self.costs = CostEstimates(config)
         self.d = self.p = self.f = 0
+        self.withdrawn = 0
+        """Surplus executions withdrawn from the queue (counted in p and f, never launched)."""
         self.version = 0  # v: optimizer updates applied so far
         self.published = 0  # latest published version (recorded at dispatch)
-        self.group_version: list[int] = []
-        self.group_closed: list[int] = []
+        self.groups = Groups(config.group_size, config.oversample)
         self.queue: deque[int] = deque()
         self.ready: list[tuple[int, int]] = []  # heap of (v_d, group): oldest version first
-        self.soon_ready = 0  # groups with all N terminated, outcome not settled yet
         self.batch: Batch | None = None
         self.batches_opened = 0
         self.step_in_burst = 0
@@ -143,6 +149,7 @@ class Scheduler:
             Start: self._on_start,
             Launched: self._on_launched,
             Terminated: self._on_terminated,
+            Assessed: self._on_assessed,
             GroupReady: self._on_group_ready,
             MicroStepsQueued: self._on_microsteps_queued,
             GradientsReady: self._on_gradients_ready,
@@ -179,6 +186,11 @@ class Scheduler:
     def waterlevel(self) -> int:
         """W(t) = d(t) - f(t): queued plus running executions."""
         return self.d - self.f
+
+    @property
+    def soon_ready(self) -> int:
+        """R_soon: groups not ready that may become ready on outcomes alone (`Groups.soon`)."""
+        return self.groups.soon_ready
 
     @property
     def rollout_capacity(self) -> int:
@@ -219,11 +231,9 @@ class Scheduler:
             raise SchedulerError("Start received twice")
         self.started = True
         cfg = self.config
-        n = cfg.group_size
+        n = cfg.executions_per_group
         for v_d in event.carried:  # groups of a resumed job: closed and ready already
-            g = len(self.group_version)
-            self.group_version.append(v_d)
-            self.group_closed.append(n + 1)
+            g = self.groups.carry(v_d)
             self.d, self.p, self.f = self.d + n, self.p + n, self.f + n
             heapq.heappush(self.ready, (v_d, g))
         depth = cfg.extra_groups + cfg.mu * cfg.batch_groups
@@ -238,18 +248,33 @@ class Scheduler:
         if self.routing.remove(x) is None:
             raise SchedulerError(f"Terminated: execution {x} is not running (f counts once)")
         self.f += 1
-        g = x // self.config.group_size
-        self.group_closed[g] += 1
-        if self.group_closed[g] == self.config.group_size:
-            self.soon_ready += 1
+        self.groups.terminate(x)
+
+    def _on_assessed(self, event: Assessed, out: list[Action]) -> None:
+        """An outcome settled; a group it completes is ready, and its surplus is stopped."""
+        groups = self.groups
+        if not groups.assess(event.execution, event.valid):
+            return
+        g = groups.group_of(event.execution)
+        heapq.heappush(self.ready, (groups[g].version, g))
+        running, queued = groups.surplus(g)
+        out.extend(Cancel(x) for x in running)  # they stay on their engines until Terminated
+        if queued:
+            drop = set(queued)
+            self.queue = deque(x for x in self.queue if x not in drop)
+            self.p, self.f, self.withdrawn = (self.p + len(queued), self.f + len(queued),
+                                              self.withdrawn + len(queued))  # fmt: skip
+            out.extend(Withdraw(x) for x in queued)
 
     def _on_group_ready(self, event: GroupReady, out: list[Action]) -> None:
-        g = event.group
-        if not 0 <= g < len(self.group_closed) or self.group_closed[g] != self.config.group_size:
+        groups, g = self.groups, event.group
+        if not 0 <= g < len(groups) or groups[g].closed < groups.size:
             raise SchedulerError(f"GroupReady: group {g} still has running executions")
-        self.group_closed[g] += 1  # N + 1 marks "ready"; a second GroupReady is an error
-        self.soon_ready -= 1
-        heapq.heappush(self.ready, (self.group_version[g], g))
+        if groups[g].complete:
+            raise SchedulerError(f"GroupReady: group {g} is ready already")
+        for x in groups.executions(g):
+            if groups.state[x] == CLOSED:
+                self._on_assessed(Assessed(x, valid=True), out)
 
     def _on_microsteps_queued(self, event: MicroStepsQueued, out: list[Action]) -> None:
         batch = self._current(event.batch, "MicroStepsQueued")
@@ -401,7 +426,9 @@ class Scheduler:
         while self.ready and batch.admitted < self.config.batch_groups:
             v_d, g = heapq.heappop(self.ready)
             batch.admitted += 1
-            out.append(AdmitGroup(group=g, batch=batch.index, staleness=self.version - v_d))
+            members = self.groups[g].members or ()
+            out.append(AdmitGroup(group=g, batch=batch.index, staleness=self.version - v_d,
+                                  members=members))  # fmt: skip
 
     def _maybe_join(self, out: list[Action]) -> None:
         """Satellite units leave rollout in order while Eq. 6 holds and the join pays."""
@@ -495,14 +522,11 @@ class Scheduler:
     # ------------------------------------------------------------------ mechanics
 
     def _dispatch(self, groups: int, out: list[Action]) -> None:
-        n = self.config.group_size
         for _ in range(groups):
-            g = len(self.group_version)
-            executions = tuple(range(g * n, (g + 1) * n))
-            self.group_version.append(self.published)
-            self.group_closed.append(0)
+            g = len(self.groups)
+            executions = self.groups.dispatch(self.published)
             self.queue.extend(executions)
-            self.d += n
+            self.d += len(executions)
             out.append(Dispatch(group=g, executions=executions, version=self.published))
 
     def _launch(self, out: list[Action]) -> None:
@@ -513,6 +537,7 @@ class Scheduler:
                 return
             x = queue.popleft()
             self.p += 1
+            self.groups.launch(x)
             out.append(Launch(execution=x, engine=engine))
 
     def _switch_cell(self, c: int, role: Role, out: list[Action]) -> None:

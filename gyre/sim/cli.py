@@ -24,6 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from gyre import cliargs
+
 PLANNING_KEYS = ("cells", "nodes_per_cell", "standalone_nodes", "concurrency_per_cell", "phi",
                  "mu", "phi_mu", "staleness")  # fmt: skip
 """The sweep keys of gyre/sim/sweep.py's table (here, so `gyre --help` stays light); any
@@ -36,23 +38,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE",
                    help="set template keys (after CONFIG), e.g. scheduler.cells=4")  # fmt: skip
     p.add_argument("--policy", help="elastic, async, colocate or all (default: the template's)")
-    p.add_argument("--steps", type=int, help="training steps S")
-    p.add_argument("--seed", type=int, help="workload seed")
-    p.add_argument("--staleness", type=float, help="target E[d]: (φ, μ) per policy from gyre plan")
+    p.add_argument("--steps", type=cliargs.count, help="training steps S")
+    p.add_argument("--seed", type=cliargs.size, help="workload seed")
+    p.add_argument(
+        "--staleness",
+        type=cliargs.nonnegative_float,
+        help="target E[d]: (φ, μ) per policy from gyre plan",
+    )
     p.add_argument("--ablation", help="Table 1 configuration (A0-A3, C0-C3, E0-E2) or table1")
     p.add_argument("--replay", metavar="RUN_DIR|TRACE",
                    help="fit the workload and costs of a recorded run and simulate them")  # fmt: skip
     p.add_argument("--in-order", action="store_true",
                    help="replay: the recorded groups in the run's dispatch order, not drawn "
                    "with replacement (one replay: no draw to average)")  # fmt: skip
-    p.add_argument("--seeds", type=int, default=5,
+    p.add_argument("--seeds", type=cliargs.count, default=5,
                    help="replay: seeds to average the recorded groups' draws over (default 5)")  # fmt: skip
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                    help=f"what-if sweep over KEY ({', '.join(PLANNING_KEYS)} or a KEY.PATH); "
                    "repeat for a grid")  # fmt: skip
-    p.add_argument("--plot", default="sweep.png", help="sweep: plot file (default sweep.png)")
-    p.add_argument("--jobs", type=int, help="sweep: processes to run points in (default: CPUs)")
-    p.add_argument("--timeline", help="write per-run timelines and step times to this JSON file")
+    p.add_argument(
+        "--plot",
+        type=cliargs.output_file,
+        default="sweep.png",
+        help="sweep: plot file (default sweep.png)",
+    )
+    p.add_argument(
+        "--jobs", type=cliargs.count, help="sweep: processes to run points in (default: CPUs)"
+    )
+    p.add_argument(
+        "--timeline",
+        type=cliargs.output_file,
+        help="write per-run timelines and step times to this JSON file",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -63,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"steps: {args.steps}; allowed >= 1")
     if args.ablation:
-        if args.overrides or "=" in (args.config or "") or args.replay or args.sweep:
-            raise ConfigError("overrides: --ablation runs a built-in configuration; drop them")
+        if args.config or args.overrides or args.replay or args.sweep:
+            raise ConfigError("--ablation runs a built-in configuration; allowed without "
+                              "CONFIG, overrides, --replay and --sweep")  # fmt: skip
         return _ablation(args)
     if args.in_order and not args.replay:
         raise ConfigError("--in-order: replays a recorded run's groups; give --replay RUN too")
@@ -162,7 +180,7 @@ def _replay(args: argparse.Namespace) -> int:
     f = fit(recorded)
     data = apply_overrides(f.template, args.overrides)
     cfg = load(SimConfig, data, path="replay")
-    same_groups = cfg.scheduler.group_size == recorded.group_size
+    same_groups = cfg.scheduler.executions_per_group == recorded.executions_per_group
     groups = f.groups if same_groups else None  # other N: the parametric fit
     if args.in_order and (args.sweep or args.overrides or args.staleness is not None
                           or (args.policy or cfg.policy) != cfg.policy):  # fmt: skip

@@ -83,6 +83,11 @@ class RecordedRun:
     def group_size(self) -> int:
         return int(self.section("schedule").get("group_size", 1))
 
+    @property
+    def executions_per_group(self) -> int:
+        """N + k: the executions each group ran (k: the run's oversampling)."""
+        return self.group_size + int(self.section("schedule").get("oversample", 0))
+
     def groups(self) -> dict[str, list[RecordedExecution]]:
         out: dict[str, list[RecordedExecution]] = {}
         for x in self.executions:
@@ -243,7 +248,7 @@ def _policy(run: RecordedRun) -> str:
 def _scheduler(run: RecordedRun) -> dict[str, Any]:
     sched, topo = run.section("schedule"), run.section("topology")
     cells = int(topo.get("cells", 1))
-    keys = ("concurrency_per_cell", "group_size", "batch_groups", "phi", "mu",
+    keys = ("concurrency_per_cell", "group_size", "oversample", "batch_groups", "phi", "mu",
             "supply_fraction", "join_min_microsteps")  # fmt: skip
     out: dict[str, Any] = {k: sched[k] for k in keys if k in sched}
     out.update(nodes=cells, cells=cells, train_layout_nodes=1,
@@ -264,7 +269,7 @@ def fit_workload(run: RecordedRun) -> dict[str, Any]:
     harness = run.section("harness")
     timeout_s = float(harness.get("harness_timeout_s", 4 * HOUR))
     overall_s = max(timeout_s, float(harness.get("overall_timeout_s", timeout_s)))
-    groups = [g for g in run.groups().values() if len(g) == run.group_size]
+    groups = [g for g in run.groups().values() if len(g) == run.executions_per_group]
     hard = [g for g in groups if 2 * sum(x.timed_out for x in g) >= len(g)]
     easy = [g for g in groups if g not in hard] or groups
     logs = [np.log([max(x.run_s, 1e-3) for x in g]) for g in easy]
@@ -345,7 +350,7 @@ def empirical_groups(run: RecordedRun) -> list[GroupSample]:
     out = []
     order = run.dispatch_order
     for _, g in sorted(run.groups().items(), key=lambda kv: order.get(kv[0], len(order))):
-        if len(g) != run.group_size:
+        if len(g) != run.executions_per_group:
             continue
         # a timeout's work goes on past its timeout at any load (an engine below its limit
         # runs faster than nominal, and 1.001 x the timeout would then complete in time);
@@ -356,14 +361,18 @@ def empirical_groups(run: RecordedRun) -> list[GroupSample]:
         out.append(GroupSample(nominal_s=np.array(nominal), eval_s=np.array(evals),
                                tokens=np.array([x.tokens * m for x, m in zip(g, more)])))  # fmt: skip
     if not out:
-        raise StoreError(f"{run.path}: no complete group of {run.group_size} executions to replay")
+        raise StoreError(
+            f"{run.path}: no complete group of {run.executions_per_group} executions to replay"
+        )
     return out
 
 
 def recorded_figures(run: RecordedRun) -> dict[str, float]:
     """The run's own figures, in the units `figures_of` reports a simulation in."""
     xs = run.executions
-    spans = [max(x.run_s for x in g) for g in run.groups().values() if len(g) == run.group_size]
+    spans = [
+        max(x.run_s for x in g) for g in run.groups().values() if len(g) == run.executions_per_group
+    ]
     return {
         "mean_execution_s": statistics.fmean(x.run_s for x in xs),
         "mean_query_s": statistics.fmean(spans) if spans else math.nan,
@@ -396,7 +405,8 @@ def fit_figures(fit: Fit, groups: int = 2000, seed: int = 1) -> dict[str, float]
     """The parametric workload's own figures (at the reference load), in seconds."""
     from gyre.sim.workload import WorkloadConfig, nominal_stats
 
-    n = int(fit.template["scheduler"]["group_size"])
+    sched = fit.template["scheduler"]
+    n = int(sched["group_size"]) + int(sched.get("oversample", 0))
     stats = nominal_stats(WorkloadConfig(**fit.template["workload"]), n, groups, seed)
     return {"mean_execution_s": stats["mean_execution_h"] * HOUR,
             "mean_query_s": stats["mean_query_h"] * HOUR,

@@ -27,6 +27,11 @@ class SimResult:
     utilization: float
     train_share: list[float]
     executions: int
+    """Executions launched (N + k per group under oversampling, less the withdrawn)."""
+    cancelled: int = 0
+    """Surplus executions cancelled once their group had its N members (oversampling)."""
+    withdrawn: int = 0
+    """Surplus executions withdrawn from the queue before they launched (oversampling)."""
     reroutes: int
     switches: int
     wasted_switches: int

@@ -2,9 +2,11 @@
 
 The simulator owns time; `gyre.schedule.Scheduler` owns every decision. Each scheduler action
 is carried out with a duration from the workload/cost model and answered with the event the
-coordinator would send (Launch -> Terminated, SwitchCell -> SwitchDone, ClaimMicroStep ->
-MicroStepDone, ...), with the same measured seconds the runtime reports, so the scheduler's
-cost-aware joins see the true costs. Usage:
+coordinator would send (Launch -> Terminated -> Assessed, Cancel -> Terminated, SwitchCell ->
+SwitchDone, ClaimMicroStep -> MicroStepDone, ...), with the same measured seconds the runtime
+reports, so the scheduler's cost-aware joins see the true costs. Under oversampling
+(`scheduler.oversample` k) each group runs N + k executions and trains the N members the
+scheduler names; a cancelled surplus execution frees its slot at once. Usage:
 
     result = Simulator(load_sim_config("templates/sim/nl2repo.yaml"), "elastic").run()
     print(result.total_h, result.mean_staleness)
@@ -65,7 +67,7 @@ class Simulator:
         self.workload: Workload | EmpiricalWorkload = (
             EmpiricalWorkload(groups, self.seed, in_order)
             if groups is not None
-            else Workload(wl, sc.group_size, self.seed)
+            else Workload(wl, sc.executions_per_group, self.seed)
         )
         model = EngineModel.for_size(sc.nodes_per_cell, sc.concurrency_per_cell,
                                      wl.generation_share, wl.saturation_half_per_node)  # fmt: skip
@@ -89,8 +91,9 @@ class Simulator:
         self.end_t: list[float] = []
         self.valid: list[bool] = []
         self.outcome: list[Outcome | None] = []  # None until it ended
-        self.evaluated: list[int] = []  # per group: executions ended
-        self.settled: list[float] = []  # per group: when its last outcome is settled
+        self.done: list[float] = []  # share of its work done when it ended
+        self.withdrawn: set[int] = set()  # surplus executions that never launched
+        self.groups = 0
         self.batch_tokens: dict[int, deque[float]] = {}  # micro-steps awaiting their prepass
         self.batch_gradients: dict[int, deque[float]] = {}  # ... awaiting their gradient pass
         self.packing: dict[int, list[float]] = {}  # batch -> [groups admitted, tokens held]
@@ -102,6 +105,7 @@ class Simulator:
         self.step_end: list[float] = []
         self.staleness: list[int] = []
         self.batch_groups: dict[int, list[int]] = {}
+        self.members: dict[int, tuple[int, ...]] = {}  # admitted group -> the N that train
         self.timeline: list[tuple[float, int, str]] = []
         self.reroutes = 0
         self.windows: list[tuple[float, int, str]] = []
@@ -158,7 +162,7 @@ class Simulator:
         elif kind == MICRO:
             self._micro_done(a, b)
         elif kind == EVALUATED:
-            self._feed(ev.GroupReady(a))
+            self._feed(ev.Assessed(a, self.valid[a]))
         elif kind == TIMEOUT:
             if self.pool.engine_of(a) is not None:
                 self._terminate(a, Outcome.TIMED_OUT)
@@ -202,15 +206,12 @@ class Simulator:
         self.outcome[x] = outcome
         work = self.nominal[x] + self.recomputed.get(x, 0.0)
         done = 1.0 - left / work if work > 0 else 1.0
-        self.tokens[x] = self.full_tokens[x] * min(1.0, max(0.0, done))
+        self.done[x] = min(1.0, max(0.0, done))
+        self.tokens[x] = self.full_tokens[x] * self.done[x]
         deadline = self.launch_t[x] + self.config.workload.overall_timeout_h * HOUR
         scored = self.now + self.eval_s[x]
-        self.valid[x] = scored <= deadline
-        g = x // self.sched_config.group_size
-        self.settled[g] = max(self.settled[g], min(scored, deadline))
-        self.evaluated[g] += 1
-        if self.evaluated[g] == self.sched_config.group_size:  # the last one ended: one timer
-            self._at(self.settled[g] - self.now, EVALUATED, g)
+        self.valid[x] = scored <= deadline  # else excluded: settled when its budget ends
+        self._at(min(scored, deadline) - self.now, EVALUATED, x)
         self._feed(ev.Terminated(x, outcome))
 
     # ------------------------------------------------------------------ actions
@@ -226,8 +227,8 @@ class Simulator:
         self.end_t.extend([-1.0] * n)
         self.valid.extend([False] * n)
         self.outcome.extend([None] * n)
-        self.evaluated.append(0)
-        self.settled.append(0.0)
+        self.done.extend([0.0] * n)
+        self.groups += 1
 
     def _launch(self, a: ev.Launch) -> None:
         x = a.execution
@@ -237,8 +238,18 @@ class Simulator:
         if self.nominal[x] > self.timeout_s:  # rate >= 1 at loads <= the limit: others end first
             self._at(self.timeout_s, TIMEOUT, x)
 
+    def _cancel(self, a: ev.Cancel) -> None:
+        """A surplus execution stops now (its slot is free); its outcome still settles."""
+        if self.pool.engine_of(a.execution) is not None:
+            self._terminate(a.execution, Outcome.CANCELLED)
+
+    def _withdraw(self, a: ev.Withdraw) -> None:
+        self.withdrawn.add(a.execution)
+
     def _reroute(self, a: ev.Reroute) -> None:
         self.reroutes += 1
+        if self.pool.engine_of(a.execution) is None:
+            return  # a surplus execution cancelled by an earlier action of the same event
         remaining = self.pool.remove(a.execution, self.now)
         penalty = self.config.costs.reroute_penalty_s
         x = a.execution
@@ -260,8 +271,8 @@ class Simulator:
     def _admit(self, a: ev.AdmitGroup) -> None:
         self.staleness.append(a.staleness)
         self.batch_groups.setdefault(a.batch, []).append(a.group)
-        n = self.sched_config.group_size
-        tokens = [self.tokens[x] for x in range(a.group * n, (a.group + 1) * n) if self.valid[x]]
+        self.members[a.group] = a.members
+        tokens = [self.tokens[x] for x in a.members if self.valid[x]]
         steps = self._pack(a.batch, tokens)
         self.batch_tokens.setdefault(a.batch, deque()).extend(steps)
         self._feed(ev.MicroStepsQueued(batch=a.batch, group=a.group, count=len(steps)))
@@ -327,6 +338,8 @@ class Simulator:
 _ACTIONS: dict[type, Callable[[Simulator, Any], None]] = {
     ev.Dispatch: Simulator._dispatch,
     ev.Launch: Simulator._launch,
+    ev.Cancel: Simulator._cancel,
+    ev.Withdraw: Simulator._withdraw,
     ev.Reroute: Simulator._reroute,
     ev.SwitchCell: Simulator._switch,
     ev.AdmitGroup: Simulator._admit,
@@ -359,6 +372,8 @@ def summarize(sim: Simulator, wall_s: float) -> SimResult:
         utilization=_ideal_s(sim, consumed) / total if total else 0.0,
         train_share=_train_share(sim.timeline, sc.cells, total),
         executions=sum(1 for t in sim.launch_t if t >= 0),
+        cancelled=sum(1 for o in sim.outcome if o is Outcome.CANCELLED),
+        withdrawn=len(sim.withdrawn),
         reroutes=sim.reroutes,
         switches=sum(1 for _, _, role in sim.timeline if role in ("to_train", "to_rollout")),
         wasted_switches=sim.scheduler.wasted_switches,
@@ -371,14 +386,19 @@ def summarize(sim: Simulator, wall_s: float) -> SimResult:
 def _ideal_s(sim: Simulator, groups: list[int]) -> float:
     """Perfect overlap at the same budget: (rollout + training node-seconds) / nodes.
 
-    Rollout counts each consumed execution's work at the reference load (every engine
-    full), training its tokens' gradient pass and prepass at the node throughput."""
+    Rollout counts the work of each consumed group's executions at the reference load (every
+    engine full; a cancelled surplus execution the share it did, a withdrawn one none),
+    training its members' tokens' gradient pass and prepass at the node throughput."""
     sc, costs = sim.sched_config, sim.config.costs
-    n = sc.group_size
+    n = sc.executions_per_group
     slot_s = tokens = 0.0
     for g in groups:
         for x in range(g * n, (g + 1) * n):
-            slot_s += min(sim.nominal[x], sim.timeout_s)
+            if x in sim.withdrawn:
+                continue
+            share = sim.done[x] if sim.outcome[x] is Outcome.CANCELLED else 1.0
+            slot_s += min(sim.nominal[x], sim.timeout_s) * share
+        for x in sim.members[g]:
             if sim.valid[x]:
                 tokens += sim.tokens[x]
     rollout_node_s = slot_s * sc.nodes_per_cell / sc.concurrency_per_cell
@@ -403,14 +423,14 @@ def _train_share(timeline: list[tuple[float, int, str]], cells: int, end: float)
 
 
 def _workload_stats(sim: Simulator) -> dict[str, float]:
-    n = sim.sched_config.group_size
+    n = sim.sched_config.executions_per_group
     ended = [x for x, t in enumerate(sim.end_t) if t >= 0]
     if not ended:
         return {}
     runs = [sim.end_t[x] - sim.launch_t[x] for x in ended]
     spans = []
-    for g in range(len(sim.evaluated)):
-        xs = range(g * n, (g + 1) * n)
+    for g in range(sim.groups):
+        xs = [x for x in range(g * n, (g + 1) * n) if x not in sim.withdrawn]
         if all(sim.end_t[x] >= 0 for x in xs):
             spans.append(max(sim.end_t[x] for x in xs) - min(sim.launch_t[x] for x in xs))
     return {

@@ -59,9 +59,36 @@ def parse_sweeps(texts: list[str]) -> Sweep:
         parsed = []
         for v in values.split(","):
             _, value = parse_override(f"x={v.strip()}")
+            _check_planning_value(key.strip(), value)
             parsed.append(value)
         out.append((key.strip(), parsed))
     return out
+
+
+_COUNTS = {"cells": 1, "nodes_per_cell": 1, "standalone_nodes": 0, "concurrency_per_cell": 1,
+           "mu": 1}  # fmt: skip
+"""The planning keys whose values are whole numbers, and their least allowed value."""
+
+
+def _check_planning_value(key: str, value: Any) -> None:
+    """A planning key's value is refused here, before any point runs (a dotted template key
+    goes through the template loader instead)."""
+    if key in _COUNTS:
+        low = _COUNTS[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"--sweep {key}={value!r}; allowed: integers >= {low}")
+    elif key in ("phi", "staleness"):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ConfigError(f"--sweep {key}={value!r}; allowed: numbers >= 0")
+    elif key == "phi_mu":
+        phi, sep, mu = str(value).partition("/")
+        try:
+            ok = bool(sep) and float(phi) >= 0 and int(mu) >= 1
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"--sweep phi_mu={value!r}; allowed: φ/μ with φ >= 0, μ >= 1, "
+                              "e.g. 0.5/3")  # fmt: skip
 
 
 def apply_point(data: dict[str, Any], key: str, value: Any, policies: list[str]) -> dict:

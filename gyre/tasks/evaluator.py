@@ -21,6 +21,7 @@ policy call sees it, is recorded with EVALUATOR provenance (see `feedback_text`)
     evaluator = Evaluator(Evaluator.Config(), log=AssessmentLog())
     verdict = await evaluator.assess(terminated, task)   # a harness `Terminated` event
     verdict.status, verdict.reward      # SCORED 0.6 | EXCLUDED None | PLACEHOLDER 0.0
+    verdict.tests                       # a repository task's per-test TestVerdicts; else ()
 
 `assess` reads only the fields of `Ended` (which `gyre.harness.events.Terminated` has), so
 the evaluator needs nothing from the harness package.
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from gyre.errors import ConfigError
-from gyre.tasks.scoring import RULES, EvaluatorError, Score, ScoringRule
+from gyre.tasks.scoring import RULES, EvaluatorError, Score, ScoringRule, TestVerdict
 from gyre.tasks.snapshot import copy_workspace, freeze
 from gyre.tasks.suite import Task
 from gyre.vocabulary import VerdictStatus
@@ -88,6 +89,7 @@ class Assessment:
     detail: dict[str, Any]
     t_start: float
     t_end: float
+    tests: tuple[TestVerdict, ...] = ()  # rule `tests`: each listed test's outcome (if VALID)
 
     def to_row(self) -> dict[str, Any]:
         """A flat row for the trace store's `assessments` table."""
@@ -119,6 +121,12 @@ class Verdict:
     def usable(self) -> bool:
         """Whether the execution's reward may enter advantage estimation."""
         return self.status is not VerdictStatus.EXCLUDED
+
+    @property
+    def tests(self) -> tuple[TestVerdict, ...]:
+        """Each listed test's outcome behind the reward (rule `tests`: a repository task's
+        FAIL_TO_PASS, then PASS_TO_PASS tests); () for other rules and when not scored."""
+        return self.assessment.tests if self.status is VerdictStatus.SCORED else ()
 
 
 class RowSink(Protocol):
@@ -311,6 +319,7 @@ class Evaluator:
             detail=dict(score.detail) if score is not None else {},
             t_start=t0,
             t_end=time.time(),
+            tests=score.tests if score is not None else (),
         )
         self.log.record(a)
         return a

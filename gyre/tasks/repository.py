@@ -120,8 +120,9 @@ def _check_source(source: Path, timeout_s: float, at: str) -> None:
     rc, out = _run([*GIT, "rev-parse", "--is-bare-repository", "--show-cdup"], source, timeout_s)
     bare, _, cdup = out.strip().partition("\n")
     if rc != 0 or (bare == "false" and cdup.strip()):
+        said = f" (git: {_tail(out)})" if rc != 0 else ""  # e.g. dubious ownership
         raise ConfigError(
-            f"{at}.path: {str(source)!r} is not the top directory of a git repository"
+            f"{at}.path: {str(source)!r} is not the top directory of a git repository{said}"
         )
 
 

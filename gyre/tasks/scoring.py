@@ -19,7 +19,8 @@ Rules (name -> class in `RULES`):
   ids that pass (SWE-bench style partial credit), read from pytest's JUnit XML report.
   An id pytest did not report (a typo, a file that does not collect) fails, even when none
   is reported (the work broke every test: a valid zero); pytest's own crash (exit 3, 4, no
-  report) is an evaluator failure.
+  report) is an evaluator failure. Each listed test's outcome travels with the score as a
+  `TestVerdict` (`Score.tests`; empty for every other rule).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from gyre.errors import GyreError
 from gyre.lifetime import die_with_parent
@@ -52,6 +53,42 @@ class EvaluatorError(GyreError):
     """The evaluator could not produce a score for this state (the assessment is unresolved)."""
 
 
+TestKind = Literal["fail_to_pass", "pass_to_pass"]
+TestOutcome = Literal["passed", "failed", "error", "skipped", "not_reported"]
+TEST_OUTCOMES: tuple[TestOutcome, ...] = ("passed", "failed", "error", "skipped", "not_reported")
+
+
+@dataclass(frozen=True, slots=True)
+class TestVerdict:
+    """The outcome of one listed test of the `tests` rule (a repository task's scoring).
+
+    Persisted as `to_dict()`: `{"test": node id, "kind": "fail_to_pass" | "pass_to_pass",
+    "outcome": "passed" | "failed" | "error" | "skipped" | "not_reported"}` (`not_reported`:
+    pytest did not report it, e.g. its file no longer imports).
+    """
+
+    __test__ = False  # not a test class, whatever pytest sees
+
+    test: str  # pytest node id, as the task lists it
+    kind: TestKind  # the task's list that names it
+    outcome: TestOutcome
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "passed"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"test": self.test, "kind": self.kind, "outcome": self.outcome}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TestVerdict:
+        """The verdict `to_dict()` wrote (a trace's meta, an export's JSON, eval.json)."""
+        kind, outcome = d.get("kind"), d.get("outcome")
+        if kind not in ("fail_to_pass", "pass_to_pass") or outcome not in TEST_OUTCOMES:
+            raise ValueError(f"not a test verdict: {d!r}")
+        return cls(test=str(d["test"]), kind=kind, outcome=outcome)
+
+
 @dataclass(frozen=True, slots=True)
 class Score:
     """A valid score of one state, with details and evaluator-authored feedback."""
@@ -59,6 +96,7 @@ class Score:
     value: float
     detail: dict[str, Any] = field(default_factory=dict)
     critique: str = ""  # evaluator-authored text; EVALUATOR provenance if a policy call sees it
+    tests: tuple[TestVerdict, ...] = ()  # rule `tests`: each listed test's outcome, as listed
 
 
 class ScoringRule(Protocol):
@@ -329,8 +367,17 @@ def junit_key(node_id: str) -> tuple[str, str]:
 def tests_score(
     fail_to_pass: list[str], pass_to_pass: list[str], found: dict[str, str | None]
 ) -> Score:
-    """Partial credit: passed / listed, with per-list counts and the failing ids."""
+    """Partial credit: passed / listed, with per-list counts, the failing ids and every
+    listed test's `TestVerdict` (FAIL_TO_PASS first, each list in its order)."""
     failed = {n: o or "not reported" for n, o in found.items() if o != "passed"}
+    lists: tuple[tuple[TestKind, list[str]], ...] = (
+        ("fail_to_pass", fail_to_pass), ("pass_to_pass", pass_to_pass),
+    )  # fmt: skip
+    verdicts = tuple(
+        TestVerdict(test=n, kind=kind, outcome=outcome_of(found.get(n)))
+        for kind, ids in lists
+        for n in ids
+    )
     counts = {
         key: {"passed": sum(n not in failed for n in ids), "total": len(ids)}
         for key, ids in (("fail_to_pass", fail_to_pass), ("pass_to_pass", pass_to_pass))
@@ -343,8 +390,17 @@ def tests_score(
         + "".join(f"\n- {n}: {o}" for n, o in sorted(failed.items()))
     )
     return Score(
-        value=passed / total, detail={**counts, "failed": sorted(failed)}, critique=critique
-    )
+        value=passed / total, detail={**counts, "failed": sorted(failed)}, critique=critique,
+        tests=verdicts,
+    )  # fmt: skip
+
+
+def outcome_of(junit: str | None) -> TestOutcome:
+    """A JUnit outcome (`junit_outcomes`) as a `TestVerdict` outcome; None: not reported."""
+    for outcome in TEST_OUTCOMES:
+        if junit == outcome:
+            return outcome
+    return "not_reported"
 
 
 RULES: dict[str, ScoringRule] = {

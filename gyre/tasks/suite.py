@@ -48,6 +48,7 @@ import random
 import string
 import sys
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -457,9 +458,16 @@ def builtin_suite() -> TaskSuite:
     return load_suite(BUILTIN_DIR)
 
 
-def named_suite(name: str) -> TaskSuite:
-    """A shipped suite by name (builtin | learn), else a suite directory or YAML file."""
-    return load_suite(SHIPPED.get(name, name))
+def named_suite(name: str | Sequence[str]) -> TaskSuite:
+    """A shipped suite by name (builtin | learn), else a suite directory, YAML or data file;
+    a list of those is one suite of all their tasks (names unique across them)."""
+    if isinstance(name, str):
+        return load_suite(SHIPPED.get(name, name))
+    if not name:
+        raise ConfigError("suite: []; allowed: a suite, or a non-empty list of suites")
+    parts = [named_suite(n) for n in name]
+    entries = [(f"suite {p.name!r}", t) for p in parts for t in p.tasks]
+    return _make_suite("+".join(p.name for p in parts), entries)
 
 
 def _load_directory(root: Path) -> TaskSuite:

@@ -185,7 +185,9 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
     min_group_outcomes: int = 2
     """Fewest outcomes usable for a group's advantages (valid scores and failure placeholders;
     excluded executions do not count) for the group to be trained; a group with fewer is set
-    aside: it fills its batch slot, trains nothing, and is counted (`set_aside_groups`)."""
+    aside: it fills its batch slot, trains nothing, and is counted (`set_aside_groups`).
+    `schedule.oversample` k > 0 replaces up to k excluded executions per group, so the group
+    trains N usable outcomes (docs/scheduler.md "Oversampling")."""
     max_empty_batches: int = 3
     """Consecutive batches with nothing to train (every group set aside, or only placeholders)
     after which the run stops with the executions' errors; each such batch skips its update."""

@@ -22,6 +22,8 @@ import json
 import sys
 from typing import Any
 
+from gyre import cliargs
+
 
 def register(subparsers: Any) -> None:
     """Add `gyre trace show|export|stats` to the `gyre` command."""
@@ -35,7 +37,8 @@ def register(subparsers: Any) -> None:
     export = sub.add_parser("export", help="write the trace as flat Parquet or CSV tables")
     export.add_argument("source", metavar="RUN_DIR|TRACE", help="run directory or trace file")
     export.add_argument("--format", choices=["parquet", "csv"], default="parquet")
-    export.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    export.add_argument("--out", required=True, metavar="DIR", type=cliargs.directory_to_make,
+                        help="output directory")  # fmt: skip
     export.add_argument("--tokens", action="store_true", help="also one row per stored token")
     export.add_argument("--text", action="store_true",
                         help="nodes also hold each call's decoded input and output text")  # fmt: skip

@@ -5,7 +5,8 @@ so plain h5py or pandas users see integers and offsets. This module reads a trac
 `TraceReader` (live, finished or crashed) and turns it into flat tables with real strings:
 
 * `executions` — one row per execution: group, task, status, verdict, reward, validity,
-  timings, policy versions, engines, token counts (`EXECUTION_COLUMNS`);
+  a repository task's per-test outcomes, timings, policy versions, engines, token counts
+  (`EXECUTION_COLUMNS`);
 * `nodes` — one row per model call: parent, depth, role, token counts by provenance,
   policy version, engine, finish reason, attempts, timings (`NODE_COLUMNS`);
 * every declared table as stored (`assessments`, `rewards`, `groups`, `roles`, `dispatch`,
@@ -57,6 +58,7 @@ EXECUTION_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("reward", pa.float64(), "designated reward (rewards table; NaN if none)"),
     ("valid", pa.bool_(), "reward validity (rewards table; null if none)"),
     ("error", pa.string(), "evaluator / runtime error from the meta"),
+    ("tests", pa.string(), "per-test outcomes (JSON list of {test, kind, outcome}; '[]': none)"),
     ("closed", pa.bool_(), "false: never closed, exported from the journal"),
     ("t_dispatch", pa.float64(), "dispatch time (unix s; NaN if not in groups)"),
     ("t_open", pa.float64(), "open time (unix s)"),
@@ -221,6 +223,7 @@ def _execution_row(
         "reward": reward.get("reward", math.nan),
         "valid": reward.get("valid"),
         "error": str(meta.get("error", "")),
+        "tests": json.dumps(meta.get("tests", [])),
         "closed": info.closed,
         "t_dispatch": group.get("t_dispatch", math.nan),
         "t_open": info.t_open,

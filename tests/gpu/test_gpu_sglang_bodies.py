@@ -1,13 +1,13 @@
 """Every request Gyre sends to SGLang, and the sglang launch flags, checked by SGLang itself.
 
-Gyre's clients (`EngineClient`, `ManagedEngine`, the cell's blocking `engine_host`) drive a
-recording HTTP server through every route they use against SGLang; `tools/sglang_check.py`
-then runs in the SGLang check venv (`tools/install_sglang_check.sh`, made by
-`tools/setup.sh --test`: the pinned release without its GPU stack) and judges the recorded
-traffic with SGLang's own code: its route table, its request types (validated the way its
-FastAPI server does, plus exact field names, since SGLang drops unknown fields silently),
-`SamplingParams.verify`, `MultiprocessingSerializer.deserialize` on the weight payloads, and
-its argument parser on the launch flags. Runs on CPU; needs no GPU.
+Gyre's clients (`EngineClient`, the cell's blocking `engine_host`) drive a recording HTTP
+server through every route they use against SGLang; `tools/sglang_check.py` then runs in the
+SGLang check venv (`tools/install_sglang_check.sh`, made by `tools/setup.sh --test`: the
+pinned release without its GPU stack) and judges the recorded traffic with SGLang's own
+code: its route table, its request types (validated the way its FastAPI server does, plus
+exact field names, since SGLang drops unknown fields silently), `SamplingParams.verify`,
+`MultiprocessingSerializer.deserialize` on the weight payloads, and its argument parser on
+the launch flags. Runs on CPU; needs no GPU.
 """
 
 from __future__ import annotations
@@ -27,9 +27,15 @@ import torch
 
 from gyre.errors import ProtocolError
 from gyre.rollout.client import EngineClient
-from gyre.rollout.protocol import PAUSE_MODES, SamplingParams
-from gyre.rollout.sglang.config import SERVER_ENV, ServerConfig, hicache_shared_l3
-from gyre.rollout.sglang.control import ManagedEngine, UpdateGroup, tensor_specs
+from gyre.rollout.protocol import (
+    PAUSE_MODES,
+    SamplingParams,
+    UpdateGroup,
+    release_procedure,
+    resume_procedure,
+    tensor_specs,
+)
+from gyre.rollout.serving.config import SERVER_ENV, ServerConfig, hicache_shared_l3
 from gyre.rollout.weights import decode_update
 from gyre.runtime.config import EngineConfig
 from gyre.runtime.engine_host import EngineHost, push_weights
@@ -119,14 +125,16 @@ async def _async_clients(url: str) -> None:
     await client.model_info()
     await client.release_memory(["kv_cache"])
     await client.resume_memory(["kv_cache"])
-    engine = ManagedEngine("m", url, tensor_parallel=2)
-    await engine.release()
-    await engine.resume(["weights", "kv_cache"])
-    await engine.publish_tensors(NAMED, "5")
+    # a role switch each way, and a publication each way to an engine of TP 2
+    await client.run(release_procedure())
+    await client.run(resume_procedure(["weights", "kv_cache"]))
+    await client.update_weights_from_tensor(NAMED, "5", tp_size=2)
+    await client.confirm_version("5")
     group = UpdateGroup(master_address="10.0.0.1", master_port=29500, world_size=3)
-    await engine.init_update_group(group, 1)
-    await engine.update_from_distributed(tensor_specs(NAMED), group, "6")
-    await engine.destroy_update_group(group)  # the core's one group per publication
+    await client.init_update_group(group, 1)
+    await client.update_weights_from_distributed(tensor_specs(NAMED), group, "6")
+    await client.confirm_version("6")
+    await client.destroy_update_group(group)  # the core's one group per publication
 
 
 def _blocking_clients(url: str, tmp: Path) -> None:
@@ -167,9 +175,9 @@ def test_role_switches_and_publications_follow_sglang_preconditions(recorder, tm
                "continue_generation", "flush_cache", "release_memory_occupation",
                "resume_memory_occupation"]  # fmt: skip
     distributed = [*PUBLISH[:2], "update_weights_from_distributed", *PUBLISH[3:]]
-    managed = [*RELEASE, *RESUME, *PUBLISH, "init_weights_update_group", *distributed,
-               "destroy_weights_update_group"]  # fmt: skip
-    assert posts == singles + managed + RELEASE + RESUME + PUBLISH * 2  # then the cell's host
+    switches = [*RELEASE, *RESUME, *PUBLISH, "init_weights_update_group", *distributed,
+                "destroy_weights_update_group"]  # fmt: skip
+    assert posts == singles + switches + RELEASE + RESUME + PUBLISH * 2  # then the cell's host
 
 
 LAUNCH_EXPECT = {
@@ -218,8 +226,9 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(
     from gyre.runtime.config import EngineConfig
     from gyre.runtime.engine_host import EngineHost
 
-    url, seen = recorder
+    url, recorded = recorder
     _traffic(url, tmp_path)
+    seen = list(recorded)  # what the clients sent: a late handler thread must not shift the probes
     hicache_args, _ = hicache_shared_l3(master="h:50051", metadata_server="http://h:8080/m")
     cfg = ServerConfig(model_path="/models/qwen", tensor_parallel=2, mem_fraction_static=0.6,
                        base_gpu_id=2, weight_version="4", extra_args=hicache_args)  # fmt: skip
@@ -260,7 +269,7 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(
         "/destroy_weights_update_group",
     }  # fmt: skip
     # SGLang's deserializer reads Gyre's tensor payloads back exactly, on every TP rank
-    # (ManagedEngine, the cell's EngineHost and the core's push_weights, all at TP 2)
+    # (EngineClient, the cell's EngineHost and the core's push_weights, all at TP 2)
     updates = [r["tensors"] for r in checked if r["route"] == "/update_weights_from_tensor"]
     assert [sorted({t[0] for t in u}) for u in updates] == [[0, 1]] * 3
     for u in updates:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from processes import all_gone, pids_with
 
-from gyre.harness.workspace import bwrap_available
+from gyre.harness.sandbox import bwrap_available
 from gyre.vocabulary import Outcome
 
 needs_bwrap = pytest.mark.skipif(

@@ -14,6 +14,7 @@ from gyre.errors import ConfigError
 from gyre.launch.cluster import Cluster, Partition, parse_cluster, validate
 from gyre.launch.config import time_minutes
 from gyre.launch.spec import job_spec, load_launch
+from gyre.runtime.preflight import Where
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "templates" / "cluster"
@@ -59,7 +60,8 @@ def test_render_states_the_footprint_and_warns_on_an_overloaded_proxy(tmp_path: 
     spec = job_spec(load_launch(CLUSTER / "nl2repo-192.yaml"))
     # 4 cells x 48 nodes x 8 GPUs; the coordinator and proxy nodes have none; 3 days
     assert spec.footprint()[0] == (
-        "194 nodes, 1536 GPUs, 1538 ranks; 110592 GPU-hours at the time limit 3-00:00:00"
+        "194 nodes, 1536 GPUs, 1538 ranks; 110592 GPU-hours and 13968 node-hours at the time "
+        "limit 3-00:00:00"
     )
     lines = spec.footprint()
     # the cells' backends and their parallel layout (torch: every rank a data-parallel replica)
@@ -71,10 +73,10 @@ def test_render_states_the_footprint_and_warns_on_an_overloaded_proxy(tmp_path: 
     roomy = variant(tmp_path, "nl2repo-192.yaml", slurm__proxy={"cpus_per_task": 384},
                     slurm__time_limit="12:00:00", train__token_budget=262144)  # fmt: skip
     lines = job_spec(load_launch(roomy)).footprint()
-    assert (
-        lines[0] == "194 nodes, 1536 GPUs, 1538 ranks; 18432 GPU-hours at the time limit 12:00:00"
-    )
-    assert len(lines) == 2  # no warning left
+    assert lines[0] == ("194 nodes, 1536 GPUs, 1538 ranks; 18432 GPU-hours and 2328 node-hours "
+                        "at the time limit 12:00:00")  # fmt: skip
+    # no warning left; the suite on the cluster's file system is not checked from here
+    assert len(lines) == 3 and "not checked here: harness.suite /shared/" in lines[2], lines
 
 
 def test_cell_layout_must_divide_nodes(tmp_path: Path) -> None:
@@ -91,11 +93,44 @@ def test_standalone_pool_needs_nodes_and_even_spread(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"slurm\.standalone_nodes: 0 but"):
         job_spec(load_launch(path))
     data = yaml.safe_load(path.read_text())
-    data["slurm"]["standalone_nodes"] = 2
+    data["slurm"]["standalone_nodes"] = 2  # two TP-8 engines on a node of 8 GPUs: no room
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"slurm\.gpus_per_node 8: .* 2 engines with "
+                       r"tensor_parallel 8 needs 16"):  # fmt: skip
+        load_launch(path)
+    data["slurm"]["standalone_nodes"] = 4
     path.write_text(yaml.safe_dump(data))
     spec = job_spec(load_launch(path))
     pool = spec.components[-1]
-    assert (pool.role, pool.nodes, pool.ntasks) == ("standalone", 2, 4)
+    assert (pool.role, pool.nodes, pool.ntasks) == ("standalone", 4, 4)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"slurm__gpus_per_node": 0}, r"slurm\.gpus_per_node: 0, but engine\.backend sglang "
+                                  r"\(tensor_parallel 8\) runs on GPUs"),
+    ({"slurm__gpus_per_node": 4}, r"slurm\.gpus_per_node 4: this node has 4 GPUs but .*needs 8"),
+    ({"harness__adapter": "nope"}, r"harness\.adapter.*'nope'"),
+    ({"harness__params": {"bogus": "1"}}, r"harness\.params"),
+    ({"harness__suite": "learn", "harness__tasks": ["nope"]},
+     r"harness\.tasks: \['nope'\] not in suite 'learn'"),
+])  # fmt: skip
+def test_render_submit_and_the_job_refuse_what_the_job_could_not_run(
+    tmp_path: Path, change: dict, message: str
+) -> None:
+    """The preflight `gyre run` runs, on every way a cluster job starts (render, render
+    --check, submit, the in-job check): refused before anything is queued."""
+    here = {
+        "harness__suite": "learn",
+        "harness__tasks": ["notes"],
+        "harness__adapter": "reference",
+        "harness__params": {},
+    }  # a suite and a harness this machine has
+    path = variant(tmp_path, "swe-24.yaml", **{**here, **change})
+    for where in Where:
+        if where is Where.HERE:
+            continue
+        with pytest.raises(ConfigError, match=message):
+            load_launch(path, where=where)
 
 
 def test_unknown_key_is_rejected_before_anything(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gyre.errors import ConfigError
-from gyre.launch.task import component_of, het_group_sizes, locate, restart_count
+from gyre.launch.task import het_group_sizes, locate, restart_count
+from gyre.runtime.layout import Component, Layout, TopologyConfig
 
 
 def reference_locate(procid: int, sizes: list[int]) -> tuple[int, int]:
@@ -34,13 +35,20 @@ def test_group_sizes_from_env() -> None:
     assert restart_count({}) == 0 and restart_count({"SLURM_RESTART_COUNT": "2"}) == 2
 
 
-def test_component_of_layout() -> None:
-    cells = 2
-    got = [component_of(g, r, cells) for g, r in [(0, 0), (1, 0), (2, 3), (3, 0), (4, 1)]]
+def test_a_slurm_task_runs_its_groups_component() -> None:
+    """Slurm numbers the het groups in the layout's order: coordinator, proxy, the cells,
+    the standalone pool; a task's (group, rank in group) names what it runs."""
+    topology = TopologyConfig(cells=2, ranks_per_cell=4, standalone_engines=2)
+    at = Layout(topology).component_at
+    got = [at(g, r) for g, r in [(0, 0), (1, 0), (2, 3), (3, 0), (4, 1)]]
     assert got == [
-        ("coordinator", 0, 0),
-        ("proxy", 0, 0),
-        ("cell", 0, 3),
-        ("cell", 1, 0),
-        ("standalone", 1, 0),
+        Component("coordinator"),
+        Component("proxy"),
+        Component("cell", 0, 3),
+        Component("cell", 1, 0),
+        Component("standalone", 1),
     ]
+    # the same as the world's components, rank by rank
+    sizes = [g.size for g in Layout(topology).groups]
+    flat = [at(*locate(rank, sizes)) for rank in range(sum(sizes))]
+    assert flat == Layout(topology).components

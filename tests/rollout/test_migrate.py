@@ -28,7 +28,7 @@ from gyre.rollout import kvstore
 from gyre.rollout.client import EngineClient
 from gyre.rollout.kvmigrate import Migration, execution_prefix, migrate_kv
 from gyre.rollout.protocol import GenerateResult, KVSegment, SamplingParams, parse_kv_pin
-from gyre.rollout.sglang.config import ServerConfig, hicache_shared_l3
+from gyre.rollout.serving.config import ServerConfig, hicache_shared_l3
 from gyre.rollout.testing import running_engine
 
 from .conftest import run

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from gyre.rollout.client import EngineClient
-from gyre.rollout.protocol import SamplingParams
-from gyre.rollout.sglang.control import distributed_update_body, tensor_specs
+from gyre.rollout.protocol import SamplingParams, distributed_update_body, tensor_specs
 from gyre.rollout.testing import running_engine
 from gyre.runtime.engine_host import push_weights, push_weights_distributed
 

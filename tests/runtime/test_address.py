@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from gyre.errors import ConfigError
-from gyre.rollout.sglang.config import ServerConfig
+from gyre.rollout.serving.config import ServerConfig
 from gyre.runtime.address import LOOPBACK, OVERRIDE, namespace_id, node_address
 from gyre.runtime.config import EngineConfig
 from gyre.runtime.engine_host import EngineHost

@@ -43,6 +43,7 @@ from gyre.runtime.config import DEFAULT_CONFIG, RunConfig, load_run_config
 from gyre.runtime.coordinator import MESSAGES, Coordinator
 from gyre.runtime.engine_host import EngineHost
 from gyre.runtime.layout import COORDINATOR_RANK, PROXY_RANK
+from gyre.runtime.ledger import ExecutionState
 from gyre.runtime.proxy_node import ProxyNode
 from gyre.runtime.replica import Replica, build_replica
 from gyre.runtime.training import TrainingPlane
@@ -50,7 +51,7 @@ from gyre.schedule import events as ev
 from gyre.train.comm import Communicators
 from gyre.train.rewards import ExecutionOutcome, Status
 from gyre.trajectory.tree import Node, Provenance, TrajectoryTree
-from gyre.vocabulary import Outcome, Role, VerdictStatus
+from gyre.vocabulary import CloseStatus, Outcome, Role, VerdictStatus
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "runtime.md"
 COVERED: set[type[msg.Message]] = set()
@@ -231,7 +232,8 @@ def test_harness_ended_terminates_the_execution(world: CoordinatorWorld) -> None
     closed = world.c.sched.f
     world.handle(msg.HarnessEnded(0, Outcome.TIMED_OUT, 1.0, 9.0, "tool too slow"))
     x = world.c.ledger.executions[0]
-    assert (x.state, x.outcome, x.reason) == ("terminated", "timed_out", "tool too slow")
+    assert (x.state, x.outcome, x.reason) == (
+        ExecutionState.TERMINATED, CloseStatus.TIMED_OUT, "tool too slow")  # fmt: skip
     assert world.c.sched.f == closed + 1  # the scheduler counts it terminated
 
 
@@ -253,7 +255,7 @@ def test_assessed_records_the_verdict_and_a_complete_group_is_ready(
         world.handle(msg.HarnessEnded(x, Outcome.COMPLETED, 1.0, 2.0, ""))
     world.handle(msg.Assessed(0, _verdict(1.0), errors=1))
     first = world.c.ledger.executions[0]
-    assert first.state == "recorded" and first.verdict == _verdict(1.0)
+    assert first.state is ExecutionState.RECORDED and first.verdict == _verdict(1.0)
     assert first.tree is not None and len(first.tree) == 1  # the journaled calls
     assert world.c.stats["harness_errors"] == 1 and world.c.ledger.groups[0].assessed == 1
     assert world.c.sched.ready == []
@@ -323,8 +325,8 @@ def test_updated_counts_the_step_and_publishes_the_new_policy(world: Coordinator
     for r, m in reduces:
         world.handle(msg.Updated(r - 2, m.batch, 3.0 if r == 2 else None, 0.5))
     row = world.c.progress.step_rows[0]
-    assert world.c.updates == 1 and row["grad_norm"] == 3.0
-    assert 0 <= row["update_s"] <= row["train_wall_s"]  # the update alone: reduce to updated
+    assert world.c.updates == 1 and row.grad_norm == 3.0
+    assert 0 <= row.update_s <= row.train_wall_s  # the update alone: reduce to updated
     publish = world.one(msg.Publish, world.ranks[0])
     assert publish.version == 1 == world.c.sched.version
 

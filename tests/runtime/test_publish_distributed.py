@@ -4,11 +4,12 @@ The 2-step local run (templates/local.yaml, three single-rank cells, about 70 s 
 publishes each new policy through one gloo update group per publication: the core at rank 0,
 the three embedded engines at ranks 1..3. A publication is not missed only when every engine
 loaded the broadcast tensors and then reported the published `weight_version` on
-/model_info (`ManagedEngine.update_from_distributed` confirms it), so the trace's `publish`
-events with no engine missed show each engine serving each version; each engine's log names
-the group it joined for each publication (the publication's targets: the engines that
-serve while the core trains; the core's own engine is brought up to date when it returns). (A 2-step run publishes once: the last step's
-policy is saved, not published.)
+/model_info (`EngineClient.confirm_version` checks it after `update_weights_from_distributed`),
+so the trace's `publish` events with no engine missed show each engine serving each version;
+each engine's log names the group it joined for each publication (the publication's targets:
+the engines that serve while the core trains; the core's own engine is brought up to date
+when it returns). (A 2-step run publishes once: the last step's policy is saved, not
+published.)
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ tests) checks what a user relies on:
   whose evaluator crashes are marked invalid (excluded) with the evaluator's message, and
   their groups are set aside from training and counted;
 * the role timeline shows a cell going rollout -> train -> rollout while executions are live,
-  and each switch's duration is recorded;
+  and each switch's duration is recorded; a cell leaving for training hands its rerouted
+  executions' KV cache to their new engines (migrated, not recomputed);
 * cell 2's engine is killed with SIGKILL mid-run: the loss is recorded, its calls are retried
   elsewhere (recorded with their engine attempts, one node per agent call), every harness
   finishes, the run completes;
@@ -124,6 +125,10 @@ def test_gyre_run_end_to_end_with_engine_kill(e2e_run: World) -> None:
     assert moved, "no call of the killed engine's executions was retried or served elsewhere"
     switches = [json.loads(e["detail"]) for e in events if e["kind"] == "switch"]
     assert switches and all(s["seconds"] > 0 for s in switches)
+    # a cell leaving for training hands its rerouted executions' KV to their new engines
+    # (§4.3): the cached prefix moves instead of being recomputed
+    moved_kv = [s for s in switches if s["to"] == "train" and s.get("kv_migrated", 0) > 0]
+    assert moved_kv and all(s["kv_tokens"] > 0 for s in moved_kv), switches
 
     # a cell went rollout -> train -> rollout while executions were live
     assert _round_trip_while_live(roles, execs)

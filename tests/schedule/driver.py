@@ -1,9 +1,11 @@
 """A tiny random 'world' that answers the scheduler's actions in arbitrary order (tests only).
 
-It holds every outstanding obligation (running executions, pending group outcomes, packing,
-claimed micro-step passes, prepassed micro-steps whose gradient pass is not yet ready,
-switches, updates, publications) and fulfils one chosen by `rng` per step, checking the
-scheduler's invariants after each event.
+It holds every outstanding obligation (running executions, outcomes to settle — each valid
+with probability `valid_p`, else excluded —, packing, claimed micro-step passes, prepassed
+micro-steps whose gradient pass is not yet ready, switches, updates, publications) and
+fulfils one chosen by `rng` per step, checking the scheduler's invariants after each event.
+A cancelled surplus execution keeps running until the world gets to it (then it ends
+CANCELLED), and its outcome still settles, as in a run.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from .reference import JoinReference
 
 
 class World:
-    def __init__(self, scheduler: Scheduler, rng: random.Random) -> None:
+    def __init__(self, scheduler: Scheduler, rng: random.Random, valid_p: float = 1.0) -> None:
         self.s = scheduler
         self.rng = rng
+        self.valid_p = valid_p
         self.running: list[int] = []
-        self.closed: dict[int, int] = {}
-        self.ready_pending: list[int] = []
+        self.unsettled: list[int] = []  # terminated executions whose outcome is not settled
+        self.cancelled: set[int] = set()
+        self.withdrawn: set[int] = set()
         self.packing: list[tuple[int, int]] = []
         self.micro: list[tuple[int, int, ev.Work]] = []
         self.unready: list[int] = []  # batch of each prepassed micro-step not yet ready
@@ -65,6 +69,10 @@ class World:
         elif isinstance(a, ev.Launch):
             assert self.s.engines[a.engine].up, f"launch on lost engine {a.engine}"
             self.running.append(a.execution)
+        elif isinstance(a, ev.Cancel):
+            self.cancelled.add(a.execution)
+        elif isinstance(a, ev.Withdraw):
+            self.withdrawn.add(a.execution)
         elif isinstance(a, ev.SwitchCell):
             self.switching.append(a.cell)
         elif isinstance(a, ev.AdmitGroup):
@@ -102,7 +110,7 @@ class World:
             p
             for p in (
                 self.running,
-                self.ready_pending,
+                self.unsettled,
                 self.packing,
                 self.micro,
                 self.unready,
@@ -122,8 +130,8 @@ class World:
         item = pool.pop(self.rng.randrange(len(pool)))
         if pool is self.running:
             self._terminate(item)
-        elif pool is self.ready_pending:
-            self.feed(ev.GroupReady(item))
+        elif pool is self.unsettled:
+            self.feed(ev.Assessed(item, valid=self.rng.random() < self.valid_p))
         elif pool is self.packing:
             batch, group = item
             self.feed(ev.MicroStepsQueued(batch=batch, group=group, count=self.rng.randrange(4)))
@@ -151,13 +159,10 @@ class World:
         return True
 
     def _terminate(self, x: int) -> None:
-        outcome = self.rng.choice(list(Outcome))
+        outcome = Outcome.CANCELLED if x in self.cancelled else self.rng.choice(list(Outcome))
         self.terminated.add(x)
         self.feed(ev.Terminated(x, outcome))
-        g = x // self.s.config.group_size
-        self.closed[g] = self.closed.get(g, 0) + 1
-        if self.closed[g] == self.s.config.group_size:
-            self.ready_pending.append(g)
+        self.unsettled.append(x)
 
 
 def check_invariants(s: Scheduler, world: World) -> None:
@@ -165,7 +170,10 @@ def check_invariants(s: Scheduler, world: World) -> None:
     assert 0 <= s.f <= s.p <= s.d
     assert s.p - s.f == len(s.route) == sum(len(e.running) for e in s.engines)
     assert s.d - s.p == len(s.queue)
-    assert s.f == len(world.terminated)
+    assert s.f == len(world.terminated) + s.withdrawn and s.withdrawn == len(world.withdrawn)
+    complaint = world.ref.groups.check(set(s.queue), set(world.running))
+    assert complaint is None, complaint
+    assert s.soon_ready == world.ref.groups.soon()
     for e in s.engines:
         assert len(e.running) <= e.capacity
         if e.running:

@@ -1,4 +1,5 @@
-"""A slow, obvious reference of the cost-aware join rule and the wasted-switch count (tests only).
+"""Slow, obvious references of the cost-aware join rule, the wasted-switch count and
+oversampling's group membership (tests only).
 
 It keeps its own ledger of everything the scheduler was told and did — every measurement as
 a list, every cell's role, each batch's passes, the ready and soon-ready groups — and
@@ -9,6 +10,13 @@ it is asked. `tests/schedule/driver.py` feeds it every event and action and asse
 * after every event no paying join is left undone (the work only shrinks until the next
   event, so a join the scheduler skipped must still be refused);
 * the scheduler's `wasted_switches` equals the reference's count.
+
+`GroupsReference` keeps every group's whole settle log and re-reads it on every question:
+when a group of N + k executions is complete (N settled valid, or all settled), which N
+train (the first N valid, filled up with the first excluded), which executions must be
+cancelled or withdrawn, and which groups count as soon ready. The driver checks every
+`Cancel`, `Withdraw` and `AdmitGroup` against it, and after every event that the scheduler
+left no surplus execution running uncancelled or queued.
 """
 
 from __future__ import annotations
@@ -30,6 +38,107 @@ def running_estimate(prior: float, measured: list[float], weight: float) -> floa
     return value
 
 
+class GroupsReference:
+    def __init__(self, config: Config) -> None:
+        self.n, self.size = config.group_size, config.executions_per_group
+        self.log: dict[int, list[tuple[int, bool]]] = {}  # group -> (execution, valid), in order
+        self.carried: set[int] = set()
+        self.open: set[int] = set()  # dispatched groups not complete yet
+        self.launched: set[int] = set()
+        self.terminated: set[int] = set()
+        self.cancelled: set[int] = set()
+        self.withdrawn: set[int] = set()
+        self.admitted: set[int] = set()
+        self.groups = 0
+
+    def on_event(self, e: ev.Event) -> None:
+        if isinstance(e, ev.Start):
+            self.carried = set(range(len(e.carried)))
+            self.groups = len(e.carried)
+        elif isinstance(e, ev.Terminated):
+            self.terminated.add(e.execution)
+        elif isinstance(e, ev.Assessed):
+            self._settle(e.execution, e.valid)
+        elif isinstance(e, ev.GroupReady):
+            for x in range(e.group * self.size, (e.group + 1) * self.size):
+                if x in self.terminated and x not in {y for y, _ in self.log.get(e.group, [])}:
+                    self._settle(x, True)
+
+    def _settle(self, x: int, valid: bool) -> None:
+        g = x // self.size
+        self.log.setdefault(g, []).append((x, valid))
+        if self.complete(g):
+            self.open.discard(g)
+
+    def on_action(self, a: ev.Action) -> str | None:
+        if isinstance(a, ev.Dispatch):
+            assert a.executions == tuple(range(a.group * self.size, (a.group + 1) * self.size))
+            self.open.add(a.group)
+            self.groups += 1
+        elif isinstance(a, ev.Launch):
+            self.launched.add(a.execution)
+        elif isinstance(a, ev.Cancel | ev.Withdraw):
+            x, g = a.execution, a.execution // self.size
+            done = self.withdrawn | self.cancelled
+            if not self.complete(g) or x in done or x in self.terminated:
+                return f"{a!r}: its group is not complete, or it was stopped or ended already"
+            if isinstance(a, ev.Cancel) != (x in self.launched):
+                return f"{a!r}: a running execution is cancelled, a queued one withdrawn"
+            (self.cancelled if isinstance(a, ev.Cancel) else self.withdrawn).add(x)
+        elif isinstance(a, ev.AdmitGroup):
+            g = a.group
+            if g in self.admitted or not self.complete(g):
+                return f"{a!r}: admitted twice, or before its group was complete"
+            self.admitted.add(g)
+            expected = () if g in self.carried else self.members(g)
+            if a.members != expected:
+                return f"{a!r}: members should be {expected}"
+        return None
+
+    def _deciding(self, g: int) -> list[tuple[int, bool]] | None:
+        """The settle log up to the outcome that completed the group (None: not complete)."""
+        valid = 0
+        for i, (_, ok) in enumerate(self.log.get(g, [])):
+            valid += ok
+            if valid == self.n or i + 1 == self.size:
+                return self.log[g][: i + 1]
+        return None
+
+    def complete(self, g: int) -> bool:
+        return g in self.carried or self._deciding(g) is not None
+
+    def members(self, g: int) -> tuple[int, ...]:
+        log = self._deciding(g)
+        assert log is not None
+        chosen = [x for x, ok in log if ok][: self.n]
+        chosen += [x for x, ok in log if not ok][: self.n - len(chosen)]
+        return tuple(sorted(chosen))
+
+    def soon(self) -> int:
+        """Groups not complete with N closed executions not known excluded, or all closed."""
+        count = 0
+        for g in self.open:
+            xs = range(g * self.size, (g + 1) * self.size)
+            closed = sum(1 for x in xs if x in self.terminated)
+            excluded = sum(1 for _, ok in self.log.get(g, []) if not ok)
+            count += closed - excluded >= self.n or closed == self.size
+        return count
+
+    def ready(self) -> int:
+        """Groups complete and not admitted yet."""
+        return self.groups - len(self.open) - len(self.admitted)
+
+    def check(self, queue: set[int], running: set[int]) -> str | None:
+        """After an event: no execution of a complete group is queued, none runs uncancelled."""
+        for x in queue:
+            if self.complete(x // self.size):
+                return f"execution {x} of a complete group is still queued"
+        for x in running - self.cancelled:
+            if self.complete(x // self.size):
+                return f"execution {x} of a complete group runs and was not cancelled"
+        return None
+
+
 class JoinReference:
     def __init__(self, config: Config, policy: Policy) -> None:
         self.cfg = config
@@ -43,9 +152,7 @@ class JoinReference:
         self.pending_switch: dict[int, Role] = {}
         self.claims: dict[int, ev.Work] = {}
         self.dispatched = self.terminated = 0
-        self.closed: dict[int, int] = {}
-        self.soon = 0  # groups whose N executions all terminated, not declared ready yet
-        self.ready: set[int] = set()
+        self.groups = GroupsReference(config)
         self.batch: dict[str, int] | None = None
         self.window_open = False
         self.packed_groups = self.packed_steps = 0
@@ -56,18 +163,12 @@ class JoinReference:
     # ------------------------------------------------------------------ the ledger
 
     def on_event(self, e: ev.Event) -> None:
+        self.groups.on_event(e)
         if isinstance(e, ev.Start):
-            self.dispatched += len(e.carried) * self.cfg.group_size
-            self.terminated += len(e.carried) * self.cfg.group_size
-            self.ready |= set(range(len(e.carried)))
+            self.dispatched += len(e.carried) * self.cfg.executions_per_group
+            self.terminated += len(e.carried) * self.cfg.executions_per_group
         elif isinstance(e, ev.Terminated):
             self.terminated += 1
-            g = e.execution // self.cfg.group_size
-            self.closed[g] = self.closed.get(g, 0) + 1
-            self.soon += self.closed[g] == self.cfg.group_size
-        elif isinstance(e, ev.GroupReady):
-            self.ready.add(e.group)
-            self.soon -= 1
         elif isinstance(e, ev.MicroStepsQueued):
             assert self.batch is not None
             self.batch["packed"] += 1
@@ -95,9 +196,11 @@ class JoinReference:
 
     def on_action(self, a: ev.Action) -> str | None:
         """Record an action; returns a complaint if it contradicts the reference."""
-        complaint = None
+        complaint = self.groups.on_action(a)
         if isinstance(a, ev.Dispatch):
             self.dispatched += len(a.executions)
+        elif isinstance(a, ev.Withdraw):
+            self.terminated += 1  # it leaves the waterlevel as if it had launched and ended
         elif isinstance(a, ev.SwitchCell):
             if a.role is TRAIN and a.cell in self.satellites:
                 if not self.join_approved(a.cell):
@@ -119,7 +222,6 @@ class JoinReference:
         elif isinstance(a, ev.AdmitGroup):
             assert self.batch is not None
             self.batch["admitted"] += 1
-            self.ready.discard(a.group)
         elif isinstance(a, ev.ClaimMicroStep):
             assert self.batch is not None
             self.claims[a.cell] = a.work
@@ -163,7 +265,7 @@ class JoinReference:
         if b["packed"] < b["admitted"] or not self.packed_groups:
             return False  # no micro-step counted yet: nothing to decide on
         per_group = self.packed_steps / self.packed_groups
-        to_admit = min(cfg.batch_groups - b["admitted"], len(self.ready) + self.soon)
+        to_admit = min(cfg.batch_groups - b["admitted"], self.groups.ready() + self.groups.soon())
         future = per_group * (to_admit + b["admitted"] - b["packed"])
         prepasses = b["queued"] - b["claimed"] + future
         gradients = b["queued"] - b["grad_claimed"] + future

@@ -29,6 +29,14 @@ def of(actions: list, kind: type) -> list:
     return [a for a in actions if isinstance(a, kind)]
 
 
+def ready(s: Scheduler, g: int) -> list:
+    """Settle every execution of group g valid (as a driver's evaluator would)."""
+    out: list = []
+    for x in s.groups.executions(g):
+        out += s.handle(events.Assessed(x, valid=True))
+    return out
+
+
 def test_start_fills_queue_and_launches_within_limits() -> None:
     s = make(concurrency_per_cell=1)
     out = s.handle(events.Start())
@@ -50,8 +58,11 @@ def test_terminated_twice_or_unknown_is_rejected() -> None:
     s.handle(events.Terminated(0, Outcome.FAILED))
     with pytest.raises(SchedulerError, match="not running"):
         s.handle(events.Terminated(0, Outcome.COMPLETED))
-    with pytest.raises(SchedulerError, match="still has running"):
-        s.handle(events.GroupReady(1))
+    with pytest.raises(SchedulerError, match="execution 2 is not terminated"):
+        s.handle(events.Assessed(2, valid=True))
+    s.handle(events.Assessed(0, valid=False))
+    with pytest.raises(SchedulerError, match="execution 0 is not terminated and unsettled"):
+        s.handle(events.Assessed(0, valid=True))  # an outcome settles once
 
 
 def test_core_leaves_first_when_remaining_capacity_serves_waterlevel() -> None:
@@ -60,7 +71,7 @@ def test_core_leaves_first_when_remaining_capacity_serves_waterlevel() -> None:
     out = s.handle(events.Terminated(0, Outcome.COMPLETED))
     assert not of(out, events.SwitchCell)  # not enough supply yet: group 0 not ready
     out = s.handle(events.Terminated(1, Outcome.COMPLETED))
-    out += s.handle(events.GroupReady(0))
+    out += ready(s, 0)
     switches = of(out, events.SwitchCell)
     assert switches == [events.SwitchCell(cell=0, role=Role.TRAIN)]  # W = 4 <= 12 - 4
     # the core's executions moved to cells in descending order, the core accepts nothing
@@ -86,11 +97,11 @@ def test_colocate_switches_whole_pool_only_when_outstanding_fits_standalone() ->
     s.handle(events.Start())  # 2 groups x 2 executions
     s.handle(events.Terminated(0, Outcome.COMPLETED))
     s.handle(events.Terminated(1, Outcome.COMPLETED))
-    out = s.handle(events.GroupReady(0))
+    out = ready(s, 0)
     assert not of(out, events.SwitchCell)  # W = 2 > 0: the tail still runs
     s.handle(events.Terminated(2, Outcome.TIMED_OUT))
     out = s.handle(events.Terminated(3, Outcome.COMPLETED))
-    out += s.handle(events.GroupReady(1))
+    out += ready(s, 1)
     assert sorted(a.cell for a in of(out, events.SwitchCell)) == [0, 1, 2]
 
 
@@ -102,8 +113,8 @@ def test_async_split_never_switches_and_trains_on_fixed_cells() -> None:
     for x in range(4):
         out = s.handle(events.Terminated(x, Outcome.COMPLETED))
         assert not of(out, events.SwitchCell)
-    s.handle(events.GroupReady(0))
-    out = s.handle(events.GroupReady(1))
+    ready(s, 0)
+    out = ready(s, 1)
     admitted = of(out, events.AdmitGroup)
     assert [a.staleness for a in admitted] == [0, 0]
     out = []
@@ -118,7 +129,7 @@ def test_burst_cycle_join_window_update_publish_and_dispatch() -> None:
     log = s.handle(events.Start())
     for x in range(4):
         log += s.handle(events.Terminated(x, Outcome.COMPLETED))
-    log += s.handle(events.GroupReady(0))
+    log += ready(s, 0)
     assert of(log, events.SwitchCell) == [events.SwitchCell(cell=0, role=Role.TRAIN)]
     log += s.handle(events.SwitchDone(0))
     assert events.OpenJoinWindow(0) in log
@@ -129,7 +140,7 @@ def test_burst_cycle_join_window_update_publish_and_dispatch() -> None:
     # W = 0 and work is left in the batch: satellites join, in cell order
     assert [j.cell for j in of(log, events.SwitchCell)] == [0, 1, 2]
     log += s.handle(events.SwitchDone(1))
-    log += s.handle(events.GroupReady(1))
+    log += ready(s, 1)
     log += s.handle(events.MicroStepsQueued(batch=0, group=1, count=1))
     assert {c.cell for c in of(log, events.ClaimMicroStep)} == {0, 1}  # cell 2 still switching
     claims = of(log, events.ClaimMicroStep)
@@ -165,7 +176,7 @@ def test_gradient_passes_go_to_the_training_prefix_only() -> None:
     log = s.handle(events.Start())
     for x in range(4):
         log += s.handle(events.Terminated(x, Outcome.COMPLETED))
-    log += s.handle(events.GroupReady(0)) + s.handle(events.SwitchDone(0))
+    log += ready(s, 0) + s.handle(events.SwitchDone(0))
     log += s.handle(events.MicroStepsQueued(batch=0, group=0, count=2))
     log += s.handle(events.SwitchDone(2))  # cell 2 trains before cell 1: outside the prefix
     assert s.update_cells() == (0,)
@@ -203,7 +214,7 @@ def test_a_resumed_start_brings_its_ready_groups_and_fills_the_rest_of_the_queue
     s = make(mu=1, phi=0.0)  # queue depth (φ+μ)B = 2 groups
     out = s.handle(events.Start(carried=(3,)))
     assert [d.group for d in of(out, events.Dispatch)] == [1]  # one slot left for new work
-    assert s.group_version[:2] == [3, s.published] and s.ready == [(3, 0)]
+    assert [s.groups[g].version for g in (0, 1)] == [3, s.published] and s.ready == [(3, 0)]
     assert (s.d, s.p, s.f) == (4, 4, 2) and s.waterlevel == 2  # carried executions are closed
     with pytest.raises(SchedulerError, match="twice"):
         s.handle(events.Start())
@@ -215,7 +226,7 @@ def _one_group_packed(s: Scheduler, core_switch_s: float, count: int = 3) -> lis
     log = s.handle(events.Start())
     for x in range(4):
         log += s.handle(events.Terminated(x, Outcome.COMPLETED))
-    log += s.handle(events.GroupReady(0))
+    log += ready(s, 0)
     log += s.handle(events.SwitchDone(0, seconds=core_switch_s))
     log += s.handle(events.MicroStepsQueued(batch=0, group=0, count=count))
     return log
@@ -266,7 +277,7 @@ def test_estimates_start_at_the_prior_then_follow_measurements() -> None:
 def test_a_satellite_that_arrives_after_its_burst_is_a_wasted_switch() -> None:
     s = make(mu=1, phi=0.0, join_min_microsteps=0)
     log = _one_group_packed(s, core_switch_s=1.0)  # cells 1 and 2 are on their way
-    log += s.handle(events.GroupReady(1))
+    log += ready(s, 1)
     log += s.handle(events.MicroStepsQueued(batch=0, group=1, count=0))
     while not s.batch.updating:  # type: ignore[union-attr]  # the core does it all
         prepass = s.busy[0] is events.Work.PREPASS
@@ -290,13 +301,13 @@ def test_a_burst_without_streaming_waits_for_all_its_groups() -> None:
     for x in range(6):
         log += s.handle(events.Terminated(x, Outcome.COMPLETED))
     for g in range(2):
-        log += s.handle(events.GroupReady(g))
+        log += ready(s, g)
     assert not of(log, events.SwitchCell)  # B ready, W = 4 fits the standalone engine: not yet
-    log += s.handle(events.GroupReady(2))
+    log += ready(s, 2)
     log += s.handle(events.Terminated(6, Outcome.COMPLETED))
     log += s.handle(events.Terminated(7, Outcome.COMPLETED))
     assert not of(log, events.SwitchCell)  # 3 of μB = 4 ready
-    log += s.handle(events.GroupReady(3))
+    log += ready(s, 3)
     assert sorted(a.cell for a in of(log, events.SwitchCell)) == [0, 1]
 
 
@@ -312,11 +323,48 @@ def test_a_lost_engine_is_never_a_destination_until_it_is_restored() -> None:
     # a role change now reroutes only to live engines: cell 1's work goes to cell 0
     for x in range(4):
         s.handle(events.Terminated(x, Outcome.COMPLETED))
-    s.handle(events.GroupReady(0))
-    out = s.handle(events.GroupReady(1))
+    ready(s, 0)
+    out = ready(s, 1)
     assert all(r.destination != 2 for r in of(out, events.Reroute))
     assert all(lu.engine != 2 for lu in of(out, events.Launch))
     s.handle(events.EngineRestored(2))
     assert s.engines[2].open and s.rollout_capacity >= 4
     with pytest.raises(SchedulerError, match="no engine 7"):
         s.handle(events.EngineLost(7))
+
+
+def test_oversampling_replaces_an_excluded_execution() -> None:
+    """N = 2 of 3: the first two to settle valid train; more than k excluded: filled up."""
+    s = make(group_size=2, oversample=1, phi=0.0, batch_groups=1)
+    out = s.handle(events.Start())
+    assert of(out, events.Dispatch) == [events.Dispatch(group=0, executions=(0, 1, 2), version=0)]
+    for x in (0, 1, 2):
+        s.handle(events.Terminated(x, Outcome.COMPLETED))
+    s.handle(events.Assessed(0, valid=False))  # excluded: the group needs both others
+    assert s.soon_ready == 1 and s.handle(events.Assessed(1, valid=True)) == [] and not s.ready
+    s.handle(events.Assessed(2, valid=True))
+    assert s.ready == [(0, 0)] and s.groups[0].members == (1, 2)
+    short = make(group_size=2, oversample=1, phi=0.0, batch_groups=1)
+    short.handle(events.Start())
+    for x, valid in ((0, False), (1, False), (2, True)):
+        short.handle(events.Terminated(x, Outcome.COMPLETED))
+        short.handle(events.Assessed(x, valid=valid))
+    assert short.groups[0].members == (0, 2)  # one valid: filled up with the first excluded
+
+
+def test_oversampling_cancels_the_running_surplus_and_withdraws_the_queued() -> None:
+    s = make(nodes=1, cells=1, concurrency_per_cell=1, group_size=1, oversample=2, phi=0.0,
+             batch_groups=1)  # fmt: skip
+    assert of(s.handle(events.Start()), events.Launch) == [events.Launch(0, 0)]
+    assert of(s.handle(events.Terminated(0, Outcome.COMPLETED)), events.Launch) == [
+        events.Launch(1, 0)
+    ]
+    out = s.handle(events.Assessed(0, valid=True))  # N = 1 valid: the group is complete
+    assert out[:2] == [events.Cancel(1), events.Withdraw(2)]
+    assert (s.d, s.p, s.f, s.withdrawn, len(s.queue)) == (3, 3, 2, 1, 0)
+    log = s.handle(events.Terminated(1, Outcome.CANCELLED))  # W = 0: the core may train
+    log += s.handle(events.Assessed(1, valid=True))  # a surplus outcome settles late: no effect
+    log += s.handle(events.SwitchDone(0))
+    assert of(log, events.AdmitGroup) == [events.AdmitGroup(0, 0, 0, members=(0,))]
+    with pytest.raises(SchedulerError, match=r"execution 2 is not terminated .*withdrawn"):
+        s.handle(events.Assessed(2, valid=True))

@@ -71,6 +71,9 @@ def test_plan_cli(capsys: pytest.CaptureFixture[str]) -> None:
         ({"train_layout_nodes": 8}, "train_layout_nodes: 8 does not fit a cell of 4 nodes"),
         ({"concurrency_per_cell": 0}, "concurrency_per_cell: 0; allowed: an integer >= 1"),
         ({"standalone_nodes": 3}, "standalone_nodes: 3; allowed: a multiple of the cell size"),
+        ({"oversample": -1}, "oversample: -1; allowed: an integer >= 0"),
+        ({"oversample": 1.5}, "oversample: 1.5; allowed: an integer >= 0"),
+        ({"oversample": True}, "oversample: True; allowed: an integer >= 0"),
     ],
 )
 def test_bad_scheduler_config_names_key_and_allowed(changes: dict, message: str) -> None:

@@ -47,15 +47,25 @@ def test_same_seed_same_result(policy: str) -> None:
     assert c.step_end_h != a.step_end_h
 
 
+@pytest.mark.parametrize("oversample", [0, 2])
 @pytest.mark.parametrize("policy", ["elastic", "async", "colocate"])
-def test_every_launched_execution_ends_once_and_staleness_follows_identity(policy: str) -> None:
+def test_every_launched_execution_ends_once_and_staleness_follows_identity(
+    policy: str, oversample: int
+) -> None:
+    """... with oversampling too: N + k launched per group (less the withdrawn), N trained."""
     cfg = small(steps=40, staleness=1.0)
+    cfg = dataclasses.replace(
+        cfg, scheduler=dataclasses.replace(cfg.scheduler, oversample=oversample)
+    )
     sim = Simulator(cfg, policy)
     result = sim.run()
     s = sim.scheduler
     assert 0 <= s.f <= s.p <= s.d
     ended = sum(1 for t in sim.end_t if t >= 0)
-    assert ended == s.f and result.executions == s.p
+    assert ended == s.f - s.withdrawn and result.executions == s.p - s.withdrawn
+    assert s.d == len(s.groups) * (4 + oversample) and result.withdrawn == s.withdrawn
+    assert all(len(m) == 4 for m in sim.members.values())  # N members per trained group
+    assert (result.cancelled > 0) == (oversample > 0)
     assert result.expected_staleness == 1.0
     assert result.mean_staleness == pytest.approx(1.0, abs=0.1)
     assert result.ideal_h < result.total_h

@@ -7,6 +7,12 @@ terminations, dispatches, reroutes, cell switches, wasted satellite switches, st
 harness timeouts, step ends and the time every cell spent outside rollout. Configurations are
 tiny and random, so a counter that drifts from what really happened shows up in seconds.
 
+Oversampling is drawn too (k extra executions per group, with an overall budget short
+enough to exclude some executions): every admitted group's members are recomputed from the
+simulator's own records (when each execution ended, when its outcome settled, whether it
+was valid) — the first N to settle valid, filled up with the first excluded — and each
+complete group's N + k executions are launched or withdrawn, never both.
+
 The switch count and the timeline are checked apart: a satellite whose switch to training
 ends after its burst was once recorded as "to_rollout" twice (and counted as two switches);
 `LATE_SATELLITES` reproduces that case.
@@ -43,6 +49,7 @@ def sim_config(
     seed: int,
     microstep_tokens: float,
     switch_to_train_s: float,
+    overall_timeout_h: float = BASE.workload.overall_timeout_h,
     **scheduler: Any,
 ) -> SimConfig:
     """The NL2RepoBench template on `cells` one-node cells, more hard queries (harness
@@ -65,7 +72,9 @@ def sim_config(
         staleness=None,
         scheduler=sched,
         costs=costs,
-        workload=dataclasses.replace(BASE.workload, hard_query_prob=0.3),
+        workload=dataclasses.replace(
+            BASE.workload, hard_query_prob=0.3, overall_timeout_h=overall_timeout_h
+        ),
         policies={"async": PolicySpec(train_cells=1, streaming=False)},
     )
 
@@ -84,6 +93,9 @@ def setups(draw: st.DrawFn) -> tuple[SimConfig, str]:
         switch_to_train_s=draw(st.sampled_from([8.52, 600.0, 3600.0])),  # late joins too
         concurrency_per_cell=draw(st.integers(1, 6)),
         group_size=draw(st.integers(1, 4)),
+        oversample=draw(st.sampled_from([0, 0, 1, 2])),
+        # 4.05 h: a timed-out execution whose scoring takes two attempts is excluded
+        overall_timeout_h=draw(st.sampled_from([4.5, 4.05])),
         batch_groups=draw(st.integers(1, 4)),
         phi=draw(st.sampled_from([0.0, 0.5, 1.0])),
         mu=draw(st.integers(1, 2)),
@@ -175,6 +187,45 @@ def away_recount(log: Log, first_roles: list[str], end: float) -> list[float]:
     return spent
 
 
+def settle_order(sim: Simulator, xs: range) -> list[tuple[int, bool]]:
+    """(execution, valid) of the group's ended executions in the order their outcomes settled,
+    from the simulator's records: a valid one once scored, an excluded one when its overall
+    budget ran out (ties: the one that ended first, then the lower id)."""
+    budget = sim.config.workload.overall_timeout_h * HOUR
+    keys = []
+    for x in xs:
+        end = sim.end_t[x]
+        if end >= 0:
+            settled = end + (min(end + sim.eval_s[x], sim.launch_t[x] + budget) - end)
+            keys.append((settled, end, x))
+    return [(x, sim.valid[x]) for _, _, x in sorted(keys)]
+
+
+def members_recount(sim: Simulator, log: Log, launched: set[int], withdrawn: set[int]) -> None:
+    """Every admitted group trains the N the rule picks from the simulator's records; a
+    complete group's N + k executions were each launched or withdrawn."""
+    sc = sim.sched_config
+    n, size = sc.group_size, sc.executions_per_group
+    for _, a in of(log, ev.AdmitGroup):
+        xs = range(a.group * size, (a.group + 1) * size)
+        order, valid, upto = settle_order(sim, xs), 0, None
+        for i, (_, ok) in enumerate(order):
+            valid += ok
+            if valid == n or i + 1 == size:
+                upto = i + 1
+                break
+        assert upto is not None, f"group {a.group} admitted before it was complete"
+        chosen = [x for x, ok in order[:upto] if ok][:n]
+        chosen += [x for x, ok in order[:upto] if not ok][: n - len(chosen)]
+        assert a.members == tuple(sorted(chosen)), (a, order)
+        assert all(sim.valid[x] for x in a.members) or len(order) == size
+        assert all((x in launched) != (x in withdrawn) for x in xs)
+        assert sum(x in launched for x in xs) == size - sum(x in withdrawn for x in xs)
+        if sim.config.costs.microstep_tokens <= 0:  # a micro-step per valid member
+            queued = [e for _, e in of(log, ev.MicroStepsQueued) if e.group == a.group]
+            assert queued[0].count == sum(sim.valid[x] for x in a.members)
+
+
 def run_logged(config: SimConfig, policy: str) -> tuple[Simulator, SimResult, Log]:
     sim = Simulator(config, policy)
     log = logged(sim)
@@ -194,13 +245,20 @@ def test_reported_counters_equal_a_recount_of_the_message_log(
     s = sim.scheduler
 
     launched = [a.execution for _, a in of(log, ev.Launch)]
+    withdrawn = [a.execution for _, a in of(log, ev.Withdraw)]
     terminated = [e for _, e in of(log, ev.Terminated)]
     dispatched = [x for _, a in of(log, ev.Dispatch) for x in a.executions]
-    assert len(set(launched)) == len(launched) == result.executions == s.p
-    assert len({e.execution for e in terminated}) == len(terminated) == s.f
+    assert len(set(launched)) == len(launched) == result.executions == s.p - s.withdrawn
+    assert len(set(withdrawn)) == len(withdrawn) == result.withdrawn == s.withdrawn
+    assert not set(withdrawn) & set(launched)
+    assert len({e.execution for e in terminated}) == len(terminated) == s.f - s.withdrawn
     assert {e.execution for e in terminated} <= set(launched)
     assert len(dispatched) == s.d == s.p + len(s.queue) == len(sim.nominal)
     assert sum(1 for t in sim.end_t if t >= 0) == len(terminated)
+    cancelled = {a.execution for _, a in of(log, ev.Cancel)}
+    assert result.cancelled == sum(e.outcome is Outcome.CANCELLED for e in terminated)
+    assert cancelled >= {e.execution for e in terminated if e.outcome is Outcome.CANCELLED}
+    members_recount(sim, log, set(launched), set(withdrawn))
 
     assert result.reroutes == len(of(log, ev.Reroute))
     assert result.wasted_switches == wasted_recount(log, set(s.satellites))

@@ -311,3 +311,32 @@ class _FullSizeOutputs(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= self.nbytes:
                 self.storages.add(t.untyped_storage().data_ptr())
         return out
+
+
+@pytest.mark.parametrize("source", ["ObjectiveConfig()", "the default run config"])
+def test_default_clip_bounds_and_is_cap_are_the_papers(source: str) -> None:
+    """A run that sets nothing trains with the paper's IS cap 5 and clip [0.995, 1.005]:
+    checked by behaviour (the gate and the token weight), not by reading the fields back."""
+    if source == "ObjectiveConfig()":
+        cfg = ObjectiveConfig()
+    else:
+        from gyre.runtime.config import DEFAULT_CONFIG, load_run_config
+
+        cfg = load_run_config(DEFAULT_CONFIG).train.objective
+    from gyre.train.objective import execution_gate
+
+    for adv, inside, outside in [(1.0, 1.0049, 1.0051), (-1.0, 0.9951, 0.9949), (1.0, 0.5, 1.01)]:
+        assert execution_gate(adv, math.log(inside), cfg) == 1.0, (adv, inside)
+        assert execution_gate(adv, math.log(outside), cfg) == 0.0, (adv, outside)
+    # the token weight: exp(d) below 5, exactly 5 above, on an execution whose gate is open
+    _rows, info, st_, logp = _inputs(3, 3.0)
+    sums = ratio_sums(logp, st_)
+    sc = execution_scalars(sums, info.executions, cfg)
+    coeff = token_coefficients(logp, st_, sc, cfg)
+    per_row = torch.tensor([sc[e].gate * sc[e].advantage / sc[e].num_targets
+                            for e in st_.executions], dtype=torch.float64)  # fmt: skip
+    live = st_.targets & (per_row != 0)[:, None]
+    rho = coeff[live] / per_row[:, None].expand_as(coeff)[live]
+    d = (logp.detach() - st_.behaviour)[live]
+    assert (d > math.log(5.0)).any() and (d < math.log(5.0)).any()
+    assert torch.allclose(rho, torch.exp(d).clamp(max=5.0), rtol=1e-12)

@@ -1,8 +1,9 @@
-"""The SGLang manager driven against Gyre's embedded engine (same HTTP protocol, same CLI
-contract): launch from config, health, role switches, abort, weight publication with
-version tracking, stop. Plus the launch environment and the core's side of the NCCL
-weight-update group (run here with gloo between two real processes). The request bodies
-and launch flags are checked against SGLang itself in test_gpu_sglang_bodies.py.
+"""Engine servers (`gyre.rollout.serving`) driven against Gyre's embedded engine (same HTTP
+protocol, same CLI contract): launch from config, health, then `EngineClient`'s role
+switches, abort, weight publication with version confirmation, stop. Plus the launch
+environment and the core's side of the NCCL weight-update group (run here with gloo between
+two real processes). The request bodies and launch flags are checked against SGLang itself
+in test_gpu_sglang_bodies.py.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ import pytest
 import torch
 
 from gyre.errors import ConfigError, EngineError
-from gyre.rollout.protocol import SamplingParams
-from gyre.rollout.sglang.config import ServerConfig
-from gyre.rollout.sglang.control import (
-    ManagedEngine,
+from gyre.rollout.client import EngineClient
+from gyre.rollout.protocol import (
+    SamplingParams,
     UpdateGroup,
     distributed_update_body,
+    release_procedure,
+    resume_procedure,
     tensor_specs,
 )
-from gyre.rollout.sglang.nccl import rank_offsets
-from gyre.rollout.sglang.process import EngineProcess, free_port
+from gyre.rollout.serving.config import ServerConfig
+from gyre.rollout.serving.nccl import rank_offsets
+from gyre.rollout.serving.process import EngineProcess, free_port
 
 
 def test_launch_commands_from_config():
@@ -106,27 +109,28 @@ def server():
         proc.stop()
 
 
-def _gen(engine: ManagedEngine, rid: str, n: int = 4):
+def _gen(engine: EngineClient, rid: str, n: int = 4):
     sp = SamplingParams(max_new_tokens=n, temperature=0.0)
-    return engine.client.generate([1, 5, 9, 13], sp, rid)
+    return engine.generate([1, 5, 9, 13], sp, rid)
 
 
-def test_manager_switches_roles_aborts_and_publishes(server):
+def test_client_switches_roles_aborts_and_publishes(server):
     proc, url = server
     assert proc.alive() and proc.startup_seconds is not None
 
     async def scenario():
-        eng = ManagedEngine("cell1", url)
-        assert await eng.refresh_version() == "3"
+        eng = EngineClient(url, engine_id="cell1")
+        assert await eng.weight_version() == "3"
         first = await _gen(eng, "a")
         assert first.finish_type in ("stop", "length") and first.weight_version == "3"
         inflight = asyncio.ensure_future(_gen(eng, "a2", n=4000))
         await asyncio.sleep(0.5)
-        await eng.release()  # rollout -> training: pause ("abort") first, SGLang's precondition
-        assert eng.released and (await inflight).finish_type == "abort"
+        await eng.run(release_procedure())  # rollout -> training: pause ("abort") first,
+        assert (await inflight).finish_type == "abort"  # SGLang's precondition
+        assert (await eng.request("GET", "/health", None))["released"]
         with pytest.raises(EngineError, match="HTTP 503"):
             await _gen(eng, "b")
-        await eng.resume()  # training -> rollout: the same weights come back
+        await eng.run(resume_procedure())  # training -> rollout: the same weights come back
         again = await _gen(eng, "c")
         assert (
             again.output_ids == first.output_ids and again.output_logprobs == first.output_logprobs
@@ -141,8 +145,10 @@ def test_manager_switches_roles_aborts_and_publishes(server):
 
         model, _ = load_model("tiny")
         named = [(k, v * 1.5) for k, v in model.state_dict().items() if k != "lm_head.weight"]
-        await eng.publish_tensors(named, "4")
-        assert eng.weight_version == "4"
+        await eng.update_weights_from_tensor(named, "4")
+        await eng.confirm_version("4")
+        with pytest.raises(EngineError, match="serves weight_version '4' after publishing '5'"):
+            await eng.confirm_version("5")
         after = await _gen(eng, "e")
         assert after.weight_version == "4" and after.output_logprobs != first.output_logprobs
         # the embedded engine serves the update-group routes on CPU: an NCCL group is refused
@@ -172,8 +178,8 @@ def test_stop_ends_the_server_and_bad_launch_reports_log():
 RECEIVER = textwrap.dedent(
     """
     import os, sys, torch
-    from gyre.rollout.sglang.control import UpdateGroup
-    from gyre.rollout.sglang.nccl import open_update_group
+    from gyre.rollout.protocol import UpdateGroup
+    from gyre.rollout.serving.nccl import open_update_group
     import torch.distributed as dist
     port, rank = int(sys.argv[1]), int(sys.argv[2])
     g = UpdateGroup(master_address="127.0.0.1", master_port=port, world_size=3,
@@ -201,8 +207,8 @@ def test_core_side_update_group_broadcasts_in_order():
         code = textwrap.dedent(
             f"""
             import torch
-            from gyre.rollout.sglang.control import UpdateGroup
-            from gyre.rollout.sglang.nccl import open_update_group, broadcast_tensors
+            from gyre.rollout.protocol import UpdateGroup
+            from gyre.rollout.serving.nccl import open_update_group, broadcast_tensors
             g = UpdateGroup(master_address="127.0.0.1", master_port={port}, world_size=3,
                             group_name="gyre_test", backend="gloo")
             pg = open_update_group(g, rank=0, timeout=60)

@@ -7,8 +7,8 @@ their side). At burst end the core posts the tensor specs to every engine and br
 the tensors in the same order:
 
     group = UpdateGroup(master_address=host, master_port=port, world_size=1 + sum(tps))
-    pg = await connect_engines(engines, tps, group, device="cuda")
-    await publish_distributed(engines, pg, group, named_hf_tensors, version="8")
+    pg = await connect_engines(clients, tps, group)        # clients: `EngineClient`s
+    await publish_distributed(clients, pg, group, named_hf_tensors, version="8")
 
 `named_hf_tensors` are in the engines' (Hugging Face) layout: `gyre.train.megatron.weights.
 mcore_to_hf` for the Megatron backend, the model's own state dict for the torch backend.
@@ -19,12 +19,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gyre.errors import EngineError
-from gyre.rollout.sglang.control import ManagedEngine, UpdateGroup, tensor_specs
+from gyre.rollout.protocol import UpdateGroup, tensor_specs
+
+if TYPE_CHECKING:
+    from gyre.rollout.client import EngineClient
 
 
 def rank_offsets(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
@@ -68,7 +71,7 @@ def broadcast_tensors(pg: Any, tensors: Sequence[torch.Tensor], *, src: int = 0)
 
 
 async def connect_engines(
-    engines: Sequence[ManagedEngine], tp_sizes: Sequence[int], group: UpdateGroup
+    engines: Sequence[EngineClient], tp_sizes: Sequence[int], group: UpdateGroup
 ) -> Any:
     """Every engine joins `group` while the core creates its side; returns the core's group."""
     offsets, world = rank_offsets(tp_sizes)
@@ -81,7 +84,7 @@ async def connect_engines(
 
 
 async def publish_distributed(
-    engines: Sequence[ManagedEngine],
+    engines: Sequence[EngineClient],
     pg: Any,
     group: UpdateGroup,
     named: Sequence[tuple[str, torch.Tensor]],
@@ -91,5 +94,8 @@ async def publish_distributed(
     specs = tensor_specs(named)
     loop = asyncio.get_running_loop()
     sending = loop.run_in_executor(None, broadcast_tensors, pg, [t for _, t in named])
-    await asyncio.gather(*(e.update_from_distributed(specs, group, version) for e in engines))
+    await asyncio.gather(
+        *(e.update_weights_from_distributed(specs, group, version) for e in engines)
+    )
     await sending
+    await asyncio.gather(*(e.confirm_version(version) for e in engines))

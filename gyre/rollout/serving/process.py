@@ -37,7 +37,7 @@ from typing import IO
 
 from gyre.errors import EngineError
 from gyre.lifetime import die_with_parent
-from gyre.rollout.sglang.config import SERVER_ENV, ServerConfig
+from gyre.rollout.serving.config import SERVER_ENV, ServerConfig
 
 
 def free_port(host: str = "127.0.0.1") -> int:

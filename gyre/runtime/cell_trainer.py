@@ -1,0 +1,194 @@
+"""One cell rank's training work: the one implementation every rank of a cell runs.
+
+`CellTrainer` holds the rank's part of the cell's replica (`gyre.runtime.replica`) and does
+its share of each pass and update the coordinator sends (Prepass, Accumulate, Reduce), its
+role switches' residency moves and its part of the core's checkpoint. The leader's loop
+(`gyre.runtime.cell.CellProcess`) and the other ranks' (`gyre.runtime.cell_follower`) both
+drive it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gyre.errors import TrainingError
+from gyre.runtime import audit
+from gyre.runtime import messages as msg
+from gyre.runtime.config import RunConfig
+from gyre.runtime.replica import Replica
+from gyre.runtime.residency import TrainerResidency
+from gyre.train.cell import StepStats
+from gyre.train.comm import (
+    Communicators,
+    arrive,
+    broadcast_from_core,
+    broadcast_in_cell,
+    reduce_to_core,
+    sum_in_cell,
+)
+from gyre.train.objective import batch_gradient
+from gyre.train.packing import MicroStep
+
+
+def share(step: MicroStep, shard: int, ranks: int) -> MicroStep:
+    """Rank `shard`'s rows of a micro-step split over a cell's `ranks` ranks.
+
+    Rows are ordered longest first, so striding gives every rank a similar load; a rank
+    left without rows (a step with fewer rows than ranks) does no pass for it.
+    """
+    return dataclasses.replace(step, rows=step.rows[shard::ranks])
+
+
+class CellTrainer:
+    """One rank's part of its cell's training replica (`gyre.runtime.replica`).
+
+    Data parallel inside the cell (the torch backend, `dims.splits_rows`): every rank holds
+    the whole model, each pass's rows are split over the cell's ranks, whose results the
+    leader (shard 0) gathers and reports; an update sums gradients over the prefix
+    communicator at every shard position, then inside the core cell, steps the optimizer on
+    the core's leader and broadcasts back the same way. Model parallel (the Megatron
+    backend): every rank runs every row on its shard (the leader reports its own results,
+    the same on every rank), the prefix sums are per shard, and every core rank steps its
+    shard. With one rank per cell every collective inside the cell is a no-op and this is
+    the single-rank cell.
+    """
+
+    def __init__(
+        self, cfg: RunConfig, replica: Replica, comms: Communicators, transport: Any, *,
+        version: int, run_dir: Path, residency: TrainerResidency | None = None,
+    ) -> None:  # fmt: skip
+        self.cfg, self.replica, self.comms, self.transport = cfg, replica, comms, transport
+        self.version = version  # of the weights held (> 0 after a resume)
+        self.run_dir = run_dir
+        self.ranks = comms.cell.Get_size()
+        self.residency = residency  # a trainer sharing its GPU with the engine (placement)
+        if residency is not None:  # cells start in rollout: the engine has the GPU
+            residency.release(replica.cell, replica.optimizer)
+
+    def to_train(self) -> None:
+        """The cell switches to training, its engine has let go of the GPUs (every rank of
+        the cell waits for the leader's release): the trainer's state comes back."""
+        arrive(self.comms.cell)
+        if self.residency is not None:
+            self.residency.restore(self.replica.cell, self.replica.optimizer)
+
+    def to_rollout(self) -> None:
+        """The cell switches to rollout: the trainer's state leaves the GPU before the
+        engine takes it back (the leader resumes its engine once every rank is done)."""
+        if self.residency is not None:
+            self.residency.release(self.replica.cell, self.replica.optimizer)
+        arrive(self.comms.cell)
+
+    @property
+    def core(self) -> bool:
+        return self.comms.cell_id == 0
+
+    def _sync(self, version: int) -> None:
+        """Hold the batch's weights: a satellite behind `version` pulls the core's snapshot."""
+        if self.version == version:
+            return
+        if self.core or self.transport is None:
+            raise TrainingError(
+                f"cell {self.comms.cell_id}: holds v{self.version}, the batch needs v{version}"
+            )
+        self.transport.pull(self.replica.cell.flat_params)
+        self.replica.refresh()
+        self.version = version
+
+    def idle(self) -> None:
+        """Between messages: a core rank serves the snapshot pulls waiting on it."""
+        if self.core and self.transport is not None:
+            self.transport.progress()
+
+    @property
+    def splits_rows(self) -> bool:
+        return self.replica.dims.splits_rows
+
+    def _mine(self, step: MicroStep) -> MicroStep:
+        return share(step, self.comms.shard, self.ranks) if self.splits_rows else step
+
+    def _leader(self) -> bool:
+        return self.comms.shard == 0
+
+    def prepass(self, m: msg.Prepass) -> dict[str, float] | None:
+        """This rank's rows' ratio sums; on the leader the cell's (gathered if rows split)."""
+        self._sync(m.version)
+        mine = self._mine(m.step)
+        sums = self.replica.cell.prepass(mine) if mine.rows else {}
+        if not self.splits_rows:
+            return sums if self._leader() else None
+        parts = self.comms.cell.gather(sums, root=0)
+        if parts is None:
+            return None
+        total: dict[str, float] = {}
+        for part in parts:
+            for eid, value in part.items():
+                total[eid] = total.get(eid, 0.0) + value
+        return total
+
+    def accumulate(self, m: msg.Accumulate) -> StepStats | None:
+        """Forward + backward of this rank's rows; on the leader the cell's stats, gathered."""
+        self._sync(m.version)
+        mine = self._mine(m.step)
+        stats = (self.replica.cell.accumulate(mine, m.scalars) if mine.rows
+                 else StepStats(targets=0, objective=0.0))  # fmt: skip
+        if not self.splits_rows:
+            return stats if self._leader() else None
+        parts = self.comms.cell.gather((stats.targets, stats.objective), root=0)
+        if parts is None:
+            return None
+        return StepStats(targets=sum(p[0] for p in parts), objective=sum(p[1] for p in parts))
+
+    def reduce(self, m: msg.Reduce) -> float | None:
+        """Sum gradients over prefix[m] and the core cell, 1/E, clip, AdamW, broadcast.
+
+        Returns the pre-clip gradient norm on the core's leader, None elsewhere.
+        """
+        comms, replica = self.comms, self.replica
+        cell = replica.cell
+        total = reduce_to_core(comms, cell.flat_grads, participants=m.cells)  # my position
+        norm = None
+        if self.core:
+            if self.splits_rows:
+                total = sum_in_cell(comms, total)
+            if replica.optimizer is not None:  # the core's leader, or every model-parallel rank
+                norm = self._step(total, m)
+            if self.splits_rows:
+                broadcast_in_cell(comms, cell.flat_params)
+            if self.transport is not None:
+                self.transport.expose(cell.flat_params)
+        broadcast_from_core(comms, cell.flat_params, participants=m.cells)
+        cell.zero_grad()
+        replica.refresh()
+        self.version += 1
+        return norm if self._leader() else None
+
+    def _step(self, total: torch.Tensor, m: msg.Reduce) -> float:
+        replica, cell = self.replica, self.replica.cell
+        assert replica.optimizer is not None
+        if m.num_executions == 0:
+            return 0.0  # nothing to train (every group set aside): no optimizer step
+        record = self.cfg.train.record_batches  # in the HF model's flat order, on the leader
+        before = replica.hf_flat(cell.flat_params.detach().clone()) if record else None
+        grad_sum = replica.hf_flat(total.clone()) if record else None
+        opt_before = copy.deepcopy(replica.optimizer_state()) if record else None
+        norm = replica.optimizer.step(batch_gradient(total, m.num_executions))
+        after = replica.hf_flat(cell.flat_params.detach().clone()) if record else None
+        if before is not None:
+            audit.record_update(self.run_dir, m.batch, {
+                "version": self.version, "params_before": before, "grad_sum": grad_sum,
+                "optimizer_before": opt_before, "backend": self.cfg.train.backend,
+                "grad_norm": norm, "params_after": after,
+                "objective": dataclasses.asdict(cell.objective)})  # fmt: skip
+        return norm
+
+    def save_checkpoint(self, m: msg.SaveCheckpoint) -> int:
+        """This rank's part of the core's checkpoint (every core rank takes part); bytes."""
+        size = self.replica.save(Path(m.folder), self.version, self.comms.shard)
+        arrive(self.comms.cell)  # the leader reports once every shard is on disk
+        return size

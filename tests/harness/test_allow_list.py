@@ -1,0 +1,203 @@
+"""The sandbox's allow-list (gyre/harness/sandbox.py) and its two renderings, bwrap and Apptainer.
+
+What a harness sees is decided once, by `allow_list`; these tests read that list (no sandbox
+runs here, so they hold on machines without bubblewrap or Apptainer): no shipped suite's
+files, no HOME, checkout, run directory or other execution, but the interpreter, the gyre
+code and the harness's own program; the Apptainer argv is the same list as `--bind`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre.errors import ConfigError
+from gyre.harness import Adapter, HarnessRunner
+from gyre.harness import sandbox as sb
+from gyre.harness.adapters import REPO_ROOT
+from gyre.harness.workspace import prepare
+from gyre.runtime.proxy_node import check_sandbox
+from gyre.tasks.suite import SHIPPED, load_suite
+
+
+def seen(path: Path, mounts: list[sb.Mount]) -> bool:
+    """Whether the harness sees `path` through a bound folder or file (not a symlink entry)."""
+    p = path.resolve()
+    return any(m.kind != "symlink" and (p == m.path or p.is_relative_to(m.path)) for m in mounts)
+
+
+@pytest.fixture
+def execution(tmp_path, suite):
+    task = suite["add"]
+    ex = prepare(tmp_path / "run" / "workspaces", "g0-e0", task)
+    prepare(tmp_path / "run" / "workspaces", "g0-e1", task)
+    return ex, task, tmp_path / "run"
+
+
+def test_the_allow_list_shows_the_program_and_none_of_the_secrets(execution, tmp_path):
+    ex, task, run = execution
+    (tmp_path / "other-run").mkdir()
+    mounts = sb.allow_list(
+        ex, program=sys.executable, binds=[], hidden=task.hidden_paths,
+        hide=[run, tmp_path], workspace_root=run / "workspaces",
+    )  # fmt: skip
+    # what the harness needs: the system, its interpreter, the gyre code, its own files
+    for needed in (Path("/usr/bin/env"), Path(sys.executable), Path(sys.prefix) / "lib"):
+        assert seen(needed, mounts), needed
+    gyre = Path(sb.__file__).resolve().parents[1]
+    assert seen(gyre / "harness" / "reference_agent.py", mounts)
+    assert seen(gyre / "tasks" / "suite.py", mounts)
+    assert [m.kind for m in mounts[-3:]] == ["rw", "ro", "ro"]
+    assert [m.path for m in mounts[-3:]] == [ex.workspace, ex.instruction_file, ex.feedback_file]
+    # what it must not see: every file of every shipped suite, hidden or not
+    suites = [d for d in (gyre / "tasks").iterdir() if d.is_dir() and d.name != "__pycache__"]
+    assert {d.name for d in suites} >= set(SHIPPED) | {"examples"}
+    files = [f for d in suites for f in d.rglob("*") if f.is_file()]
+    assert any("hidden" in f.parts for f in files)
+    assert not [f for f in files if seen(f, mounts)]
+    for name, path in SHIPPED.items():
+        for t in load_suite(path).tasks:
+            assert not [h for h in t.own_hidden_paths if seen(h, mounts)], name
+    # the run (config, trace, other executions), the runs beside it, HOME, the checkout
+    assert not seen(run / "workspaces" / "g0-e1" / "workspace", mounts)
+    assert not seen(run / "config.yaml", mounts) and not seen(tmp_path / "other-run", mounts)
+    if Path.home() != Path("/"):
+        home = [p for p in Path.home().iterdir() if not Path(sys.prefix).is_relative_to(p)]
+        assert not [p for p in home if seen(p, mounts)]
+    if (REPO_ROOT / "pyproject.toml").exists():
+        assert not seen(REPO_ROOT / "pyproject.toml", mounts)
+        assert not seen(REPO_ROOT / "tests", mounts) and not seen(REPO_ROOT / "runs", mounts)
+    for secret in ("/etc/shadow", "/etc/ssh", "/etc/munge"):
+        assert not seen(Path(secret), mounts)
+    assert seen(Path("/etc/passwd"), mounts)
+    # parents come before children (a child mount lands on its parent's), no repeats
+    depths = [len(m.path.parts) for m in mounts[:-3]]
+    assert depths == sorted(depths) and len({m.path for m in mounts}) == len(mounts)
+
+
+def test_a_program_installed_under_a_denied_folder_is_shown_without_the_rest(execution, tmp_path):
+    """A harness installed under HOME or the checkout (npm prefix, a venv): its symlink,
+    file, `#!` interpreter and installation prefix are bound, nothing else of that folder."""
+    ex, task, run = execution
+    home = tmp_path / "home"
+    pkg = home / "tools" / "node_modules" / "tool"
+    (pkg / "bin").mkdir(parents=True)
+    script = pkg / "bin" / "tool.js"
+    script.write_text("#!/usr/bin/env bash\necho hi\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    link = home / "tools" / "node_modules" / ".bin" / "tool"
+    link.parent.mkdir()
+    link.symlink_to("../tool/bin/tool.js")
+    (home / "secret.txt").write_text("s3cret")
+    roots = sb.program_roots(link)
+    assert roots[:2] == [link, script] and pkg in roots
+    assert any(r.name == "bash" for r in roots)
+    mounts = sb.allow_list(
+        ex, program=str(link), binds=[], hidden=task.hidden_paths, hide=[run, home],
+        workspace_root=run / "workspaces",
+    )  # fmt: skip
+    assert seen(script, mounts) and seen(pkg / "bin", mounts)
+    assert sb.Mount(link, "symlink", "../tool/bin/tool.js") in mounts
+    assert not seen(home / "secret.txt", mounts) and not seen(home / "tools", mounts)
+
+
+def fake_apptainer(tmp_path: Path, monkeypatch, status: int = 0) -> Path:
+    """An `apptainer` on PATH that records its argv and environment and exits `status`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    tool = bin_dir / "apptainer"
+    log = tmp_path / "apptainer.log"
+    tool.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {log}\nenv > {log}.env\nexit {status}\n')
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return log
+
+
+def test_the_apptainer_argv_binds_the_same_allow_list(execution, tmp_path, monkeypatch):
+    ex, task, run = execution
+    fake_apptainer(tmp_path, monkeypatch)
+    mounts = sb.allow_list(
+        ex, program=sys.executable, binds=[], hidden=task.hidden_paths, hide=[run],
+        workspace_root=run / "workspaces",
+    )  # fmt: skip
+    env = {"HOME": str(ex.home), "PATH": "/usr/bin:/bin", "OPENAI_API_KEY": "key-e0"}
+    argv, outer = sb.apptainer_argv(mounts, ex, "/images/gyre.sif", env)
+    assert argv[:9] == [
+        str(tmp_path / "bin" / "apptainer"), "exec", "--containall", "--no-mount",
+        "hostfs,bind-paths", "--home", str(ex.home), "--pwd", str(ex.workspace),
+    ]  # fmt: skip
+    assert argv[-1] == "/images/gyre.sif"
+    binds = argv[10:-1:2]
+    assert all(flag == "--bind" for flag in argv[9:-1:2])
+    # the image brings the system; every other entry of the one list is bound, nothing else
+    want = [f"{m.path}:{m.path}" + (":ro" if m.kind == "ro" else "") for m in mounts
+            if not m.system and m.kind != "symlink"]  # fmt: skip
+    assert binds == want and f"{ex.workspace}:{ex.workspace}" in binds
+    assert not [b for b in binds if b.startswith(("/usr", "/etc"))]
+    # the harness's environment travels as APPTAINERENV_* (PATH included); HOME by --home
+    assert outer["APPTAINERENV_OPENAI_API_KEY"] == "key-e0"
+    assert outer["APPTAINERENV_PATH"] == "/usr/bin:/bin" and "APPTAINERENV_HOME" not in outer
+    assert "OPENAI_API_KEY" not in outer
+    # bwrap renders the very same list
+    bw = sb.bwrap_argv(mounts, ex) if sb.bwrap_available() else None
+    if bw is not None:
+        for m in mounts:
+            assert str(m.path) in bw
+
+
+def test_a_runner_with_the_apptainer_sandbox_starts_the_harness_through_apptainer(
+    make_runner, spec_for, tmp_path, monkeypatch
+):
+    log = fake_apptainer(tmp_path, monkeypatch)
+    image = tmp_path / "gyre.sif"
+    image.write_text("")
+    runner = make_runner(sandbox="apptainer", apptainer_image=str(image))
+    term = asyncio.run(runner.run(spec_for("echo hi", execution_id="a1")))
+    assert term.outcome.value == "completed" and runner.events[0].sandbox == "apptainer"
+    argv = log.read_text().splitlines()
+    cut = argv.index(str(image))
+    assert argv[:2] == ["exec", "--containall"] and argv[cut + 2 :] == ["-c", "echo hi"]
+    assert Path(argv[cut + 1]).name == "bash"
+    env = dict(line.split("=", 1) for line in Path(f"{log}.env").read_text().splitlines()
+               if "=" in line)  # fmt: skip
+    assert env["APPTAINERENV_OPENAI_API_KEY"] == "key-a1" and "OPENAI_API_KEY" not in env
+
+
+def test_gyre_refuses_a_sandbox_that_cannot_run_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no apptainer anywhere on it
+    monkeypatch.setattr(sb, "SYSTEM_PATH", (str(tmp_path),))
+    with pytest.raises(ConfigError) as e:
+        check_sandbox("apptainer", "/images/gyre.sif")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("harness.sandbox: apptainer: apptainer is not")
+    assert "allowed: Apptainer with harness.apptainer_image" in msg
+    assert "harness.sandbox=bwrap" in msg and "harness.sandbox=none" in msg
+    fake_apptainer(tmp_path, monkeypatch)
+    with pytest.raises(ConfigError, match=r"harness\.apptainer_image is not set"):
+        check_sandbox("apptainer", "")
+    with pytest.raises(ConfigError, match=r"'/no/such\.sif' does not exist"):
+        check_sandbox("apptainer", "/no/such.sif")
+    (tmp_path / "gyre.sif").write_text("")
+    check_sandbox("apptainer", str(tmp_path / "gyre.sif"))  # the probe exits 0: accepted
+    fake_apptainer(tmp_path, monkeypatch, status=255)
+    with pytest.raises(ConfigError, match="apptainer cannot run"):
+        check_sandbox("apptainer", str(tmp_path / "gyre.sif"))
+    with pytest.raises(ConfigError, match="apptainer_image: must be set"):
+        HarnessRunner.Config(workspace_root=str(tmp_path), sandbox="apptainer")
+    check_sandbox("none", "")
+
+
+def test_builtin_adapters_bind_their_installations():
+    from gyre.harness import builtin_adapters
+
+    adapters = builtin_adapters()
+    for name in ("claude_code", "claude_code_bare", "codex"):
+        assert adapters[name].sandbox_paths() == [REPO_ROOT / ".tools" / "node_modules"]
+    assert adapters["mini_swe_agent"].sandbox_paths() == [REPO_ROOT / ".tools" / "mini-swe-agent"]
+    custom = Adapter(name="x", api="openai", command=["x"], sandbox_binds=["/opt/x"])
+    assert custom.sandbox_paths() == [Path("/opt/x")]
