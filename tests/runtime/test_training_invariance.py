@@ -99,7 +99,10 @@ def test_every_update_equals_the_single_process_reference(
         assert float((got - ref).norm()) <= 1e-4 * float(ref.norm()), f"batch {batch}"
         norm = optimizer.step(got / steps["num_executions"])  # 1/E, clip, AdamW: the update
         # the norm the core clipped by is the whole model's (a TP core: over its shards)
-        assert core["grad_norm"] == pytest.approx(norm, rel=1e-5), f"batch {batch}"
+        # (Megatron: squares summed per TP shard, then across shards, in float32 — a different
+        # order than the reference's one flat sum: CI saw 1.05e-5 relative on 2026-12-04)
+        rel = 1e-5 if backend == "torch" else 5e-5
+        assert core["grad_norm"] == pytest.approx(norm, rel=rel), f"batch {batch}"
         assert torch.allclose(replay.flat_params, core["params_after"], rtol=0, atol=1e-7)
         oversize += sum(1 for s in steps["steps"] for r in s.rows if r.length > budget)
         passes = steps["passes"]
