@@ -374,9 +374,18 @@ def generate_status(url: str) -> int:
     return status
 
 
-def buffer_bytes(cell: Any) -> int:
-    """Bytes of a training cell's flat weight and gradient buffers (its parameters are views)."""
-    return sum(t.numel() * t.element_size() for t in (cell.flat_params, cell.flat_grads))
+def buffer_bytes(cell: Any, device: str) -> int:
+    """Bytes of a training cell's flat weight and gradient buffers (its parameters are views)
+    that are on `device`'s kind of device (on CPU the host: nothing leaves it)."""
+    kind = torch_device_type(device)
+    return sum(t.numel() * t.element_size() for t in (cell.flat_params, cell.flat_grads)
+               if t.device.type == kind)  # fmt: skip
+
+
+def torch_device_type(device: str) -> str:
+    import torch
+
+    return torch.device(device).type
 
 
 def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
@@ -385,10 +394,10 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from gyre.gpu.memory import measure
-    from gyre.gpu.snapshot import CellOffload
     from gyre.models import load_model
     from gyre.rollout.client import EngineClient, blocking
     from gyre.rollout.protocol import release_procedure, resume_procedure
+    from gyre.runtime.residency import TrainerResidency
     from gyre.train.cell import TorchCell
     from gyre.train.config import ObjectiveConfig
     from gyre.train.objective import ExecutionScalar
@@ -424,12 +433,12 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
             sync(args.device)
             points["training_step_done"] = used(args.device)
             trained = cell.flat_params.detach().to("cpu", copy=True)
-            held = buffer_bytes(cell)
-            off = CellOffload()
+            held = buffer_bytes(cell, args.device)
+            off = TrainerResidency(device=args.device)  # what a colocated cell rank runs
             rep = measure(lambda: off.release(cell), args.device)
             points["trainer_release_s"] = rep.seconds
-            points["trainer_bytes_released"] = held - buffer_bytes(cell)
-            points["trainer_bytes_held_after_release"] = buffer_bytes(cell)
+            points["trainer_bytes_released"] = held - buffer_bytes(cell, args.device)
+            points["trainer_bytes_held_after_release"] = buffer_bytes(cell, args.device)
             points["after_trainer_release"] = used(args.device)
             t0 = time.perf_counter()
             asyncio.run(eng.run(resume_procedure()))
@@ -438,10 +447,10 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
             points["rollout_serving_again"] = used(args.device)
             points["same_output_after_switch"] = again[0].output_ids == first[0].output_ids
             t0 = time.perf_counter()
-            off.resume(cell)  # the next switch to training: the parked weights come back
+            off.restore(cell)  # the next switch to training: the parked weights come back
             sync(args.device)
             points["trainer_resume_s"] = time.perf_counter() - t0
-            points["trainer_bytes_restored"] = buffer_bytes(cell)
+            points["trainer_bytes_restored"] = buffer_bytes(cell, args.device)
             points["trainer_weights_restored_exactly"] = bool(
                 torch.equal(cell.flat_params.detach().cpu(), trained)
             )

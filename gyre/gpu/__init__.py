@@ -1,10 +1,8 @@
-"""CUDA paths: device placement and dtypes, memory measurement, pinned host snapshots,
-role-switch release of a training cell, and the embedded engine on a GPU.
+"""CUDA paths: device placement and dtypes, memory measurement, and the embedded engine on
+a GPU (a training cell's release on a role switch is `gyre.runtime.residency`).
 
 * `memory` — `Placement` (device + dtype), `memory_stats`, `measure` (seconds and device
   memory around an action, after `torch.cuda.empty_cache`);
-* `snapshot` — `PinnedSnapshot` (host mirror of a device buffer in page-locked memory) and
-  `CellOffload` (a `TorchCell`'s flat buffers to host and back: the training→rollout release);
 * `engine` — `python -m gyre.gpu.engine --device cuda --dtype bfloat16 ...`: the embedded
   engine serving the same protocol on CUDA, with memory release that frees device memory.
 

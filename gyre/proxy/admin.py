@@ -19,12 +19,14 @@ Prometheus job) reports HTTP requests and errors by handler and status with late
 histograms (counted as each request finishes, `MeteredApplication`), and, from the trees
 at scrape time, recorded model calls by role / engine / finish reason, their engine time,
 tokens, context lengths and reroutes (extra engine attempts), plus open executions and
-engines. Names and labels: docs/tracking.md.
+engines, and constrained calls rescored by outcome (`gyre.proxy.rescore`). Names and labels:
+docs/tracking.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import re
 import urllib.parse
@@ -35,6 +37,7 @@ import tornado.web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
+from gyre.proxy import rescore
 from gyre.proxy.conversation import check_type, need, opt
 from gyre.proxy.errors import ApiError, invalid
 from gyre.proxy.handlers import JsonErrorHandler, bearer_key
@@ -241,7 +244,13 @@ class ProxyMetrics:
         self.executions = Gauge("gyre_proxy_executions", "registered executions", ["state"],
                                 registry=r)  # fmt: skip
         self.engines = Gauge("gyre_proxy_engines", "known engines", ["state"], registry=r)
+        self.rescores = Counter("gyre_proxy_rescores", "constrained calls whose grammar-masked "
+                                "log-probs were rescored by a prefill (gyre.proxy.rescore), by "
+                                "outcome", ["outcome"], registry=r)  # fmt: skip
+        for outcome in rescore.OUTCOMES:
+            self.rescores.labels(outcome)
         self._counted: dict[str, int] = {}  # execution id -> nodes already counted
+        self._rescored: collections.Counter[str] = collections.Counter()  # counted so far
 
     def observe_request(self, handler: tornado.web.RequestHandler) -> None:
         """Count one finished HTTP request (called by `MeteredApplication`)."""
@@ -264,6 +273,9 @@ class ProxyMetrics:
         self.executions.labels("closed").set(
             len(service.executions) - open_ + len(service.forgotten)
         )
+        for outcome, n in service.rescores.items():
+            self.rescores.labels(outcome).inc(n - self._rescored[outcome])
+            self._rescored[outcome] = n
         router = service.router
         self.engines.labels("draining").set(len(router.draining & set(router.engines)))
         self.engines.labels("live").set(len(set(router.engines) - router.draining))

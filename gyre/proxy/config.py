@@ -52,6 +52,11 @@ class Config:
     # longest string value a forced tool call (tool_choice required/named) may generate
     tool_format: Literal["auto", "hermes", "qwen3_coder", "llama3_json"] = "auto"
     # how the model writes tool calls; auto: from its chat template (gyre.models.tool_format)
+    constrained_logprobs: Literal["model", "masked"] = "model"
+    # what the engines report as log-probs of constrained (forced tool) calls: the model's
+    # own (model: the embedded engine) or over the grammar-masked distribution (masked:
+    # SGLang; a run sets it for engine.backend sglang). masked: the proxy rescores each
+    # forced call's output with one prefill and records those (gyre.proxy.rescore)
 
     def __post_init__(self) -> None:
         if not self.model_names or not all(isinstance(m, str) and m for m in self.model_names):
@@ -77,6 +82,10 @@ class Config:
             raise ConfigError(
                 f"tool_format: {self.tool_format!r}; "
                 "allowed: auto, hermes, qwen3_coder, llama3_json"
+            )
+        if self.constrained_logprobs not in ("model", "masked"):
+            raise ConfigError(
+                f"constrained_logprobs: {self.constrained_logprobs!r}; allowed: model, masked"
             )
         if not 1 <= self.tool_string_max <= 1024:
             raise ConfigError(f"tool_string_max: {self.tool_string_max}; allowed: 1..1024")

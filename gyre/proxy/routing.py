@@ -23,7 +23,7 @@ import numpy as np
 
 from gyre.errors import EngineError, ProtocolError
 from gyre.proxy.errors import ApiError
-from gyre.rollout.protocol import GenerateResult, SamplingParams
+from gyre.rollout.protocol import GenerateResult, SamplingParams, ScoreResult
 
 # EngineClient reports HTTP errors as "... HTTP <code>: ..."; a 4xx other than 408 / 429 means
 # the engine refuses this input (e.g. too long for the model), which a retry cannot fix.
@@ -36,6 +36,10 @@ class EngineLike(Protocol):
     async def generate(
         self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams, rid: str
     ) -> GenerateResult: ...
+
+    async def score(
+        self, input_ids: Sequence[int] | np.ndarray, start: int, rid: str
+    ) -> ScoreResult: ...
 
 
 @dataclass(slots=True)

@@ -8,7 +8,8 @@ closing an execution writes its whole tree (`close_execution`).
 
 A call: authenticate the key -> parse (API module) -> `serve`: match + render the new input
 (`Execution.prepare`), label the role, build sampling params (tool_choice -> grammar), generate
-with reroute, parse tool calls, record the node, answer a `Reply`. Everything that can
+with reroute, rescore a forced call's log-probs where the engines report them masked
+(`gyre.proxy.rescore`), parse tool calls, record the node, answer a `Reply`. Everything that can
 refuse the request happens before the engine is called, so a refused request changes no tree.
 Handlers register each call in flight in `calls`; `close` (the proxy stops) answers them
 with the retryable overloaded error and refuses later calls the same way.
@@ -23,6 +24,7 @@ import logging
 import re
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -33,7 +35,8 @@ from gyre.proxy.config import ROLE_RE, Config, RoleRule
 from gyre.proxy.conversation import CallRequest, Conversation, Reply
 from gyre.proxy.errors import ApiError, invalid, shutting_down
 from gyre.proxy.jsonbody import check_depth
-from gyre.proxy.routing import Router
+from gyre.proxy.rescore import rescore
+from gyre.proxy.routing import Router, Served
 from gyre.proxy.session import Execution, render
 from gyre.proxy.tito import LONG_TEXT, ChatRenderer
 from gyre.proxy.toolcalls import ToolFormat, forced_call_grammar, get_format
@@ -78,6 +81,7 @@ class ProxyService:
         self._by_key: dict[str, Execution] = {}
         self._render_pool = ThreadPoolExecutor(config.render_threads, "gyre-proxy-render")
         self.calls: set[Abortable] = set()  # model calls in flight (registered by handlers)
+        self.rescores: Counter[str] = Counter()  # constrained calls rescored, by outcome
         self.closing = False
 
     def close(self) -> None:
@@ -231,6 +235,7 @@ class ProxyService:
         rid = f"{ex.execution_id}-{len(ex.tree) + 1}-{secrets.token_hex(4)}"
         served = await self.router.generate(ex.execution_id, prep.context_ids, sampling, rid)
         t1 = self.clock()
+        logprobs = await self.behaviour_logprobs(served, prep.context_ids, sampling, rid)
         if ex.closed:
             raise ApiError(
                 "authentication", f"execution {ex.execution_id!r} closed during the call"
@@ -265,7 +270,7 @@ class ProxyService:
                 prep,
                 out,
                 output_ids=out_ids,
-                output_logprobs=_logprobs(res.output_logprobs, len(out_ids)),
+                output_logprobs=_logprobs(logprobs, len(out_ids)),
                 role=label,
                 policy_version=_version(res.weight_version),
                 engine_id=served.engine_id,
@@ -276,6 +281,21 @@ class ProxyService:
             if self.store is not None:
                 self.store.record_node(ex.execution_id, node)
         return reply, node
+
+    async def behaviour_logprobs(
+        self, served: Served, context_ids: np.ndarray, sampling: SamplingParams, rid: str
+    ) -> list[float]:
+        """The log-probs to record for a served call: the engine's, except for a constrained
+        call on engines that report them grammar-masked, which is rescored."""
+        res = served.result
+        if not (sampling.constrained and self.config.constrained_logprobs == "masked"):
+            return res.output_logprobs
+        if not res.output_ids:
+            return res.output_logprobs
+        engine = self.router.engines[served.engine_id]
+        fixed = await rescore(engine, context_ids, res, f"{rid}-{served.attempts}")
+        self.rescores[fixed.outcome] += 1
+        return fixed.logprobs
 
     def role_for(
         self, header: str | None, conv: Conversation, ex: Execution, headers: str = ""

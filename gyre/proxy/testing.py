@@ -38,7 +38,7 @@ import tornado.web
 
 from gyre.proxy.app import ProxyApp
 from gyre.proxy.config import Config
-from gyre.rollout.protocol import GenerateResult, SamplingParams
+from gyre.rollout.protocol import GenerateResult, SamplingParams, ScoreResult
 
 T = TypeVar("T")
 
@@ -95,6 +95,10 @@ class ScriptedEngine:
             weight_version="0",
             text=text,
         )
+
+    async def score(self, input_ids: Any, start: int, rid: str) -> ScoreResult:
+        """Scripted log-probs are -1.0 whatever the weights; a rescore finds them again."""
+        return ScoreResult(logprobs=[-1.0] * (len(input_ids) - start), weight_version="0")
 
 
 @contextmanager

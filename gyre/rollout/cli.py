@@ -2,6 +2,10 @@
 
     gyre engine --model tiny --host 127.0.0.1 --port 30000 [--threads 1]
 
+`--logprobs-under-grammar masked` is a test knob: the engine then reports constrained calls'
+log-probs over the grammar-masked distribution, as SGLang does (docs/engine.md "Behaviour
+log-probs"), so the proxy's correction of that can be tested on CPU.
+
 Prints ``gyre engine listening on http://HOST:PORT`` on stdout once it serves (with
 ``--port 0`` the port is picked by the OS). Stops on SIGINT/SIGTERM. No torch import here.
 """
@@ -45,6 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="paced engine: deliver each call at its modelled end (docs/pacing.md; a run's "
         "cells pass their run's `pace:` here)",
     )  # fmt: skip
+    p.add_argument(
+        "--logprobs-under-grammar", default="model", choices=("model", "masked"),
+        help="test / emulation knob: log-probs reported for constrained calls, the model's own "
+        "(model) or over the grammar-masked distribution as SGLang reports them (masked)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=run)
 
@@ -77,6 +86,7 @@ def server_config(args: argparse.Namespace) -> server.Config:
             kv_transport=args.kv_transport,
             kv_host=args.kv_host or _reachable(args.host),
             pace=_pace(args.pace),
+            logprobs_under_grammar=args.logprobs_under_grammar,
         ),
     )
 
@@ -88,7 +98,7 @@ def _pace(text: str | None) -> Any:
 
     from gyre.config import load
     from gyre.errors import ConfigError
-    from gyre.rollout.pacing import EnginePace
+    from gyre.schedule.devices import EnginePace
 
     try:
         data = json.loads(text)

@@ -9,6 +9,10 @@ an error: it returns a `GenerateResult` with ``finish_type == "abort"``.
 
     client = EngineClient("http://127.0.0.1:30000", engine_id="e0")
     result = await client.generate(ids, SamplingParams(max_new_tokens=64), rid="x-1")
+    scored = await client.score(ids + result.output_ids, len(ids), rid="x-1-score")
+
+`score` is the model's own log-probs of given tokens from one prefill (the proxy rescores a
+constrained call's output with it where the engine reports masked log-probs).
 
 Code without an event loop (a cell rank, a check script) makes the same calls through
 `blocking`, on a private loop:
@@ -52,6 +56,7 @@ from gyre.rollout.protocol import (
     KVSegment,
     Procedure,
     SamplingParams,
+    ScoreResult,
     TensorSpec,
     UpdateGroup,
     abort_call,
@@ -61,6 +66,7 @@ from gyre.rollout.protocol import (
     init_update_group_body,
     memory_call,
     pause_call,
+    score_body,
     weight_update_procedure,
 )
 from gyre.rollout.transport import HttpTransport
@@ -126,6 +132,24 @@ class EngineClient:
             return GenerateResult.from_response(reply)
         except ProtocolError as e:
             raise EngineError(f"engine {self.engine_id}: {e}") from e
+
+    async def score(
+        self, input_ids: Sequence[int] | np.ndarray, start: int, rid: str
+    ) -> ScoreResult:
+        """The model's own log-probs of `input_ids[start:]`, each given the tokens before it,
+        from one prefill (`gyre.rollout.protocol.score_body`); EngineError if the engine
+        fails, aborts the call or answers for other tokens."""
+        ids = (
+            np.ascontiguousarray(input_ids)
+            if isinstance(input_ids, np.ndarray)
+            else list(input_ids)
+        )
+        try:
+            body = score_body(ids, start, rid)
+            reply = await self.request("POST", "/generate", body)
+            return ScoreResult.from_response(reply, [int(t) for t in ids[start:]])
+        except ProtocolError as e:
+            raise EngineError(f"engine {self.engine_id} /generate (score {rid}): {e}") from e
 
     async def abort(self, rid: str) -> None:
         await self.control(abort_call(rid))

@@ -15,7 +15,9 @@ take the same lock through `at_boundary`, so they happen exactly at the next ste
 SGLang's preconditions (idle engine; inside a weight-update session): `EngineConflict`,
 HTTP 409. Weights arrive by value (/update_weights_from_tensor) or by broadcast in an update
 group the engine joined (/update_weights_from_distributed, gyre.rollout.update_group); both
-are loaded the same way, at a step boundary. Sampling and behaviour log-probs: see gyre.rollout.sampling; grammar constraints
+are loaded the same way, at a step boundary. Sampling and behaviour log-probs: see
+gyre.rollout.sampling; input log-probs (`logprob_start_len`, SGLang's scoring prefill) come
+from the same prefill, its prefix-cache reuse capped at that position; grammar constraints
 (regex, ebnf, json_schema): gyre.rollout.constrain; KV-cache migration on reroute:
 gyre.rollout.kvstore (pin, read) and gyre.rollout.kvmigrate (the handoff).
 """
@@ -39,12 +41,14 @@ from gyre.errors import ConfigError, EngineError, ProtocolError
 from gyre.rollout import kvstore, update_group, weights
 from gyre.rollout.constrain import Constraint, GrammarCompiler
 from gyre.rollout.kv import KVBatch, cache_from, cache_kwarg, output_cache
-from gyre.rollout.pacing import Deliver, EnginePace
+from gyre.rollout.pacing import Deliver, PacedCalls
 from gyre.rollout.prefix import PrefixCache
 from gyre.rollout.protocol import KV_TRANSPORTS, GenerateRequest, KVSegment, UpdateGroup
-from gyre.rollout.sampling import next_token
+from gyre.rollout.sampling import next_token, policy_logprobs
+from gyre.schedule.devices import EnginePace
 
 log = logging.getLogger(__name__)
+GRAMMAR_LOGPROBS = ("model", "masked")
 
 
 class EngineUnavailable(EngineError):
@@ -79,8 +83,16 @@ class Config:
     # the address other engines reach this one's Mooncake Transfer Engine at
     pace: EnginePace | None = None
     # paced: each call is delivered at its modelled end (gyre.rollout.pacing); None: at once
+    logprobs_under_grammar: str = "model"
+    # test / emulation knob: the log-probs reported for constrained calls. "model": the
+    # model's own (Gyre's behaviour log-probs); "masked": over the grammar-masked
+    # distribution, as SGLang reports them (docs/engine.md "Behaviour log-probs"), so a CPU
+    # test can reproduce that defect and the proxy's correction of it
 
     def __post_init__(self) -> None:
+        if self.logprobs_under_grammar not in GRAMMAR_LOGPROBS:
+            raise ConfigError(f"logprobs_under_grammar: {self.logprobs_under_grammar!r}; "
+                              f"allowed: {', '.join(GRAMMAR_LOGPROBS)}")  # fmt: skip
         if self.kv_transport not in KV_TRANSPORTS:
             allowed = ", ".join(KV_TRANSPORTS)
             raise ConfigError(f"kv_transport: {self.kv_transport!r}; allowed: {allowed}")
@@ -108,6 +120,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     cached_tokens: int = 0
+    input_logprobs: list[float] | None = None  # of input_ids[logprob_start_len + 1:], once
 
 
 class Engine:
@@ -142,7 +155,7 @@ class Engine:
         self.kv_layout = kvstore.Layout.of_model(model)
         self._kv = kvstore.KVPort(config.kv_transport, config.kv_host)
         self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
-        self._paced = config.pace.build() if config.pace is not None else None
+        self._paced = PacedCalls(config.pace) if config.pace is not None else None
 
     @classmethod
     def load(cls, config: Config) -> Engine:
@@ -191,7 +204,7 @@ class Engine:
             self._record(req)
             if self._paced is not None:  # on the modelled engine from now on
                 seq.deliver = self._paced.wrap(req.rid, seq.deliver)
-            if req.sampling.max_new_tokens == 0:
+            if req.sampling.max_new_tokens == 0 and req.logprob_start_len is None:
                 seq.finish = {"type": "length", "length": 0}
                 seq.deliver(self._response(seq))
                 return
@@ -512,18 +525,29 @@ class Engine:
             self._retire()
 
     def _prefill(self, seq: Sequence) -> None:
-        reused, layers = self._prefix.lookup(seq.tokens)
+        """Prefill the tokens after the longest cached prefix and sample the first token; a
+        call asking for input log-probs from `start` on reuses at most `start` tokens (as
+        SGLang) and gets them from this same forward pass (once: not after a retract)."""
+        start = seq.req.logprob_start_len if seq.input_logprobs is None else None
+        limit = len(seq.tokens) - 1 if start is None else start
+        reused, layers = self._prefix.lookup(seq.tokens[: limit + 1])
         kwargs: dict[str, Any] = {}
         if layers is not None:
             kwargs[self._cache_kwarg] = cache_from(layers)
         ids = torch.tensor([seq.tokens[reused:]], dtype=torch.long)
         positions = torch.arange(reused, len(seq.tokens)).unsqueeze(0)
+        keep = 1 if start is None else len(seq.tokens) - start
         out = self.model(
-            input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **kwargs
+            input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=keep, **kwargs
         )
+        if start is not None:
+            seq.input_logprobs = policy_logprobs(out.logits[0, :-1], seq.tokens[start + 1 :])
         seq.cached_tokens = reused
         self._running.append(seq)
         self._batch.add(output_cache(out), len(seq.tokens))
+        if seq.req.sampling.max_new_tokens == 0:  # a scoring prefill: nothing to generate
+            seq.finish = {"type": "length", "length": 0}
+            return
         self._sample(seq, out.logits[0, -1])
 
     def _decode(self) -> None:
@@ -550,6 +574,7 @@ class Engine:
             top_k=sp.top_k,
             allowed=allowed,
             generator=seq.generator,
+            masked_logprob=self.config.logprobs_under_grammar == "masked",
         )
         seq.output_ids.append(token)
         seq.logprobs.append(logprob)
@@ -598,11 +623,22 @@ class Engine:
             "e2e_latency": time.time() - seq.t_arrival,
         }
         if seq.req.return_logprob:
+            meta["input_token_logprobs"] = _input_logprobs(seq)
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(seq.logprobs, seq.output_ids)
             ]
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=skip)
         return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
+
+
+def _input_logprobs(seq: Sequence) -> list[list[Any]]:
+    """SGLang 0.5.21's `input_token_logprobs`: [log-prob, token id, None] for each input token
+    from `logprob_start_len` on, the first log-prob None (none by default)."""
+    start = seq.req.logprob_start_len
+    if start is None:
+        return []
+    values: list[float | None] = [None, *(seq.input_logprobs or [])]
+    return [[lp, t, None] for lp, t in zip(values, seq.req.input_ids[start:])]
 
 
 def _next_version(version: str) -> str:

@@ -24,11 +24,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre.schedule.devices import CallCost, EngineModel, EnginePool
+from gyre.schedule.devices import EnginePace, EnginePool
 
 TOLERANCE_S = 0.005
 """Lateness of a real piece of work, wall seconds, that is not yet counted as an overrun."""
@@ -108,10 +108,10 @@ class _Held:
 class PacedCalls:
     """An engine's model calls, each delivered when its modelled generation has finished."""
 
-    def __init__(self, scale: float, model: EngineModel, calls: CallCost) -> None:
-        self.scale, self.calls = scale, calls
+    def __init__(self, pace: EnginePace) -> None:
+        self.scale, self.calls = pace.scale, pace.calls
         self.stats = PaceStats()
-        self._pool = EnginePool(1, model)
+        self._pool = EnginePool(1, pace.model)
         self._cond = threading.Condition()
         self._start: dict[int, float] = {}  # call on the engine -> virtual clock at arrival
         self._held: dict[int, _Held] = {}  # generated, waiting for its modelled end
@@ -221,21 +221,6 @@ class PacedCalls:
     def snapshot(self) -> dict[str, float]:
         with self._cond:
             return {**self.stats.to_dict(), "load": self._pool.load[0]}
-
-
-@dataclass(kw_only=True, slots=True)
-class EnginePace:
-    """What `gyre engine --pace JSON` paces its calls with (the run's `pace:`, one engine)."""
-
-    scale: float
-    """Modelled seconds per wall second."""
-    model: EngineModel
-    """The engine's load curve (`PaceConfig.engine_model`)."""
-    calls: CallCost = field(default_factory=CallCost)
-    """A call's nominal seconds."""
-
-    def build(self) -> PacedCalls:
-        return PacedCalls(self.scale, self.model, self.calls)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -85,7 +85,9 @@ SAMPLING_KEYS = (
     "skip_special_tokens",
     "sampling_seed",
 )
-GENERATE_KEYS = ("input_ids", "sampling_params", "return_logprob", "rid", "stream")
+GENERATE_KEYS = (
+    "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid", "stream",
+)  # fmt: skip
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -147,6 +149,9 @@ class GenerateRequest:
     input_ids: list[int]
     sampling: SamplingParams
     return_logprob: bool
+    logprob_start_len: int | None = None
+    # with return_logprob: report input log-probs from this input position on (SGLang's
+    # meaning, `score_body`); None (SGLang 0.5.21's -1, or the input's length): none
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,6 +201,61 @@ class GenerateResult:
             raise ProtocolError(f"malformed /generate response ({e!r}): {str(body)[:300]}") from e
 
 
+def score_body(input_ids: Any, start: int, rid: str) -> dict[str, Any]:
+    """A /generate body asking for the model's own log-probs of `input_ids[start:]` given
+    what precedes each: one prefill, nothing generated (`max_new_tokens` 0).
+
+    SGLang's input log-probs come from the logits before any sampling step (no grammar mask,
+    no temperature: `LogitsProcessor.forward`), and its prefix cache is matched only up to
+    `logprob_start_len`, so the context before it is reused. Its `input_token_logprobs` lists
+    `input_ids[logprob_start_len:]`, the first entry's log-prob None (no logits before it are
+    computed); hence `logprob_start_len` is `start - 1`, and `ScoreResult` drops that entry.
+    """
+    if not 1 <= start < len(input_ids):
+        raise ProtocolError(f"start: {start}; allowed: 1..{len(input_ids) - 1}")
+    return {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": start - 1,
+        "rid": rid,
+    }
+
+
+@dataclass(kw_only=True, slots=True)
+class ScoreResult:
+    """What a `score_body` call answered: the model's own log-probs of the scored tokens."""
+
+    logprobs: list[float]
+    # one per scored token, in order
+    weight_version: str
+    # the weights that computed them
+    cached_tokens: int = 0
+    # tokens the engine took from its prefix cache instead of prefilling
+
+    @classmethod
+    def from_response(cls, body: dict[str, Any], scored: Sequence[int]) -> ScoreResult:
+        """Read the reply to `score_body(ids, start, rid)` with `scored = ids[start:]`;
+        ProtocolError if it was aborted, malformed, or lists other tokens."""
+        try:
+            meta = body["meta_info"]
+            finish = meta.get("finish_reason") or {"type": "abort", "message": "no reason"}
+            if finish["type"] == "abort":
+                raise ProtocolError(f"the scoring call was aborted: {finish.get('message', '')}")
+            entries = meta["input_token_logprobs"][1:]  # the first: the token before `start`
+            ids = [int(e[1]) for e in entries]
+            if ids != [int(t) for t in scored]:
+                raise ProtocolError(f"input_token_logprobs list tokens {ids[:8]}..., not the "
+                                    f"{len(scored)} scored ones {list(scored)[:8]}...")  # fmt: skip
+            return cls(
+                logprobs=[float(e[0]) for e in entries],
+                weight_version=str(meta.get("weight_version", "")),
+                cached_tokens=int(meta.get("cached_tokens") or 0),
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise ProtocolError(f"malformed scoring response ({e!r}): {str(body)[:300]}") from e
+
+
 def _matched(finish: dict[str, Any]) -> int | None:
     m = finish.get("matched")
     return int(m) if isinstance(m, int) and not isinstance(m, bool) else None
@@ -222,7 +282,25 @@ def parse_generate(body: Any, *, vocab_size: int) -> GenerateRequest:
     if not isinstance(return_logprob, bool):
         raise ProtocolError(f"return_logprob: {return_logprob!r}; allowed: true or false")
     sampling = parse_sampling(body.get("sampling_params") or {}, vocab_size=vocab_size)
-    return GenerateRequest(rid=rid, input_ids=ids, sampling=sampling, return_logprob=return_logprob)
+    start = _logprob_start(body.get("logprob_start_len"), len(ids))
+    return GenerateRequest(
+        rid=rid,
+        input_ids=ids,
+        sampling=sampling,
+        return_logprob=return_logprob,
+        logprob_start_len=start if return_logprob else None,
+    )
+
+
+def _logprob_start(value: Any, n_input: int) -> int | None:
+    """`logprob_start_len` as SGLang 0.5.21 takes it: -1 (default) and the input's length
+    report no input log-probs (None); above the length is refused."""
+    if value is None or value == -1:
+        return None
+    start = _int(value, "logprob_start_len")
+    if not 0 <= start <= n_input:
+        raise ProtocolError(f"logprob_start_len: {start}; allowed: -1 or 0..{n_input}")
+    return start if start < n_input else None
 
 
 def parse_sampling(raw: Any, *, vocab_size: int) -> SamplingParams:

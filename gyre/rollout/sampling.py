@@ -14,9 +14,15 @@ token is exactly log π_behaviour(token | context):
 Greedy decoding picks the argmax (lowest id on ties) and reports its log-prob under the
 processed T = 1 distribution (steps 1, 3, 4, 5 with T = 1), not log 1 = 0: a
 greedy call's log-probs then still say how confident the policy was.
+
+The log-prob *reported* for a token is the model's own, `policy_logprobs` (raw logits, T = 1,
+no mask, float64), for sampled tokens and for scored input tokens alike; only the embedded
+engine's SGLang emulation (`logprobs_under_grammar: masked`) passes the grammar mask to it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -74,8 +80,12 @@ def next_token(
     top_k: int,
     allowed: torch.Tensor | None,
     generator: torch.Generator | None,
+    masked_logprob: bool = False,
 ) -> tuple[int, float]:
-    """Sample one token from one row of logits; return (token id, behaviour log-prob)."""
+    """Sample one token from one row of logits; return (token id, behaviour log-prob).
+
+    `masked_logprob`: report the log-prob over the `allowed` tokens only (SGLang's reporting
+    of constrained calls, emulated for tests) instead of the model's own."""
     lp = processed_logprobs(
         logits,
         temperature=temperature if temperature > 0 else 1.0,
@@ -84,14 +94,32 @@ def next_token(
         allowed=allowed,
     )
     token = choose(lp, greedy=temperature == 0, generator=generator)
-    return token, policy_logprob(logits, token)
+    return token, policy_logprob(logits, token, allowed=allowed if masked_logprob else None)
 
 
-def policy_logprob(logits: torch.Tensor, token: int) -> float:
-    """log π(token | context) of the model itself: raw logits, T = 1, no mask or truncation.
+def policy_logprob(
+    logits: torch.Tensor, token: int, *, allowed: torch.Tensor | None = None
+) -> float:
+    """log π(token | context) of the model itself for one row of logits (`policy_logprobs`)."""
+    return policy_logprobs(logits.unsqueeze(0), [token], allowed=allowed)[0]
 
-    This is the behaviour log-prob the engine reports: the very quantity the trainer
-    recomputes for the same token (`gyre.train.objective.target_logprobs`), so importance
-    ratios measure how far the policy moved since sampling and nothing else.
+
+def policy_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], *, allowed: torch.Tensor | None = None
+) -> list[float]:
+    """log π(tokens[i] | context) of the model itself, from logits row i [n, vocab]: raw
+    logits, T = 1, no truncation, float64.
+
+    This is the behaviour log-prob the engine reports, for sampled and scored input tokens
+    alike: the very quantity the trainer recomputes for the same token
+    (`gyre.train.objective.target_logprobs`), so importance ratios measure how far the
+    policy moved since sampling and nothing else. `allowed` (one row only) renormalizes
+    over a grammar's tokens: what SGLang reports for constrained calls (docs/engine.md
+    "Behaviour log-probs"), emulated by the embedded engine's masked mode for tests.
     """
-    return float(torch.log_softmax(logits.to(torch.float64), dim=-1)[token])
+    z = logits.to(torch.float64)
+    if allowed is not None:
+        z = z.masked_fill(~allowed.to(z.device), float("-inf"))
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=z.device)
+    picked = torch.log_softmax(z, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    return [float(x) for x in picked.tolist()]

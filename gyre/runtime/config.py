@@ -354,6 +354,7 @@ class RunConfig:
             )
         from gyre.models import tiny_size
         from gyre.schedule.policy import make_policy
+        from gyre.train.megatron.config import check_pipeline_split
 
         if self.pace.enabled and self.engine.backend != "embedded":
             raise ConfigError(
@@ -362,7 +363,8 @@ class RunConfig:
             )
         tiny_size(self.model)  # a malformed tiny:HxL is refused here, before any process starts
         try:  # the cell's parallel sizes: tensor x pipeline x data = topology.ranks_per_cell
-            self.train.parallel.dims(self.train.backend, self.topology.ranks_per_cell)
+            dims = self.train.parallel.dims(self.train.backend, self.topology.ranks_per_cell)
+            check_pipeline_split(self.model, dims.pipeline)  # equal stages of layers
         except ConfigError as e:
             raise ConfigError(f"train.{e}") from None
         try:  # the scheduler validates both; its messages start with the field name

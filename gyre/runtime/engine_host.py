@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import socket
 from collections.abc import Sequence
@@ -45,6 +44,7 @@ from gyre.rollout.serving.config import ServerConfig
 from gyre.rollout.serving.nccl import broadcast_tensors, open_update_group, rank_offsets
 from gyre.rollout.serving.process import EngineProcess
 from gyre.runtime.config import EngineConfig
+from gyre.schedule.devices import EnginePace
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class EngineHost(EngineProcess):
         log_path: Path,
         version: int,
         labels: dict[str, str] | None = None,
-        pace: dict[str, Any] | None = None,
+        pace: EnginePace | None = None,
         host: str = "127.0.0.1",
         base_gpu_id: int = 0,
     ) -> None:
@@ -88,7 +88,7 @@ class EngineHost(EngineProcess):
             if server.launch != "embedded":
                 raise ConfigError("pace: only the embedded engine is paced (engine.backend)")
             server = dataclasses.replace(
-                server, extra_args=[*server.extra_args, "--pace", json.dumps(self.pace)]
+                server, extra_args=[*server.extra_args, "--pace", self.pace.to_json()]
             )
         env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(self.engine_config.threads),
                **self.labels}  # fmt: skip

@@ -8,7 +8,7 @@ sender to its one handler. Each connection keeps its messages in order, which th
 protocol relies on (a `HarnessEnded` always precedes its `Assessed`).
 
 Fields carry Gyre's own types where they have one: a harness `Outcome`, a cell `Role`, a
-`VerdictRecord` (the evaluator's verdict with its assessment rows). Engines travel by their
+`VerdictRecord` (the evaluator's verdict with its assessments). Engines travel by their
 string id ("e3", `gyre.vocabulary.EngineId`), the name the proxy routes by.
 
 `table()` renders the message table of docs/runtime.md (a test keeps the two equal).
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from gyre.vocabulary import Outcome, Role, VerdictStatus
 
 if TYPE_CHECKING:
+    from gyre.tasks.evaluator import Assessment
     from gyre.tasks.scoring import TestVerdict
 
 PROXY, CELL, COORDINATOR = "proxy node", "cell", "coordinator"
@@ -32,8 +33,8 @@ PROXY, CELL, COORDINATOR = "proxy node", "cell", "coordinator"
 class VerdictRecord:
     """An execution's verdict as the coordinator records it: status, reward, why, when.
 
-    `assessments` are the evaluator's rows of every attempt (`Assessment.to_row()`), written
-    to the trace's `assessments` table; `error` says why there is no valid score. `tests`:
+    `assessments` are the evaluator's records of every attempt, written to the trace's
+    `assessments` table; `error` says why there is no valid score. `tests`:
     a repository task's per-test outcomes behind the reward (`Verdict.tests`), written to
     the execution's meta; empty for other tasks and when there is no valid score.
     """
@@ -42,7 +43,7 @@ class VerdictRecord:
     reward: float | None  # None iff excluded
     t: float  # unix seconds the verdict was reached
     error: str = ""
-    assessments: tuple[dict[str, Any], ...] = ()
+    assessments: tuple[Assessment, ...] = ()
     tests: tuple[TestVerdict, ...] = ()
 
     @property

@@ -63,11 +63,15 @@ def load_tasks(cfg: RunConfig) -> tuple[TaskSuite, list[str]]:
 def proxy_config(cfg: RunConfig) -> ProxyConfig:
     """The run's proxy config as the proxy node serves it: role rules are the run's
     `proxy.role_rules` (first, so an operator overrides) then the adapter's shipped ones;
-    the sampling seed follows `train.seed` when the run sets none (repeatable calls)."""
+    the sampling seed follows `train.seed` when the run sets none (repeatable calls); SGLang
+    engines report constrained calls' log-probs grammar-masked, so the proxy rescores them."""
     proxy = cfg.proxy
     rules = [*proxy.role_rules, *cfg.harness.adapter_object().role_rules]
     seed = cfg.train.seed if proxy.sampling_seed is None else proxy.sampling_seed
-    return dataclasses.replace(proxy, role_rules=rules, sampling_seed=seed)
+    masked = "masked" if cfg.engine.backend == "sglang" else proxy.constrained_logprobs
+    return dataclasses.replace(
+        proxy, role_rules=rules, sampling_seed=seed, constrained_logprobs=masked
+    )
 
 
 def check_harness(cfg: RunConfig) -> list[str]:
@@ -201,9 +205,9 @@ class ExecutionHost:
             v = await self.evaluator.assess(term, task)
         except Exception as e:  # an evaluator bug must not stall the group: excluded
             return msg.VerdictRecord.excluded(f"evaluator crashed: {e}", t0)
-        rows = tuple(a.to_row() for a in self.evaluator.log.for_execution(term.execution_id))
+        attempts = tuple(self.evaluator.log.for_execution(term.execution_id))
         return msg.VerdictRecord(status=v.status, reward=v.reward, t=time.time(),
-                                 error=v.assessment.error, assessments=rows,
+                                 error=v.assessment.error, assessments=attempts,
                                  tests=v.tests)  # fmt: skip
 
     async def rescore(self, eid: str, task: Task) -> msg.VerdictRecord:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.runtime.messages import VerdictRecord
+from gyre.tasks.evaluator import Assessment, Validity
 from gyre.trajectory.store import TraceWriter
 from gyre.trajectory.tree import TrajectoryTree
 from gyre.vocabulary import CloseStatus, Role
@@ -140,15 +141,16 @@ class RunRecorder:
         self.writer.close()
 
 
-def _assessment_row(a: dict[str, Any]) -> dict[str, Any]:
-    score = a["score"]
+def _assessment_row(a: Assessment) -> dict[str, Any]:
+    """The trace's `assessments` row of one scoring attempt."""
+    score = a.score
     return {
-        "execution_id": a["execution_id"],
-        "attempt": int(a["attempt"]),
+        "execution_id": a.execution_id,
+        "attempt": a.attempt,
         "score": float(score) if score is not None and math.isfinite(score) else float("nan"),
-        "valid": a["validity"] == "valid",
-        "state_ref": a["state_ref"],
-        "evaluator": a["kind"],
-        "detail": json.dumps({"validity": a["validity"], "error": a["error"], "seq": a["seq"]}),
-        "t": float(a["t_end"]),
+        "valid": a.validity is Validity.VALID,
+        "state_ref": a.state_ref or "",
+        "evaluator": a.kind,
+        "detail": json.dumps({"validity": a.validity.value, "error": a.error, "seq": a.seq}),
+        "t": float(a.t_end),
     }

@@ -10,13 +10,14 @@ the replica:
 * **torch** — every rank of a cell holds the whole model (data parallel inside the cell):
   a pass's rows are split over the ranks, the leader's optimizer steps the cell's summed
   gradient; the leader's model *is* the Hugging Face policy.
-* **megatron** — megatron-core's GPTModel sharded over the cell's ranks with tensor
-  parallelism (torch.distributed over the cell ranks: gloo on CPU, NCCL on GPU; the CPU
-  patches of `gyre.train.megatron.cpu`). Every rank runs every row; each core rank steps
-  AdamW on its own shard with the whole model's gradient norm. After every change of
-  weights (an update, a pull of the core's snapshot, a restore) the shards are gathered to
-  the leader into a Hugging Face *mirror* of the policy: what the engines load, policies
-  save and checkpoints keep.
+* **megatron** — megatron-core's GPTModel sharded over the cell's ranks with tensor and
+  pipeline parallelism (torch.distributed over the cell ranks: gloo on CPU, NCCL on GPU;
+  the CPU patches of `gyre.train.megatron.cpu`; rank s of a cell is TP rank s % TP of
+  stage s // TP). Every rank runs every row (the stages one after the other); each core
+  rank steps AdamW on its own shard with the whole model's gradient norm. After every
+  change of weights (an update, a pull of the core's snapshot, a restore) the shards of
+  every stage are gathered to the leader into a Hugging Face *mirror* of the policy: what
+  the engines load, policies save and checkpoints keep.
 
     replica = build_replica(cfg, core=True, comms=comms, host="10.0.0.5")
     replica.named()            # the leader: HF-layout weights of the version held
@@ -92,7 +93,8 @@ class Replica:
 
 @dataclass(slots=True)
 class MegatronReplica(Replica):
-    """The Megatron backend's replica: this rank's tensor-parallel shard of the model."""
+    """The Megatron backend's replica: this rank's tensor-parallel shard of its pipeline
+    stage of the model."""
 
     comm: Any = None  # the cell's MPI communicator (shard gathers to the leader)
     mirror: Any = None  # the leader's Hugging Face model of the same weights (else None)
@@ -106,10 +108,11 @@ class MegatronReplica(Replica):
 
     def _gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Every rank's shard tensors → the HF-layout tensors on the leader."""
-        from gyre.train.megatron.weights import mcore_to_hf
+        from gyre.train.megatron.weights import stages_to_hf
 
         shards = self.comm.gather({k: v.detach().cpu() for k, v in tensors.items()}, root=0)
-        return None if shards is None else mcore_to_hf(shards, self.layout)
+        return None if shards is None else stages_to_hf(shards, self.layout,
+                                                        tp_size=self.dims.tensor)  # fmt: skip
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The flat buffer's slice of every trainable parameter, by Megatron name."""
@@ -148,7 +151,7 @@ class MegatronReplica(Replica):
 
     def restore(self, run_dir: Path, shard: int) -> int:
         """Weights and AdamW moments from an HF-layout checkpoint (either backend's, any TP
-        size), split to this rank's shard."""
+        and PP sizes), split to this rank's shard of its stage."""
         from gyre.rollout.weights import load_named_tensors
 
         data = checkpoint.load_core(run_dir)
@@ -170,13 +173,14 @@ class MegatronReplica(Replica):
 
     def _shard(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's Megatron tensors of full HF-layout tensors."""
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state as ps
 
-        from gyre.train.megatron.weights import hf_to_mcore
+        from gyre.train.megatron.weights import stage_to_mcore
 
-        tp = self.dims.tensor
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        return hf_to_mcore(hf, self.layout, tp_rank=rank, tp_size=tp)
+        return stage_to_mcore(hf, self.layout, tp_rank=ps.get_tensor_model_parallel_rank(),
+                              tp_size=self.dims.tensor,
+                              stage=ps.get_pipeline_model_parallel_rank(),
+                              stages=self.dims.pipeline)  # fmt: skip
 
     def _shard_flat(self, flat: torch.Tensor, shapes: list[tuple[str, Any]]) -> torch.Tensor:
         """An HF flat buffer (parameters in `shapes` order) → this rank's flat buffer."""
@@ -294,7 +298,7 @@ def build_megatron_replica(
         build_gpt_model,
         init_model_parallel,
     )
-    from gyre.train.megatron.weights import Layout, hf_to_mcore
+    from gyre.train.megatron.weights import Layout, stage_to_mcore
 
     # megatron-core warns at import and build about every optional CUDA library it lacks
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
@@ -308,16 +312,19 @@ def build_megatron_replica(
     init_model_parallel(mcfg)
     from megatron.core import parallel_state
 
-    if parallel_state.get_tensor_model_parallel_rank() != comms.shard % dims.tensor:
+    tp_rank, stage = comms.shard % dims.tensor, comms.shard // dims.tensor
+    made = (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank())  # fmt: skip
+    if made != (tp_rank, stage):
         raise TrainingError(
             f"cell {comms.cell_id} rank {comms.shard}: Megatron made it tensor-parallel rank "
-            f"{parallel_state.get_tensor_model_parallel_rank()}; the cell's ranks must be "
-            "contiguous in the backend world"
+            f"{made[0]} of pipeline stage {made[1]}, not {tp_rank} of {stage}; the cell's ranks "
+            "must be contiguous in the backend world"
         )
     model = build_gpt_model(hf_config, mcfg, device="cpu")
     layout = Layout.from_hf_config(hf_config)
-    shard = hf_to_mcore(dict(hf.state_dict()), layout, tp_rank=comms.shard % dims.tensor,
-                        tp_size=dims.tensor)  # fmt: skip
+    shard = stage_to_mcore(dict(hf.state_dict()), layout, tp_rank=tp_rank, tp_size=dims.tensor,
+                           stage=stage, stages=dims.pipeline)  # fmt: skip
     load_named_tensors(model, sorted(shard.items()))
     model.to(torch.device(device)).train()
     cell = MegatronCell(model, objective=cfg.train.objective)

@@ -5,9 +5,9 @@ gradients and (on the core) the optimizer's tensors (AdamW moments, a Megatron o
 norm mask) to host memory and re-views the
 model's parameters into the host buffers; `restore(cell, optimizer)` moves them back to the
 rank's device and re-views them there, exactly as `gyre.train.cell.flatten_parameters` laid
-them out. Unlike `gyre.gpu.snapshot.CellOffload` it keeps the gradients (a switch may come
-with gradients accumulated) and the core's AdamW moments, and rebinds the optimizer's
-parameter, so no device tensor stays referenced.
+them out. It keeps the gradients (a switch may come with gradients accumulated) and the
+core's AdamW moments, and rebinds the optimizer's parameter, so no device tensor stays
+referenced.
 
 Why: in `colocated` placement (`gyre.runtime.placement`) the trainer shares its GPU with the
 cell's engine; the engine gets the memory back only when the trainer leaves it.

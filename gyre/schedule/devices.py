@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from gyre.errors import ConfigError
 
@@ -194,6 +194,22 @@ class CallCost:
 
 
 @dataclass(kw_only=True, slots=True)
+class EnginePace:
+    """What one paced engine paces its calls with (`gyre engine --pace JSON`, the JSON of
+    this record; `gyre.rollout.pacing.PacedCalls`)."""
+
+    scale: float
+    """Modelled seconds per wall second."""
+    model: EngineModel
+    """The engine's load curve (`PaceConfig.engine_model`)."""
+    calls: CallCost = field(default_factory=CallCost)
+    """A call's nominal seconds."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+@dataclass(kw_only=True, slots=True)
 class PaceConfig:
     """Paced devices: the runtime's engines and cells take the modelled time of a cluster's.
 
@@ -230,12 +246,10 @@ class PaceConfig:
     def enabled(self) -> bool:
         return self.scale > 0
 
-    def engine(self, concurrency: int) -> dict[str, Any]:
-        """What a paced engine of a cell with `concurrency` executions needs (`gyre engine
-        --pace`, `gyre.rollout.pacing.EnginePace`)."""
-        model = self.engine_model(concurrency)
-        return {"scale": self.scale, "model": dataclasses.asdict(model),
-                "calls": dataclasses.asdict(self.calls)}  # fmt: skip
+    def engine(self, concurrency: int) -> EnginePace:
+        """What a paced engine of a cell with `concurrency` executions is paced with."""
+        return EnginePace(scale=self.scale, model=self.engine_model(concurrency),
+                          calls=self.calls)  # fmt: skip
 
     def engine_model(self, concurrency: int) -> EngineModel:
         """A paced engine's load curve. Its "executions" are model calls, all generation

@@ -105,8 +105,12 @@ class TorchCell:
         """Phase B: forward + backward; the gradient (without 1/E) adds into `flat_grads`."""
         logp, st = self._logprobs(step, grad=True)
         coeff = token_coefficients(logp, st, scalars, self.objective)
-        step_loss(logp, coeff).backward()
+        self._backward(step_loss(logp, coeff))
         return StepStats(targets=int(st.targets.sum()), objective=float(coeff.sum()))
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """The micro-step's backward (a pipeline stage's differs: `MegatronCell`)."""
+        loss.backward()
 
 
 class CoreOptimizer:

@@ -90,14 +90,14 @@ class ParallelConfig:
 
     Unset sizes are derived from `topology.ranks_per_cell` by `dims`: the torch backend is
     data parallel inside a cell (every rank a whole replica, rows split); the Megatron
-    backend shards the model over the cell with tensor parallelism (data parallelism runs
-    across cells, between the core and its satellites).
+    backend shards the model over the cell with tensor and pipeline parallelism (data
+    parallelism runs across cells, between the core and its satellites).
     """
 
     tensor: int | None = None
     """Tensor-parallel size of a cell (megatron; null: ranks_per_cell / pipeline)."""
     pipeline: int = 1
-    """Pipeline-parallel size of a cell (megatron; only 1 runs today)."""
+    """Pipeline-parallel size of a cell (megatron; divides the model's layers)."""
 
     def __post_init__(self) -> None:
         if self.tensor is not None and self.tensor < 1:
@@ -116,11 +116,6 @@ class ParallelConfig:
                 )
             return ParallelDims(tensor=1, pipeline=1, data=ranks_per_cell)
         tensor = self.tensor if self.tensor is not None else ranks_per_cell // self.pipeline
-        if self.pipeline != 1:
-            raise ConfigError(
-                f"parallel.pipeline: {self.pipeline}; allowed: 1 (the Megatron backend runs "
-                "one pipeline stage per cell rank today: use tensor parallelism)"
-            )
         if tensor * self.pipeline != ranks_per_cell:
             raise ConfigError(
                 f"parallel: tensor {tensor} x pipeline {self.pipeline} != "

@@ -79,7 +79,8 @@ class MpiSnapshot:
         self._buf = _host_buffer(flat if is_core else None)
         self._local = _host_buffer(flat) if flat is not None and not is_core else None
         arrive(world)  # the core may still be building its replica: wait without spinning
-        self.nbytes = world.bcast(self._buf.nbytes if is_core else None, root=core_ranks[0])
+        # the size of the core shard this rank pulls (pipeline stages differ in size)
+        self.nbytes = world.allgather(self._buf.nbytes if is_core else None)[self.core_rank]
         self.win = MPI.Win.Create(self._buf if self._buf.nbytes else None, 1, comm=world)
 
     def expose(self, flat: torch.Tensor) -> None:

@@ -1,11 +1,13 @@
-"""One rank of a tensor-parallel Megatron world on CPU (gloo), for test_gpu_megatron_cpu.py.
+"""One rank of a tensor- and pipeline-parallel Megatron world on CPU (gloo), for
+test_gpu_megatron_cpu.py.
 
-    python megatron_tp_worker.py RANK WORLD PORT OUT_DIR
+    python megatron_tp_worker.py RANK WORLD PORT OUT_DIR [PIPELINE]
 
-Builds Gyre's GPTModel of the tiny Qwen2 (`build_gpt_model` + `hf_to_mcore`, this rank's TP
-shard), runs the micro-step's rows forward through `MegatronCell` (vocab-parallel
-cross-entropy), backward of the summed target log-probs, and writes this rank's log-probs
-and its shard's gradients (Megatron names) to OUT_DIR/rank<R>.pt.
+Builds Gyre's GPTModel of the tiny Qwen2 (`build_gpt_model` + `stage_to_mcore`: this rank's
+TP shard of its pipeline stage; TP = WORLD / PIPELINE), runs the micro-step's rows forward
+through `MegatronCell` (stage by stage; vocab-parallel cross-entropy), the cell's backward of
+the summed target log-probs, and writes this rank's log-probs and its shard's gradients
+(Megatron names) to OUT_DIR/rank<R>.pt.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 
-def main(rank: int, world: int, port: int, out: str) -> None:
+def main(rank: int, world: int, port: int, out: str, pipeline: int = 1) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -26,21 +28,23 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     from gyre.train.megatron import cpu
     from gyre.train.megatron.config import MegatronConfig
     from gyre.train.megatron.model import MegatronCell, build_gpt_model, init_model_parallel
-    from gyre.train.megatron.weights import Layout, hf_to_mcore
+    from gyre.train.megatron.weights import Layout, stage_to_mcore
     from gyre.train.objective import ObjectiveConfig
 
-    init_model_parallel(MegatronConfig(tensor_parallel=world, dtype="float32"))
+    tp = world // pipeline
+    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pipeline, dtype="float32")
+    init_model_parallel(mcfg)
     hf, _ = load_model("tiny")
     hfc = hf.config.to_dict()
-    model = build_gpt_model(hfc, MegatronConfig(tensor_parallel=world, dtype="float32"),
-                            device="cpu")  # fmt: skip
-    shard = hf_to_mcore(dict(hf.state_dict()), Layout.from_hf_config(hfc), tp_rank=rank,
-                        tp_size=world)  # fmt: skip
-    model.load_state_dict(shard, strict=False)
+    model = build_gpt_model(hfc, mcfg, device="cpu")
+    shard = stage_to_mcore(dict(hf.state_dict()), Layout.from_hf_config(hfc), tp_rank=rank % tp,
+                           tp_size=tp, stage=rank // tp, stages=pipeline)  # fmt: skip
+    missing, _ = model.load_state_dict(shard, strict=False)
+    assert not [k for k in missing if not k.endswith("_extra_state")], missing
     cell = MegatronCell(model.train(), objective=ObjectiveConfig())
     step = torch.load(f"{out}/step.pt", weights_only=False)
     logp, st = cell._logprobs(step, grad=True)
-    (logp * st.targets).sum().backward()
+    cell._backward((logp * st.targets).sum())  # the last stage's loss; the others' gradients
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     torch.save({"logp": logp.detach(), "grads": grads, "patched": cpu.active()},
                f"{out}/rank{rank}.pt")  # fmt: skip
@@ -48,4 +52,5 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    pipeline = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], pipeline)

@@ -1,6 +1,8 @@
-"""Megatron-core forward and backward on this CPU (gyre.train.megatron.cpu's three patches):
-Gyre's GPTModel of the tiny Qwen2 against transformers' own model at TP = 2 over two gloo
-processes (vocab-parallel cross-entropy, shards gathered back to the Hugging Face layout). And the patches stay off where CUDA is present."""
+"""Megatron-core forward and backward on this CPU (gyre.train.megatron.cpu's four patches):
+Gyre's GPTModel of the tiny Qwen2 against transformers' own model at TP = 2, PP = 2 and
+TP 2 x PP 2 over gloo processes (vocab-parallel cross-entropy; the stages' hidden states
+and input gradients sent stage to stage, the tied embedding's two copies summed; shards
+gathered back to the Hugging Face layout). And the patches stay off where CUDA is present."""
 
 from __future__ import annotations
 
@@ -52,30 +54,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("tp", [2])  # TP = 1: test_gpu_megatron_weights.py, in-process
-def test_megatron_tp_matches_transformers_on_cpu(tmp_path: Path, tp: int) -> None:
+# TP = 1, PP = 1: test_gpu_megatron_weights.py, in-process
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_megatron_tp_matches_transformers_on_cpu(tmp_path: Path, tp: int, pp: int) -> None:
     from gyre.models import load_model
-    from gyre.train.megatron.weights import Layout, mcore_to_hf
+    from gyre.train.megatron.weights import Layout, stages_to_hf
 
     step = _step()
     torch.save(step, tmp_path / "step.pt")
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(tp), str(port),
-                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(tp)]  # fmt: skip
+    port, world = _free_port(), tp * pp
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port),
+                               str(tmp_path), str(pp)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]  # fmt: skip
     for p in procs:
         out, _ = p.communicate(timeout=240)
         assert p.returncode == 0, out[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(tp)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     assert all(r["patched"] for r in ranks)  # the CPU patches were in force
     want_logp, want_grads = _hf_reference(step)
     targets = torch.from_numpy(np.zeros(want_logp.shape, bool))
     for k, row in enumerate(step.rows):
         targets[k, : row.length] = torch.from_numpy(row.targets)
-    for r in ranks:  # every TP rank has the whole rows' log-probs (vocab-parallel CE)
+    for r in ranks:  # every rank has the whole rows' log-probs (vocab-parallel CE, broadcast)
         assert (r["logp"][targets] - want_logp[targets]).abs().max() < 2e-5
     hf_config = load_model("tiny")[0].config.to_dict()
-    got = mcore_to_hf([r["grads"] for r in ranks], Layout.from_hf_config(hf_config))
+    got = stages_to_hf([r["grads"] for r in ranks], Layout.from_hf_config(hf_config), tp_size=tp)
     assert set(got) == set(want_grads) - {"lm_head.weight"}  # tied to the embedding
     for name, g in got.items():
         ref = want_grads[name]
@@ -87,9 +91,12 @@ def test_the_cpu_patches_stay_off_where_cuda_is_present() -> None:
         "import torch\n"
         "torch.cuda.is_available = lambda: True\n"
         "from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding\n"
-        "before = RotaryEmbedding.get_emb\n"
+        "from megatron.core.models.common.language_module.language_module import LanguageModule\n"
+        "before = RotaryEmbedding.get_emb, LanguageModule.setup_embeddings_and_output_layer\n"
         "from gyre.train.megatron import cpu\n"
-        "print(cpu.enable(), cpu.active(), RotaryEmbedding.get_emb is before)\n"
+        "on = cpu.enable()\n"
+        "after = RotaryEmbedding.get_emb, LanguageModule.setup_embeddings_and_output_layer\n"
+        "print(on, cpu.active(), all(a is b for a, b in zip(before, after)))\n"
     )
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], capture_output=True,
                          text=True, timeout=120)  # fmt: skip

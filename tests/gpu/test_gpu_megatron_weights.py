@@ -21,6 +21,8 @@ from gyre.train.megatron.weights import (
     hf_to_mcore,
     mcore_to_hf,
     split_qkv,
+    stage_to_mcore,
+    stages_to_hf,
     tensor_state,
 )
 
@@ -102,6 +104,26 @@ def test_pipeline_stages_cover_the_model_once():
     back = {**mcore_to_hf([first], lay, layers=[0, 1], last_stage=False),
             **mcore_to_hf([last], lay, layers=[2, 3], first_stage=False)}  # fmt: skip
     assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2), (1, 4)])
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tp_by_pp_cell_round_trips_exactly(tp, pp, tied):
+    """A cell's ranks in Gyre's order (rank s: TP rank s % TP of stage s // TP) gather back
+    to the HF tensors; a tied embedding's last-stage copy is the embedding itself."""
+    lay = Layout(num_layers=4, heads=8, groups=4, head_dim=2, qkv_bias=True, tied=tied)
+    hf = _hf_state(lay)
+    ranks = [stage_to_mcore(hf, lay, tp_rank=s % tp, tp_size=tp, stage=s // tp, stages=pp)
+             for s in range(tp * pp)]  # fmt: skip
+    assert all(len([k for k in r if ".layers." in k and "linear_fc2" in k]) == 4 // pp
+               for r in ranks)  # fmt: skip
+    if tied:
+        last = ranks[-1]["output_layer.weight"]
+        assert torch.equal(last, ranks[tp - 1]["embedding.word_embeddings.weight"])
+    back = stages_to_hf(ranks, lay, tp_size=tp)
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    with pytest.raises(TrainingError, match="4 layers not divisible by pipeline 3"):
+        stage_to_mcore(hf, lay, tp_rank=0, tp_size=1, stage=0, stages=3)
 
 
 def test_bad_input_is_named():

@@ -85,6 +85,12 @@ class _Recorder(BaseHTTPRequestHandler):
                     "prompt_tokens": 1, "completion_tokens": 1, "weight_version": "0",
                     "output_token_logprobs": [[-0.5, 7, None]]}  # fmt: skip
             reply = {"text": "x", "output_ids": [7], "meta_info": meta}
+            if body["sampling_params"].get("max_new_tokens") == 0:  # a scoring prefill
+                ids = body["input_ids"][body["logprob_start_len"] :]
+                meta["input_token_logprobs"] = [[None if k == 0 else -0.5, t, None]
+                                                for k, t in enumerate(ids)]  # fmt: skip
+                meta["completion_tokens"] = 0
+                reply = {"text": "", "output_ids": [], "meta_info": meta}
         data = json.dumps(reply).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -115,6 +121,8 @@ async def _async_clients(url: str) -> None:
     await client.generate([1], SamplingParams(temperature=0.0, regex="a+"), "g-2")
     await client.generate([1], SamplingParams(json_schema='{"type": "object"}'), "g-3")
     await client.generate([1], SamplingParams(ebnf='start: "a"+', ignore_eos=True), "g-4")
+    scored = await client.score([1, 2, 3, 4], 2, "g-4-score")  # a forced call's rescoring
+    assert scored.logprobs == [-0.5, -0.5]
     await client.abort("g-1")
     await client.abort_all()
     for mode in PAUSE_MODES:

@@ -320,6 +320,10 @@ LOCAL = ROOT / "templates" / "local.yaml"
         (["topology.ranks_per_cell=2", "train.backend=megatron"], (2, 1, 1)),
         (["topology.ranks_per_cell=4", "train.backend=megatron", "train.parallel.tensor=4"],
          (4, 1, 1)),
+        (["topology.ranks_per_cell=2", "train.backend=megatron", "train.parallel.pipeline=2"],
+         (1, 2, 1)),  # one layer of the tiny model per stage
+        (["topology.ranks_per_cell=4", "train.backend=megatron", "train.parallel.pipeline=2"],
+         (2, 2, 1)),
     ],
 )  # fmt: skip
 def test_a_cells_parallel_sizes_follow_its_backend(overrides: list[str], dims: tuple) -> None:
@@ -334,8 +338,12 @@ def test_a_cells_parallel_sizes_follow_its_backend(overrides: list[str], dims: t
         (["topology.ranks_per_cell=2", "train.parallel.tensor=2"], "with backend torch; allowed"),
         (["topology.ranks_per_cell=2", "train.backend=megatron", "train.parallel.tensor=4"],
          "train.parallel: tensor 4 x pipeline 1 != topology.ranks_per_cell 2"),
-        (["topology.ranks_per_cell=2", "train.backend=megatron", "train.parallel.pipeline=2"],
-         "train.parallel.pipeline: 2; allowed: 1"),
+        (["topology.ranks_per_cell=2", "train.backend=megatron", "train.parallel.pipeline=2",
+          "model=tiny:64x3"],
+         "train.parallel.pipeline: 2 does not divide the 3 layers of model 'tiny:64x3'; "
+         "allowed: a pipeline size dividing num_hidden_layers"),
+        (["topology.ranks_per_cell=3", "train.backend=megatron", "train.parallel.pipeline=2"],
+         "train.parallel: tensor 1 x pipeline 2 != topology.ranks_per_cell 3"),
         (["train.parallel.tensor=0"], "tensor: 0; allowed an integer >= 1"),
     ],
 )  # fmt: skip
@@ -343,6 +351,29 @@ def test_a_parallel_layout_the_cells_cannot_hold_is_refused(overrides: list[str]
     with pytest.raises(ConfigError) as e:
         load_run_config(LOCAL, overrides)
     assert says in str(e.value)
+
+
+def test_pipeline_stages_that_cannot_split_the_layers_are_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    from gyre.train.megatron.config import check_pipeline_split
+
+    out = subprocess.run(
+        [sys.executable, "-m", "gyre", "run", "templates/local.yaml", "model=tiny:64x3",
+         "topology.ranks_per_cell=2", "train.backend=megatron", "train.parallel.pipeline=2",
+         "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "train.parallel.pipeline: 2 does not divide the 3 layers" in out.stderr
+    assert not (tmp_path / "run").exists()
+    model = tmp_path / "model"  # a model directory: its config.json's layer count
+    model.mkdir()
+    (model / "config.json").write_text('{"num_hidden_layers": 30}')
+    check_pipeline_split(str(model), 3)
+    with pytest.raises(ConfigError, match="4 does not divide the 30 layers"):
+        check_pipeline_split(str(model), 4)
 
 
 def test_render_names_both_backends_and_the_cell_layout() -> None:

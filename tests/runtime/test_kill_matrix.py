@@ -382,20 +382,25 @@ def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_a_megatron_core_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    """The same chain with Megatron tensor-parallel cells (train.backend megatron, TP = 2):
-    preempted, then the core cell's second rank — the other half of every core layer and
-    its own AdamW shard — killed mid-run, then resumed to the end. The checkpoint holds the
-    gathered Hugging Face-layout weights and moments, and the first update after the
-    preemption starts from exactly them on both shards (the recorded update is gathered)."""
+@pytest.mark.parametrize("pipeline", [1, 2])
+def test_a_megatron_core_resumes_from_its_checkpoint(tmp_path: Path, pipeline: int) -> None:
+    """The same chain with Megatron model-parallel cells (train.backend megatron, TP = 2, or
+    two pipeline stages): preempted, then the core cell's second rank — the other half of
+    every core layer, or the second stage, and its own AdamW shard — killed mid-run, then
+    resumed to the end. The checkpoint holds the gathered Hugging Face-layout weights and
+    moments, and the first update after the preemption starts from exactly them on both
+    shards (the recorded update is gathered)."""
     pytest.importorskip("megatron.core", reason="megatron-core not installed (gyre[gpu])")
     run_dir = tmp_path / "run"
     config = str(_config(tmp_path, record_batches=True, ranks_per_cell=2))
-    args = [config, "train.backend=megatron", "--run-dir", str(run_dir)]
+    args = [config, "train.backend=megatron", f"train.parallel.pipeline={pipeline}",
+            "--run-dir", str(run_dir)]  # fmt: skip
     saved, closed = _preempt(run_dir, args)
-    second = "core cell's second rank"  # world rank 3: the core's other tensor-parallel half
+    second = "core cell's second rank"  # world rank 3: the other TP half, or the second stage
     closed = _kill_segment(run_dir, second, "midrun", closed,
                            lambda ps: [p for p in ps if p.kind == "rank" and p.index == 3])  # fmt: skip
     _completes(run_dir, closed, saved)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["train_backend"] == "megatron" and summary["parallel"]["tensor"] == 2
+    assert summary["train_backend"] == "megatron"
+    parallel = summary["parallel"]
+    assert (parallel["tensor"], parallel["pipeline"]) == (2 // pipeline, pipeline)

@@ -12,8 +12,10 @@ overrides, recorded in the run's config.yaml and read back from the core's recor
 snapshot transports run, each with 2-rank cells (every pass's rows split over a cell's two
 ranks, gradients summed inside the cell, satellites pulling the core shard by shard); and the
 Megatron backend with tensor-parallel 2-rank cells (each rank a half of every layer, the
-core's two ranks each stepping their shard): its updates, gathered into the Hugging Face
-layout, must equal the same one-process torch reference.
+core's two ranks each stepping their shard) and with pipeline-parallel 2-rank cells (each
+rank one of the tiny model's two layers, the embedding tied to the output layer across the
+two stages): its updates, gathered into the Hugging Face layout, must equal the same
+one-process torch reference.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ STEPS = 3
 OBJECTIVE = {"clip_low": 0.9, "clip_high": 1.2, "token_weight_cap": 3.0}
 
 
-def _run(tmp_path: Path, transport: str, ranks: int, budget: int, backend: str) -> Path:
+def _run(tmp_path: Path, transport: str, ranks: int, budget: int, backend: str,
+         pipeline: int) -> Path:  # fmt: skip
     cfg = small_config(tmp_path, steps=STEPS)
     cfg["harness"].update({"suite": "learn", "tasks": ["notes"]})
     cfg["harness"]["params"].update({"max_turns": "3", "max_tokens": "96"})
@@ -51,7 +54,7 @@ def _run(tmp_path: Path, transport: str, ranks: int, budget: int, backend: str) 
     # the objective and the transport come from the command line: `gyre run CONFIG KEY=VALUE`
     overrides = [f"train.{k}={v}" for k, v in OBJECTIVE.items()] + [
         f"train.transport={transport}", f"topology.ranks_per_cell={ranks}",
-        f"train.backend={backend}"]  # fmt: skip
+        f"train.backend={backend}", f"train.parallel.pipeline={pipeline}"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "gyre", "run", str(path), *overrides, "--run-dir", str(run_dir),
          "--quiet"], capture_output=True, text=True, timeout=400,
@@ -64,11 +67,12 @@ def _run(tmp_path: Path, transport: str, ranks: int, budget: int, backend: str) 
 @pytest.mark.slow
 # the Mooncake run's budget is shorter than most paths: those train alone in a micro-step
 @pytest.mark.parametrize(
-    "transport,ranks,budget,backend",
-    [("mpi", 2, 1500, "torch"), ("mooncake", 2, 160, "torch"), ("mpi", 2, 1500, "megatron")],
-)
+    "transport,ranks,budget,backend,pipeline",
+    [("mpi", 2, 1500, "torch", 1), ("mooncake", 2, 160, "torch", 1),
+     ("mpi", 2, 1500, "megatron", 1), ("mpi", 2, 1500, "megatron", 2)],
+)  # fmt: skip
 def test_every_update_equals_the_single_process_reference(
-    tmp_path: Path, transport: str, ranks: int, budget: int, backend: str
+    tmp_path: Path, transport: str, ranks: int, budget: int, backend: str, pipeline: int
 ):
     if transport == "mooncake":
         pytest.importorskip(
@@ -76,7 +80,7 @@ def test_every_update_equals_the_single_process_reference(
         )
     if backend == "megatron":
         pytest.importorskip("megatron.core", reason="megatron-core not installed (gyre[gpu])")
-    run_dir = _run(tmp_path, transport, ranks, budget, backend)
+    run_dir = _run(tmp_path, transport, ranks, budget, backend, pipeline)
     train = TrainConfig(**yaml.safe_load((run_dir / "config.yaml").read_text())["train"])
     assert {k: getattr(train, k) for k in OBJECTIVE} == OBJECTIVE
     from gyre.models import load_model
@@ -98,7 +102,7 @@ def test_every_update_equals_the_single_process_reference(
         assert float(ref.norm()) > 0, f"batch {batch}: an all-zero gradient proves nothing"
         assert float((got - ref).norm()) <= 1e-4 * float(ref.norm()), f"batch {batch}"
         norm = optimizer.step(got / steps["num_executions"])  # 1/E, clip, AdamW: the update
-        # the norm the core clipped by is the whole model's (a TP core: over its shards)
+        # the norm the core clipped by is the whole model's (a TP / PP core: over its shards)
         # (Megatron: squares summed per TP shard, then across shards, in float32 — a different
         # order than the reference's one flat sum: CI saw 1.05e-5 relative on 2026-12-04)
         rel = 1e-5 if backend == "torch" else 5e-5
@@ -113,7 +117,8 @@ def test_every_update_equals_the_single_process_reference(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_done"] == STEPS and summary["no_signal_steps"] < STEPS
     assert summary["ranks_per_cell"] == ranks and summary["train_backend"] == backend
-    assert summary["parallel"]["tensor"] == (ranks if backend == "megatron" else 1)
+    tensor = ranks // pipeline if backend == "megatron" else 1
+    assert (summary["parallel"]["tensor"], summary["parallel"]["pipeline"]) == (tensor, pipeline)
     with TraceReader(run_dir / "trace.h5") as r:
         reported = sum(float(row["value"]) for row in r.rows("steps")
                        if row["name"] == "oversize_rows")  # fmt: skip

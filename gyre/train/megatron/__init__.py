@@ -8,7 +8,8 @@
   the MPI prefix communicators of `gyre.train.comm`;
 * `model` — `build_gpt_model` and `MegatronCell`, a drop-in for `gyre.train.cell.TorchCell`
   (same micro-step stream, objective and flat buffers);
-* `cpu` — the three scoped patches that let megatron-core's forward and backward run on a
+* `pipeline` — a micro-step's forward and backward stage by stage (pipeline parallelism);
+* `cpu` — the four scoped patches that let megatron-core's forward and backward run on a
   machine without CUDA (inactive where CUDA is present).
 
 `gyre run` uses it through `train.backend: megatron` (`gyre.runtime.replica`).

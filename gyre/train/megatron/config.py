@@ -48,6 +48,35 @@ class MegatronConfig:
         return self.tensor_parallel * self.pipeline_parallel
 
 
+def model_layers(model: str) -> int | None:
+    """The layer count of a model spec, read cheaply (the tiny family's name, a model
+    directory's config.json); None where only loading the model would tell."""
+    import json
+    from pathlib import Path
+
+    from gyre.models import tiny_size
+
+    size = tiny_size(model)
+    if size is not None:
+        return size[1]
+    try:  # a missing or malformed config.json is reported where the model loads
+        layers = json.loads((Path(model) / "config.json").read_text()).get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return layers if isinstance(layers, int) else None
+
+
+def check_pipeline_split(model: str, pipeline: int) -> None:
+    """Refuse a pipeline size that does not divide the model's layers (before any process
+    starts; a model whose layer count is not known here is checked where it loads)."""
+    layers = model_layers(model) if pipeline > 1 else None
+    if layers is not None and layers % pipeline:
+        raise ConfigError(
+            f"parallel.pipeline: {pipeline} does not divide the {layers} layers of model "
+            f"{model!r}; allowed: a pipeline size dividing num_hidden_layers (equal stages)"
+        )
+
+
 def _get(hf: Mapping[str, Any], key: str) -> Any:
     if key not in hf:
         raise ConfigError(f"hf_config.{key}: missing; a Qwen2/Llama config.json has it")

@@ -1,6 +1,6 @@
-"""Megatron-core on a CPU: the three scoped patches that let its forward and backward run.
+"""Megatron-core on a CPU: the four scoped patches that let its forward and backward run.
 
-megatron-core (0.16) assumes a CUDA device at three points even with every fusion off:
+megatron-core (0.16) assumes a CUDA device at four points even with every fusion off:
 
 * `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` at the first
   forward — here it runs with the tensor's own device instead;
@@ -10,7 +10,11 @@ megatron-core (0.16) assumes a CUDA device at three points even with every fusio
 * the model-parallel RNG tracker refuses any forward whose "model-parallel-rng" CUDA state
   was never added (even with dropout 0) — here Megatron's own
   `initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)` installs its
-  no-state tracker.
+  no-state tracker;
+* with pipeline stages and tied embeddings, `LanguageModule.setup_embeddings_and_output_layer`
+  (run by the model's constructor) moves the stage's copy of the tied embedding with
+  `.cuda()` before all-reducing it over the embedding group — here, for that call only,
+  `Tensor.cuda` leaves a tensor where it is.
 
 `enable()` applies them only when no CUDA device is visible (on a GPU machine it does
 nothing, so a cluster job runs unpatched Megatron), after every `parallel_state`
@@ -47,6 +51,7 @@ def enable() -> bool:
         return False
     if not _rotary_patched:
         _patch_rotary()
+        _patch_tied_embedding_setup()
         _rotary_patched = True
     _host_memory_buffer()
     _rng_tracker()
@@ -75,6 +80,32 @@ def _patch_rotary() -> None:
             return original(self, *args, **kwargs)
 
     RotaryEmbedding.get_emb = get_emb  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _tensors_stay() -> Iterator[None]:
+    """`Tensor.cuda()` returns the tensor itself for the duration of the block."""
+    saved = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = saved  # type: ignore[method-assign]
+
+
+def _patch_tied_embedding_setup() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original: Callable[..., None] = LanguageModule.setup_embeddings_and_output_layer
+
+    @functools.wraps(original)
+    def setup_embeddings_and_output_layer(self: Any) -> None:
+        with _tensors_stay():
+            original(self)
+
+    LanguageModule.setup_embeddings_and_output_layer = (  # type: ignore[method-assign]
+        setup_embeddings_and_output_layer
+    )
 
 
 def _host_memory_buffer() -> None:

@@ -5,14 +5,17 @@ no Transformer Engine needed) from a Hugging Face Qwen2 / Llama config dict; Meg
 `parallel_state` must be initialized first (`init_model_parallel`). `MegatronCell` is a
 `gyre.train.cell.TorchCell` over that model: the same flat parameter / gradient buffers,
 phase-A prepass and phase-B accumulate of the same micro-steps and objective, so the world
-protocol (`gyre.runtime.training`, docs/training.md) and transports work unchanged. With tensor parallelism the
-logits are vocabulary-sharded and target log-probs come from Megatron's vocab-parallel
-cross-entropy. `ModelParallelOptimizer` is the core's optimizer: AdamW on each rank's shard,
-with the global gradient norm summed over the cell's model-parallel group (replicated
-parameters counted once), so clipping matches a single-device run.
+protocol (`gyre.runtime.training`, docs/training.md) and transports work unchanged. With
+tensor parallelism the logits are vocabulary-sharded and target log-probs come from
+Megatron's vocab-parallel cross-entropy; with pipeline parallelism a micro-step runs stage by
+stage (`gyre.train.megatron.pipeline`) and every stage gets the last stage's log-probs.
+`ModelParallelOptimizer` is the core's optimizer: AdamW on each rank's shard, with the
+global gradient norm summed over the cell's model-parallel group (replicated parameters and
+the last stage's copy of a tied embedding counted once), so clipping matches a
+single-device run.
 
-On a machine without CUDA, `init_model_parallel` applies the three scoped patches of
-`gyre.train.megatron.cpu` (megatron-core calls `torch.cuda` at three points even with every
+On a machine without CUDA, `init_model_parallel` applies the four scoped patches of
+`gyre.train.megatron.cpu` (megatron-core calls `torch.cuda` at four points even with every
 fusion off), so forward and backward run on CPU too; with CUDA it changes nothing.
 
     init_model_parallel(cfg)                  # after torch.distributed.init_process_group
@@ -45,7 +48,11 @@ def init_model_parallel(cfg: MegatronConfig) -> None:
     from gyre.train.megatron import cpu
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(cfg.tensor_parallel, cfg.pipeline_parallel)
+        # "pp" before "dp": a cell's TP x PP ranks are contiguous, shard s = TP rank s % TP of
+        # stage s // TP (Megatron's default order puts the pipeline outermost, across cells)
+        parallel_state.initialize_model_parallel(
+            cfg.tensor_parallel, cfg.pipeline_parallel, order="tp-cp-ep-pp-dp"
+        )
     cpu.enable()  # CPU only: Megatron's three CUDA-only points (gyre.train.megatron.cpu)
 
 
@@ -63,6 +70,7 @@ def build_gpt_model(
         **transformer_kwargs(hf_config, cfg),
         activation_func=torch.nn.functional.silu,
         params_dtype=dtype,
+        pipeline_dtype=dtype,  # of the hidden states sent between stages
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=device == "cpu",
@@ -89,26 +97,61 @@ def _tp_size() -> int:
 
 
 class MegatronCell(TorchCell):
-    """A cell rank running a Megatron GPTModel (single pipeline stage per rank group)."""
+    """A cell rank running its tensor-parallel shard of one pipeline stage of a GPTModel.
+
+    Every rank runs every row. With pipeline stages (`gyre.train.megatron.pipeline`) a
+    micro-step's forward runs stage by stage, every stage gets the last stage's log-probs,
+    and `_backward` sends the input gradients back stage by stage."""
 
     def __init__(self, model: torch.nn.Module, *, objective: ObjectiveConfig) -> None:
+        from gyre.train.megatron.pipeline import Stage
+
         super().__init__(model, objective=objective)
+        self.stage = Stage.current()
+        # this stage's (received input, output) of the latest forward with grad: the backward's
+        self._io: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
     def _logprobs(self, step: MicroStep, *, grad: bool) -> tuple[torch.Tensor, Any]:
         st = step_tensors(step, self.device)
         n, width = st.ids.shape
+        dtype, stage = self.flat_params.dtype, self.stage
         positions = torch.arange(width, device=self.device).expand(n, width)
         # Megatron's mask convention: True = masked out. Causal; right padding is never a
         # target's context, so no padding mask is needed.
         mask = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)
+        hidden = (width, n, int(self.model.config.hidden_size))  # type: ignore[union-attr,arg-type]
+        received = stage.receive_forward(hidden, dtype, self.device)
+        if received is not None:
+            received.requires_grad_(grad)
+            self.model.set_input_tensor(received)  # type: ignore[operator]
         with torch.set_grad_enabled(grad):
-            logits = self.model(st.ids, positions, mask[None, None])
-            if _tp_size() == 1:
-                logp = target_logprobs(logits, st.ids)
-            else:
-                logp = vocab_parallel_target_logprobs(logits, st.ids)
+            out = self.model(st.ids, positions, mask[None, None])
+            logp = self._target_logprobs(out, st.ids) if stage.last else None
+        stage.send_forward(out)
+        self._io = (received, out) if grad else None
+        logp = stage.broadcast_from_last(logp, (n, width), dtype, self.device)
         check_finite(logp, st, f"micro-step {step.index}")
         return logp, st
+
+    @staticmethod
+    def _target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if _tp_size() == 1:
+            return target_logprobs(logits, ids)
+        return vocab_parallel_target_logprobs(logits, ids)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward of this stage: from the loss on the last stage, from the next stage's
+        gradient elsewhere; the input's gradient goes to the previous stage."""
+        from gyre.train.megatron.pipeline import tied_gradients
+
+        assert self._io is not None, "backward without a forward with grad"
+        (received, out), self._io = self._io, None
+        with tied_gradients(self.model):
+            if self.stage.last:
+                loss.backward()
+            else:
+                torch.autograd.backward(out, self.stage.receive_backward(out))
+            self.stage.send_backward(received.grad if received is not None else None)
 
 
 def vocab_parallel_target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -128,15 +171,19 @@ def vocab_parallel_target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> t
 
 
 def _replicated_mask(model: torch.nn.Module, total: int, device: torch.device) -> torch.Tensor:
-    """1 where a flat-buffer element counts toward the norm on this rank, else 0."""
+    """1 where a flat-buffer element counts toward the norm on this rank, else 0: a tensor
+    replicated over the TP ranks counts on TP rank 0, a tied embedding on the first stage."""
     from megatron.core import parallel_state
 
+    from gyre.train.megatron.pipeline import tied_copy
+
     first = parallel_state.get_tensor_model_parallel_rank() == 0
+    duplicate = tied_copy(model) if not parallel_state.is_pipeline_first_stage() else None
     mask = torch.zeros(total, device=device)
     off = 0
     for p in (q for q in model.parameters() if q.requires_grad):
         n = p.numel()
-        if getattr(p, "tensor_model_parallel", False) or first:
+        if p is not duplicate and (getattr(p, "tensor_model_parallel", False) or first):
             mask[off : off + n] = 1.0
         off += n
     return mask
@@ -150,7 +197,8 @@ class ModelParallelOptimizer(CoreOptimizer):
         self._mask = _replicated_mask(cell.model, cell.flat_params.numel(), cell.device)
 
     def global_norm(self, grads: torch.Tensor) -> float:
-        """L2 norm over every TP / PP rank of the cell (replicated tensors counted once)."""
+        """L2 norm over every TP / PP rank of the cell (replicated and tied tensors counted
+        once)."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 

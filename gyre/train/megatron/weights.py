@@ -19,6 +19,8 @@ with ``fused_norms=True``, the Transformer-Engine spec (``linear_qkv.layer_norm_
     layout = Layout.from_hf_config(hf_config)
     shard = hf_to_mcore(hf_state, layout, tp_rank=0, tp_size=2)
     hf_state_again = mcore_to_hf([shard0, shard1], layout)        # exact round trip
+    stage = stage_to_mcore(hf_state, layout, tp_rank=0, tp_size=1, stage=1, stages=2)
+    hf_state_again = stages_to_hf([stage0, stage1], layout, tp_size=1)   # pipeline stages
 """
 
 from __future__ import annotations
@@ -58,6 +60,36 @@ class Layout:
             tied=bool(hf.get("tie_word_embeddings", False)),
             fused_norms=fused_norms,
         )
+
+
+def stage_layers(layout: Layout, stage: int, stages: int) -> range:
+    """The global layer indices pipeline stage `stage` of `stages` holds (equal blocks, in
+    order, as Megatron splits them)."""
+    if layout.num_layers % stages:
+        raise TrainingError(f"{layout.num_layers} layers not divisible by pipeline {stages}")
+    per = layout.num_layers // stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def stage_to_mcore(hf: Mapping[str, torch.Tensor], layout: Layout, *, tp_rank: int,
+                   tp_size: int, stage: int, stages: int) -> Tensors:  # fmt: skip
+    """`hf_to_mcore` for one TP rank of pipeline stage `stage` of `stages`."""
+    return hf_to_mcore(hf, layout, tp_rank=tp_rank, tp_size=tp_size,
+                       layers=stage_layers(layout, stage, stages), first_stage=stage == 0,
+                       last_stage=stage == stages - 1)  # fmt: skip
+
+
+def stages_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: Layout, *,
+                 tp_size: int) -> Tensors:  # fmt: skip
+    """HF tensors from every rank's state dict of a TP x PP cell (rank s: TP rank
+    s % tp_size of stage s // tp_size)."""
+    stages = len(shards) // tp_size
+    out: Tensors = {}
+    for stage in range(stages):
+        out.update(mcore_to_hf(shards[stage * tp_size : (stage + 1) * tp_size], layout,
+                               layers=stage_layers(layout, stage, stages),
+                               first_stage=stage == 0, last_stage=stage == stages - 1))  # fmt: skip
+    return out
 
 
 def _norm_names(layout: Layout, i: int) -> tuple[str, str]:

@@ -1,0 +1,220 @@
+"""Each rank's role in a Gyre job, built from the run config and the rank's wiring.
+
+`gyre.runtime.main.run_component` reads parse → build → serve → close: every rank first
+connects its `Wiring` (communicators, address, control link, device placement — collective,
+the same order everywhere), then builds the role of its component kind (`ROLES`), which
+serves until the run ends:
+
+    coordinator  CoordinatorRole   schedules, records the trace, prints the summary
+    proxy        ProxyRole         the proxy, the harness pool and the evaluator
+    cell         EngineRole        the leader: its engine and its replica's shard 0
+                 FollowerRole      the other ranks: their shards, stepped by the leader
+    standalone   EngineRole        an engine that stays in rollout
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from gyre.runtime.config import RunConfig
+from gyre.runtime.layout import Component, cell_members, cell_of_rank, engine_ranks
+from gyre.runtime.placement import RankDevice
+from gyre.runtime.residency import TrainerResidency
+
+
+@dataclass(frozen=True, slots=True)
+class Wiring:
+    """What every rank builds before its role, in the same order on every rank (each step
+    is collective over the world)."""
+
+    components: list[Component]
+    comms: Any  # gyre.train.comm.Communicators: per-cell Split and the K-1 prefix sets
+    address: str  # how other ranks reach this one: its engine's URL, control, snapshots
+    link: Any  # gyre.runtime.wire.Link: the control channel (MPI stays for collectives)
+    hosts: list[str]  # where every rank runs: its Slurm node (else host), for the trace
+    placed: RankDevice  # this rank's device and its engine's GPUs
+    residency: TrainerResidency | None  # a GPU trainer's offload on each switch to rollout
+
+    @classmethod
+    def connect(cls, cfg: RunConfig, world: Any, components: list[Component]) -> Wiring:
+        from gyre.runtime import wire
+        from gyre.runtime.address import node_address
+        from gyre.train.comm import build_communicators
+
+        comms = build_communicators(world, cell_of_rank=cell_of_rank(components))
+        address = node_address(world)
+        link = wire.connect(world, address)
+        hosts = world.allgather(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        placed = place_rank(cfg, world, components)
+        on_gpu = cfg.train.device.startswith("cuda")  # else the trainer stays on the CPU
+        residency = TrainerResidency.for_rank(placed) if on_gpu else None
+        return cls(components, comms, address, link, hosts, placed, residency)
+
+
+class Role(Protocol):
+    """A rank's component, built: what it shares with the snapshot transport (a cell's
+    parameters) and how it serves until the run ends."""
+
+    flat: Any
+
+    def serve(self, link: Any, transport: Any) -> int: ...
+
+
+class CoordinatorRole:
+    """Rank 0: schedules the run, records its trace, prints the summary line."""
+
+    flat = None
+
+    def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
+        self.cfg, self.wiring, self.run_dir = cfg, wiring, run_dir
+
+    def serve(self, link: Any, transport: Any) -> int:
+        from gyre import provenance
+        from gyre.runtime.coordinator import Coordinator
+
+        cfg, components = self.cfg, self.wiring.components
+        meta = {"config": (self.run_dir / "config.yaml").read_text(),
+                "world_size": len(components), "hosts": self.wiring.hosts,
+                "model": cfg.model, **provenance()}  # fmt: skip
+        coordinator = Coordinator(cfg, link, self.run_dir, engine_ranks(components), meta,
+                                  cell_members=cell_members(components))  # fmt: skip
+        try:
+            summary = coordinator.run()
+        finally:  # a failed run still leaves its trackers' files closed
+            coordinator.tracker.close()
+        print("GYRE-SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "steps"}),
+              flush=True)  # fmt: skip
+        return int(summary["status"])
+
+
+class ProxyRole:
+    """Rank 1: the proxy, the harness pool and the evaluator."""
+
+    flat = None
+
+    def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
+
+    def serve(self, link: Any, transport: Any) -> int:
+        from gyre.runtime.proxy_node import run_proxy_node
+
+        return run_proxy_node(self.cfg, link, self.run_dir)
+
+
+class EngineRole:
+    """A cell's leader (its engine and its replica's shard 0) or a standalone engine."""
+
+    def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
+        from gyre.runtime.checkpoint import latest
+
+        self.cfg, self.wiring, self.me, self.run_dir = cfg, wiring, me, run_dir
+        self.engine = _start_engine(cfg, me, run_dir, wiring.address, wiring.placed)
+        self.replica, self.version = None, 0
+        if me.kind == "cell":
+            self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
+        elif (found := latest(run_dir)) is not None:  # a standalone engine resumes there
+            self.version = int(found[1]["version"])
+        self.flat = self.replica.cell.flat_params if self.replica is not None else None
+
+    def serve(self, link: Any, transport: Any) -> int:
+        from gyre.runtime.cell import CellProcess
+
+        k, me = self.cfg.topology.cells, self.me
+        return CellProcess(
+            self.cfg, engine_index=me.index if me.kind == "cell" else k + me.index,
+            comms=self.wiring.comms, run_dir=self.run_dir, engine=self.engine,
+            replica=self.replica, transport=transport, version=self.version,
+            residency=self.wiring.residency if self.replica is not None else None,
+        ).serve(link)  # fmt: skip
+
+
+class FollowerRole:
+    """A cell rank other than the leader: its replica's shard, stepped by the leader."""
+
+    def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
+        self.cfg, self.wiring, self.run_dir = cfg, wiring, run_dir
+        self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
+        self.flat = self.replica.cell.flat_params
+
+    def serve(self, link: Any, transport: Any) -> int:
+        from gyre.runtime.cell_follower import CellFollower
+        from gyre.runtime.cell_trainer import CellTrainer
+
+        trainer = CellTrainer(self.cfg, self.replica, self.wiring.comms, transport,
+                              version=self.version, run_dir=self.run_dir,
+                              residency=self.wiring.residency)  # fmt: skip
+        return CellFollower(trainer).serve(link)
+
+
+def _role(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> Role:
+    """A cell rank: the leader hosts the engine, the others follow it."""
+    if me.kind == "cell" and me.shard > 0:
+        return FollowerRole(cfg, wiring, me, run_dir)
+    return EngineRole(cfg, wiring, me, run_dir)
+
+
+ROLES: dict[str, Callable[[RunConfig, Wiring, Component, Path], Role]] = {
+    "coordinator": CoordinatorRole, "proxy": ProxyRole, "cell": _role, "standalone": EngineRole,
+}  # fmt: skip
+"""Each component kind's role, built from the run config and the rank's wiring."""
+
+
+def _build_replica(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> tuple[Any, int]:
+    """This cell rank's training replica (its shard of the cell) and the version it
+    resumed at. The core cell's optimizer runs on its leader (torch) or on every rank
+    (megatron: each rank steps its own shard)."""
+    import torch
+
+    from gyre.runtime.replica import build_replica
+
+    torch.set_num_threads(1)
+    on_gpu = cfg.train.device.startswith("cuda")
+    owns_optimizer = me.index == 0 and (me.shard == 0 or cfg.train.backend == "megatron")
+    replica = build_replica(cfg, core=owns_optimizer, comms=wiring.comms, host=wiring.address,
+                            device=wiring.placed.device if on_gpu else "cpu")  # fmt: skip
+    return replica, replica.restore(run_dir, me.shard)
+
+
+def place_rank(cfg: RunConfig, world: Any, components: list[Component]) -> RankDevice:
+    """This rank's device and its engine's GPUs (`gyre.runtime.placement`; the CUDA device
+    bound). A run that uses no GPU (`train.device: cpu`, embedded engines) plans nothing:
+    every rank is on the CPU. Otherwise collective over `world` (the ranks of each node)."""
+    from gyre.runtime.placement import RankDevice, node_ranks, plan_node
+
+    me = components[world.Get_rank()]
+    if not (cfg.train.device.startswith("cuda") or cfg.engine.backend == "sglang"):
+        return RankDevice(local_rank=0, component=me, device="cpu")
+    import torch
+
+    on_node = node_ranks(world, os.environ)
+    plan = plan_node(torch.cuda.device_count(), [components[r] for r in on_node],
+                     tensor_parallel=cfg.engine.tensor_parallel,
+                     mode=cfg.topology.placement)  # fmt: skip
+    mine = plan[on_node.index(world.Get_rank())]
+    if mine.device.startswith("cuda"):
+        torch.cuda.set_device(mine.device)
+    return mine
+
+
+def _start_engine(
+    cfg: RunConfig, me: Component, run_dir: Path, address: str, placed: RankDevice
+) -> Any:
+    """Spawn this rank's engine, bound to (and reached at) this rank's `address`, on the
+    GPUs its placement gives it."""
+    from gyre.runtime.engine_host import EngineHost
+
+    name = f"engine-cell{me.index}" if me.kind == "cell" else f"engine-standalone{me.index}"
+    index = me.index if me.kind == "cell" else cfg.topology.cells + me.index
+    labels = {"GYRE_RUN_DIR": str(run_dir.resolve()), "GYRE_ENGINE_INDEX": str(index)}
+    pace = cfg.pace.engine(cfg.schedule.concurrency_per_cell) if cfg.pace.enabled else None
+    engine = EngineHost(cfg.model, cfg.engine, run_dir / "logs" / f"{name}.log", version=0,
+                        labels=labels, pace=pace, host=address,
+                        base_gpu_id=placed.engine.base_gpu_id if placed.engine else 0)  # fmt: skip
+    engine.spawn()
+    return engine
