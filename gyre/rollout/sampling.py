@@ -39,8 +39,9 @@ def processed_logprobs(
     z = logits.to(torch.float64)
     if allowed is not None:  # grammar masks are built on the host
         z = z.masked_fill(~allowed.to(z.device), float("-inf"))
-    if temperature > 0:
-        z = z / temperature
+    if temperature > 0:  # shifted first: a tiny T sends the others to -inf, never to +inf/NaN
+        top = z.max()
+        z = (z - top) / temperature if bool(torch.isfinite(top)) else z / temperature
     keep = torch.isfinite(z)
     if not (0 < top_k < z.numel()) and top_p >= 1.0:
         return torch.log_softmax(z, dim=-1).masked_fill(~keep, float("-inf"))

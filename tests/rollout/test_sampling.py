@@ -54,6 +54,23 @@ def test_masked_distribution_is_renormalized_over_allowed(
     assert bool(torch.isinf(got[~allowed]).all())
 
 
+@settings(max_examples=100, deadline=None)
+@given(logits=logit_rows, temperature=st.sampled_from([5e-324, 1e-308, 1e-300, 1e-30]))
+def test_a_tiny_temperature_samples_the_argmax_not_nan(
+    logits: list[float], temperature: float
+) -> None:
+    """Logits divided by a (valid) temperature near 0 overflow; sampling must still work, on
+    the maximum (a fuzzed /v1/responses call once made the engine fail with NaN probabilities)."""
+    row = torch.tensor(logits)
+    got = processed_logprobs(row, temperature=temperature)
+    assert not bool(torch.isnan(got).any())
+    assert abs(sum(math.exp(v) for v in got.tolist() if math.isfinite(v)) - 1) < 1e-9
+    gen = torch.Generator().manual_seed(0)
+    token, _ = next_token(row, temperature=temperature, top_p=1, top_k=-1, allowed=None,
+                          generator=gen)  # fmt: skip
+    assert row[token] == row.max()
+
+
 def test_greedy_picks_argmax_and_sampling_follows_the_distribution() -> None:
     row = torch.tensor([0.0, 2.0, 1.0, 2.0])
     token, lp = next_token(row, temperature=0, top_p=1, top_k=-1, allowed=None, generator=None)
