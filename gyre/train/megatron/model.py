@@ -53,7 +53,7 @@ def init_model_parallel(cfg: MegatronConfig) -> None:
         parallel_state.initialize_model_parallel(
             cfg.tensor_parallel, cfg.pipeline_parallel, order="tp-cp-ep-pp-dp"
         )
-    cpu.enable()  # CPU only: Megatron's three CUDA-only points (gyre.train.megatron.cpu)
+    cpu.enable()  # CPU only: Megatron's four CUDA-only points (gyre.train.megatron.cpu)
 
 
 def build_gpt_model(
