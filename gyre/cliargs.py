@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from gyre import fsafe
+
 
 class Parser(argparse.ArgumentParser):
     """argparse, with errors on one line (subparsers inherit the class)."""
@@ -94,7 +96,9 @@ def output_file(text: str) -> str:
 
 
 def directory_to_make(text: str) -> str:
-    """A directory that exists or can be made: nothing else is at that path."""
+    """A directory that exists or can be made, and written into: nothing else is at that
+    path, and a probe directory can really be made in its nearest existing directory (a
+    read-only file system, `/proc`, a full disk or no permission are refused here)."""
     path = Path(text)
     if not text:
         raise argparse.ArgumentTypeError("''; allowed: a directory path")
@@ -104,5 +108,12 @@ def directory_to_make(text: str) -> str:
                 f"{text}: {str(p)!r} is a file; allowed: a directory (existing or new)"
             )
         if p.is_dir():
+            try:
+                fsafe.remove_tree(fsafe.make_temp_dir(".gyre-probe-", p))
+            except OSError as e:
+                raise argparse.ArgumentTypeError(
+                    f"{text}: cannot make a directory in {str(p)!r} ({e.strerror or e}); "
+                    "allowed: a directory gyre can write"
+                ) from None
             break
     return text

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gyre import fsafe
 from gyre.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -89,6 +88,116 @@ def check_model(spec: str) -> None:
         raise ConfigError(f"model: {spec!r} has no tokenizer (one of {', '.join(TOKENIZER_FILES)})")
 
 
+def model_config(spec: str) -> Any:
+    """The transformers config of `spec`, read without its weights (a model directory's
+    config.json; the tiny family's own); None for smollm2-135m (known once converted)."""
+    size = tiny_size(spec)
+    if size is not None:
+        return tiny_config(TINY_VOCAB, *size)
+    if spec == "smollm2-135m":
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:  # an unknown model_type, a malformed file
+        raise ConfigError(f"model: {spec!r}: transformers cannot read its config.json "
+                          f"({' '.join(str(e).split())[:300]}); allowed: a Hugging Face model "
+                          "directory this transformers loads") from None  # fmt: skip
+
+
+TINY_VOCAB = 4096
+"""Tokens of the shipped tiny tokenizer (`len(tiny_tokenizer())`): the tiny model's vocab_size."""
+
+
+def check_vocab(spec: str, config: Any, tokens: int) -> None:
+    """Refuse a model whose embedding rows (`vocab_size`) do not cover its tokenizer's
+    `tokens` ids: every id past them fails its execution (seen: 27 failed executions and two
+    untrained policies published). What `load_model` checks, and the preflight before it."""
+    vocab = int(config.get_text_config().vocab_size)
+    if vocab < tokens:
+        raise ConfigError(
+            f"model: {spec!r}: config.json vocab_size {vocab} < its tokenizer's {tokens} "
+            f"tokens; allowed: a vocab_size covering every token id (>= {tokens})"
+        )
+
+
+def check_tokenizer(spec: str, config: Any) -> None:
+    """`check_vocab` with the tokenizer `spec` loads (no weights read)."""
+    if tiny_size(spec) is None and spec != "smollm2-135m":
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"model: {spec!r}: transformers cannot load its tokenizer "
+                              f"({' '.join(str(e).split())[:300]}); allowed: a Hugging Face "
+                              "model directory with its tokenizer files") from None  # fmt: skip
+        check_vocab(spec, config, len(tok))
+
+
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+              "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "tie_word_embeddings")  # fmt: skip
+"""The config fields that decide a model's tensors: a checkpoint loads only into their equal."""
+
+
+def check_same_shape(spec: str, run_spec: str) -> None:
+    """Refuse `spec` in place of `run_spec`, the model a run's checkpoints and trace were made
+    with (`gyre run --resume RUN model=...`), unless their tensors have the same shapes."""
+    if spec == run_spec:
+        return
+    shapes = []
+    for s in (spec, run_spec):
+        try:
+            config = model_config(s)
+        except (OSError, ValueError):  # a directory gone or not a model: no shape to compare
+            config = None
+        shapes.append({k: config.to_dict().get(k) for k in SHAPE_KEYS} if config else None)
+    mine, theirs = shapes
+    if mine is not None and mine == theirs:
+        return
+    key = next((k for k in SHAPE_KEYS if mine and theirs and mine[k] != theirs[k]), None)
+    what = f" ({key} {mine[key]}, the run's {theirs[key]})" if mine and theirs and key else ""
+    raise ConfigError(
+        f"model: {spec!r}{what}; the run's checkpoints and trace hold {run_spec!r}; allowed: "
+        f"{run_spec!r} or a model of the same shape (config.json sizes and vocab)"
+    )
+
+
+def check_cache_layers(cache: Any) -> None:
+    """Refuse a KV cache the embedded engine cannot batch (`gyre.rollout.kv` joins rows of
+    plain full-length layers only): sliding-window or unknown layers."""
+    from gyre.errors import EngineError
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(getattr(layer, "is_sliding", False) for layer in layers):
+        raise EngineError(
+            "the embedded engine batches plain DynamicCache layers only; "
+            f"got {type(cache).__name__} with sliding-window or unknown layers"
+        )
+
+
+def check_batchable(spec: str, config: Any) -> None:
+    """Refuse a model Gyre's embedded engine cannot batch: the KV cache its forward makes from
+    `config` (`DynamicCache(config=...)`) must hold only plain full-length layers. The
+    engine's own check (`check_cache_layers`), which otherwise aborts every /generate while
+    /health passes."""
+    from transformers import DynamicCache
+
+    from gyre.errors import EngineError
+
+    try:
+        check_cache_layers(DynamicCache(config=config))
+    except EngineError as e:
+        window = getattr(config.get_text_config(), "sliding_window", None)
+        raise ConfigError(
+            f"model: {spec!r} ({config.model_type}, sliding_window {window}) with "
+            f"engine.backend embedded: {e}; allowed: engine.backend=sglang, or a model "
+            "without sliding-window layers"
+        ) from None
+
+
 def load_model(spec: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load `spec` ("tiny[:HxL]" | "smollm2-135m" | local HF directory) as (model, tokenizer)."""
     check_model(spec)
@@ -99,6 +208,7 @@ def load_model(spec: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         model, tok = _load_smollm2()
     else:
         model, tok = _load_dir(Path(spec))
+    check_vocab(spec, model.config, len(tok))
     _ensure_tool_template(tok)
     model.eval()
     return model, tok
@@ -241,12 +351,12 @@ def _keep(cache: Path, write: Callable[[Path], object]) -> None:
     tmp = None
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=cache.name, dir=cache.parent))
+        tmp = fsafe.make_temp_dir(cache.name, cache.parent)
         write(tmp)
         tmp.rename(cache)
     except OSError:
         if tmp is not None:  # half written, or another process kept its copy first
-            shutil.rmtree(tmp, ignore_errors=True)
+            fsafe.remove_tree(tmp, ignore_errors=True)
 
 
 def _load_dir(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -17,6 +17,9 @@ A run directory keeps one tracker run: a resumed run (same directory) continues 
 (a fixed id) and the MLflow run (found by its `gyre.run_dir` tag), and TensorBoard appends.
 Opening a tracker that is enabled but not installed, or that cannot start, is a
 `TrackingError`; a tracker that fails later is logged and dropped, never failing the run.
+`check(cfg)` refuses, before any process starts (`gyre.runtime.preflight`), what opening would:
+an enabled tracker whose package is missing, an MLflow tracking URI MLflow has no store for
+(`check_mlflow_uri`, which the MLflow tracker calls as it opens, too).
 
     tracker = open_tracker(cfg.tracking, run_dir, run_config=to_dict(cfg))
     tracker.log_step(step, {"loss": 0.4, "reward_mean": 0.3})
@@ -30,17 +33,21 @@ Packages: `pip install -e .[tracking]` (docs/tracking.md).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import math
+import os
 import time
+import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import yaml
 
-from gyre.errors import GyreError
+from gyre.errors import ConfigError, GyreError
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +113,55 @@ class TrackingConfig:
     """MLflow (a SQLite store in the run directory by default)."""
     run_name: str = ""
     """Run name shown by the trackers; "" = the run directory's name."""
+
+
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+"""The package each tracker needs (TensorBoard: torch.utils.tensorboard imports it)."""
+MLFLOW_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks",
+                  "databricks-uc", "uc")  # fmt: skip
+"""Tracking URI schemes MLflow 3 has a store for, besides its file store (a path or file:),
+which it refuses unless MLFLOW_ALLOW_FILE_STORE=true."""
+
+
+def check(cfg: TrackingConfig, *, installed: bool = True) -> None:
+    """`ConfigError` (one line) for what opening the enabled trackers would refuse: the
+    MLflow URI, and with `installed` (where the job runs) a tracker package not installed."""
+    if cfg.mlflow.enabled:
+        check_mlflow_uri(cfg.mlflow.tracking_uri)
+    for name, module in PACKAGES.items() if installed else ():
+        if getattr(cfg, name).enabled and not _importable(module):
+            raise ConfigError(f"tracking.{name}.enabled: true, but the {name} package is not "
+                              "installed here; allowed: pip install -e .[tracking], or "
+                              f"tracking.{name}.enabled=false")  # fmt: skip
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+def check_mlflow_uri(uri: str, env: Mapping[str, str] = os.environ) -> None:
+    """`ConfigError` unless MLflow has a tracking store for `uri` ("" is the run's own SQLite
+    store); the scheme is read as MLflow reads it (`mlflow.utils.uri.get_uri_scheme`)."""
+    if not uri:
+        return
+    named = uri in ("databricks", "databricks-uc", "uc")
+    scheme = uri if named else urllib.parse.urlparse(uri).scheme
+    base = scheme.lower().split("+", 1)[0]
+    allowed = ("allowed: '' (sqlite:///RUN_DIR/mlflow/mlflow.db), sqlite:///PATH, "
+               "http(s)://HOST[:PORT], postgresql://, mysql://, mssql://, databricks")  # fmt: skip
+    key = f"tracking.mlflow.tracking_uri: {uri!r}"
+    if len(base) <= 1 or base == "file":  # a path (C: too): MLflow's file store
+        if env.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):
+            return
+        raise ConfigError(f"{key} is MLflow's file store, which MLflow 3 refuses unless "
+                          f"MLFLOW_ALLOW_FILE_STORE=true; {allowed}")  # fmt: skip
+    if base not in MLFLOW_SCHEMES:
+        raise ConfigError(f"{key}: MLflow has no tracking store for scheme {scheme!r}; {allowed}")
+    if base in ("http", "https") and not urllib.parse.urlparse(uri).netloc:
+        raise ConfigError(f"{key}: no host; {allowed}")
 
 
 class _Backend(Protocol):
@@ -325,6 +381,7 @@ class _Mlflow:
     name = "mlflow"
 
     def __init__(self, cfg: MlflowConfig, run: _Run) -> None:
+        check_mlflow_uri(cfg.tracking_uri)  # what the preflight checked
         from mlflow.tracking import MlflowClient
 
         store = run.dir / "mlflow"

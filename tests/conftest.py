@@ -42,6 +42,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif "e2e_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("e2e"))  # one shared world, run once
+        elif "megatron_chain" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("megatron_chain"))  # the same
         elif "smollm2_policy" in getattr(item, "fixturenames", ()):
             # one conversion of the GGUF file (~30 CPU-s) and one engine for them all
             item.add_marker(pytest.mark.xdist_group("smollm2"))
@@ -64,6 +66,16 @@ def e2e_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
     from worlds import e2e_world
 
     return e2e_world(tmp_path_factory.mktemp("e2e"))
+
+
+@pytest.fixture(scope="session")
+def megatron_chain(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The shared chain of Megatron runs over one run directory (tests/worlds.py: preempted
+    under TP 2, killed under PP 2, finished under TP 2), run once for the session."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (gyre[gpu])")
+    from worlds import megatron_world
+
+    return megatron_world(tmp_path_factory.mktemp("megatron-chain"))
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,7 @@
 """Bad input on the command line: one line naming what was wrong and what is allowed, exit 2,
-no traceback, and nothing started.
+no traceback, and nothing started. The corpus of such inputs is tests/test_bad_input_corpus.py
+(in-process); here, what needs a real process (a closed pipe), and the `gyre` / one-line
+helpers other tests use.
 
 Each case is a real `gyre` process, as a user types it. None of them may start an MPI world,
 an engine or a Slurm job: the checks run before anything does.
@@ -7,7 +9,6 @@ an engine or a Slurm job: the checks run before anything does.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,38 +30,6 @@ def one_line_error(out: subprocess.CompletedProcess[str], *needles: str) -> None
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert len(lines) == 1 and lines[0].startswith("gyre "), out.stderr[-2000:]
     assert "Traceback" not in out.stderr and all(n in lines[0] for n in needles), lines[0]
-
-
-def test_bad_inputs_get_one_line_and_exit_2(tmp_path: Path) -> None:
-    half = tmp_path / "half-model"  # a directory that is not a Hugging Face model
-    half.mkdir()
-    (half / "config.json").write_text("{}")
-    cases = [
-        (["run", str(tmp_path)], ["is a directory", "allowed: a YAML file"]),
-        (["run", "templates/local.yaml", "model=/tmp/gyre-no-such-model"],
-         ["neither a known model nor a directory", "allowed: tiny"]),
-        (["run", "templates/local.yaml", f"model={half}"], ["has no tokenizer"]),
-        (["run", "templates/local.yaml", f"model={tmp_path}"], ["has no config.json"]),
-        (["eval", "tiny", "--tasks", "nope"], ["--tasks: ['nope'] not in suite 'learn'",
-                                               "allowed: notes"]),
-        # held-out seeds of a task without variables would re-run its one (training) instance
-        (["eval", "tiny", "harness.suite=builtin", "harness.tasks=[add]"],
-         ["task(s) add have no variables", "allowed: eval.suite="]),
-        (["engine", "--model", "/tmp/gyre-no-such-model"], ["neither a known model"]),
-        (["trace", "show", str(tmp_path)], ["trace.h5"]),
-        # an override after an option is an override (its unknown key is the error), not an
-        # unrecognized argument
-        (["run", "templates/local.yaml", "--steps", "2", "train.bogus=1"],
-         ["unknown key 'bogus'"]),
-        (["sim", "templates/sim/nl2repo.yaml", "--sweep", "concurrency_per_cell"],
-         ["allowed KEY=V1,V2"]),
-    ]  # fmt: skip
-    for args, needles in cases:
-        one_line_error(gyre(*args), *needles)
-    no_slurm = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # no scontrol
-    one_line_error(gyre("submit", "templates/local.yaml", "--folder", str(tmp_path / "s"),
-                        env=no_slurm), "scontrol not found")  # fmt: skip
-    assert not list(tmp_path.glob("runs")) and not (ROOT / "runs" / "gyre-no-such").exists()
 
 
 def test_trace_show_takes_a_run_directory_and_a_closed_pipe(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ and any package on a lower floor):
 * pure records and logic: `gyre.schedule`, `gyre.trajectory`;
 * ground: `gyre.config`, `gyre.errors`, `gyre.vocabulary` (the shared enums and ids),
   `gyre.models`, `gyre.lazy`, `gyre.lifetime`, `gyre.tracking`, `gyre.cliargs` (the command
-  line's parser class and argument types) and the root `gyre`.
+  line's parser class and argument types), `gyre.fsafe` (what may be deleted and written)
+  and the root `gyre`.
 
 A new top-level package or module has to be placed on a floor here first.
 """
@@ -39,7 +40,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("gyre.rollout", "gyre.train", "gyre.sim", "gyre.tasks"),
     ("gyre.schedule", "gyre.trajectory"),
     ("gyre.config", "gyre.errors", "gyre.vocabulary", "gyre.models", "gyre.lazy",
-     "gyre.lifetime", "gyre.tracking", "gyre.cliargs", "gyre"),
+     "gyre.lifetime", "gyre.tracking", "gyre.cliargs", "gyre.fsafe", "gyre"),
 ]  # fmt: skip
 FLOOR = {unit: level for level, units in enumerate(FLOORS) for unit in units}
 

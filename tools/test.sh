@@ -2,13 +2,22 @@
 # The test command: set up a fresh machine, then lint, type-check and run the whole suite.
 #
 #   bash tools/test.sh [pytest args...]
+#   bash tools/test.sh --fast [pytest args...]   # the developer's loop: the pure and
+#                                                # single-process tests (no MPI world, no Slurm,
+#                                                # no SmolLM2, nothing marked slow), ~2 minutes
 #
+# CI runs everything (no --fast).
 # ruff and mypy run beside pytest (they take a core for a minute while the suite mostly waits
 # on its subprocesses); pytest runs on pytest-xdist workers (`--dist loadgroup`: the Slurm tests
 # share one worker, tests/conftest.py). Every skip except the CUDA-only ones fails the run
 # (GYRE_NO_SKIP=1). The exit status is non-zero if any of the three failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+select=()
+if [[ "${1:-}" == --fast ]]; then
+  shift
+  select=(-m "not mpi and not slurm and not smollm2 and not slow")
+fi
 bash tools/setup.sh --test
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GYRE_NO_SKIP=1
 workers="${GYRE_TEST_WORKERS:-2}"
@@ -25,7 +34,7 @@ lint=$!
 
 echo "== $(date -u +%T) pytest ($workers workers)"
 status=0
-python3 -m pytest -q -n "$workers" --dist loadgroup --durations=20 "$@" || status=$?
+python3 -m pytest -q -n "$workers" --dist loadgroup --durations=20 "${select[@]}" "$@" || status=$?
 
 lint_status=0
 wait "$lint" || lint_status=$?

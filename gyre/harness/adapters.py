@@ -9,6 +9,13 @@ Placeholders filled per execution: `{python}` (this interpreter), `{instruction}
 `{instruction_file}`, `{feedback_file}`, `{workspace}`, `{model}`, `{execution_id}`, plus every key of the
 adapter's `params` (overridable per run). An unknown placeholder is a `ConfigError`.
 
+Every param declares its type in `param_types` (an adapter loaded from YAML must; one built in
+code defaults to `str`): `int` (an integer >= 0), `float` (a number >= 0), `str`, or the
+allowed words `a|b|c`. `check_params` refuses an unknown param or a value of the wrong type in
+one line; the preflight (`gyre.runtime.preflight`) and the runner, per execution, call it, so
+`harness.params.max_turns=lots` is refused before any process starts instead of every harness
+exiting 2.
+
 `sandbox_binds` name the folders a harness's program needs inside the sandbox (its
 node_modules, its virtual environment), read-only; `gyre.harness.sandbox` adds them to the
 allow-list.
@@ -62,6 +69,8 @@ class Adapter:
     env: dict[str, str] = field(default_factory=dict)
     # default values of adapter-specific placeholders
     params: dict[str, str] = field(default_factory=dict)
+    # each param's type: int (>= 0), float (>= 0), str, or allowed words "a|b|c"
+    param_types: dict[str, str] = field(default_factory=dict)
     # extra directories searched for the program, relative to the repository root or absolute
     search_path: list[str] = field(default_factory=list)
     # folders the program needs inside the sandbox, read-only (its node_modules or virtual
@@ -85,6 +94,14 @@ class Adapter:
                         f"command: unknown placeholder {{{name}}} in {text!r}; "
                         f"allowed: {', '.join(sorted(allowed))}"
                     )
+        for name, kind in self.param_types.items():
+            if name not in self.params:
+                raise ConfigError(f"param_types: {name!r} is not a param; allowed: "
+                                  f"{', '.join(sorted(self.params)) or '(none)'}")  # fmt: skip
+            if not _kind_ok(kind):
+                raise ConfigError(f"param_types.{name}: {kind!r}; allowed: {', '.join(PARAM_TYPES)} "
+                                  "or the allowed words a|b|c")  # fmt: skip
+        self.check_params(self.params)  # the defaults have their declared types
 
     def render(
         self, values: dict[str, str], overrides: dict[str, str] | None = None
@@ -97,13 +114,19 @@ class Adapter:
         return argv, env
 
     def check_params(self, overrides: dict[str, str]) -> None:
-        """Raise ConfigError naming the first parameter this adapter does not declare."""
+        """Raise ConfigError naming the first parameter this adapter does not declare, or
+        whose value is not of its declared type."""
         unknown = sorted(set(overrides) - set(self.params))
         if unknown:
             raise ConfigError(
                 f"params: unknown parameter {unknown[0]!r} for adapter {self.name!r}; "
                 f"allowed: {', '.join(sorted(self.params)) or '(none)'}"
             )
+        for name, value in overrides.items():
+            kind = self.param_types.get(name, "str")
+            if not _value_ok(kind, value):
+                raise ConfigError(f"params.{name}: {value!r}; allowed: {_describe(kind)} "
+                                  f"(adapter {self.name!r})")  # fmt: skip
 
     def sandbox_paths(self) -> list[Path]:
         """`sandbox_binds` as absolute paths (the relative ones under the repository root)."""
@@ -116,6 +139,40 @@ class Adapter:
             return program if os.access(program, os.X_OK) else None
         dirs = [str(d if Path(d).is_absolute() else REPO_ROOT / d) for d in self.search_path]
         return shutil.which(program, path=os.pathsep.join([path_env, *dirs]))
+
+
+PARAM_TYPES = ("int", "float", "str")
+"""Types a param may declare, besides allowed words `a|b|c`."""
+
+
+def _kind_ok(kind: str) -> bool:
+    return kind in PARAM_TYPES or (
+        "|" in kind and all(w and not w.isspace() for w in kind.split("|"))
+    )
+
+
+def _value_ok(kind: str, value: str) -> bool:
+    if kind == "int":
+        return value.isascii() and value.isdigit()
+    if kind == "float":
+        try:
+            number = float(value)
+        except ValueError:
+            return False
+        return 0 <= number < float("inf")
+    if "|" in kind:
+        return value in kind.split("|")
+    return True
+
+
+def _describe(kind: str) -> str:
+    if kind == "int":
+        return "an integer >= 0"
+    if kind == "float":
+        return "a number >= 0"
+    if "|" in kind:
+        return "one of " + ", ".join(kind.split("|"))
+    return "a string"
 
 
 def builtin_adapters() -> dict[str, Adapter]:
@@ -131,7 +188,11 @@ def load_adapters(data: object, path: str = "adapters") -> dict[str, Adapter]:
     for name, entry in data.items():
         if isinstance(entry, dict):
             entry = {**entry, "name": str(name)}
-        out[str(name)] = load(Adapter, entry, path=f"{path}.{name}")
+        adapter = out[str(name)] = load(Adapter, entry, path=f"{path}.{name}")
+        untyped = sorted(set(adapter.params) - set(adapter.param_types))
+        if untyped:
+            raise ConfigError(f"{path}.{name}.param_types: no type for param {untyped[0]!r}; "
+                              f"allowed: {', '.join(PARAM_TYPES)} or the allowed words a|b|c")  # fmt: skip
     return out
 
 

@@ -1,4 +1,5 @@
-"""Check, inside the batch script, that the allocation is the one the config asks for.
+"""Check, inside the batch script, that the allocation is the one the config asks for, and
+run the preflight where the job runs (`Where.JOB`: its programs, its model, its run directory).
 
 `slurm/gyre.sbatch` carries the `#SBATCH hetjob` blocks of the config it was rendered from;
 run with another config (`sbatch slurm/gyre.sbatch other.yaml`) the world would not match the
@@ -13,6 +14,7 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from gyre.errors import ConfigError, exit_status
 from gyre.launch.spec import JobSpec, job_spec, load_launch
@@ -46,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check(config: str) -> int:
-    """0 if the allocation this runs in matches `config`; `ConfigError` otherwise."""
-    spec = job_spec(load_launch(config, where=Where.CLUSTER))
+    """0 if the allocation this runs in matches `config` and the job can run it here (the
+    preflight, on this node, of the run directory `GYRE_RUN_DIR` too); `ConfigError`
+    otherwise."""
+    run_dir = os.environ.get("GYRE_RUN_DIR")
+    spec = job_spec(load_launch(config, where=Where.JOB,
+                                run_dir=Path(run_dir) if run_dir else None))  # fmt: skip
     check_allocation(spec, os.environ)
     print(f"[gyre] allocation matches {config}: {spec.world_size} ranks", flush=True)
     return 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from gyre.errors import ConfigError
@@ -219,6 +220,25 @@ def _extra_sbatch(lines: list[str]) -> None:
                 f"extra_sbatch[{i}]: {option} is set by Gyre from the config; allowed: any "
                 f"option except {', '.join(RESERVED_OPTIONS)}, --hetjob"
             )
+
+
+def check_log_dir(slurm: SlurmConfig) -> None:
+    """On the login node (`gyre render --check`, `gyre submit`): `log_dir`, relative to the
+    submission directory (this one), is a folder gyre can write. Slurm does not create it: a
+    job whose output folder is missing fails at once, without a log."""
+    from argparse import ArgumentTypeError
+
+    from gyre.cliargs import directory_to_make
+
+    if not Path(slurm.log_dir).is_dir():
+        raise ConfigError(
+            f"slurm.log_dir: {slurm.log_dir!r} is not a directory (from {Path.cwd()}); "
+            "allowed: an existing folder (Slurm does not create it), e.g. slurm.log_dir=."
+        )
+    try:
+        directory_to_make(slurm.log_dir)
+    except ArgumentTypeError as e:
+        raise ConfigError(f"slurm.log_dir: {e}") from None
 
 
 def time_minutes(value: str) -> int | None:

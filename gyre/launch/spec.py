@@ -23,9 +23,9 @@ import yaml
 
 from gyre.config import load
 from gyre.errors import ConfigError
-from gyre.launch.config import SlurmConfig, TopologyConfig, time_minutes
+from gyre.launch.config import SlurmConfig, TopologyConfig, check_log_dir, time_minutes
 from gyre.runtime.layout import Group, Layout
-from gyre.runtime.preflight import Where, preflight
+from gyre.runtime.preflight import Where, check_gpus, preflight
 
 
 @dataclass(kw_only=True, slots=True)
@@ -142,14 +142,17 @@ class JobSpec:
 
 
 def load_launch(
-    path: str | Path, overrides: Sequence[str] = (), where: Where = Where.ANYWHERE
-) -> Launch:
+    path: str | Path, overrides: Sequence[str] = (), where: Where = Where.ANYWHERE, *,
+    run_dir: Path | None = None,
+) -> Launch:  # fmt: skip
     """Read and fully validate a run config; return what the launcher needs.
 
     The whole file is validated as a `gyre.runtime.config.RunConfig` and passes the run's
-    preflight (`gyre.runtime.preflight`: harness, suite and tasks, backends against the GPUs
-    each node requests; `where` says how much of the cluster is visible), so a bad config is
-    found before submission. With `KEY.PATH=VALUE` overrides, the merged config is written to
+    preflight (`gyre.runtime.preflight`: harness, suite and tasks, the model against both
+    backends, backends against the GPUs each node requests, trackers, the log folder, the run
+    directory `run_dir` when known; `where` says how much of the cluster is visible), so a bad
+    config is found before submission. With `KEY.PATH=VALUE`
+    overrides, the merged config is written to
     `<runs_dir>/configs/<name>-<hash>.yaml` (named by its content) and `Launch.path` points
     there, so every task of the job reads exactly the config validated here.
     """
@@ -158,9 +161,11 @@ def load_launch(
     p = Path(path)
     run, data = parse_run_config(p, overrides)
     slurm = load(SlurmConfig, run.slurm, path="run.slurm")
-    notes = preflight(run, where, gpus_per_node=slurm.gpus_per_node,
-                      nodes_per_cell=slurm.nodes_per_cell,
-                      standalone_nodes=slurm.standalone_nodes)  # fmt: skip
+    # the job's GPUs per node against the backends, and (login node) its log folder
+    check_gpus(run, slurm.gpus_per_node, slurm.nodes_per_cell, slurm.standalone_nodes)
+    if where is Where.CLUSTER:
+        check_log_dir(slurm)
+    notes = preflight(run, where, run_dir=run_dir)
     if overrides:
         p = _write_merged(data, p, Path(run.runs_dir) / "configs", run.name)
     engines = run.topology.cells + run.topology.standalone_engines

@@ -159,10 +159,11 @@ class Engine:
 
     @classmethod
     def load(cls, config: Config) -> Engine:
-        from gyre.models import load_model
+        from gyre.models import check_batchable, load_model
 
         torch.set_num_threads(config.threads)
         model, tokenizer = load_model(config.model)
+        check_batchable(config.model, model.config)  # refused at start, not on every /generate
         return cls(config, model, tokenizer)
 
     # ----- lifecycle -------------------------------------------------------------------

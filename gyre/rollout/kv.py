@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gyre.errors import EngineError
+from gyre.models import check_cache_layers
 
 
 class KVBatch:
@@ -35,7 +35,7 @@ class KVBatch:
 
     def add(self, cache: Any, length: int) -> None:
         """Append one prefilled sequence (`cache` holds `length` real positions) as a new row."""
-        _check_layers(cache)
+        check_cache_layers(cache)
         row = torch.ones(1, length, dtype=torch.long)
         if self.cache is None or self.size == 0:
             self.cache, self.mask = cache, row
@@ -121,12 +121,3 @@ def _pad(t: torch.Tensor, total: int) -> torch.Tensor:
 
 def _pad_mask(m: torch.Tensor, total: int) -> torch.Tensor:
     return F.pad(m, (total - m.shape[1], 0))
-
-
-def _check_layers(cache: Any) -> None:
-    layers = getattr(cache, "layers", None)
-    if layers is None or any(getattr(layer, "is_sliding", False) for layer in layers):
-        raise EngineError(
-            "the embedded engine batches plain DynamicCache layers only; "
-            f"got {type(cache).__name__} with sliding-window or unknown layers"
-        )

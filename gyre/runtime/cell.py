@@ -34,6 +34,7 @@ from gyre.runtime.layout import COORDINATOR_RANK
 from gyre.runtime.pace import Pace
 from gyre.runtime.replica import Replica
 from gyre.runtime.residency import TrainerResidency
+from gyre.runtime.startup import StartupClock
 from gyre.train.comm import Communicators
 from gyre.vocabulary import Role
 
@@ -45,8 +46,12 @@ class CellProcess:
         self, cfg: RunConfig, *, engine_index: int, comms: Communicators | None, run_dir: Path,
         engine: EngineHost, replica: Replica | None = None, transport: Any = None,
         version: int = 0, residency: TrainerResidency | None = None,
+        clock: StartupClock | None = None, started: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
+        """`clock` times this rank's start-up phases; `started` reports them once the
+        engine serves (`gyre.runtime.startup`)."""
         self.cfg, self.index, self.comms, self.run_dir = cfg, engine_index, comms, run_dir
+        self.clock, self.started = clock or StartupClock({}), started
         self.engine = engine
         self.trainer = (
             None if replica is None or comms is None
@@ -75,8 +80,12 @@ class CellProcess:
         """Report the engine, then obey messages until `Stop`; returns the stop status."""
         self.link = link
         url = self._start_engine()
+        self.clock.mark("engine ready")
         if self.version > 0:  # resumed from a checkpoint: the engine serves its weights
             self.engine.load_weights(self._checkpoint_weights(), self.version)
+            self.clock.mark("first weights")
+        if self.started is not None:
+            self.started()
         self._up(msg.EngineReady(self.index, url, self.engine.version))
         while True:
             self._watch_engine()

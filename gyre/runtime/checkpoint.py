@@ -2,7 +2,9 @@
 
 A checkpoint is taken right after an optimizer update — every `checkpoint.every_steps`
 updates and/or `checkpoint.every_minutes` — and when Slurm's SIGUSR1 announces the time
-limit. It is one directory, written beside its final name and renamed into place:
+limit. It is one directory, written beside its final name and renamed into place, readable
+as the umask allows and marked as Gyre's (`gyre.fsafe`: only such a directory is replaced or
+pruned):
 
     RUN_DIR/checkpoints/v<version>/core.pt     the core's weights and AdamW state, both in
                                                the Hugging Face layout whatever the backend
@@ -32,13 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from gyre import fsafe
 
 if TYPE_CHECKING:
     from gyre.runtime.config import CheckpointConfig
@@ -47,6 +49,7 @@ EXIT_CHECKPOINTED = 75
 """Exit status of rank 0 after a checkpoint-and-exit (EX_TEMPFAIL): the job should be requeued."""
 CHECKPOINTS = "checkpoints"
 CORE, STATE = "core.pt", "state.json"
+MADE_BY = "gyre checkpoint"  # the marker of a checkpoint directory (gyre.fsafe)
 PREEMPT = threading.Event()  # set by the coordinator's SIGUSR1 handler
 
 __all__ = ["EXIT_CHECKPOINTED", "PREEMPT", "CheckpointState", "Checkpoints", "begin", "commit",
@@ -122,7 +125,7 @@ def begin(run_dir: Path, version: int) -> Path:
     """A fresh temporary directory for the checkpoint of `version` (renamed by `commit`)."""
     root = run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".v{version:05d}-", dir=root))
+    return fsafe.make_temp_dir(f".v{version:05d}-", root)
 
 
 def save_core(
@@ -139,11 +142,12 @@ def commit(run_dir: Path, folder: Path, state: CheckpointState, keep: int) -> Pa
     """Write the driver state, rename the checkpoint into place, prune to the newest `keep`."""
     (folder / STATE).write_text(json.dumps(state.as_dict()))
     final = run_dir / CHECKPOINTS / f"v{state.version:05d}"
-    if final.exists():
-        shutil.rmtree(final)
-    folder.rename(final)
+    fsafe.adopt(final, MADE_BY, (CORE, STATE))  # an older Gyre's, written before markers
+    fsafe.move_into_place(folder, final, MADE_BY)
     for old in _committed(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        fsafe.adopt(old, MADE_BY, (CORE, STATE))
+        if fsafe.maker_of(old) == MADE_BY:  # one without the marker is not Gyre's to remove
+            fsafe.remove_tree(old, MADE_BY, ignore_errors=True)
     return final
 
 

@@ -65,6 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="print the merged, validated config (YAML) and exit")  # fmt: skip
         p.add_argument("--dry-run", action="store_true",
                        help="run every check, print the command the job would start, and exit")  # fmt: skip
+        p.add_argument("--profile-startup", action="store_true",
+                       help="print where start-up went: seconds per phase and rank until the "
+                       "first step (also the summary's `startup`)")  # fmt: skip
         p.set_defaults(func=run)
     if "eval" not in subparsers.choices:
         e = subparsers.add_parser(
@@ -104,13 +107,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "--out",
             type=cliargs.directory_to_make,
             default=None,
-            help="work directory: each policy's executions in DIR/NAME, replaced by each evaluation (default RUN_DIR/eval)",
+            help="work directory: each policy's executions in DIR/NAME, replaced by each "
+            "evaluation (default RUN_DIR/eval); apart from the model and the run's files",
         )
         e.add_argument("--json", action="store_true", help="one JSON line per policy")
         e.set_defaults(func=evaluate)
     if "report" not in subparsers.choices:
         r = subparsers.add_parser("report", help="plots + HTML page of a run directory")
         r.add_argument("run_dir", help="a run directory holding trace.h5")
+        r.add_argument("--out", metavar="DIR", type=cliargs.directory_to_make, default=None,
+                       help="where the plots and index.html go (default RUN_DIR/report)")  # fmt: skip
         r.set_defaults(func=report)
 
 
@@ -127,33 +133,40 @@ def find_mpiexec() -> str:
 
 def run(args: argparse.Namespace) -> int:
     from gyre.runtime.config import dump_run_config, load_run_config
-    from gyre.runtime.main import default_run_dir
+    from gyre.runtime.main import default_run_dir, ranks_config
     from gyre.runtime.preflight import Where, preflight
+    from gyre.runtime.startup import environ, table
 
     config, overrides = _split_overrides(args.config, args.overrides)
     if args.resume is not None:
-        config, args.run_dir = _resumable(Path(args.resume), args.run_dir), args.resume
+        config, args.run_dir = _resumable(Path(args.resume), args.run_dir, config), args.resume
     cfg = load_run_config(config, overrides, steps=args.steps, policy=args.policy)
     if args.print_config:
         print(dump_run_config(cfg), end="")
         return 0
-    for note in preflight(cfg, Where.HERE):
-        print(f"gyre run: warning: {note}", file=sys.stderr)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
-    merged = run_dir / "config.yaml"
+    # every check, the run directory's (writable; a run there continued) too, before any write
+    given = None if args.resume is not None else Path(config)  # a resume writes its own
+    for note in preflight(cfg, Where.HERE, run_dir=run_dir, resume=given is None, config=given):
+        print(f"gyre run: warning: {note}", file=sys.stderr)
+    text = dump_run_config(cfg)  # what every rank reads: the file plus the overrides
+    merged = ranks_config(run_dir, text)  # rank 0 keeps it as the run's own config.yaml
+    write = not (merged.is_file() and merged.read_text() == text)
     cmd = [find_mpiexec(), "-n", str(cfg.topology.world_size), sys.executable, "-m",
            "gyre.runtime.main", str(merged), "--run-dir", str(run_dir)]  # fmt: skip
     if args.dry_run:
         t = cfg.topology
+        first = f", writing the merged config to {merged} first" if write else ""
         print(f"gyre run: checks passed; would start {t.world_size} ranks (coordinator, proxy, "
               f"{t.cells} cells x {t.ranks_per_cell}, {t.standalone_engines} standalone) for "
-              f"{cfg.steps} steps in {run_dir}:\n{shlex.join(cmd)}")  # fmt: skip
+              f"{cfg.steps} steps in {run_dir}{first}:\n{shlex.join(cmd)}")  # fmt: skip
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
-    # what every rank reads, the file plus the overrides; rank 0 keeps it as the run's own
-    merged.write_text(dump_run_config(cfg))
+    if write:
+        merged.write_text(text)
+    # environ(): when gyre run started, which the ranks' start-up phases count from
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+           "HF_HUB_OFFLINE": "1", **environ()}  # fmt: skip
     rc, summary, tail = _supervise(cmd, env, run_dir, quiet=args.quiet, limit=cfg.timeouts.run_s)
     if rc == EXIT_CHECKPOINTED and summary is not None:
         print(f"gyre run: checkpointed after {summary['steps_done']} steps; resume with "
@@ -170,18 +183,27 @@ def run(args: argparse.Namespace) -> int:
         from gyre.runtime.progress import paced_line
 
         print("gyre run: " + paced_line(summary["pace"]))
+    if args.profile_startup:
+        print("gyre run: start-up, seconds from gyre run's start\n" + table([summary["startup"]]))
     print(json.dumps(summary))
     return 0
 
 
-def _resumable(run_dir: Path, other: str | None) -> str:
-    """The config of a run directory `gyre run --resume` can continue."""
+def _resumable(run_dir: Path, other: str | None, config: str) -> str:
+    """The config of a run directory `gyre run --resume` can continue (its own: a CONFIG
+    given as well would be ignored, so it is refused)."""
     if other is not None and Path(other) != run_dir:
         raise ConfigError(f"--resume {run_dir} and --run-dir {other}: give one run directory")
-    config = run_dir / "config.yaml"
-    if not config.is_file():
+    if config != str(DEFAULT_CONFIG):
+        raise ConfigError(
+            f"--resume {run_dir} with CONFIG {config}: a resumed run runs its own config.yaml; "
+            f"allowed: gyre run --resume {run_dir} [KEY.PATH=VALUE ...] (overrides of it), or "
+            f"gyre run {config} for a new run"
+        )
+    own = run_dir / "config.yaml"
+    if not own.is_file():
         raise ConfigError(f"--resume: {run_dir} is not a run directory (no config.yaml)")
-    return str(config)
+    return str(own)
 
 
 def _split_overrides(config: str, overrides: list[str]) -> tuple[str, list[str]]:
@@ -343,6 +365,6 @@ def evaluate(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace) -> int:
     from gyre.runtime.report import write_report
 
-    page = write_report(Path(args.run_dir))
+    page = write_report(Path(args.run_dir), None if args.out is None else Path(args.out))
     print(f"gyre report: {page}")
     return 0

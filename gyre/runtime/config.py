@@ -101,8 +101,9 @@ class HarnessConfig:
 
     adapter: str = "reference"
     """Harness adapter name (gyre/harness/adapters.yaml)."""
-    params: dict[str, str] = field(default_factory=dict)
-    """Adapter parameter overrides (e.g. max_turns)."""
+    params: dict[str, str | int | float] = field(default_factory=dict)
+    """Adapter parameter overrides (e.g. max_turns: 8), each checked against the type the
+    adapter declares for it (`param_types`); handed to the adapter as text."""
     adapters: dict[str, Any] = field(default_factory=dict)
     """Extra adapters of this run (same keys as gyre/harness/adapters.yaml), by name."""
     suite: str | list[str] = "builtin"
@@ -152,6 +153,11 @@ class HarnessConfig:
         if self.adapter in self.adapters:
             return load_adapters(self.adapters, path="adapters")[self.adapter]
         return get_adapter(self.adapter)
+
+    @property
+    def adapter_params(self) -> dict[str, str]:
+        """`params` as the text an adapter's command and environment are filled with."""
+        return {k: str(v) for k, v in self.params.items()}
 
 
 @dataclass(kw_only=True, slots=True)

@@ -43,6 +43,7 @@ from gyre.runtime.layout import PROXY_RANK
 from gyre.runtime.ledger import Execution, ExecutionState, Group, Ledger
 from gyre.runtime.progress import Progress, StepMetrics
 from gyre.runtime.record import RunRecorder
+from gyre.runtime.startup import StartupClock, StartupProfile
 from gyre.runtime.training import TrainingPlane
 from gyre.schedule import Scheduler, make_policy
 from gyre.schedule import events as ev
@@ -51,7 +52,8 @@ from gyre.tracking import open_tracker
 from gyre.vocabulary import CloseStatus, EngineId, Outcome, Role, VerdictStatus
 
 # what a wait for one message handles meanwhile: executions' reports, restarts, saved policies
-REPORTS = (msg.HarnessEnded, msg.Assessed, msg.JournalNode, msg.EngineReady, msg.PolicySaved)
+REPORTS = (msg.HarnessEnded, msg.Assessed, msg.JournalNode, msg.EngineReady, msg.PolicySaved,
+           msg.StartupTimes)  # fmt: skip
 # ... and while a checkpoint commits or the run's executions close (every report still
 # counts then: an engine restarted before the last update may report back during the close)
 CLOSING = (*REPORTS, msg.Checkpointed)
@@ -64,9 +66,10 @@ class Coordinator:
 
     def __init__(
         self, cfg: RunConfig, link: wire.Link, run_dir: Path, engine_ranks: list[int], meta: dict,
-        cell_members: list[list[int]] | None = None,
+        cell_members: list[list[int]] | None = None, startup: StartupClock | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.link, self.run_dir = cfg, link, run_dir
+        self.profile = StartupProfile(startup or StartupClock({}))  # start-up, every rank
         self.engine_ranks = engine_ranks  # the rank speaking for each engine (a cell's leader)
         # every rank of each cell: training work goes to all of them, the leader answers
         self.cell_members = cell_members or [[r] for r in engine_ranks[: cfg.topology.cells]]
@@ -161,8 +164,11 @@ class Coordinator:
         needed = {"proxy"} | {f"engine{e}" for e in range(len(self.engine_ranks))}
         while needed:
             m = self.next_message(self.cfg.timeouts.startup_s)
-            if isinstance(m, msg.ProxyReady):
+            if isinstance(m, msg.StartupTimes):
+                self.startup_times(m)
+            elif isinstance(m, msg.ProxyReady):
                 needed.discard("proxy")
+                self.profile.arrived(PROXY_RANK, "proxy start")
                 self.proxy_url, self.task_names = m.url, list(m.tasks)
             elif isinstance(m, msg.EngineReady):
                 needed.discard(f"engine{m.engine}")
@@ -177,6 +183,7 @@ class Coordinator:
                 self.to_cell(c, msg.ToTrain())
         self.rec.set_roles(list(self.sched.roles))
         self.rec.event("started", seconds=time.time() - self.t0, proxy=self.proxy_url)
+        self.profile.clock.mark("ranks ready")
 
     def take_over(self) -> tuple[int, ...]:
         """A resumed run: close what the dead job left open, carry its untrained groups
@@ -291,6 +298,7 @@ class Coordinator:
 
     def admit(self, a: ev.AdmitGroup) -> None:
         g = self.ledger.groups[a.group]
+        self.profile.once("first group")  # dispatched, rolled out, scored: ready to train
         members = a.members or self.ledger.trained(a.group, self.n)  # () : carried in
         outcomes, trees = self.ledger.outcomes(a.group, members)
         self.rec.event("admit", group=g.id, batch=a.batch, staleness=a.staleness,
@@ -419,6 +427,7 @@ class Coordinator:
         if not self.train.updated(m):
             return
         self.updates += 1
+        self.profile.first_step()
         self.trained += self.batch_groups.pop(m.batch, [])
         metrics = StepMetrics(
             **self.train.metrics(),
@@ -455,6 +464,9 @@ class Coordinator:
         self.feed(ev.EngineLost(m.engine))
         role = self.sched.roles[m.engine] if m.engine < self.k else Role.ROLLOUT
         self.to_rank(self.engine_ranks[m.engine], msg.Respawn(role))
+
+    def startup_times(self, m: msg.StartupTimes) -> None:
+        self.profile.add(m.rank, m.component, m.phases)
 
     def engine_ready(self, m: msg.EngineReady) -> None:
         self.fleet.ready(m.engine, m.url)
@@ -554,6 +566,7 @@ class Coordinator:
         pace = self.progress.pace(self.run_dir, urls, summary["wall_s"])
         if pace is not None:
             summary["pace"] = pace
+        summary["startup"] = self.profile.summary()
         return summary
 
 
@@ -585,4 +598,5 @@ MESSAGES: dict[type, Callable[[Coordinator, Any], None]] = {
     msg.EngineLost: Coordinator.engine_lost,
     msg.EngineReady: Coordinator.engine_ready,
     msg.Checkpointed: Coordinator.checkpointed,
+    msg.StartupTimes: Coordinator.startup_times,
 }

@@ -10,8 +10,12 @@ One embedded engine serves the policy; an `ExecutionHost` (the very object a run
 node drives) runs one execution per task instance, `concurrency` at a time. Instances are
 drawn from held-out seeds (`gyre.tasks.suite.heldout_seed`, never used for training), the
 same ones for every policy, so before/after compare like with like. Each policy's executions
-go to `WORK/NAME` (WORK: `--out`, default `RUN_DIR/eval`), replaced by each evaluation, so a
-second `gyre eval` of a run scores afresh and gives the same answer. For a run directory
+go to `WORK/NAME` (WORK: `--out`, default `RUN_DIR/eval`, else a new temporary directory;
+NAME: the policy's name, or a model directory's base name), replaced by each evaluation, so
+a second `gyre eval` of a run scores afresh and gives the same answer. Only a directory
+`gyre eval` made is ever replaced (`gyre.fsafe`), and WORK may not be, hold or lie inside
+what the evaluation reads (the model, the run's policies, config and trace): `gyre eval
+MODEL_DIR` leaves the model as it was. For a run directory
 the results are also written to `RUN_DIR/eval.json`, which `gyre report` plots, and sent to
 the run's trackers (its `tracking:`) as `heldout/*` metrics against the policy version.
 """
@@ -22,20 +26,21 @@ import asyncio
 import dataclasses
 import json
 import math
-import shutil
+import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gyre import fsafe
 from gyre.errors import ConfigError
 from gyre.models import check_model
 from gyre.rollout.protocol import ensure_engine_key
 from gyre.runtime import policies
 from gyre.runtime.config import DEFAULT_CONFIG, RunConfig, load_run_config
+from gyre.runtime.preflight import config_inputs
 from gyre.tasks.suite import heldout_seed
 
 if TYPE_CHECKING:
@@ -43,6 +48,7 @@ if TYPE_CHECKING:
     from gyre.tasks.scoring import TestVerdict
 
 EVAL_FILE = "eval.json"
+MADE_BY = "gyre eval"  # the marker of its work directories (gyre.fsafe)
 
 
 @dataclass(slots=True)
@@ -114,9 +120,7 @@ def evaluate(
     """Run `instances` held-out instances of every task in `tasks` against `target`."""
     from gyre.runtime.engine_host import EngineHost
 
-    if work_dir.exists():  # an earlier evaluation of this policy: start from nothing of it
-        shutil.rmtree(work_dir)
-    work_dir.mkdir(parents=True)
+    fsafe.fresh_dir(work_dir, MADE_BY)  # an earlier evaluation of this policy: from nothing
     ensure_engine_key()  # the engine takes a key; its harnesses never see it
     engine = EngineHost(target.model, cfg.engine, work_dir / "engine.log", version=0)
     engine.spawn()
@@ -172,17 +176,22 @@ def run_eval(
     """The `gyre eval` command: resolve the target, evaluate, write RUN_DIR/eval.json."""
     path = Path(target)
     run_dir = path if (path / "config.yaml").is_file() else None
+    config_file: Path | None  # what the evaluation reads, apart from its outputs
     if run_dir is not None:
-        cfg = load_run_config(config or run_dir / "config.yaml", overrides)
+        config_file = Path(config) if config else run_dir / "config.yaml"
+        cfg = load_run_config(config_file, overrides)
         todo = targets_of(run_dir, cfg, initial=initial, every=every)
     else:
         cfg = load_run_config(config or DEFAULT_CONFIG, overrides)
-        todo = [Target(target, str(path.resolve()) if path.is_dir() else target, None)]
+        config_file = Path(config) if config else None  # the shipped template: not the user's
+        name = path.resolve().name if path.is_dir() else target
+        todo = [Target(fsafe.safe_name(name), str(path.resolve()) if path.is_dir() else target,
+                       None)]  # fmt: skip
     cfg, names = heldout(cfg, tasks)
     for t in todo:
         check_model(t.model)
         cfg.engine.check_machine(t.model)
-    base = Path(out) if out else (run_dir / "eval" if run_dir else Path(tempfile.mkdtemp()))
+    base = _work_base(out, run_dir, cfg, config_file, todo)
     limit = concurrency or cfg.engine.max_batch_size
     hide = (base,) + ((run_dir,) if run_dir is not None else ())  # the run's policies, trace
     results = [
@@ -192,9 +201,46 @@ def run_eval(
         for t in todo
     ]
     if run_dir is not None:
-        _merge(run_dir / EVAL_FILE, results, names, instances)
+        with fsafe.writing(run_dir / EVAL_FILE):
+            _merge(run_dir / EVAL_FILE, results, names, instances)
         _track(cfg, run_dir, results)
     return results
+
+
+def _work_base(
+    out: str | None,
+    run_dir: Path | None,
+    cfg: RunConfig,
+    config: Path | None,
+    todo: list[Target],
+) -> Path:
+    """The directory of the targets' work directories, each made (or its own earlier one
+    emptied) before any engine starts; `--out` and RUN_DIR/eval checked apart from every
+    input first."""
+    base = Path(out) if out is not None else run_dir / "eval" if run_dir is not None else None
+    if base is None:  # a new one: apart from every input
+        with fsafe.writing(Path(os.environ.get("TMPDIR", "/tmp"))):
+            base = fsafe.make_temp_dir("gyre-eval-")
+    else:
+        inputs = config_inputs(cfg, config) | (run_inputs(run_dir) if run_dir else {})
+        for t in todo:
+            if Path(t.model).is_dir():
+                inputs[f"the model {t.name}"] = Path(t.model)
+        fsafe.check_outputs_apart({"--out" if out else "the eval directory": base}, inputs)
+    with fsafe.writing(base):
+        for t in todo:
+            fsafe.fresh_dir(base / t.name, MADE_BY)
+    return base
+
+
+def run_inputs(run_dir: Path) -> dict[str, Path]:
+    """What a run directory holds that commands read and must never write over: its config,
+    trace, policies and checkpoints (keyed by what to call them in a message)."""
+    from gyre.runtime.checkpoint import CHECKPOINTS
+
+    return {"the run's config": run_dir / "config.yaml", "the run's trace": run_dir / "trace.h5",
+            "the run's policies": run_dir / policies.POLICIES,
+            "the run's checkpoints": run_dir / CHECKPOINTS}  # fmt: skip
 
 
 def heldout(cfg: RunConfig, tasks: list[str] | None) -> tuple[RunConfig, list[str]]:

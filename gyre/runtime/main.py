@@ -9,6 +9,8 @@ satellite snapshot transport; the role serves until the run ends:
     rank 0: Coordinator   rank 1: ProxyNode   ranks 2..: cells (R ranks each: CellProcess
     on the leader, which hosts the engine, CellFollower on the others), standalone engines
 
+Each rank times its start-up phases from `gyre run`'s start (`gyre.runtime.startup`) and
+tells the coordinator once it serves: the summary's `startup`, `gyre run --profile-startup`.
 Any failure prints one line naming the rank and component and aborts the whole world, so a
 job never hangs on a dead peer. Exit status 0 after `steps` updates.
 """
@@ -21,6 +23,7 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ from gyre.runtime.layout import (
     cell_members,
     layout,
 )
+from gyre.runtime.startup import StartupClock
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -48,6 +52,7 @@ def default_run_dir(cfg: RunConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    clock = StartupClock()  # from `gyre run`'s start: its phases until this rank serves
     from mpi4py import MPI
 
     from gyre.runtime import wire
@@ -55,11 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     component: Component | None = None
+    clock.mark("imports")  # the interpreter, this module's imports, MPI_Init
     try:
         args = parse(argv)
         cfg = load_run_config(args.config, steps=args.steps, policy=args.policy)
         components = layout(world.Get_size(), cfg.topology)
         component = components[rank]
+        clock.mark("config")
         _debug(f"rank {rank} is {component} (pid {os.getpid()})")
         run_dir = Path(args.run_dir) if args.run_dir else None
         from gyre.train.comm import arrive  # barriers that sleep instead of spinning a core
@@ -68,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = Path(world.bcast(str(run_dir or default_run_dir(cfg)), root=0))
         # one engine key for the run: every rank's engines and engine clients use it
         ensure_engine_key(world.bcast(secrets.token_hex(16) if rank == 0 else None, root=0))
+        keep = None  # rank 0, continuing a run under another config: config.yaml, later
         if rank == 0:
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            keep_config(run_dir / "config.yaml", dump_run_config(cfg))
+            keep = keep_config(run_dir / "config.yaml", dump_run_config(cfg))
         _install_signals(rank)
         arrive(world)
-        status = run_component(cfg, world, components, component, run_dir)
+        clock.mark("rendezvous")  # every rank started: the world's first collectives
+        status = run_component(cfg, world, components, component, run_dir, clock, keep)
         _debug(f"rank {rank} finished its component (status {status})")
         arrive(world)  # ranks finish at different times (the coordinator writes the policy)
         # then a blocking barrier, which every rank now enters at once: a rank leaves (without
@@ -87,20 +96,47 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-def keep_config(path: Path, text: str) -> None:
+RESUME_CONFIG = "config.resume.yaml"
+"""Where `gyre run` writes the merged config of a run it continues (`ranks_config`)."""
+
+
+def ranks_config(run_dir: Path, text: str) -> Path:
+    """The file `gyre run` writes `text`, the merged config, to for every rank to read: the
+    run directory's config.yaml for a new run (or one that already holds `text`); for a run
+    already there under another config (`--resume` with overrides), `config.resume.yaml`
+    beside it, so the run's own config.yaml is replaced only by a resume that starts
+    (`keep_config`)."""
+    own = run_dir / "config.yaml"
+    with contextlib.suppress(OSError):
+        if own.read_text() != text:
+            return run_dir / RESUME_CONFIG
+    return own
+
+
+def keep_config(path: Path, text: str) -> Callable[[], None] | None:
     """Rank 0: the run directory's config.yaml holds `text`, the config every rank runs
     (the trace's run meta copies this file).
 
-    Under `gyre run` it is the file every rank read, already merged and written: kept as it
-    is. A job started from another file (sbatch, submitit, a requeue) or with `--steps` /
-    `--policy` gets it written, atomically: other ranks may be reading the file it replaces.
+    Under `gyre run` a new run's file is the one every rank read, already merged and
+    written: kept as it is. A job started from another file (sbatch, submitit, a requeue) or
+    with `--steps` / `--policy` gets it written, atomically: other ranks may be reading the
+    file it replaces. A run continued under another config (its trace exists) keeps its own
+    config.yaml until every rank has started: returned is the write, for then, so a resume
+    that fails to start never replaces it.
     """
     with contextlib.suppress(OSError):
         if path.read_text() == text:
-            return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+            return None
+
+    def write() -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    if path.exists() and (path.parent / "trace.h5").exists():
+        return write
+    write()
+    return None
 
 
 def _install_signals(rank: int) -> None:
@@ -127,20 +163,25 @@ def exit_without_finalize(status: int) -> None:
 
 
 def run_component(
-    cfg: RunConfig, world: Any, components: list[Component], me: Component, run_dir: Path
-) -> int:
+    cfg: RunConfig, world: Any, components: list[Component], me: Component, run_dir: Path,
+    clock: StartupClock | None = None, started: Callable[[], None] | None = None,
+) -> int:  # fmt: skip
     """Build this rank's wiring and its role, serve the role, close: its exit status (0,
-    or EXIT_CHECKPOINTED)."""
+    or EXIT_CHECKPOINTED). `clock` times the start-up phases (`gyre.runtime.startup`);
+    `started` runs once every rank has built its role (`keep_config`'s deferred write)."""
     from gyre.runtime.roles import ROLES, Wiring
     from gyre.train.transfer import make_transport
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    wiring = Wiring.connect(cfg, world, components)
+    wiring = Wiring.connect(cfg, world, components, clock or StartupClock())
     role = ROLES[me.kind](cfg, wiring, me, run_dir)  # its component, built
     transport = make_transport(  # collective: the core -> satellite snapshot transport
         cfg.train.transport, world, core_ranks=cell_members(components)[0], shard=me.shard,
         flat=role.flat, host=wiring.address,
     )  # fmt: skip
+    wiring.clock.mark("transport")  # collective: waits for the slowest rank's role
+    if started is not None:  # every rank built its role: the run has taken over
+        started()
     status = role.serve(wiring.link, transport)
     _debug(f"{me.kind} {me.index} stopped")
     transport.close()  # collective: every rank gets here once its role stopped

@@ -116,6 +116,16 @@ class Assessed(Message):
     errors: int
 
 
+@dataclass(frozen=True)
+class StartupTimes(Message):
+    """A rank's start-up: seconds per phase from `gyre run`'s start until the rank served."""
+
+    up, route = True, (f"{PROXY}, {CELL}", COORDINATOR)
+    rank: int
+    component: str  # "proxy", "cell0" (a leader), "cell0.1" (its rank 1), "standalone0"
+    phases: dict[str, float]  # in order (gyre.runtime.startup.StartupClock)
+
+
 # ------------------------------------------------------------------ cell -> coordinator
 
 

@@ -7,7 +7,9 @@ tokenizer with its chat template, `gyre-policy.json` (version, run) and a model 
 readable as the umask allows (a group on a shared file system), and the tokenizer loads under
 transformers 4.57 as well as 5. A directory is
 written beside its final name and renamed into place, so a reader never sees half of one;
-only the newest `train.keep_policies` publications are kept (`final` always is).
+only the newest `train.keep_policies` publications are kept (`final` always is). Only a
+policy directory Gyre wrote (its `.gyre-owned` marker, `gyre.fsafe`) is ever replaced or
+pruned.
 
     AutoModelForCausalLM.from_pretrained("runs/x/policies/final")   # any transformers user
     gyre engine --model runs/x/policies/final                       # served by Gyre
@@ -19,13 +21,15 @@ A restarted engine loads the newest publication (`latest`), so it serves what th
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from gyre import fsafe
+
 POLICIES = "policies"
 META = "gyre-policy.json"
+MADE_BY = "gyre policy"  # the marker of a policy directory (gyre.fsafe)
+WRITTEN = (META, "README.md", "config.json")  # what every policy directory Gyre wrote holds
 
 
 def policy_dir(run_dir: Path, name: str) -> Path:
@@ -43,7 +47,7 @@ def save_policy(
     root = run_dir / POLICIES
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    tmp = fsafe.make_temp_dir(f".{name}-", root)
     # the replica's parameters are views of one flat buffer: save copies, not the views
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
@@ -51,10 +55,8 @@ def save_policy(
     _portable_tokenizer(tmp)
     (tmp / META).write_text(json.dumps({"version": version, "run": run_dir.name, "name": name}))
     (tmp / "README.md").write_text(model_card(run_dir, name, version))
-    _shareable(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    fsafe.adopt(final, MADE_BY, WRITTEN)  # an older Gyre's, written before markers
+    fsafe.move_into_place(tmp, final, MADE_BY)  # readable as the umask allows
     if keep is not None:
         prune(run_dir, keep)
     return final
@@ -71,26 +73,6 @@ def _portable_tokenizer(folder: Path) -> None:
     if cfg.get("tokenizer_class") == "TokenizersBackend":
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
         path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-
-
-def _umask() -> int:
-    """This process's umask, read without changing it (os.umask would, for every thread)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
-
-
-def _shareable(folder: Path) -> None:
-    """mkdtemp makes a 0700 directory and safetensors a 0600 file; a policy is for the group
-    (a shared file system) as the umask allows, like any file the run writes."""
-    mask = _umask()
-    folder.chmod(0o777 & ~mask)
-    for f in folder.iterdir():
-        f.chmod(0o666 & ~mask)
 
 
 def model_card(run_dir: Path, name: str, version: int) -> str:
@@ -135,8 +117,11 @@ def latest(run_dir: Path) -> tuple[int, Path] | None:
 
 
 def prune(run_dir: Path, keep: int) -> None:
+    """Remove the publications before the newest `keep` (one without Gyre's marker stays)."""
     for _, d in published(run_dir)[:-keep]:
-        shutil.rmtree(d, ignore_errors=True)
+        fsafe.adopt(d, MADE_BY, WRITTEN)
+        if fsafe.maker_of(d) == MADE_BY:
+            fsafe.remove_tree(d, MADE_BY, ignore_errors=True)
 
 
 def load_weights(path: Path) -> list[tuple[str, Any]]:

@@ -73,6 +73,7 @@ class Progress:
         self.step_rows: list[StepMetrics] = []
         self.policies: list[str] = []
         self.last_progress = 0.0
+        self.last_step = -1  # the step of the last progress line
         self.t0 = time.time()
 
     def step(self, updates: int, metrics: StepMetrics) -> None:
@@ -112,11 +113,13 @@ class Progress:
             )
 
     def line(self, updates: int) -> None:
-        """One JSON progress line on stdout (rendered live by `gyre run`), at most 2 per s."""
+        """One JSON progress line on stdout (rendered live by `gyre run`): the first of each
+        step always (the run's last update included, which the loop ends right after), else
+        at most 2 per s."""
         now = time.time()
-        if now - self.last_progress < 0.5:
+        if now - self.last_progress < 0.5 and updates == self.last_step:
             return
-        self.last_progress = now
+        self.last_progress, self.last_step = now, updates
         last = self.step_rows[-1].to_row() if self.step_rows else {}
         line = {
             "t": now - self.t0, "step": updates, "steps": self.cfg.steps,

@@ -97,7 +97,7 @@ def check_adapter(cfg: RunConfig, *, program: bool) -> None:
             f"{adapter.command[0]!r}, which is not on PATH or in {adapter.search_path}{hint}"
         )
     try:
-        adapter.check_params(cfg.harness.params)
+        adapter.check_params(cfg.harness.adapter_params)
     except ConfigError as exc:
         raise ConfigError(f"harness.{exc}") from None
 
@@ -190,7 +190,7 @@ class ExecutionHost:
         app.set_route(eid, engine_id)
         spec = ExecutionSpec(
             execution_id=eid, task=task, adapter=self.adapter, proxy_url=self.url,
-            api_key=key, model=self.cfg.model_name, params=dict(self.cfg.harness.params),
+            api_key=key, model=self.cfg.model_name, params=self.cfg.harness.adapter_params,
         )  # fmt: skip
         term = await self.runner.run(spec)
         if ended is not None:

@@ -289,7 +289,6 @@ def build_megatron_replica(
     """This rank's shard of the policy as a Megatron GPTModel, loaded from the HF model."""
     if comms is None:
         raise TrainingError("train.backend megatron: a cell rank needs its communicators")
-    from gyre.models import load_model
     from gyre.rollout.weights import load_named_tensors
     from gyre.train.megatron.config import MegatronConfig
     from gyre.train.megatron.model import (
@@ -298,15 +297,13 @@ def build_megatron_replica(
         build_gpt_model,
         init_model_parallel,
     )
-    from gyre.train.megatron.weights import Layout, stage_to_mcore
+    from gyre.train.megatron.weights import Layout
 
     # megatron-core warns at import and build about every optional CUDA library it lacks
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     dims = cfg.dims
     init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
-    hf, tokenizer = load_model(cfg.model)
-    hf_config = hf.config.to_dict()
-    dtype = str(next(hf.parameters()).dtype).removeprefix("torch.")
+    hf, tokenizer, hf_config, dtype, shard = _leaders_model(cfg, comms)
     mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
                           dtype=dtype)  # type: ignore[arg-type]  # fmt: skip
     init_model_parallel(mcfg)
@@ -322,16 +319,43 @@ def build_megatron_replica(
             "must be contiguous in the backend world"
         )
     model = build_gpt_model(hf_config, mcfg, device="cpu")
-    layout = Layout.from_hf_config(hf_config)
-    shard = stage_to_mcore(dict(hf.state_dict()), layout, tp_rank=tp_rank, tp_size=dims.tensor,
-                           stage=stage, stages=dims.pipeline)  # fmt: skip
     load_named_tensors(model, sorted(shard.items()))
     model.to(torch.device(device)).train()
     cell = MegatronCell(model, objective=cfg.train.objective)
     optimizer = ModelParallelOptimizer(cell, cfg.train.optim) if core else None
-    mirror = hf if comms.shard == 0 else None
-    return MegatronReplica(cell, tokenizer, optimizer, dims, comm=comms.cell, mirror=mirror,
-                           layout=layout)  # fmt: skip
+    return MegatronReplica(cell, tokenizer, optimizer, dims, comm=comms.cell, mirror=hf,
+                           layout=Layout.from_hf_config(hf_config))  # fmt: skip
+
+
+def _leaders_model(
+    cfg: RunConfig, comms: Communicators
+) -> tuple[Any, Any, dict[str, Any], str, dict[str, torch.Tensor]]:
+    """Collective over the cell: (HF model, tokenizer, HF config, dtype, this rank's Megatron
+    tensors). Only the leader loads the Hugging Face model (it keeps it as the mirror; the
+    others get None): it sends the config and each rank's shard, so the other ranks never
+    import transformers' model code (seconds of CPU each at start-up) nor hold the whole
+    model."""
+    from gyre.models import load_model
+    from gyre.train.comm import arrive
+    from gyre.train.megatron.weights import Layout, stage_to_mcore
+
+    dims, leader = cfg.dims, comms.shard == 0
+    hf = tokenizer = shards = head = None
+    if leader:
+        hf, tokenizer = load_model(cfg.model)
+        head = (hf.config.to_dict(), str(next(hf.parameters()).dtype).removeprefix("torch."))
+        layout, state = Layout.from_hf_config(head[0]), dict(hf.state_dict())
+        shards = [{k: v.detach().clone() for k, v in stage_to_mcore(
+                      state, layout, tp_rank=s % dims.tensor, tp_size=dims.tensor,
+                      stage=s // dims.tensor, stages=dims.pipeline).items()}
+                  for s in range(comms.cell.Get_size())]  # fmt: skip
+    arrive(comms.cell)  # the other ranks sleep while the leader loads
+    hf_config, dtype = comms.cell.bcast(head, root=0)
+    shard = comms.cell.scatter(shards, root=0)
+    # every rank holds its part before the leader moves on to torch's rendezvous (a netmod
+    # without asynchronous progress delivers only while the sender is inside MPI)
+    arrive(comms.cell)
+    return hf, tokenizer, hf_config, dtype, shard
 
 
 BACKENDS: dict[str, Callable[..., Replica]] = {

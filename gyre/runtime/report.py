@@ -1,4 +1,8 @@
-"""`gyre report RUN_DIR`: PNG plots and one HTML page from a run's trace.
+"""`gyre report RUN_DIR [--out DIR]`: PNG plots and one HTML page from a run's trace, in
+`DIR` (default `RUN_DIR/report`), which may not be, hold or lie inside what the report reads
+(the run's trace, config, policies, checkpoints; `gyre.fsafe`). The trace is read whole
+before anything is written; a directory that cannot be written (read-only, full disk) is one
+line naming it.
 
 * `timeline.png` — the role timeline per cell (as the paper's Figure 6): rollout, training
   and the transitions between them, with optimizer steps marked;
@@ -20,6 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from gyre import fsafe
 from gyre.errors import StoreError
 
 COLORS = {"rollout": "#4c9be8", "to_train": "#f2b134", "train": "#e8574c",
@@ -46,27 +51,33 @@ def load_run(run_dir: Path) -> dict[str, Any]:
         }
 
 
-def write_report(run_dir: Path) -> Path:
+def write_report(run_dir: Path, out: Path | None = None) -> Path:
+    """Read the run, then write the plots and `index.html` into `out` (default
+    RUN_DIR/report); the page's path."""
     import matplotlib
 
-    matplotlib.use("Agg")
-    data = load_run(run_dir)
-    out = run_dir / "report"
-    out.mkdir(exist_ok=True)
-    t0 = min([r["t_start"] for r in data["roles"]] or [0.0])
-    _timeline(data, t0, out / "timeline.png")
-    shares = _train_share(data, out / "train_share.png")
-    _steps(data, out / "steps.png")
-    _durations(data, out / "durations.png")
+    from gyre.runtime.evaluation import run_inputs
     from gyre.trajectory.stats import plot_stats, run_stats
 
-    extra = [p.name for p in plot_stats(run_stats(run_dir), out)]
+    matplotlib.use("Agg")
+    out = run_dir / "report" if out is None else out
+    fsafe.check_outputs_apart({"--out": out}, run_inputs(run_dir))
+    data = load_run(run_dir)
+    stats = run_stats(run_dir)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary.pop("steps", None)
-    summary["train_share"] = {f"cell {c}": round(s, 3) for c, s in shares.items()}
-    page = out / "index.html"
-    page.write_text(_html(run_dir, summary, data["evals"], extra))
+    with fsafe.writing(out):
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = min([r["t_start"] for r in data["roles"]] or [0.0])
+        _timeline(data, t0, out / "timeline.png")
+        shares = _train_share(data, out / "train_share.png")
+        _steps(data, out / "steps.png")
+        _durations(data, out / "durations.png")
+        extra = [p.name for p in plot_stats(stats, out)]
+        summary["train_share"] = {f"cell {c}": round(s, 3) for c, s in shares.items()}
+        page = out / "index.html"
+        page.write_text(_html(run_dir, summary, data["evals"], extra))
     return page
 
 

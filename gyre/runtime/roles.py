@@ -20,12 +20,21 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gyre.runtime.config import RunConfig
-from gyre.runtime.layout import Component, cell_members, cell_of_rank, engine_ranks
+from gyre.runtime.layout import (
+    COORDINATOR_RANK,
+    Component,
+    cell_members,
+    cell_of_rank,
+    engine_ranks,
+)
 from gyre.runtime.placement import RankDevice
-from gyre.runtime.residency import TrainerResidency
+from gyre.runtime.startup import StartupClock
+
+if TYPE_CHECKING:  # torch: imported only by the ranks that train
+    from gyre.runtime.residency import TrainerResidency
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +49,12 @@ class Wiring:
     hosts: list[str]  # where every rank runs: its Slurm node (else host), for the trace
     placed: RankDevice  # this rank's device and its engine's GPUs
     residency: TrainerResidency | None  # a GPU trainer's offload on each switch to rollout
+    clock: StartupClock  # this rank's start-up phases (gyre.runtime.startup)
 
     @classmethod
-    def connect(cls, cfg: RunConfig, world: Any, components: list[Component]) -> Wiring:
+    def connect(
+        cls, cfg: RunConfig, world: Any, components: list[Component], clock: StartupClock
+    ) -> Wiring:
         from gyre.runtime import wire
         from gyre.runtime.address import node_address
         from gyre.train.comm import build_communicators
@@ -52,9 +64,18 @@ class Wiring:
         link = wire.connect(world, address)
         hosts = world.allgather(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
         placed = place_rank(cfg, world, components)
-        on_gpu = cfg.train.device.startswith("cuda")  # else the trainer stays on the CPU
-        residency = TrainerResidency.for_rank(placed) if on_gpu else None
-        return cls(components, comms, address, link, hosts, placed, residency)
+        residency = None
+        if cfg.train.device.startswith("cuda"):  # else the trainer stays on the CPU
+            from gyre.runtime.residency import TrainerResidency
+
+            residency = TrainerResidency.for_rank(placed)
+        clock.mark("wiring")
+        return cls(components, comms, address, link, hosts, placed, residency, clock)
+
+    def report_startup(self, me: Component) -> None:
+        """Tell the coordinator this rank's start-up phases (it serves from now on)."""
+        rank = self.components.index(me)
+        self.link.send(self.clock.report(rank, label(me)), COORDINATOR_RANK)
 
 
 class Role(Protocol):
@@ -72,18 +93,22 @@ class CoordinatorRole:
     flat = None
 
     def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
+        import gyre.runtime.coordinator  # noqa: F401  (imported while the cells build)
+
         self.cfg, self.wiring, self.run_dir = cfg, wiring, run_dir
+        wiring.clock.mark("role imports")  # the scheduler, h5py, the trackers' code
 
     def serve(self, link: Any, transport: Any) -> int:
         from gyre import provenance
         from gyre.runtime.coordinator import Coordinator
 
-        cfg, components = self.cfg, self.wiring.components
+        clock, cfg, components = self.wiring.clock, self.cfg, self.wiring.components
         meta = {"config": (self.run_dir / "config.yaml").read_text(),
                 "world_size": len(components), "hosts": self.wiring.hosts,
                 "model": cfg.model, **provenance()}  # fmt: skip
         coordinator = Coordinator(cfg, link, self.run_dir, engine_ranks(components), meta,
-                                  cell_members=cell_members(components))  # fmt: skip
+                                  cell_members=cell_members(components), startup=clock)  # fmt: skip
+        clock.mark("trace open")  # the trace, the trackers
         try:
             summary = coordinator.run()
         finally:  # a failed run still leaves its trackers' files closed
@@ -99,11 +124,15 @@ class ProxyRole:
     flat = None
 
     def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
-        self.cfg, self.run_dir = cfg, run_dir
+        import gyre.runtime.proxy_node  # noqa: F401  (imported while the cells build)
+
+        self.cfg, self.wiring, self.me, self.run_dir = cfg, wiring, me, run_dir
+        wiring.clock.mark("role imports")  # tornado, the proxy app, the harness pool
 
     def serve(self, link: Any, transport: Any) -> int:
         from gyre.runtime.proxy_node import run_proxy_node
 
+        self.wiring.report_startup(self.me)  # its start ends at ProxyReady, timed there
         return run_proxy_node(self.cfg, link, self.run_dir)
 
 
@@ -111,10 +140,13 @@ class EngineRole:
     """A cell's leader (its engine and its replica's shard 0) or a standalone engine."""
 
     def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
+        import gyre.runtime.engine_host  # noqa: F401  (torch)
         from gyre.runtime.checkpoint import latest
 
         self.cfg, self.wiring, self.me, self.run_dir = cfg, wiring, me, run_dir
+        wiring.clock.mark("role imports")
         self.engine = _start_engine(cfg, me, run_dir, wiring.address, wiring.placed)
+        wiring.clock.mark("engine spawn")
         self.replica, self.version = None, 0
         if me.kind == "cell":
             self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
@@ -131,6 +163,7 @@ class EngineRole:
             comms=self.wiring.comms, run_dir=self.run_dir, engine=self.engine,
             replica=self.replica, transport=transport, version=self.version,
             residency=self.wiring.residency if self.replica is not None else None,
+            clock=self.wiring.clock, started=lambda: self.wiring.report_startup(self.me),
         ).serve(link)  # fmt: skip
 
 
@@ -138,7 +171,7 @@ class FollowerRole:
     """A cell rank other than the leader: its replica's shard, stepped by the leader."""
 
     def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
-        self.cfg, self.wiring, self.run_dir = cfg, wiring, run_dir
+        self.cfg, self.wiring, self.me, self.run_dir = cfg, wiring, me, run_dir
         self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
         self.flat = self.replica.cell.flat_params
 
@@ -149,6 +182,7 @@ class FollowerRole:
         trainer = CellTrainer(self.cfg, self.replica, self.wiring.comms, transport,
                               version=self.version, run_dir=self.run_dir,
                               residency=self.wiring.residency)  # fmt: skip
+        self.wiring.report_startup(self.me)
         return CellFollower(trainer).serve(link)
 
 
@@ -176,9 +210,20 @@ def _build_replica(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path)
     torch.set_num_threads(1)
     on_gpu = cfg.train.device.startswith("cuda")
     owns_optimizer = me.index == 0 and (me.shard == 0 or cfg.train.backend == "megatron")
+    wiring.clock.mark("role imports")  # torch, the training code
     replica = build_replica(cfg, core=owns_optimizer, comms=wiring.comms, host=wiring.address,
                             device=wiring.placed.device if on_gpu else "cpu")  # fmt: skip
-    return replica, replica.restore(run_dir, me.shard)
+    wiring.clock.mark("model build")
+    version = replica.restore(run_dir, me.shard)
+    wiring.clock.mark("restore")
+    return replica, version
+
+
+def label(me: Component) -> str:
+    """A rank's name in the start-up table: proxy, cell0 (a leader), cell0.1, standalone0."""
+    if me.kind == "cell":
+        return f"cell{me.index}" + (f".{me.shard}" if me.shard else "")
+    return me.kind if me.kind in ("coordinator", "proxy") else f"{me.kind}{me.index}"
 
 
 def place_rank(cfg: RunConfig, world: Any, components: list[Component]) -> RankDevice:

@@ -8,7 +8,9 @@ whatever the placement policy. The conventions of the paper's Table 2:
   so μ = 2E[d] + 1, which must be a whole number.
 * Elastic: keep at least `min_phi` batches of extra dispatch to absorb stragglers and take
   the longest burst that allows: μ = max(1, ⌊2(E[d] - min_phi)⌋ + 1), φ = E[d] - (μ-1)/2.
-  With min_phi = 0.5 this gives the paper's (0.5, 3) at E[d] = 1.5.
+  With min_phi = 0.5 this gives the paper's (0.5, 3) at E[d] = 1.5. A target below
+  min_phi cannot keep it (μ >= 1): φ = E[d], μ = 1, since policies are compared at the
+  same E[d] (paper §6.1), which wins over the minimum.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ gyre sim CONFIG scheduler.cells=4 workload.harness_timeout_h=2   # KEY.PATH=VALU
 gyre sim CONFIG --sweep cells=4,8 --sweep standalone_nodes=0,4 [--plot sweep.png] [--json]
 gyre sim --replay runs/x [scheduler.cells=6] [--policy all]   # fit a recorded run, replay it
 
-Overrides follow CONFIG (or --replay); values are YAML and go through the same strict loader
-as the file. Sweep keys: gyre/sim/sweep.py.
+CONFIG is a sim template (templates/sim/); a run config is refused with the template to use
+(it has no workload: --replay fits one from a run made with it). Overrides follow CONFIG
+(or --replay); values are YAML and go through the same strict loader as the file. Sweep
+keys: gyre/sim/sweep.py.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ other key is a dotted template path."""
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sim", help="simulate scheduling policies on a workload template")
-    p.add_argument("config", nargs="?", help="simulation template (YAML)")
+    p.add_argument("config", nargs="?",
+                   help="simulation template (YAML, e.g. templates/sim/nl2repo.yaml); a run "
+                   "config has no workload to simulate: --replay RUN_DIR of a run made with it")  # fmt: skip
     p.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE",
                    help="set template keys (after CONFIG), e.g. scheduler.cells=4")  # fmt: skip
     p.add_argument("--policy", help="elastic, async, colocate or all (default: the template's)")

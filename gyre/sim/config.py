@@ -102,10 +102,21 @@ def check_policy(name: str, *, allow_all: bool, key: str) -> None:
         raise ConfigError(f"{key}: {name!r} is unknown; allowed: {', '.join(allowed)}")
 
 
+RUN_SECTIONS = ("topology", "schedule", "harness", "engine", "proxy", "train")
+"""Sections of a run config (`gyre run`) that no sim template has."""
+
+
 def read_template(path: str | Path) -> dict[str, Any]:
-    """Read a YAML template, resolving `base:` chains."""
+    """Read a YAML template, resolving `base:` chains; a run config is a ConfigError that
+    names the sim templates (it has no workload to simulate: its harnesses' durations are
+    what a run measures, and `gyre sim --replay RUN_DIR` fits them from a recorded run)."""
     p = Path(path)
     data = read_mapping(p)
+    if any(key in data for key in RUN_SECTIONS):
+        raise ConfigError(
+            f"config: {p} is a run config (gyre run); gyre sim takes a sim config such as "
+            "templates/sim/nl2repo.yaml, or --replay RUN_DIR of a run made with it"
+        )
     base = data.pop("base", None)
     if base is None:
         return data

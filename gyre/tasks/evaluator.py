@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from gyre import fsafe
 from gyre.errors import ConfigError
 from gyre.tasks.scoring import RULES, EvaluatorError, Score, ScoringRule, TestVerdict
 from gyre.tasks.snapshot import copy_workspace, freeze
@@ -291,13 +290,13 @@ class Evaluator:
 
     @staticmethod
     async def _score_copy(rule: ScoringRule, frozen: Path, task: Task) -> Score:
-        with tempfile.TemporaryDirectory(prefix="gyre-eval-") as tmp:
-            scratch = Path(tmp) / "workspace"
+        with fsafe.temp_dir("gyre-eval-") as tmp:
+            scratch = tmp / "workspace"
             await asyncio.to_thread(copy_workspace, frozen, scratch)
             try:
                 score = await rule(scratch, task)
             finally:
-                await asyncio.to_thread(shutil.rmtree, scratch, True)
+                await asyncio.to_thread(fsafe.remove_tree, scratch, ignore_errors=True)
         if not 0.0 <= score.value <= 1.0:
             raise EvaluatorError(f"score {score.value!r} outside [0, 1]")
         return score

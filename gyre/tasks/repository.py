@@ -32,13 +32,13 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre import fsafe
 from gyre.errors import ConfigError
 from gyre.lifetime import die_with_parent
 
@@ -97,7 +97,7 @@ def materialize(cfg: RepositoryConfig, base: Path, *, where: str, task: str) -> 
     if dest.is_dir():  # entries appear only by rename, complete
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    tmp = fsafe.make_temp_dir(f".{dest.name}-", dest.parent)
     try:
         _checkout(source, commit, tmp, cfg.timeout_s, at)
         for i, argv in enumerate(cfg.setup):
@@ -108,7 +108,7 @@ def materialize(cfg: RepositoryConfig, base: Path, *, where: str, task: str) -> 
             if not dest.is_dir():
                 raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        fsafe.remove_tree(tmp, ignore_errors=True)
     return dest
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from gyre import fsafe
 from gyre.errors import GyreError
 from gyre.lifetime import die_with_parent
 from gyre.tasks.pytest_runner import NO_PYTEST
@@ -320,8 +321,8 @@ def clear_way(root: Path, rel: Path) -> None:
         at = at / part
         last = i == len(rel.parts) - 1
         if at.is_dir() and not at.is_symlink():
-            if last:
-                shutil.rmtree(at)
+            if last:  # in the scratch copy a rule runs against (a gyre temporary directory)
+                fsafe.remove_tree(at)
         elif at.is_symlink() or at.exists():
             at.unlink()
 

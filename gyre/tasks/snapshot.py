@@ -17,6 +17,7 @@ import shutil
 import stat
 from pathlib import Path
 
+from gyre import fsafe
 from gyre.errors import HarnessError
 
 IGNORED_NAMES = frozenset({".gyre_home", "__pycache__", ".pytest_cache"})
@@ -65,15 +66,16 @@ def freeze(workspace: str | Path, snapshots_dir: str | Path) -> tuple[str, Path]
     sid = snapshot_id(workspace)
     dest = Path(snapshots_dir) / sid
     if not dest.exists():
-        tmp = Path(snapshots_dir) / f".{sid}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        copy_workspace(workspace, tmp)
-        if snapshot_id(tmp) != sid:  # changed while copying: the copy is what we assess
-            sid = snapshot_id(tmp)
-            dest = Path(snapshots_dir) / sid
-        if dest.exists():
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(dest)
+        Path(snapshots_dir).mkdir(parents=True, exist_ok=True)
+        staging = fsafe.make_temp_dir(f".{sid}.", Path(snapshots_dir))
+        try:
+            tmp = staging / "copy"
+            copy_workspace(workspace, tmp)
+            if snapshot_id(tmp) != sid:  # changed while copying: the copy is what we assess
+                sid = snapshot_id(tmp)
+                dest = Path(snapshots_dir) / sid
+            if not dest.exists():
+                tmp.rename(dest)
+        finally:
+            fsafe.remove_tree(staging, ignore_errors=True)
     return sid, dest

@@ -21,11 +21,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from gyre.errors import TrainingError
+
+if TYPE_CHECKING:  # torch only where tensors move: the coordinator and proxy never import it
+    import torch
 
 
 def arrive(comm: Any, max_poll_s: float = 0.05) -> None:
@@ -99,6 +100,7 @@ def _host(t: torch.Tensor) -> tuple[Any, torch.Tensor]:
 
 def reduce_to_core(comms: Communicators, grads: torch.Tensor, *, participants: int) -> torch.Tensor:
     """Sum `grads` over cells 0..participants-1; the core gets the sum (others: their input)."""
+    import torch
     from mpi4py import MPI
 
     if participants == 1:
@@ -125,6 +127,7 @@ def broadcast_from_core(comms: Communicators, flat: torch.Tensor, *, participant
 
 def sum_in_cell(comms: Communicators, t: torch.Tensor) -> torch.Tensor:
     """Sum `t` over the ranks of this cell: the leader (shard 0) gets the sum, others `t`."""
+    import torch
     from mpi4py import MPI
 
     if comms.cell.Get_size() == 1:

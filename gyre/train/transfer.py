@@ -24,13 +24,15 @@ Both are created collectively over `world` by every process (coordinator include
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
-import torch
 
 from gyre.errors import ConfigError, TrainingError
 from gyre.train.comm import arrive
+
+if TYPE_CHECKING:  # torch only where tensors move: the coordinator and proxy never import it
+    import torch
 
 TransportKind = Literal["mooncake", "mpi"]
 
@@ -54,11 +56,15 @@ def _host_buffer(flat: torch.Tensor | None) -> np.ndarray:
 
 def _copy_into(into: torch.Tensor, host: np.ndarray) -> None:
     if into.device.type != "cpu":
+        import torch
+
         into.copy_(torch.from_numpy(host.view(torch_to_numpy(into.dtype))).to(into.device))
 
 
 def torch_to_numpy(dtype: torch.dtype) -> Any:
     """The numpy dtype of a torch dtype (float32/float64/bfloat16-as-uint16)."""
+    import torch
+
     if dtype == torch.bfloat16:
         return np.uint16
     return torch.empty(0, dtype=dtype).numpy().dtype

@@ -15,7 +15,10 @@ so plain h5py or pandas users see integers and offsets. This module reads a trac
   (`TOKEN_COLUMNS`), written in row groups so memory stays bounded.
 
 Open executions (a live run, or a writer that died) are exported from their journaled
-nodes with `closed` false. Columns are documented in docs/trace-format.md.
+nodes with `closed` false. Columns are documented in docs/trace-format.md. The output
+directory may not be, hold or lie inside the trace (`gyre.fsafe`: `--out RUN_DIR` is
+refused, `--out RUN_DIR/export` is fine); a write that fails (read-only, full disk) is one
+error naming the path.
 
     export_trace("runs/x", "out", fmt="parquet", tokens=True)   # {table: path}
     tables = build_tables(reader)                                 # {table: pyarrow.Table}
@@ -34,6 +37,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
+from gyre import fsafe
 from gyre.errors import StoreError
 from gyre.trajectory.reader import ExecutionInfo, TraceReader, trace_path
 from gyre.trajectory.tree import Provenance, TrajectoryTree
@@ -409,30 +413,29 @@ def export_trace(
         raise StoreError(f"format: {fmt!r}; allowed: {', '.join(FORMATS)}")
     path = trace_path(source)
     out = Path(out_dir)
+    fsafe.check_outputs_apart({"--out": out}, {"the trace": path})
     files: dict[str, _TableFile] = {}
     with TraceReader(path) as reader:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StoreError(f"--out {out}: cannot create the export directory ({e})") from None
-        if tokens:
-            files["tokens"] = _TableFile(out / f"tokens.{fmt}", schema(TOKEN_COLUMNS), fmt)
         decode = run_decoder(reader.run_meta, path) if text else None
-        try:
-            tables = build_tables(reader, files["tokens"].add if tokens else None, decode)
-        finally:
-            for f in files.values():
-                f.close()
-        for name, table in tables.items():
-            files[name] = _TableFile(out / f"{name}.{fmt}", table.schema, fmt)
-            files[name].add(table)
-            files[name].close()
-        meta = {
-            "trace": str(path),
-            "format_version": reader.format_version,
-            "writer_closed": reader.writer_closed,
-            "run_meta": reader.run_meta,
-            "rows": {name: f.rows for name, f in files.items()},
-        }
-    (out / "run.json").write_text(json.dumps(meta, indent=1, allow_nan=False))
+        with fsafe.writing(out):
+            out.mkdir(parents=True, exist_ok=True)
+            if tokens:
+                files["tokens"] = _TableFile(out / f"tokens.{fmt}", schema(TOKEN_COLUMNS), fmt)
+            try:
+                tables = build_tables(reader, files["tokens"].add if tokens else None, decode)
+            finally:
+                for f in files.values():
+                    f.close()
+            for name, table in tables.items():
+                files[name] = _TableFile(out / f"{name}.{fmt}", table.schema, fmt)
+                files[name].add(table)
+                files[name].close()
+            meta = {
+                "trace": str(path),
+                "format_version": reader.format_version,
+                "writer_closed": reader.writer_closed,
+                "run_meta": reader.run_meta,
+                "rows": {name: f.rows for name, f in files.items()},
+            }
+            (out / "run.json").write_text(json.dumps(meta, indent=1, allow_nan=False))
     return {name: f.path for name, f in files.items()}

@@ -104,6 +104,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_prefix_groups_reduce_and_broadcast_between_processes():
     """Six real ranks (3 cells x 2 shards) build the groups with gloo; the core's ranks get
     the per-shard sums over the prefix and satellites get the core's values."""

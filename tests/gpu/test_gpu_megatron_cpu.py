@@ -55,6 +55,7 @@ def _free_port() -> int:
 
 
 # TP = 1, PP = 1: test_gpu_megatron_weights.py, in-process
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_megatron_tp_matches_transformers_on_cpu(tmp_path: Path, tp: int, pp: int) -> None:
     from gyre.models import load_model
@@ -86,6 +87,7 @@ def test_megatron_tp_matches_transformers_on_cpu(tmp_path: Path, tp: int, pp: in
         assert float((g - ref).norm()) <= 1e-4 * float(ref.norm()) + 1e-7, name
 
 
+@pytest.mark.slow
 def test_the_cpu_patches_stay_off_where_cuda_is_present() -> None:
     probe = (
         "import torch\n"

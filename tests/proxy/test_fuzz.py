@@ -566,6 +566,7 @@ def fuzz_world(
         access.setLevel(level)
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_never_5xx_and_change_no_tree(fuzz_world: tuple[World, Path]) -> None:
     world, trace = fuzz_world
     p = world.proxy

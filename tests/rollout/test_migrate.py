@@ -142,6 +142,7 @@ def test_an_execution_between_calls_migrates_its_cached_context(
     assert other.cached_tokens == 0  # g2-e10's KV stayed at the source
 
 
+@pytest.mark.slow
 def test_any_failure_falls_back_to_recompute(
     pair: tuple[str, str], context: list[int], tiny: Any
 ) -> None:

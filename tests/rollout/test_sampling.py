@@ -60,7 +60,9 @@ def test_a_tiny_temperature_samples_the_argmax_not_nan(
     logits: list[float], temperature: float
 ) -> None:
     """Logits divided by a (valid) temperature near 0 overflow; sampling must still work, on
-    the maximum (a fuzzed /v1/responses call once made the engine fail with NaN probabilities)."""
+    the maximum (a fuzzed /v1/responses call once made the engine fail with NaN probabilities).
+    Logits closer to the maximum than ~T (subnormal gaps at T = 1e-30) are near-ties: they may
+    be drawn too, so the drawn token is one whose gap to the maximum is under 40 T."""
     row = torch.tensor(logits)
     got = processed_logprobs(row, temperature=temperature)
     assert not bool(torch.isnan(got).any())
@@ -68,7 +70,8 @@ def test_a_tiny_temperature_samples_the_argmax_not_nan(
     gen = torch.Generator().manual_seed(0)
     token, _ = next_token(row, temperature=temperature, top_p=1, top_k=-1, allowed=None,
                           generator=gen)  # fmt: skip
-    assert row[token] == row.max()
+    gap = (row.max().double() - row[token].double()) / temperature
+    assert bool(gap < 40), (token, float(gap))
 
 
 def test_greedy_picks_argmax_and_sampling_follows_the_distribution() -> None:

@@ -13,6 +13,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 
 from gyre.rollout.client import EngineClient, blocking
@@ -53,6 +54,7 @@ def _greedy(url: str) -> tuple[str, list[int], list[float]]:
     return result.weight_version, result.output_ids, result.output_logprobs
 
 
+@pytest.mark.slow
 def test_publish_to_a_killed_engine_is_reported_and_its_restart_serves_the_new_version(
     tmp_path: Path,
 ) -> None:
@@ -105,6 +107,7 @@ def test_publish_to_a_killed_engine_is_reported_and_its_restart_serves_the_new_v
         doomed.stop()
 
 
+@pytest.mark.slow
 def test_a_switch_goes_on_when_the_engine_died_under_it(tmp_path: Path) -> None:
     engine = _engine(tmp_path, "e1")
     try:

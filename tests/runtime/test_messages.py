@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
+from gyre import fsafe
 from gyre.harness.workspace import prepare
 from gyre.rollout.client import EngineClient, blocking
 from gyre.runtime import checkpoint, policies, wire
@@ -144,8 +145,13 @@ class CoordinatorWorld:
         self.c = Coordinator(cfg, link, run_dir, self.ranks, {"name": "messages"})
         self.backlog: list[tuple[int, msg.Message]] = []
         self.urls = [f"http://engine{i}" for i in range(len(self.ranks))]
+        # as the ranks do: their start-up phases, then their readiness
+        self.peers[PROXY_RANK].send(msg.StartupTimes(PROXY_RANK, "proxy", {"imports": 1.0}),
+                                    COORDINATOR_RANK)  # fmt: skip
         self.peers[PROXY_RANK].send(msg.ProxyReady("http://proxy", TASKS), COORDINATOR_RANK)
         for i, r in enumerate(self.ranks):
+            self.peers[r].send(msg.StartupTimes(r, f"cell{i}", {"imports": 1.0, "model build": 2.0}),
+                               COORDINATOR_RANK)  # fmt: skip
             self.peers[r].send(msg.EngineReady(i, self.urls[i], 0), COORDINATOR_RANK)
         self.c.startup()
         self.c.feed(ev.Start(carried=()))
@@ -329,6 +335,28 @@ def test_updated_counts_the_step_and_publishes_the_new_policy(world: Coordinator
     assert 0 <= row.update_s <= row.train_wall_s  # the update alone: reduce to updated
     publish = world.one(msg.Publish, world.ranks[0])
     assert publish.version == 1 == world.c.sched.version
+
+
+@delivers(msg.StartupTimes)
+def test_startup_times_are_the_summarys_startup_table(world: CoordinatorWorld) -> None:
+    """Every rank's start-up phases (sent before its readiness, or later: a cell's other
+    ranks) go into the summary's `startup`, with the coordinator's own up to the first step."""
+    world.handle(msg.StartupTimes(5, "cell0.1", {"imports": 1.5}))  # a follower, after start-up
+    startup = world.c.summary()["startup"]
+    ranks = {r["rank"]: r for r in startup["ranks"]}
+    assert sorted(ranks) == [0, PROXY_RANK, *world.ranks, 5]
+    assert ranks[5] == {"rank": 5, "component": "cell0.1", "phases": {"imports": 1.5}}
+    assert ranks[2]["phases"] == {"imports": 1.0, "model build": 2.0}
+    assert "proxy start" in ranks[PROXY_RANK]["phases"]  # timed by its ProxyReady's arrival
+    assert "ranks ready" in ranks[0]["phases"] and startup["first_step_s"] is None
+    rank, reduce = world.play(msg.Reduce)
+    reduces = [(rank, reduce)] + [(r, m) for r in world.ranks for m in world.take(msg.Reduce, r)]
+    for r, m in reduces:
+        world.handle(msg.Updated(r - 2, m.batch, 3.0 if r == 2 else None, 0.5))
+    startup = world.c.summary()["startup"]
+    own = startup["ranks"][0]["phases"]
+    assert list(own)[-2:] == ["first group", "first batch"]
+    assert sum(own.values()) == pytest.approx(startup["first_step_s"])
 
 
 @delivers(msg.Published)
@@ -603,7 +631,7 @@ def test_save_policy_writes_a_loadable_policy_directory(rig: CellRig) -> None:
     assert policies.policy_version(Path(saved.path)) == rig.cell.version
     assert policies.load_weights(Path(saved.path))
     # portable: readable as the umask allows, a tokenizer class transformers 4.57 knows, a card
-    folder, mask = Path(saved.path), policies._umask()
+    folder, mask = Path(saved.path), fsafe.umask()
     assert folder.stat().st_mode & 0o777 == 0o777 & ~mask
     assert all(f.stat().st_mode & 0o777 == 0o666 & ~mask for f in folder.iterdir())
     tok = json.loads((folder / "tokenizer_config.json").read_text())

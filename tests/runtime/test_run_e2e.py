@@ -47,6 +47,7 @@ def test_gyre_run_end_to_end_with_engine_kill(e2e_run: World) -> None:
     assert summary["steps_done"] == 2
     assert summary["harness_errors"] == 0
     assert summary["engine_losses"] == 1
+    _startup_profile_covers_every_rank(summary["startup"], e2e_run.output)
 
     with TraceReader(run_dir / "trace.h5") as r:
         meta = r.run_meta
@@ -237,6 +238,34 @@ def _step_metrics(run_dir: Path) -> tuple[dict[str, dict[int, float]], dict[str,
     # an excluded execution's reward is NaN (never equal to itself): compared as None
     return metrics, {r["execution_id"]: None if r["reward"] != r["reward"] else float(r["reward"])
                      for r in rewards}  # fmt: skip
+
+
+def _startup_profile_covers_every_rank(startup: dict, output: str) -> None:
+    """`--profile-startup`: the summary's `startup` has every rank's phases, which add up to
+    when it served; the coordinator's to the first step; the printed table has a column per
+    rank and a row per phase."""
+    ranks = {r["rank"]: r for r in startup["ranks"]}
+    assert sorted(ranks) == list(range(5)), ranks  # coordinator, proxy, three cells
+    assert [ranks[r]["component"] for r in range(5)] == [
+        "coordinator", "proxy", "cell0", "cell1", "cell2"]  # fmt: skip
+    for r in ranks.values():
+        assert {"gyre run", "launch", "imports", "rendezvous", "transport"} <= set(r["phases"])
+        assert all(v >= 0 for v in r["phases"].values()), r
+    for cell in (2, 3, 4):
+        assert {"engine spawn", "model build", "engine ready"} <= set(ranks[cell]["phases"])
+    assert "proxy start" in ranks[1]["phases"]
+    coordinator = ranks[0]["phases"]
+    assert list(coordinator)[-2:] == ["first group", "first batch"]
+    assert sum(coordinator.values()) == pytest.approx(startup["first_step_s"], abs=0.01)
+    served = max(sum(r["phases"].values()) for r in ranks.values() if r["rank"] > 0)
+    assert 0 < served < startup["first_step_s"]
+    lines = output[output.index("gyre run: start-up") :].splitlines()
+    assert lines[1].split()[1:] == ["0", "coord", "1", "proxy", "2", "cell0", "3", "cell1",
+                                    "4", "cell2"]  # fmt: skip
+    rows = {line.split("  ")[0].strip(): line for line in lines[2:] if line.strip()}
+    assert {p for r in ranks.values() for p in r["phases"]} <= set(rows), rows
+    assert len(rows["total"].split()) == 1 + 5  # a total for every rank
+    assert f"{startup['first_step_s']:.2f}" in rows["first step"]
 
 
 @pytest.mark.mpi

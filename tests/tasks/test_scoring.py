@@ -18,6 +18,7 @@ def score(task, workspace: Path):
     return asyncio.run(hidden_tests(workspace, task))
 
 
+@pytest.mark.slow
 def test_every_builtin_task_is_solvable_and_starts_unsolved(suite, solutions, tmp_path):
     for task in suite:
         start = score(task, task.workspace)

@@ -113,6 +113,14 @@ def check_hf_config(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
         )
 
 
+def check_trainable(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
+    """Refuse, before any process starts, a model `build_gpt_model` would refuse on the cell's
+    ranks: its family, its shapes over `cfg`'s tensor / pipeline sizes and its RoPE (the
+    arguments the ranks compute, computed and dropped)."""
+    transformer_kwargs(hf, cfg)
+    gpt_kwargs(hf)
+
+
 def transformer_kwargs(hf: Mapping[str, Any], cfg: MegatronConfig) -> dict[str, Any]:
     """`TransformerConfig(**kwargs)` arguments (minus torch objects: see `model.py`)."""
     check_hf_config(hf, cfg)

@@ -25,6 +25,7 @@ fusion off), so forward and backward run on CPU too; with CUDA it changes nothin
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +44,7 @@ def init_model_parallel(cfg: MegatronConfig) -> None:
     Cell ranks must be contiguous in the torch.distributed numbering (`GroupLayout.dist_rank`);
     data parallelism then runs across cells.
     """
+    _import_megatron()
     from megatron.core import parallel_state
 
     from gyre.train.megatron import cpu
@@ -54,6 +56,26 @@ def init_model_parallel(cfg: MegatronConfig) -> None:
             cfg.tensor_parallel, cfg.pipeline_parallel, order="tp-cp-ep-pp-dp"
         )
     cpu.enable()  # CPU only: Megatron's four CUDA-only points (gyre.train.megatron.cpu)
+
+
+def _import_megatron() -> None:
+    """Import megatron-core, without the wandb it imports for logging Gyre never asks of it.
+
+    megatron-core imports wandb at module level where it is installed (its timers and
+    inference contexts could log to it): ~0.7 CPU-s on every Megatron rank of a start, and
+    wandb is installed for the coordinator's tracker. A `None` entry in `sys.modules` makes
+    that import fail as if wandb were absent, which megatron-core handles; the entry is
+    removed afterwards, so wandb stays importable in this process. Where wandb or megatron-core
+    is already imported this changes nothing.
+    """
+    if "megatron.core" in sys.modules or "wandb" in sys.modules:
+        return
+    sys.modules["wandb"] = None  # type: ignore[assignment]
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        if sys.modules.get("wandb", "") is None:
+            del sys.modules["wandb"]
 
 
 def build_gpt_model(
