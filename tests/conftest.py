@@ -61,6 +61,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
+def resumable_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run directory as the runtime writes one, not run (copy it before changing it): the
+    tiny model's run that checkpointed after 4 of its 6 updates (`gyre.runtime.checkpoint`),
+    its trace (`TraceWriter`) with one dispatched group (g8, 4 executions) the checkpoint did
+    not train, and its final policy (`save_policy`). What `--resume`, `gyre eval`, `gyre
+    report` and `gyre trace` read."""
+    from gyre.models import load_model
+    from gyre.runtime import checkpoint, policies
+    from gyre.runtime.config import DEFAULT_CONFIG, dump_run_config, load_run_config
+    from gyre.trajectory.store import TraceWriter
+
+    tmp = tmp_path_factory.mktemp("resumable")
+    run = tmp / "runs" / "local-resumable"
+    run.mkdir(parents=True)
+    text = dump_run_config(load_run_config(DEFAULT_CONFIG, [f"runs_dir={tmp / 'runs'}", "steps=6"]))
+    (run / "config.yaml").write_text(text)
+    with TraceWriter(run / "trace.h5", run_meta={"config": text, "model": "tiny"}) as w:
+        for g, version in (("g7", 3), ("g8", 4)):
+            w.append("groups", [{"group_id": g, "task_id": "notes@7", "execution_id": f"{g}-e{i}",
+                                 "policy_version": version, "t_dispatch": time.time()}
+                                for i in range(4)])  # fmt: skip
+    model, tok = load_model("tiny")
+    folder = checkpoint.begin(run, 4)
+    checkpoint.save_core(folder, [(n, p.detach()) for n, p in model.named_parameters()], None, 4)
+    state = checkpoint.CheckpointState(version=4, updates=4, trained=tuple(f"g{i}" for i in range(8)),
+                                       next_group=9, t=time.time())  # fmt: skip
+    checkpoint.commit(run, folder, state, keep=2)
+    policies.save_policy(run, "final", model, tok, version=4)
+    return run
+
+
+@pytest.fixture(scope="session")
 def e2e_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """The shared end-to-end `gyre run` (tests/worlds.py), run once for the session."""
     from worlds import e2e_world

@@ -14,9 +14,8 @@ need a process of their own (a full disk, a read-only directory, a real evaluati
 tests/test_data_safety.py and tests/test_preflight_corpus.py.
 
 The inputs are built as the runtime writes them, not run: tiny model directories (config +
-tokenizer from transformers' `save_pretrained`: families and shapes the ranks refuse), and a
-run directory that checkpointed after 4 of its 6 updates, holds a dispatched group its
-checkpoint did not train and its published final policy.
+tokenizer from transformers' `save_pretrained`: families and shapes the ranks refuse), and
+the `resumable_run` directory of tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import os
 import shutil
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,36 +206,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def pristine_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run of the tiny model that checkpointed after 4 of its 6 updates, with one
-    dispatched group (g8, 4 executions) its checkpoint did not train, and its final policy."""
-    from gyre.models import load_model
-    from gyre.runtime import checkpoint, policies
-    from gyre.runtime.config import dump_run_config, load_run_config
-    from gyre.trajectory.store import TraceWriter
-
-    tmp = tmp_path_factory.mktemp("pristine")
-    run = tmp / "runs" / "local-resumable"
-    run.mkdir(parents=True)
-    text = dump_run_config(load_run_config(LOCAL, [f"runs_dir={tmp / 'runs'}", "steps=6"]))
-    (run / "config.yaml").write_text(text)
-    with TraceWriter(run / "trace.h5", run_meta={"config": text, "model": "tiny"}) as w:
-        for g, version in (("g7", 3), ("g8", 4)):
-            w.append("groups", [{"group_id": g, "task_id": "notes@7", "execution_id": f"{g}-e{i}",
-                                 "policy_version": version, "t_dispatch": time.time()}
-                                for i in range(4)])  # fmt: skip
-    model, tok = load_model("tiny")
-    folder = checkpoint.begin(run, 4)
-    checkpoint.save_core(folder, [(n, p.detach()) for n, p in model.named_parameters()], None, 4)
-    trained = tuple(f"g{i}" for i in range(8))
-    state = checkpoint.CheckpointState(version=4, updates=4, trained=trained, next_group=9,
-                                       t=time.time())  # fmt: skip
-    checkpoint.commit(run, folder, state, keep=2)
-    policies.save_policy(run, "final", model, tok, version=4)
-    return run
-
-
 @pytest.fixture
 def alarm() -> Iterator[None]:
     def fire(*_: object) -> None:
@@ -271,10 +239,10 @@ def _config_file(case: Case, where: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.entry}-{i}" for i, c in enumerate(CASES)])
 def test_a_bad_input_is_one_line_exit_2_and_changes_nothing(
-    case: Case, models: Path, pristine_run: Path, tmp_path: Path, alarm: None,
+    case: Case, models: Path, resumable_run: Path, tmp_path: Path, alarm: None,
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    run = Path(shutil.copytree(pristine_run, tmp_path / "runs" / pristine_run.name))
+    run = Path(shutil.copytree(resumable_run, tmp_path / "runs" / resumable_run.name))
     case_dir = tmp_path / "case"
     case_dir.mkdir()
     where = {"run": run, "models": models, "tmp": case_dir, "local": LOCAL,

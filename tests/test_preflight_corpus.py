@@ -8,8 +8,7 @@ Here, each a real process as a user types it: a damaged trace refused by `--resu
 run's files byte for byte as they were), a harness program the login node lacks (a note
 there, an error where the job runs), a dry run that says what it would write and writes
 nothing, and a resume the checks must let through. The run directory a resume continues is
-built as the runtime writes one (its config.yaml, a trace from `TraceWriter` with
-dispatched groups, a checkpoint from `gyre.runtime.checkpoint`), not run.
+the `resumable_run` of tests/conftest.py, built as the runtime writes one, not run.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -64,39 +62,10 @@ def variant(tmp: Path, name: str, source: Path = LOCAL, **sections: dict) -> Pat
     return path
 
 
-@pytest.fixture(scope="module")
-def pristine_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run of the tiny model that checkpointed after 4 of its 6 updates, with one
-    dispatched group (g8, 4 executions) its checkpoint did not train."""
-    from gyre.models import load_model
-    from gyre.runtime import checkpoint
-    from gyre.runtime.config import dump_run_config, load_run_config
-    from gyre.trajectory.store import TraceWriter
-
-    tmp = tmp_path_factory.mktemp("pristine")
-    run = tmp / "runs" / "local-resumable"
-    run.mkdir(parents=True)
-    text = dump_run_config(load_run_config(LOCAL, [f"runs_dir={tmp / 'runs'}", "steps=6"]))
-    (run / "config.yaml").write_text(text)
-    with TraceWriter(run / "trace.h5", run_meta={"config": text}) as w:
-        for g, version in (("g7", 3), ("g8", 4)):
-            w.append("groups", [{"group_id": g, "task_id": "notes@7", "execution_id": f"{g}-e{i}",
-                                 "policy_version": version, "t_dispatch": time.time()}
-                                for i in range(4)])  # fmt: skip
-    model, _ = load_model("tiny")
-    folder = checkpoint.begin(run, 4)
-    checkpoint.save_core(folder, [(n, p.detach()) for n, p in model.named_parameters()], None, 4)
-    trained = tuple(f"g{i}" for i in range(8))
-    state = checkpoint.CheckpointState(version=4, updates=4, trained=trained, next_group=9,
-                                       t=time.time())  # fmt: skip
-    checkpoint.commit(run, folder, state, keep=2)
-    return run
-
-
 @pytest.fixture
-def run(pristine_run: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "runs" / pristine_run.name
-    shutil.copytree(pristine_run, copy)
+def run(resumable_run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "runs" / resumable_run.name
+    shutil.copytree(resumable_run, copy)
     return copy
 
 
