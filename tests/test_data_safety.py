@@ -136,8 +136,15 @@ def read_only_run(run: Path) -> Iterator[Path]:
         lambda run: ["report", str(run)],
         lambda run: ["eval", str(run), "--instances", "1"],
         lambda run: ["trace", "export", str(run), "--out", str(run.parent / "tables")],
+        # (a context within the token budget: no warning line beside the error)
+        lambda run: [
+            "run",
+            "--run-dir",
+            str(run.parent / "new-run"),
+            "proxy.max_context_tokens=1024",
+        ],
     ],
-    ids=["report", "eval", "trace-export"],
+    ids=["report", "eval", "trace-export", "run"],
 )
 def test_a_read_only_run_or_a_full_disk_is_one_line(
     read_only_run: Path, command: Callable[[Path], list[str]]

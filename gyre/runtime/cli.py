@@ -29,7 +29,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from gyre import cliargs
+from gyre import cliargs, fsafe
 from gyre.errors import ConfigError
 from gyre.runtime.checkpoint import EXIT_CHECKPOINTED
 from gyre.runtime.config import DEFAULT_CONFIG
@@ -161,9 +161,10 @@ def run(args: argparse.Namespace) -> int:
               f"{t.cells} cells x {t.ranks_per_cell}, {t.standalone_engines} standalone) for "
               f"{cfg.steps} steps in {run_dir}{first}:\n{shlex.join(cmd)}")  # fmt: skip
         return 0
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if write:
-        merged.write_text(text)
+    with fsafe.writing(run_dir):  # a full disk, a read-only file system: one line, exit 2
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if write:
+            merged.write_text(text)
     # environ(): when gyre run started, which the ranks' start-up phases count from
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "HF_HUB_OFFLINE": "1", **environ()}  # fmt: skip
