@@ -63,13 +63,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def resumable_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run directory as the runtime writes one, not run (copy it before changing it): the
-    tiny model's run that checkpointed after 4 of its 6 updates (`gyre.runtime.checkpoint`),
+    tiny model's run that checkpointed after 4 of its 6 updates (`gyre.runtime.shared.checkpoint`),
     its trace (`TraceWriter`) with one dispatched group (g8, 4 executions) the checkpoint did
     not train, and its final policy (`save_policy`). What `--resume`, `gyre eval`, `gyre
     report` and `gyre trace` read."""
     from gyre.models import load_model
-    from gyre.runtime import checkpoint, policies
-    from gyre.runtime.config import DEFAULT_CONFIG, dump_run_config, load_run_config
+    from gyre.runtime.shared import checkpoint, policies
+    from gyre.runtime.shared.config import DEFAULT_CONFIG, dump_run_config, load_run_config
     from gyre.trajectory.store import TraceWriter
 
     tmp = tmp_path_factory.mktemp("resumable")
@@ -117,7 +117,7 @@ def smollm2_policy(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
     import torch
 
     from gyre.models import load_model
-    from gyre.runtime.policies import save_policy
+    from gyre.runtime.shared.policies import save_policy
 
     model, tok = load_model("smollm2-135m")
     prompt = tok("The capital of France is", add_special_tokens=False)["input_ids"]

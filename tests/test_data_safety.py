@@ -27,7 +27,7 @@ import pytest
 from test_cli_errors import ROOT, gyre, one_line_error
 
 from gyre import cliargs, fsafe
-from gyre.runtime import checkpoint, policies
+from gyre.runtime.shared import checkpoint, policies
 
 
 def digest(root: Path) -> dict[str, str]:

@@ -16,7 +16,7 @@ import pytest
 
 from gyre.cli import main
 from gyre.errors import ConfigError
-from gyre.runtime.progress import Progress
+from gyre.runtime.coordinator.progress import Progress
 from gyre.schedule.plan import plan_for
 from gyre.sim.config import read_template
 

@@ -16,7 +16,7 @@ from gyre.cli import build_parser, main
 from gyre.config import apply_overrides, load, read_mapping
 from gyre.errors import ConfigError
 from gyre.launch.spec import load_launch
-from gyre.runtime.config import RunConfig
+from gyre.runtime.shared.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "templates" / "local.yaml"

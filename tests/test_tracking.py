@@ -165,8 +165,8 @@ def test_all_trackers_write_steps_config_and_summary_and_resume(tmp_path: Path) 
 def test_gyre_eval_results_reach_the_runs_trackers(tmp_path: Path) -> None:
     """`gyre eval RUN_DIR` sends each evaluated policy's held-out reward to the run's
     trackers at its policy version; a model given by path (no version) is not sent."""
-    from gyre.runtime.config import load_run_config
     from gyre.runtime.evaluation import EvalResult, _track
+    from gyre.runtime.shared.config import load_run_config
 
     cfg_path = tmp_path / "config.yaml"
     cfg_path.write_text((ROOT / "templates" / "local.yaml").read_text())

@@ -260,7 +260,7 @@ class Checkpoint:
 def newest_checkpoint(run_dir: Path) -> Checkpoint | None:
     import torch
 
-    from gyre.runtime.checkpoint import CORE, latest
+    from gyre.runtime.shared.checkpoint import CORE, latest
 
     found = latest(run_dir)
     if found is None:
@@ -346,7 +346,7 @@ def _update_since(run_dir: Path, resumed_from: Checkpoint | None, t0: int) -> di
     """The core record of the first batch after `resumed_from`, if written since `t0`."""
     import torch
 
-    from gyre.runtime.audit import AUDIT_DIR
+    from gyre.runtime.shared.audit import AUDIT_DIR
 
     batch = int(resumed_from.state["updates"]) if resumed_from else 0
     path = run_dir / AUDIT_DIR / f"b{batch:05d}-core.pt"
@@ -364,7 +364,7 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
 
 
 def _batch_files(run_dir: Path) -> dict[str, int]:
-    from gyre.runtime.audit import AUDIT_DIR
+    from gyre.runtime.shared.audit import AUDIT_DIR
 
     folder = run_dir / AUDIT_DIR
     return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} if folder.is_dir() else {}
@@ -414,7 +414,7 @@ def kill_during(run_dir: Path, overrides: list[str], victims_of: Callable[[list[
 
 def _committed(run_dir: Path) -> int:
     """The updates of the newest checkpoint (0: none)."""
-    from gyre.runtime.checkpoint import latest
+    from gyre.runtime.shared.checkpoint import latest
 
     found = latest(run_dir)
     return int(found[1]["updates"]) if found else 0

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def bench(model: str, repeats: int) -> dict[str, float]:
     import torch
 
-    from gyre.runtime import checkpoint
-    from gyre.runtime.config import load_run_config
-    from gyre.runtime.replica import build_replica
+    from gyre.runtime.cell.replica import build_replica
+    from gyre.runtime.shared import checkpoint
+    from gyre.runtime.shared.config import load_run_config
 
     torch.set_num_threads(1)
     cfg = load_run_config(ROOT / "templates" / "local.yaml", [f"model={model}"])

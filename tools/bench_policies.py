@@ -83,9 +83,9 @@ def _switch_seconds(run_dir: Path) -> dict[str, float]:
 def held_out(row: dict[str, Any], every: int, instances: int) -> list[tuple[int, float]]:
     """(step, held-out reward) every `every` steps and at the end: at step t, the newest
     policy the run had published by then (Colocate publishes every μ-th step only)."""
-    from gyre.runtime import policies
-    from gyre.runtime.config import load_run_config
     from gyre.runtime.evaluation import Target, evaluate
+    from gyre.runtime.shared import policies
+    from gyre.runtime.shared.config import load_run_config
 
     run_dir = Path(row["run_dir"])
     cfg = load_run_config(run_dir / "config.yaml")

@@ -6,7 +6,7 @@ group: bytes and seconds.
 
 What: for each model an embedded engine is launched the way a cell of `gyre run` launches
 it (`EngineHost`: the preset of `EngineConfig.server`, started by `EngineProcess`), and the
-model's weights as the core publishes them (`named_parameters()`, `gyre.runtime.replica`:
+model's weights as the core publishes them (`named_parameters()`, `gyre.runtime.cell.replica`:
 tied weights once, float32) are pushed to it `--repeats` times by each path, with the core's
 own call:
 
@@ -60,8 +60,8 @@ from gyre.rollout.protocol import (
     tensor_update_call,
 )
 from gyre.rollout.weights import serialize_named_tensors
-from gyre.runtime.config import EngineConfig
-from gyre.runtime.engine_host import EngineHost, push_weights, push_weights_distributed
+from gyre.runtime.cell.engine_host import EngineHost, push_weights, push_weights_distributed
+from gyre.runtime.shared.config import EngineConfig
 
 PATHS = ("http", "distributed")
 

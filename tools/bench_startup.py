@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gyre.runtime.startup import table
+from gyre.runtime.shared.startup import table
 
 CONFIGS = {
     "default": [],

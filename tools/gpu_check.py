@@ -397,7 +397,7 @@ def section_role_switch(args: argparse.Namespace) -> dict[str, Any]:
     from gyre.models import load_model
     from gyre.rollout.client import EngineClient, blocking
     from gyre.rollout.protocol import release_procedure, resume_procedure
-    from gyre.runtime.residency import TrainerResidency
+    from gyre.runtime.cell.residency import TrainerResidency
     from gyre.train.cell import TorchCell
     from gyre.train.config import ObjectiveConfig
     from gyre.train.objective import ExecutionScalar

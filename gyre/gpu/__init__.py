@@ -1,5 +1,5 @@
 """CUDA paths: device placement and dtypes, memory measurement, and the embedded engine on
-a GPU (a training cell's release on a role switch is `gyre.runtime.residency`).
+a GPU (a training cell's release on a role switch is `gyre.runtime.cell.residency`).
 
 * `memory` — `Placement` (device + dtype), `memory_stats`, `measure` (seconds and device
   memory around an action, after `torch.cuda.empty_cache`);

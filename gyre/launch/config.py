@@ -4,7 +4,7 @@ Gyre runs as one heterogeneous Slurm job (docs/slurm.md): component 0 the coordi
 component 1 the proxy / harness node, then one component per cell (`nodes_per_cell` nodes
 sharing the cell's R ranks), then an optional standalone rollout pool. This dataclass holds
 everything the rendered sbatch script needs beyond the run's topology (cells, ranks per cell,
-standalone engines), which the runtime's `RunConfig` owns (`gyre.runtime.layout.TopologyConfig`;
+standalone engines), which the runtime's `RunConfig` owns (`gyre.runtime.shared.layout.TopologyConfig`;
 the runtime keeps the `slurm:` section as data and only the launcher reads it):
 
     slurm:
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from gyre.errors import ConfigError
-from gyre.runtime.layout import TopologyConfig
+from gyre.runtime.shared.layout import TopologyConfig
 
 __all__ = ["MPI_PLUGINS", "PMI2_ENV", "RESERVED_OPTIONS", "SlurmConfig", "TopologyConfig"]
 

@@ -31,7 +31,7 @@ from gyre.launch.task import (
     locate,
     restart_count,
 )
-from gyre.runtime.layout import Component, Layout
+from gyre.runtime.shared.layout import Component, Layout
 
 
 def expected_components(spec: JobSpec) -> list[tuple[str, int, int]]:

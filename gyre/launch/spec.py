@@ -4,7 +4,7 @@ Component 0 is the coordinator, component 1 the proxy / harness node, components
 cells (each `slurm.nodes_per_cell` nodes holding the cell's R ranks), and, when the topology
 has standalone engines, one last component holding the standalone rollout pool. Task order
 inside `srun --het-group=0-N` is component order, so world ranks come out exactly as
-`gyre.runtime.layout` expects (coordinator 0, proxy 1, cells, standalone engines).
+`gyre.runtime.shared.layout` expects (coordinator 0, proxy 1, cells, standalone engines).
 
     launch = load_launch("templates/cluster/paper-32.yaml")
     spec = job_spec(launch)          # ConfigError if the cell layout does not fit the nodes
@@ -24,8 +24,8 @@ import yaml
 from gyre.config import load
 from gyre.errors import ConfigError
 from gyre.launch.config import SlurmConfig, TopologyConfig, check_log_dir, time_minutes
-from gyre.runtime.layout import Group, Layout
 from gyre.runtime.preflight import Where, check_gpus, preflight
+from gyre.runtime.shared.layout import Group, Layout
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,7 +54,7 @@ class Launch:
 
 @dataclass(kw_only=True, slots=True)
 class Request:
-    """What the job asks Slurm for one group of the world's layout (`gyre.runtime.layout.
+    """What the job asks Slurm for one group of the world's layout (`gyre.runtime.shared.layout.
     Group`): one `#SBATCH hetjob` block."""
 
     group: Group
@@ -147,7 +147,7 @@ def load_launch(
 ) -> Launch:  # fmt: skip
     """Read and fully validate a run config; return what the launcher needs.
 
-    The whole file is validated as a `gyre.runtime.config.RunConfig` and passes the run's
+    The whole file is validated as a `gyre.runtime.shared.config.RunConfig` and passes the run's
     preflight (`gyre.runtime.preflight`: harness, suite and tasks, the model against both
     backends, backends against the GPUs each node requests, trackers, the log folder, the run
     directory `run_dir` when known; `where` says how much of the cluster is visible), so a bad
@@ -156,7 +156,7 @@ def load_launch(
     `<runs_dir>/configs/<name>-<hash>.yaml` (named by its content) and `Launch.path` points
     there, so every task of the job reads exactly the config validated here.
     """
-    from gyre.runtime.config import parse_run_config
+    from gyre.runtime.shared.config import parse_run_config
 
     p = Path(path)
     run, data = parse_run_config(p, overrides)

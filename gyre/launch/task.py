@@ -12,7 +12,7 @@ two things from the run (docs/slurm.md):
 
     groups = het_group_sizes(os.environ)       # [1, 1, 1, 1, 1]
     locate(int(os.environ["SLURM_PROCID"]), groups)   # (3, 0): het group 3, rank 0 in it
-    Layout(topology).component_at(3, 0)               # what it runs (gyre.runtime.layout)
+    Layout(topology).component_at(3, 0)               # what it runs (gyre.runtime.shared.layout)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gyre.errors import ConfigError
-from gyre.runtime.checkpoint import EXIT_CHECKPOINTED
+from gyre.runtime.shared.checkpoint import EXIT_CHECKPOINTED
 
 __all__ = ["EXIT_CHECKPOINTED", "het_group_sizes", "locate", "restart_count"]
 

@@ -11,7 +11,7 @@ rank 0, in the posted order, and loads it by name. The embedded engine is one CP
 joins with gloo at `rank_offset`; `gyre.rollout.server` serves the routes and
 `Engine.join_update_group` / `update_weights_from_distributed` / `leave_update_group` run
 these functions. The publisher's side is `gyre.rollout.serving.nccl` (the same
-`open_update_group`), driven by `gyre.runtime.engine_host.push_weights_distributed`.
+`open_update_group`), driven by `gyre.runtime.cell.engine_host.push_weights_distributed`.
 """
 
 from __future__ import annotations

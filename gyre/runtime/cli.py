@@ -31,8 +31,8 @@ from typing import Any
 
 from gyre import cliargs, fsafe
 from gyre.errors import ConfigError
-from gyre.runtime.checkpoint import EXIT_CHECKPOINTED
-from gyre.runtime.config import DEFAULT_CONFIG
+from gyre.runtime.shared.checkpoint import EXIT_CHECKPOINTED
+from gyre.runtime.shared.config import DEFAULT_CONFIG
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -132,10 +132,10 @@ def find_mpiexec() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gyre.runtime.config import dump_run_config, load_run_config
     from gyre.runtime.main import default_run_dir, ranks_config
     from gyre.runtime.preflight import Where, preflight
-    from gyre.runtime.startup import environ, table
+    from gyre.runtime.shared.config import dump_run_config, load_run_config
+    from gyre.runtime.shared.startup import environ, table
 
     config, overrides = _split_overrides(args.config, args.overrides)
     if args.resume is not None:
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"gyre run: {summary['steps_done']} steps in {summary['wall_s']:.1f}s "
           f"({summary['policy']}); trace {run_dir / 'trace.h5'}")  # fmt: skip
     if "pace" in summary:
-        from gyre.runtime.progress import paced_line
+        from gyre.runtime.coordinator.progress import paced_line
 
         print("gyre run: " + paced_line(summary["pace"]))
     if args.profile_startup:

@@ -38,13 +38,13 @@ from gyre import fsafe
 from gyre.errors import ConfigError
 from gyre.models import check_model
 from gyre.rollout.protocol import ensure_engine_key
-from gyre.runtime import policies
-from gyre.runtime.config import DEFAULT_CONFIG, RunConfig, load_run_config
 from gyre.runtime.preflight import config_inputs
+from gyre.runtime.shared import policies
+from gyre.runtime.shared.config import DEFAULT_CONFIG, RunConfig, load_run_config
 from gyre.tasks.suite import heldout_seed
 
 if TYPE_CHECKING:
-    from gyre.runtime.messages import VerdictRecord
+    from gyre.runtime.shared.messages import VerdictRecord
     from gyre.tasks.scoring import TestVerdict
 
 EVAL_FILE = "eval.json"
@@ -118,7 +118,7 @@ def evaluate(
     concurrency: int, hide: tuple[Path, ...] = (),
 ) -> EvalResult:  # fmt: skip
     """Run `instances` held-out instances of every task in `tasks` against `target`."""
-    from gyre.runtime.engine_host import EngineHost
+    from gyre.runtime.cell.engine_host import EngineHost
 
     fsafe.fresh_dir(work_dir, MADE_BY)  # an earlier evaluation of this policy: from nothing
     ensure_engine_key()  # the engine takes a key; its harnesses never see it
@@ -142,7 +142,7 @@ async def _run_all(
     cfg: RunConfig, work_dir: Path, url: str, tasks: list[str], instances: int, concurrency: int,
     hide: tuple[Path, ...],
 ) -> dict[str, VerdictRecord]:  # fmt: skip
-    from gyre.runtime.proxy_node import ExecutionHost
+    from gyre.runtime.proxy_node.node import ExecutionHost
 
     host = ExecutionHost(cfg, work_dir, hide)
     await host.start({"e0": url})
@@ -236,7 +236,7 @@ def _work_base(
 def run_inputs(run_dir: Path) -> dict[str, Path]:
     """What a run directory holds that commands read and must never write over: its config,
     trace, policies and checkpoints (keyed by what to call them in a message)."""
-    from gyre.runtime.checkpoint import CHECKPOINTS
+    from gyre.runtime.shared.checkpoint import CHECKPOINTS
 
     return {"the run's config": run_dir / "config.yaml", "the run's trace": run_dir / "trace.h5",
             "the run's policies": run_dir / policies.POLICIES,
@@ -250,7 +250,7 @@ def heldout(cfg: RunConfig, tasks: list[str] | None) -> tuple[RunConfig, list[st
     training suite's tasks (`harness.tasks`), each on held-out seeds, which only a task with
     variables has: a task without is a single instance training runs, so it is refused
     rather than scored as held-out. `tasks` (`--tasks`) replaces the task list."""
-    from gyre.runtime.proxy_node import check_adapter, check_sandbox, load_tasks
+    from gyre.runtime.proxy_node.node import check_adapter, check_sandbox, load_tasks
 
     own = cfg.eval.suite is not None
     suite = cfg.eval.suite if own else cfg.harness.suite

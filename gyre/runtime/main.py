@@ -2,14 +2,14 @@
 
 Started once per rank by `mpiexec -n W` (one machine, `gyre run`) or `srun --het-group=...`
 (Slurm). Every rank parses the same config, finds its component from its world rank
-(`gyre.runtime.layout`), then builds, serves and closes it (`run_component`): its wiring
+(`gyre.runtime.shared.layout`), then builds, serves and closes it (`run_component`): its wiring
 (communicators, address, control link, device), its role (`gyre.runtime.roles`), the core →
 satellite snapshot transport; the role serves until the run ends:
 
     rank 0: Coordinator   rank 1: ProxyNode   ranks 2..: cells (R ranks each: CellProcess
     on the leader, which hosts the engine, CellFollower on the others), standalone engines
 
-Each rank times its start-up phases from `gyre run`'s start (`gyre.runtime.startup`) and
+Each rank times its start-up phases from `gyre run`'s start (`gyre.runtime.shared.startup`) and
 tells the coordinator once it serves: the summary's `startup`, `gyre run --profile-startup`.
 Any failure prints one line naming the rank and component and aborts the whole world, so a
 job never hangs on a dead peer. Exit status 0 after `steps` updates.
@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from gyre.rollout.protocol import ensure_engine_key
-from gyre.runtime.config import RunConfig, dump_run_config, load_run_config
-from gyre.runtime.layout import (
+from gyre.runtime.shared.config import RunConfig, dump_run_config, load_run_config
+from gyre.runtime.shared.layout import (
     Component,
     cell_members,
     layout,
 )
-from gyre.runtime.startup import StartupClock
+from gyre.runtime.shared.startup import StartupClock
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = StartupClock()  # from `gyre run`'s start: its phases until this rank serves
     from mpi4py import MPI
 
-    from gyre.runtime import wire
+    from gyre.runtime.shared import wire
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
@@ -143,7 +143,7 @@ def _install_signals(rank: int) -> None:
     """SIGUSR1 (Slurm's warning before the time limit): the coordinator checkpoints."""
     import signal
 
-    from gyre.runtime.checkpoint import PREEMPT
+    from gyre.runtime.shared.checkpoint import PREEMPT
 
     if rank == 0:
         signal.signal(signal.SIGUSR1, lambda *_: PREEMPT.set())
@@ -167,7 +167,7 @@ def run_component(
     clock: StartupClock | None = None, started: Callable[[], None] | None = None,
 ) -> int:  # fmt: skip
     """Build this rank's wiring and its role, serve the role, close: its exit status (0,
-    or EXIT_CHECKPOINTED). `clock` times the start-up phases (`gyre.runtime.startup`);
+    or EXIT_CHECKPOINTED). `clock` times the start-up phases (`gyre.runtime.shared.startup`);
     `started` runs once every rank has built its role (`keep_config`'s deferred write)."""
     from gyre.runtime.roles import ROLES, Wiring
     from gyre.train.transfer import make_transport

@@ -26,7 +26,7 @@ are only called:
   layer (`gyre.launch.spec.load_launch`), which owns the Slurm section;
 * the experiment trackers (`gyre.tracking.check`);
 * the run directory: it can be written, and a run already in it can be continued with this
-  config (`gyre.runtime.resume.check_run_dir`: `--resume`, `--run-dir` of an existing run, a
+  config (`gyre.runtime.coordinator.resume.check_run_dir`: `--resume`, `--run-dir` of an existing run, a
   requeued job's `GYRE_RUN_DIR`).
 
 Returns the notes to print (the config's warnings, what could not be checked where it runs).
@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING
 
 from gyre import fsafe
 from gyre.errors import ConfigError
-from gyre.runtime.layout import Component, Layout
-from gyre.runtime.placement import plan_node
+from gyre.runtime.shared.layout import Component, Layout
+from gyre.runtime.shared.placement import plan_node
 
 if TYPE_CHECKING:
-    from gyre.runtime.config import RunConfig
+    from gyre.runtime.shared.config import RunConfig
 
 
 class Where(enum.Enum):
@@ -94,7 +94,7 @@ def preflight(cfg: RunConfig, where: Where, *, run_dir: Path | None = None,
 
 
 def _harness(cfg: RunConfig, where: Where) -> list[str]:
-    from gyre.runtime.proxy_node import check_adapter, check_sandbox, load_tasks
+    from gyre.runtime.proxy_node.node import check_adapter, check_sandbox, load_tasks
 
     notes = []
     if where in RUNS_HERE:
@@ -228,7 +228,7 @@ def _devices_here(cfg: RunConfig) -> None:
 def _run_dir(cfg: RunConfig, run_dir: Path, where: Where, resume: bool,
              config: Path | None) -> None:  # fmt: skip
     """The run directory can be written, and a run already in it continued with `cfg`."""
-    from gyre.runtime.resume import check_run_dir
+    from gyre.runtime.coordinator.resume import check_run_dir
 
     _writable(run_dir, "run directory", "runs_dir=DIR or --run-dir DIR" if where is Where.HERE
               else "GYRE_RUN_DIR=DIR")  # fmt: skip

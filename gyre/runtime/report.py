@@ -246,7 +246,7 @@ def _html(run_dir: Path, summary: dict[str, Any], evals: list[dict[str, Any]],
     name = html.escape(run_dir.name)
     paced = ""
     if isinstance(summary.get("pace"), dict):
-        from gyre.runtime.progress import paced_line
+        from gyre.runtime.coordinator.progress import paced_line
 
         paced = f"<p class='paced'><b>{html.escape(paced_line(summary['pace']))}</b></p>"
     cells = ""

@@ -22,19 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gyre.runtime.config import RunConfig
-from gyre.runtime.layout import (
+from gyre.runtime.shared.config import RunConfig
+from gyre.runtime.shared.layout import (
     COORDINATOR_RANK,
     Component,
     cell_members,
     cell_of_rank,
     engine_ranks,
 )
-from gyre.runtime.placement import RankDevice
-from gyre.runtime.startup import StartupClock
+from gyre.runtime.shared.placement import RankDevice
+from gyre.runtime.shared.startup import StartupClock
 
 if TYPE_CHECKING:  # torch: imported only by the ranks that train
-    from gyre.runtime.residency import TrainerResidency
+    from gyre.runtime.cell.residency import TrainerResidency
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,18 +45,18 @@ class Wiring:
     components: list[Component]
     comms: Any  # gyre.train.comm.Communicators: per-cell Split and the K-1 prefix sets
     address: str  # how other ranks reach this one: its engine's URL, control, snapshots
-    link: Any  # gyre.runtime.wire.Link: the control channel (MPI stays for collectives)
+    link: Any  # gyre.runtime.shared.wire.Link: the control channel (MPI stays for collectives)
     hosts: list[str]  # where every rank runs: its Slurm node (else host), for the trace
     placed: RankDevice  # this rank's device and its engine's GPUs
     residency: TrainerResidency | None  # a GPU trainer's offload on each switch to rollout
-    clock: StartupClock  # this rank's start-up phases (gyre.runtime.startup)
+    clock: StartupClock  # this rank's start-up phases (gyre.runtime.shared.startup)
 
     @classmethod
     def connect(
         cls, cfg: RunConfig, world: Any, components: list[Component], clock: StartupClock
     ) -> Wiring:
-        from gyre.runtime import wire
-        from gyre.runtime.address import node_address
+        from gyre.runtime.shared import wire
+        from gyre.runtime.shared.address import node_address
         from gyre.train.comm import build_communicators
 
         comms = build_communicators(world, cell_of_rank=cell_of_rank(components))
@@ -66,7 +66,7 @@ class Wiring:
         placed = place_rank(cfg, world, components)
         residency = None
         if cfg.train.device.startswith("cuda"):  # else the trainer stays on the CPU
-            from gyre.runtime.residency import TrainerResidency
+            from gyre.runtime.cell.residency import TrainerResidency
 
             residency = TrainerResidency.for_rank(placed)
         clock.mark("wiring")
@@ -93,14 +93,14 @@ class CoordinatorRole:
     flat = None
 
     def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
-        import gyre.runtime.coordinator  # noqa: F401  (imported while the cells build)
+        import gyre.runtime.coordinator.coordinator  # noqa: F401  (imported while the cells build)
 
         self.cfg, self.wiring, self.run_dir = cfg, wiring, run_dir
         wiring.clock.mark("role imports")  # the scheduler, h5py, the trackers' code
 
     def serve(self, link: Any, transport: Any) -> int:
         from gyre import provenance
-        from gyre.runtime.coordinator import Coordinator
+        from gyre.runtime.coordinator.coordinator import Coordinator
 
         clock, cfg, components = self.wiring.clock, self.cfg, self.wiring.components
         meta = {"config": (self.run_dir / "config.yaml").read_text(),
@@ -124,13 +124,13 @@ class ProxyRole:
     flat = None
 
     def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
-        import gyre.runtime.proxy_node  # noqa: F401  (imported while the cells build)
+        import gyre.runtime.proxy_node.node  # noqa: F401  (imported while the cells build)
 
         self.cfg, self.wiring, self.me, self.run_dir = cfg, wiring, me, run_dir
         wiring.clock.mark("role imports")  # tornado, the proxy app, the harness pool
 
     def serve(self, link: Any, transport: Any) -> int:
-        from gyre.runtime.proxy_node import run_proxy_node
+        from gyre.runtime.proxy_node.node import run_proxy_node
 
         self.wiring.report_startup(self.me)  # its start ends at ProxyReady, timed there
         return run_proxy_node(self.cfg, link, self.run_dir)
@@ -140,8 +140,8 @@ class EngineRole:
     """A cell's leader (its engine and its replica's shard 0) or a standalone engine."""
 
     def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
-        import gyre.runtime.engine_host  # noqa: F401  (torch)
-        from gyre.runtime.checkpoint import latest
+        import gyre.runtime.cell.engine_host  # noqa: F401  (torch)
+        from gyre.runtime.shared.checkpoint import latest
 
         self.cfg, self.wiring, self.me, self.run_dir = cfg, wiring, me, run_dir
         wiring.clock.mark("role imports")
@@ -155,7 +155,7 @@ class EngineRole:
         self.flat = self.replica.cell.flat_params if self.replica is not None else None
 
     def serve(self, link: Any, transport: Any) -> int:
-        from gyre.runtime.cell import CellProcess
+        from gyre.runtime.cell.leader import CellProcess
 
         k, me = self.cfg.topology.cells, self.me
         return CellProcess(
@@ -176,8 +176,8 @@ class FollowerRole:
         self.flat = self.replica.cell.flat_params
 
     def serve(self, link: Any, transport: Any) -> int:
-        from gyre.runtime.cell_follower import CellFollower
-        from gyre.runtime.cell_trainer import CellTrainer
+        from gyre.runtime.cell.follower import CellFollower
+        from gyre.runtime.cell.trainer import CellTrainer
 
         trainer = CellTrainer(self.cfg, self.replica, self.wiring.comms, transport,
                               version=self.version, run_dir=self.run_dir,
@@ -205,7 +205,7 @@ def _build_replica(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path)
     (megatron: each rank steps its own shard)."""
     import torch
 
-    from gyre.runtime.replica import build_replica
+    from gyre.runtime.cell.replica import build_replica
 
     torch.set_num_threads(1)
     on_gpu = cfg.train.device.startswith("cuda")
@@ -227,10 +227,10 @@ def label(me: Component) -> str:
 
 
 def place_rank(cfg: RunConfig, world: Any, components: list[Component]) -> RankDevice:
-    """This rank's device and its engine's GPUs (`gyre.runtime.placement`; the CUDA device
+    """This rank's device and its engine's GPUs (`gyre.runtime.shared.placement`; the CUDA device
     bound). A run that uses no GPU (`train.device: cpu`, embedded engines) plans nothing:
     every rank is on the CPU. Otherwise collective over `world` (the ranks of each node)."""
-    from gyre.runtime.placement import RankDevice, node_ranks, plan_node
+    from gyre.runtime.shared.placement import RankDevice, node_ranks, plan_node
 
     me = components[world.Get_rank()]
     if not (cfg.train.device.startswith("cuda") or cfg.engine.backend == "sglang"):
@@ -252,7 +252,7 @@ def _start_engine(
 ) -> Any:
     """Spawn this rank's engine, bound to (and reached at) this rank's `address`, on the
     GPUs its placement gives it."""
-    from gyre.runtime.engine_host import EngineHost
+    from gyre.runtime.cell.engine_host import EngineHost
 
     name = f"engine-cell{me.index}" if me.kind == "cell" else f"engine-standalone{me.index}"
     index = me.index if me.kind == "cell" else cfg.topology.cells + me.index

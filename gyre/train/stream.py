@@ -9,7 +9,7 @@ closes the stream after the last group's micro-steps are emitted; the batch's ex
 usable outcomes is set aside (its slot counts, its executions add no row); a batch left with
 nothing to train closes with E = 0 (docs/training.md "Valid groups").
 
-The coordinator's `gyre.runtime.training.TrainingPlane` queues the emitted micro-steps for
+The coordinator's `gyre.runtime.coordinator.training.TrainingPlane` queues the emitted micro-steps for
 the cells to claim (docs/training.md).
 
     buf = StreamPackingBuffer(StreamConfig(groups_per_batch=2, group_size=4, token_budget=4096))

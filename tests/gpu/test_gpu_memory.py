@@ -11,7 +11,7 @@ from train.reference import train_batch_reference
 
 from gyre.errors import ConfigError, TrainingError
 from gyre.gpu.memory import Placement, measure, memory_stats
-from gyre.runtime.residency import TrainerResidency
+from gyre.runtime.cell.residency import TrainerResidency
 from gyre.train.cell import CoreOptimizer, TorchCell
 from gyre.train.config import ObjectiveConfig, OptimConfig
 from gyre.train.packing import pack_rows

@@ -37,8 +37,8 @@ from gyre.rollout.protocol import (
 )
 from gyre.rollout.serving.config import SERVER_ENV, ServerConfig, hicache_shared_l3
 from gyre.rollout.weights import decode_update
-from gyre.runtime.config import EngineConfig
-from gyre.runtime.engine_host import EngineHost, push_weights
+from gyre.runtime.cell.engine_host import EngineHost, push_weights
+from gyre.runtime.shared.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = REPO / ".tools" / "sglang-check" / "bin" / "python"
@@ -231,8 +231,8 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(
     recorder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from gyre.rollout.protocol import ENGINE_KEY_ENV
-    from gyre.runtime.config import EngineConfig
-    from gyre.runtime.engine_host import EngineHost
+    from gyre.runtime.cell.engine_host import EngineHost
+    from gyre.runtime.shared.config import EngineConfig
 
     url, recorded = recorder
     _traffic(url, tmp_path)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from gyre.errors import ConfigError
 from gyre.launch.task import het_group_sizes, locate, restart_count
-from gyre.runtime.layout import Component, Layout, TopologyConfig
+from gyre.runtime.shared.layout import Component, Layout, TopologyConfig
 
 
 def reference_locate(procid: int, sizes: list[int]) -> tuple[int, int]:

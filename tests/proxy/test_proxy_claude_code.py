@@ -29,8 +29,8 @@ from gyre.config import load
 from gyre.harness import get_adapter
 from gyre.proxy.config import Config
 from gyre.proxy.testing import RunningProxy, ScriptedEngine, running_proxy
-from gyre.runtime.config import RunConfig
-from gyre.runtime.proxy_node import proxy_config
+from gyre.runtime.proxy_node.node import proxy_config
+from gyre.runtime.shared.config import RunConfig
 from gyre.train.admission import AdmissionTree, admit, derive_seed
 
 REPO = Path(__file__).resolve().parents[2]

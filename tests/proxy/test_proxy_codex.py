@@ -24,8 +24,8 @@ from gyre.config import load
 from gyre.harness.codex import config_toml, find_codex
 from gyre.proxy.config import Config
 from gyre.proxy.testing import RunningProxy, ScriptedEngine, running_proxy
-from gyre.runtime.config import RunConfig
-from gyre.runtime.proxy_node import proxy_config
+from gyre.runtime.proxy_node.node import proxy_config
+from gyre.runtime.shared.config import RunConfig
 
 CODEX = find_codex()
 pytestmark = pytest.mark.skipif(

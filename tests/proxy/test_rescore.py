@@ -31,8 +31,8 @@ from gyre.proxy.config import Config
 from gyre.proxy.testing import RunningProxy, ScriptedEngine, running_proxy
 from gyre.rollout.protocol import ScoreResult
 from gyre.rollout.testing import running_engine
-from gyre.runtime.config import EngineConfig, load_run_config
-from gyre.runtime.proxy_node import proxy_config
+from gyre.runtime.proxy_node.node import proxy_config
+from gyre.runtime.shared.config import EngineConfig, load_run_config
 from gyre.train.objective import target_logprobs
 
 HERMES_CALL = '<tool_call>\n{"name": "ls", "arguments": {"path": "a", "all": true}}\n</tool_call>'

@@ -1,4 +1,4 @@
-"""A rank's advertised address (gyre.runtime.address) and the engine bound to it.
+"""A rank's advertised address (gyre.runtime.shared.address) and the engine bound to it.
 
 Same-place is decided by the network namespace, not the host name: a process in a fresh
 network namespace (`unshare --net`, root) shares this machine's host name and boot but not
@@ -16,11 +16,11 @@ import pytest
 
 from gyre.errors import ConfigError
 from gyre.rollout.serving.config import ServerConfig
-from gyre.runtime.address import LOOPBACK, OVERRIDE, namespace_id, node_address
-from gyre.runtime.config import EngineConfig
-from gyre.runtime.engine_host import EngineHost
+from gyre.runtime.cell.engine_host import EngineHost
+from gyre.runtime.shared.address import LOOPBACK, OVERRIDE, namespace_id, node_address
+from gyre.runtime.shared.config import EngineConfig
 
-ID = "python3 -c 'from gyre.runtime.address import namespace_id; print(namespace_id())'"
+ID = "python3 -c 'from gyre.runtime.shared.address import namespace_id; print(namespace_id())'"
 
 
 class OneRankOfTwo:

@@ -18,12 +18,12 @@ import torch
 
 from gyre.rollout.client import EngineClient, blocking
 from gyre.rollout.protocol import SamplingParams
-from gyre.runtime import messages as msg
-from gyre.runtime import policies
-from gyre.runtime.cell import CellProcess
-from gyre.runtime.config import load_run_config
-from gyre.runtime.engine_host import EngineHost
-from gyre.runtime.replica import build_replica
+from gyre.runtime.cell.engine_host import EngineHost
+from gyre.runtime.cell.leader import CellProcess
+from gyre.runtime.cell.replica import build_replica
+from gyre.runtime.shared import messages as msg
+from gyre.runtime.shared import policies
+from gyre.runtime.shared.config import load_run_config
 from gyre.train.comm import Communicators
 from gyre.vocabulary import Role
 

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gyre.runtime.cell_trainer import share
+from gyre.runtime.cell.trainer import share
 from gyre.train.packing import MicroStep, TokenRow
 
 

@@ -20,16 +20,16 @@ from processes import gone, scan, wait_for
 
 from gyre.errors import ConfigError
 from gyre.harness import get_adapter
-from gyre.runtime.config import (
+from gyre.runtime.main import keep_config
+from gyre.runtime.proxy_node.node import check_harness, proxy_config
+from gyre.runtime.shared.config import (
     POLICY_KEYS,
     ScheduleConfig,
     TopologyConfig,
     dump_run_config,
     load_run_config,
 )
-from gyre.runtime.layout import cell_members, cell_of_rank, cell_ranks, engine_ranks, layout
-from gyre.runtime.main import keep_config
-from gyre.runtime.proxy_node import check_harness, proxy_config
+from gyre.runtime.shared.layout import cell_members, cell_of_rank, cell_ranks, engine_ranks, layout
 from gyre.schedule.config import Config as SchedulerConfig
 from gyre.vocabulary import RoleRule
 
@@ -273,8 +273,8 @@ def test_the_engine_backend_chooses_what_a_cell_launches(tmp_path: Path, monkeyp
     """`engine.backend`: both backends start from the same launch presets, with the run's
     engine key; the embedded engine picks its port and prints its URL, SGLang gets one."""
     from gyre.rollout.protocol import ENGINE_KEY_ENV
-    from gyre.runtime.config import EngineConfig
-    from gyre.runtime.engine_host import EngineHost
+    from gyre.runtime.cell.engine_host import EngineHost
+    from gyre.runtime.shared.config import EngineConfig
 
     monkeypatch.setenv(ENGINE_KEY_ENV, "k3y")
     log = tmp_path / "engine.log"
@@ -386,7 +386,7 @@ def test_render_names_both_backends_and_the_cell_layout() -> None:
 
 
 def test_every_training_backend_the_config_allows_has_a_builder() -> None:
-    from gyre.runtime.replica import BACKENDS
+    from gyre.runtime.cell.replica import BACKENDS
     from gyre.train.config import TrainConfig
 
     allowed = typing.get_args(typing.get_type_hints(TrainConfig)["backend"])

@@ -53,7 +53,7 @@ from worlds import (
     start_run,
 )
 
-from gyre.runtime.checkpoint import EXIT_CHECKPOINTED, latest
+from gyre.runtime.shared.checkpoint import EXIT_CHECKPOINTED, latest
 from gyre.trajectory.reader import TraceReader
 
 from .conftest import small_config, write_config

@@ -7,9 +7,9 @@ import json
 import re
 from pathlib import Path
 
-from gyre.runtime import checkpoint
-from gyre.runtime.checkpoint import CheckpointState
-from gyre.runtime.progress import StepMetrics
+from gyre.runtime.coordinator.progress import StepMetrics
+from gyre.runtime.shared import checkpoint
+from gyre.runtime.shared.checkpoint import CheckpointState
 from gyre.vocabulary import CloseStatus
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "runtime.md"

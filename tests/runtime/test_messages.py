@@ -37,17 +37,17 @@ import pytest
 from gyre import fsafe
 from gyre.harness.workspace import prepare
 from gyre.rollout.client import EngineClient, blocking
-from gyre.runtime import checkpoint, policies, wire
-from gyre.runtime import messages as msg
-from gyre.runtime.cell import CellProcess
-from gyre.runtime.config import DEFAULT_CONFIG, RunConfig, load_run_config
-from gyre.runtime.coordinator import MESSAGES, Coordinator
-from gyre.runtime.engine_host import EngineHost
-from gyre.runtime.layout import COORDINATOR_RANK, PROXY_RANK
-from gyre.runtime.ledger import ExecutionState
-from gyre.runtime.proxy_node import ProxyNode
-from gyre.runtime.replica import Replica, build_replica
-from gyre.runtime.training import TrainingPlane
+from gyre.runtime.cell.engine_host import EngineHost
+from gyre.runtime.cell.leader import CellProcess
+from gyre.runtime.cell.replica import Replica, build_replica
+from gyre.runtime.coordinator.coordinator import MESSAGES, Coordinator
+from gyre.runtime.coordinator.ledger import ExecutionState
+from gyre.runtime.coordinator.training import TrainingPlane
+from gyre.runtime.proxy_node.node import ProxyNode
+from gyre.runtime.shared import checkpoint, policies, wire
+from gyre.runtime.shared import messages as msg
+from gyre.runtime.shared.config import DEFAULT_CONFIG, RunConfig, load_run_config
+from gyre.runtime.shared.layout import COORDINATOR_RANK, PROXY_RANK
 from gyre.schedule import events as ev
 from gyre.train.comm import Communicators
 from gyre.train.rewards import ExecutionOutcome, Status
@@ -116,7 +116,7 @@ def test_docs_message_table_is_generated_from_the_types() -> None:
     text = DOCS.read_text()
     block = re.search(r"<!-- messages:begin -->\n(.*?)\n<!-- messages:end -->", text, re.S)
     assert block is not None, "docs/runtime.md lost its messages markers"
-    assert block.group(1) == msg.table(), "regenerate with gyre.runtime.messages.table()"
+    assert block.group(1) == msg.table(), "regenerate with gyre.runtime.shared.messages.table()"
     documented = set(re.findall(r"^\| `(\w+)` \|", block.group(1), re.M))
     assert documented == {cls.__name__ for cls in msg.ALL}
 
@@ -534,11 +534,11 @@ def test_a_colocated_trainer_leaves_the_gpu_for_rollout_and_returns_for_training
     tmp_path: Path, engine: EngineHost, replica: Replica
 ) -> None:
     """Placement `colocated` (a trainer sharing its GPU with the engine,
-    gyre.runtime.placement): the cell starts in rollout with its trainer state off the
+    gyre.runtime.shared.placement): the cell starts in rollout with its trainer state off the
     device, gets it back on each switch to train only once the engine has released the GPU,
     and moves it off again on each switch to rollout before the engine resumes (CPU: a fake
     device map records the moves)."""
-    from gyre.runtime.residency import TrainerResidency
+    from gyre.runtime.cell.residency import TrainerResidency
 
     moves: list[tuple[str, str, bool]] = []  # (tensor, to device, engine released then)
 

@@ -24,9 +24,9 @@ import pytest
 import yaml
 
 from gyre.errors import ConfigError
-from gyre.runtime import messages as msg
-from gyre.runtime.config import DEFAULT_CONFIG, RunConfig, load_run_config
-from gyre.runtime.layout import PROXY_RANK
+from gyre.runtime.shared import messages as msg
+from gyre.runtime.shared.config import DEFAULT_CONFIG, RunConfig, load_run_config
+from gyre.runtime.shared.layout import PROXY_RANK
 from gyre.tasks.suite import LEARN_DIR
 from gyre.trajectory.reader import TraceReader
 from gyre.vocabulary import Outcome, VerdictStatus
@@ -197,7 +197,7 @@ def test_every_trained_group_has_n_valid_members_and_the_excluded_one_is_replace
 def test_a_carried_groups_members_follow_the_order_of_its_verdicts() -> None:
     """A resumed run's group enters ready (`AdmitGroup.members == ()`): the ledger applies
     the rule to the order its verdicts were given — the first N usable, then excluded ones."""
-    from gyre.runtime.ledger import Execution, ExecutionState, Group, Ledger
+    from gyre.runtime.coordinator.ledger import Execution, ExecutionState, Group, Ledger
 
     def verdict(t: float, usable: bool = True) -> msg.VerdictRecord:
         if not usable:

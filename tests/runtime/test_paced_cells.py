@@ -12,8 +12,8 @@ import pytest
 
 from gyre.errors import ConfigError
 from gyre.rollout.pacing import Pacer
-from gyre.runtime.config import load_run_config
-from gyre.runtime.pace import Pace
+from gyre.runtime.cell.pace import Pace
+from gyre.runtime.shared.config import load_run_config
 from gyre.schedule.devices import CostConfig, PaceConfig
 from gyre.train.packing import MicroStep, TokenRow
 

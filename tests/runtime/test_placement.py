@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.errors import ConfigError, TrainingError
-from gyre.runtime.layout import Component
-from gyre.runtime.placement import EngineGpus, RankDevice, local_rank, node_ranks, plan_node
-from gyre.runtime.residency import TrainerResidency
+from gyre.runtime.cell.residency import TrainerResidency
+from gyre.runtime.shared.layout import Component
+from gyre.runtime.shared.placement import EngineGpus, RankDevice, local_rank, node_ranks, plan_node
 from gyre.train.cell import CoreOptimizer, OptimConfig, TorchCell
 from gyre.train.config import ObjectiveConfig
 

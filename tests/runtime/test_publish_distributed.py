@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from gyre.errors import ConfigError
-from gyre.runtime.config import EngineConfig
+from gyre.runtime.shared.config import EngineConfig
 from gyre.trajectory.store import TraceReader
 
 REPO = Path(__file__).resolve().parents[2]

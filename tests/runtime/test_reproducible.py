@@ -23,8 +23,8 @@ def _run_dir(tmp: Path) -> Path:
     """A run directory as `gyre run` leaves it, for what `gyre eval` reads: its config and
     its final policy (the tiny model, unchanged)."""
     from gyre.models import load_model
-    from gyre.runtime.config import DEFAULT_CONFIG
-    from gyre.runtime.policies import save_policy
+    from gyre.runtime.shared.config import DEFAULT_CONFIG
+    from gyre.runtime.shared.policies import save_policy
 
     run_dir = tmp / "run"
     run_dir.mkdir()

@@ -37,7 +37,7 @@ import yaml
 from train.reference import batch_gradient_sum
 from worlds import CHAIN_STEPS, OBJECTIVE, Chain
 
-from gyre.runtime import audit
+from gyre.runtime.shared import audit
 from gyre.train.cell import CoreOptimizer, TorchCell
 from gyre.train.config import TrainConfig
 from gyre.train.stream import BatchInfo

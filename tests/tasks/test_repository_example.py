@@ -19,11 +19,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from gyre.runtime.config import load_run_config
+from gyre.runtime.coordinator.record import RunRecorder
 from gyre.runtime.evaluation import EvalResult, _merge, load_results
-from gyre.runtime.messages import VerdictRecord
-from gyre.runtime.proxy_node import ExecutionHost
-from gyre.runtime.record import RunRecorder
+from gyre.runtime.proxy_node.node import ExecutionHost
+from gyre.runtime.shared.config import load_run_config
+from gyre.runtime.shared.messages import VerdictRecord
 from gyre.tasks import Evaluator, Task, load_suite
 from gyre.tasks.scoring import TestOutcome, TestVerdict
 from gyre.trajectory.export import export_trace

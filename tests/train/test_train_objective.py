@@ -320,7 +320,7 @@ def test_default_clip_bounds_and_is_cap_are_the_papers(source: str) -> None:
     if source == "ObjectiveConfig()":
         cfg = ObjectiveConfig()
     else:
-        from gyre.runtime.config import DEFAULT_CONFIG, load_run_config
+        from gyre.runtime.shared.config import DEFAULT_CONFIG, load_run_config
 
         cfg = load_run_config(DEFAULT_CONFIG).train.objective
     from gyre.train.objective import execution_gate

@@ -73,7 +73,7 @@ class ServerConfig:
     """Preset name (sglang | embedded) or a command template (list of argv strings)."""
     host: str = "127.0.0.1"
     """Address the server binds and its URL names (one address, so the URL is reachable
-    wherever the address is): a job gives its rank's (`gyre.runtime.address`), never a
+    wherever the address is): a job gives its rank's (`gyre.runtime.shared.address`), never a
     wildcard such as 0.0.0.0."""
     port: int = 0
     """TCP port; 0 picks a free one at start."""

@@ -5,7 +5,7 @@
     ...
     proc.stop()                 # SIGTERM to the server's process group, SIGKILL after grace
 
-Every engine Gyre starts is one of these: a cell's (`gyre.runtime.engine_host.EngineHost`
+Every engine Gyre starts is one of these: a cell's (`gyre.runtime.cell.engine_host.EngineHost`
 builds on it), a test's (`gyre.rollout.testing.running_engine`) and the GPU checks'. `start`
 is `spawn` (returns at once) and `wait_ready` (blocks), so a caller can start an engine and
 do other work while it loads.

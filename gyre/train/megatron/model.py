@@ -5,7 +5,7 @@ no Transformer Engine needed) from a Hugging Face Qwen2 / Llama config dict; Meg
 `parallel_state` must be initialized first (`init_model_parallel`). `MegatronCell` is a
 `gyre.train.cell.TorchCell` over that model: the same flat parameter / gradient buffers,
 phase-A prepass and phase-B accumulate of the same micro-steps and objective, so the world
-protocol (`gyre.runtime.training`, docs/training.md) and transports work unchanged. With
+protocol (`gyre.runtime.coordinator.training`, docs/training.md) and transports work unchanged. With
 tensor parallelism the logits are vocabulary-sharded and target log-probs come from
 Megatron's vocab-parallel cross-entropy; with pipeline parallelism a micro-step runs stage by
 stage (`gyre.train.megatron.pipeline`) and every stage gets the last stage's log-probs.

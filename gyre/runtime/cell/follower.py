@@ -6,9 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 from gyre.errors import TrainingError
-from gyre.runtime import messages as msg
-from gyre.runtime import wire
-from gyre.runtime.cell_trainer import CellTrainer
+from gyre.runtime.cell.trainer import CellTrainer
+from gyre.runtime.shared import messages as msg
+from gyre.runtime.shared import wire
 
 IDLE_S = 0.05
 """How long a cell rank waits for a message before it watches its engine and, on the core,

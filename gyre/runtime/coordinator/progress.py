@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre.runtime import wire
-from gyre.runtime.checkpoint import CheckpointState
-from gyre.runtime.config import RunConfig
-from gyre.runtime.ledger import Ledger
-from gyre.runtime.record import RunRecorder
+from gyre.runtime.coordinator.ledger import Ledger
+from gyre.runtime.coordinator.record import RunRecorder
+from gyre.runtime.shared import wire
+from gyre.runtime.shared.checkpoint import CheckpointState
+from gyre.runtime.shared.config import RunConfig
 from gyre.schedule import Scheduler
 from gyre.tracking import Tracker
 

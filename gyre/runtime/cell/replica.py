@@ -4,7 +4,7 @@ The backend seam of the training plane: a named builder per backend (`BACKENDS`)
 the run config, returns a `Replica` — the rank's `TorchCell` (flat parameter and gradient
 buffers, the two passes of the objective), the tokenizer, the core's optimizer where this
 rank owns one, and the cell's parallel sizes (`ParallelDims`). The cell's protocol
-(`gyre.runtime.cell_trainer.CellTrainer`) is the same for every backend; what differs is asked of
+(`gyre.runtime.cell.trainer.CellTrainer`) is the same for every backend; what differs is asked of
 the replica:
 
 * **torch** — every rank of a cell holds the whole model (data parallel inside the cell):
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from gyre.errors import TrainingError
-from gyre.runtime import checkpoint
-from gyre.runtime.config import RunConfig
+from gyre.runtime.shared import checkpoint
+from gyre.runtime.shared.config import RunConfig
 from gyre.train.cell import CoreOptimizer, TorchCell
 from gyre.train.comm import Communicators
 from gyre.train.config import ParallelDims

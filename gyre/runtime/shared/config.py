@@ -26,7 +26,7 @@ import yaml
 from gyre.config import apply_overrides, load, read_mapping
 from gyre.errors import ConfigError
 from gyre.proxy.config import Config as ProxyConfig
-from gyre.runtime.layout import TopologyConfig
+from gyre.runtime.shared.layout import TopologyConfig
 from gyre.schedule.config import POLICIES, PolicyConfig
 from gyre.schedule.config import Config as SchedulerConfig
 from gyre.schedule.devices import PaceConfig
@@ -34,7 +34,7 @@ from gyre.tasks.suite import ToolLatency
 from gyre.tracking import TrackingConfig
 from gyre.train.config import ParallelDims, TrainConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "templates" / "local.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "templates" / "local.yaml"
 """The run config `gyre run` and `gyre eval` use when none is given (one local job)."""
 
 
@@ -210,15 +210,15 @@ class EngineConfig:
         self, model: str, version: int, host: str = "127.0.0.1", base_gpu_id: int = 0
     ) -> Any:
         """The `ServerConfig` that launches this engine for `model` at weight `version`, bound
-        to and reached at `host` (the rank's address: `gyre.runtime.address`), on the GPUs
-        from `base_gpu_id` on (`gyre.runtime.placement`; SGLang only)."""
+        to and reached at `host` (the rank's address: `gyre.runtime.shared.address`), on the GPUs
+        from `base_gpu_id` on (`gyre.runtime.shared.placement`; SGLang only)."""
         from gyre.rollout.serving.config import ServerConfig
 
         embedded = [  # the embedded engine's own knobs (SGLang sizes itself)
             "--threads", str(self.threads), "--max-batch-size", str(self.max_batch_size),
             "--prefix-cache-mb", str(self.prefix_cache_mb),
         ]  # fmt: skip
-        # Every call of a run is seeded (`gyre.runtime.proxy_node.proxy_config`: the proxy's
+        # Every call of a run is seeded (`gyre.runtime.proxy_node.node.proxy_config`: the proxy's
         # sampling_seed, else train.seed), and SGLang drops `sampling_seed` unless launched
         # deterministic (sglang/srt/sampling/sampling_batch_info.py: no seed tensor without
         # it). The flag also pins SGLang's sampling (pytorch) and attention backends.

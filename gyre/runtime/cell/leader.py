@@ -1,15 +1,15 @@
 """A cell rank's loop: serves rollout through its engine, or trains its replica, as told.
 
 The cell keeps two states in one long-lived process: the embedded engine (a child process,
-`gyre.runtime.engine_host.EngineHost`) and the training replica. A switch to TRAIN hands the
+`gyre.runtime.cell.engine_host.EngineHost`) and the training replica. A switch to TRAIN hands the
 engine's running calls' KV to their new engines, aborts them and releases its memory; a
 switch to ROLLOUT resumes the engine. A satellite's replica pulls the core's weights lazily,
 at its first pass of a batch whose weight version it does not hold. Each switch reports its
 measured duration; processes and communicators live across switches, only model state moves.
 
 The leader (shard 0) of a cell's R ranks hosts the engine and answers the coordinator's
-messages (`gyre.runtime.messages`, one handler per type); its training work, and that of the
-other ranks (`gyre.runtime.cell_follower`), is `gyre.runtime.cell_trainer.CellTrainer`. A
+messages (`gyre.runtime.shared.messages`, one handler per type); its training work, and that of the
+other ranks (`gyre.runtime.cell.follower`), is `gyre.runtime.cell.trainer.CellTrainer`. A
 standalone engine rank runs this loop without a replica.
 """
 
@@ -24,17 +24,17 @@ import torch
 
 from gyre.errors import EngineError, TrainingError
 from gyre.rollout.kvmigrate import execution_prefix, migrate_kv
-from gyre.runtime import checkpoint, policies, wire
-from gyre.runtime import messages as msg
-from gyre.runtime.cell_follower import IDLE_S
-from gyre.runtime.cell_trainer import CellTrainer
-from gyre.runtime.config import RunConfig
-from gyre.runtime.engine_host import EngineHost, publish
-from gyre.runtime.layout import COORDINATOR_RANK
-from gyre.runtime.pace import Pace
-from gyre.runtime.replica import Replica
-from gyre.runtime.residency import TrainerResidency
-from gyre.runtime.startup import StartupClock
+from gyre.runtime.cell.engine_host import EngineHost, publish
+from gyre.runtime.cell.follower import IDLE_S
+from gyre.runtime.cell.pace import Pace
+from gyre.runtime.cell.replica import Replica
+from gyre.runtime.cell.residency import TrainerResidency
+from gyre.runtime.cell.trainer import CellTrainer
+from gyre.runtime.shared import checkpoint, policies, wire
+from gyre.runtime.shared import messages as msg
+from gyre.runtime.shared.config import RunConfig
+from gyre.runtime.shared.layout import COORDINATOR_RANK
+from gyre.runtime.shared.startup import StartupClock
 from gyre.train.comm import Communicators
 from gyre.vocabulary import Role
 
@@ -49,7 +49,7 @@ class CellProcess:
         clock: StartupClock | None = None, started: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         """`clock` times this rank's start-up phases; `started` reports them once the
-        engine serves (`gyre.runtime.startup`)."""
+        engine serves (`gyre.runtime.shared.startup`)."""
         self.cfg, self.index, self.comms, self.run_dir = cfg, engine_index, comms, run_dir
         self.clock, self.started = clock or StartupClock({}), started
         self.engine = engine

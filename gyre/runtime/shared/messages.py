@@ -2,7 +2,7 @@
 
 The coordinator (rank 0) talks to the proxy node (rank 1) and to the cells (ranks 2..) —
 nobody else talks to anybody. A message travels up (to the coordinator) or down (from it);
-`gyre.runtime.wire` pickles these objects over one TCP connection per rank and each
+`gyre.runtime.shared.wire` pickles these objects over one TCP connection per rank and each
 receiver dispatches on the type, so a reader can follow a message by its name from the
 sender to its one handler. Each connection keeps its messages in order, which the
 protocol relies on (a `HarnessEnded` always precedes its `Assessed`).
@@ -123,7 +123,7 @@ class StartupTimes(Message):
     up, route = True, (f"{PROXY}, {CELL}", COORDINATOR)
     rank: int
     component: str  # "proxy", "cell0" (a leader), "cell0.1" (its rank 1), "standalone0"
-    phases: dict[str, float]  # in order (gyre.runtime.startup.StartupClock)
+    phases: dict[str, float]  # in order (gyre.runtime.shared.startup.StartupClock)
 
 
 # ------------------------------------------------------------------ cell -> coordinator

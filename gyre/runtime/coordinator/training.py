@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from gyre.errors import TrainingError
-from gyre.runtime import audit
-from gyre.runtime import messages as msg
+from gyre.runtime.shared import audit
+from gyre.runtime.shared import messages as msg
 from gyre.schedule.events import Work
 from gyre.train.config import TrainConfig
 from gyre.train.objective import ExecutionScalar, execution_scalars

@@ -26,17 +26,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gyre.errors import ConfigError
-from gyre.runtime import checkpoint
-from gyre.runtime import messages as msg
-from gyre.runtime.checkpoint import CheckpointState
-from gyre.runtime.ledger import Execution, ExecutionState, Group, Ledger
-from gyre.runtime.record import RunRecorder
-from gyre.runtime.recovery import CarriedGroup, MemberState, read_trace
+from gyre.runtime.coordinator.ledger import Execution, ExecutionState, Group, Ledger
+from gyre.runtime.coordinator.record import RunRecorder
+from gyre.runtime.coordinator.recovery import CarriedGroup, MemberState, read_trace
+from gyre.runtime.shared import checkpoint
+from gyre.runtime.shared import messages as msg
+from gyre.runtime.shared.checkpoint import CheckpointState
 from gyre.trajectory.tree import TrajectoryTree
 from gyre.vocabulary import CloseStatus
 
 if TYPE_CHECKING:
-    from gyre.runtime.config import RunConfig
+    from gyre.runtime.shared.config import RunConfig
 
 
 class Resume:
@@ -150,7 +150,7 @@ def check_run_dir(run_dir: Path, cfg: RunConfig, *, key: str, same_config: bool,
     run's own (`steps` aside); always, what `Resume.check` refuses or a trace or checkpoint
     that does not read back. A new or empty directory passes."""
     from gyre.config import to_dict
-    from gyre.runtime.config import dump_run_config, load_run_config
+    from gyre.runtime.shared.config import dump_run_config, load_run_config
 
     own = run_dir / "config.yaml"
     if not own.is_file():

@@ -67,7 +67,7 @@ class StartupClock:
 
     def report(self, rank: int, component: str) -> Any:
         """The rank's phases as the message it sends the coordinator."""
-        from gyre.runtime.messages import StartupTimes
+        from gyre.runtime.shared.messages import StartupTimes
 
         return StartupTimes(rank, component, dict(self.phases))
 

@@ -1,7 +1,7 @@
 """Which device every rank of one node uses and which GPUs its engine serves on (pure).
 
 What: `plan_node` takes the node's GPU count, the component of each local rank
-(`gyre.runtime.layout.Component`, indexed by local rank), the engines' `tensor_parallel` and a
+(`gyre.runtime.shared.layout.Component`, indexed by local rank), the engines' `tensor_parallel` and a
 mode, and returns every local rank's device (`cuda:N` or `cpu`) and, for each rank that hosts
 an engine (a cell leader, shard 0, or a standalone engine), the engine's `base_gpu_id` and GPU
 list. `local_rank` and `node_ranks` find a rank's place on its node from the launcher.
@@ -14,7 +14,7 @@ Why: without it every replica lands on `cuda:0` beside the engine (issue 42). Tw
 * `colocated` — a cell's trainer ranks share the GPUs of the cell's engine (block size
   max(trainer ranks, tensor_parallel)); a trainer rank whose GPU the engine also uses is
   marked `offload`: its state leaves the device on every switch to rollout and comes back on
-  the switch to train (`gyre.runtime.residency.TrainerResidency`).
+  the switch to train (`gyre.runtime.cell.residency.TrainerResidency`).
 
 Trainer ranks never share a GPU with each other in either mode (two cells may train at
 once). Coordinator and proxy ranks run on the CPU; so does everything on a node with 0 GPUs.
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gyre.errors import ConfigError
-from gyre.runtime.layout import Component
+from gyre.runtime.shared.layout import Component
 
 Mode = Literal["disjoint", "colocated"]
 MODES: tuple[Mode, ...] = ("disjoint", "colocated")

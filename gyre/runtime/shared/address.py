@@ -3,7 +3,7 @@
 Every address a rank hands to another rank is built from `node_address(world)`: the URL of
 the engine a cell leader starts (bound to this address; the proxy routes harness calls to
 it, the core publishes weights to it, other engines pull migrated KV from it), the
-coordinator's control port (`gyre.runtime.wire.connect`) and the snapshot transport's host.
+coordinator's control port (`gyre.runtime.shared.wire.connect`) and the snapshot transport's host.
 
 * Every rank in one network namespace of one machine (`gyre run`, `mpiexec` on one host):
   ``127.0.0.1``; nothing leaves the loopback.

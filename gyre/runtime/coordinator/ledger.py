@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gyre.runtime import messages as msg
+from gyre.runtime.shared import messages as msg
 from gyre.schedule.groups import trained_members
 from gyre.train.rewards import ExecutionOutcome, Status
 from gyre.vocabulary import CloseStatus

@@ -9,7 +9,7 @@ them out. It keeps the gradients (a switch may come with gradients accumulated) 
 core's AdamW moments, and rebinds the optimizer's parameter, so no device tensor stays
 referenced.
 
-Why: in `colocated` placement (`gyre.runtime.placement`) the trainer shares its GPU with the
+Why: in `colocated` placement (`gyre.runtime.shared.placement`) the trainer shares its GPU with the
 cell's engine; the engine gets the memory back only when the trainer leaves it.
 
 How (the plan marks the ranks that need it: `RankDevice.offload`):
@@ -31,7 +31,7 @@ import torch
 
 from gyre.errors import TrainingError
 from gyre.gpu.memory import release_cached
-from gyre.runtime.placement import RankDevice
+from gyre.runtime.shared.placement import RankDevice
 from gyre.train.cell import CoreOptimizer, TorchCell
 
 Mover = Callable[[str, torch.Tensor, str], torch.Tensor]

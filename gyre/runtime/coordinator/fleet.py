@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gyre.runtime import messages as msg
+from gyre.runtime.shared import messages as msg
 from gyre.vocabulary import EngineId
 
 

@@ -35,16 +35,17 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import to_dict
-from gyre.runtime import checkpoint, resume, wire
-from gyre.runtime import messages as msg
-from gyre.runtime.config import RunConfig
-from gyre.runtime.fleet import Fleet
-from gyre.runtime.layout import PROXY_RANK
-from gyre.runtime.ledger import Execution, ExecutionState, Group, Ledger
-from gyre.runtime.progress import Progress, StepMetrics
-from gyre.runtime.record import RunRecorder
-from gyre.runtime.startup import StartupClock, StartupProfile
-from gyre.runtime.training import TrainingPlane
+from gyre.runtime.coordinator import resume
+from gyre.runtime.coordinator.fleet import Fleet
+from gyre.runtime.coordinator.ledger import Execution, ExecutionState, Group, Ledger
+from gyre.runtime.coordinator.progress import Progress, StepMetrics
+from gyre.runtime.coordinator.record import RunRecorder
+from gyre.runtime.coordinator.training import TrainingPlane
+from gyre.runtime.shared import checkpoint, wire
+from gyre.runtime.shared import messages as msg
+from gyre.runtime.shared.config import RunConfig
+from gyre.runtime.shared.layout import PROXY_RANK
+from gyre.runtime.shared.startup import StartupClock, StartupProfile
 from gyre.schedule import Scheduler, make_policy
 from gyre.schedule import events as ev
 from gyre.tasks.suite import instance_seed

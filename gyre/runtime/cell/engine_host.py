@@ -43,7 +43,7 @@ from gyre.rollout.protocol import (
 from gyre.rollout.serving.config import ServerConfig
 from gyre.rollout.serving.nccl import broadcast_tensors, open_update_group, rank_offsets
 from gyre.rollout.serving.process import EngineProcess
-from gyre.runtime.config import EngineConfig
+from gyre.runtime.shared.config import EngineConfig
 from gyre.schedule.devices import EnginePace
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class EngineHost(EngineProcess):
     Starting, readiness and stopping are `EngineProcess`'s (one implementation for every
     engine Gyre starts); this class adds what only a cell needs: the launch from the run's
     config (offline Hugging Face hub, torch threads, `labels` in its environment), the
-    address it binds and is reached at (`host`: the rank's, `gyre.runtime.address`), the
+    address it binds and is reached at (`host`: the rank's, `gyre.runtime.shared.address`), the
     weight version it serves (a restarted engine is launched at it) and whether it is
     released.
     """
@@ -73,8 +73,8 @@ class EngineHost(EngineProcess):
         base_gpu_id: int = 0,
     ) -> None:
         self.model, self.engine_config = model, config
-        self.host = host  # bound and advertised: the rank's address (gyre.runtime.address)
-        self.base_gpu_id = base_gpu_id  # its first GPU (gyre.runtime.placement)
+        self.host = host  # bound and advertised: the rank's address (gyre.runtime.shared.address)
+        self.base_gpu_id = base_gpu_id  # its first GPU (gyre.runtime.shared.placement)
         self.pace = pace  # paced (`PaceConfig.engine`): the embedded engine's --pace
         self.labels = labels or {}  # extra environment: lets operators and tests find it
         self.version = version

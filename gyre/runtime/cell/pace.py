@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from gyre.rollout.pacing import Pacer
-from gyre.runtime.config import RunConfig
+from gyre.runtime.shared.config import RunConfig
 from gyre.schedule.devices import PaceConfig
 from gyre.train.packing import MicroStep
 

@@ -4,7 +4,7 @@ One asyncio/Tornado loop hosts an `ExecutionHost`: the `ProxyApp` (harness-facin
 TITO recording, routes), a `HarnessRunner` (one subprocess per execution, in its own
 workspace) and the `Evaluator` (scores each preserved workspace after its execution ends);
 `gyre eval` runs the same host without training. A thread receives the
-coordinator's messages (`gyre.runtime.wire`) and hands them to the loop (one handler per type):
+coordinator's messages (`gyre.runtime.shared.wire`) and hands them to the loop (one handler per type):
 `SetEngines`, `Drain`, `Undrain`, `StartExecution` (register the execution's key, route it,
 run its harness on its task instance), `Cancel`, `Stop`.
 
@@ -34,10 +34,10 @@ from gyre.harness import ExecutionSpec, HarnessRunner, Terminated
 from gyre.harness.sandbox import apptainer_works, bwrap_works
 from gyre.proxy.app import ProxyApp
 from gyre.proxy.config import Config as ProxyConfig
-from gyre.runtime import messages as msg
-from gyre.runtime import wire
-from gyre.runtime.config import RunConfig
-from gyre.runtime.layout import COORDINATOR_RANK
+from gyre.runtime.shared import messages as msg
+from gyre.runtime.shared import wire
+from gyre.runtime.shared.config import RunConfig
+from gyre.runtime.shared.layout import COORDINATOR_RANK
 from gyre.tasks import AssessmentLog, Evaluator, TaskSuite
 from gyre.tasks.suite import Task, named_suite
 from gyre.vocabulary import Outcome

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from gyre import fsafe
 
 if TYPE_CHECKING:
-    from gyre.runtime.config import CheckpointConfig
+    from gyre.runtime.shared.config import CheckpointConfig
 
 EXIT_CHECKPOINTED = 75
 """Exit status of rank 0 after a checkpoint-and-exit (EX_TEMPFAIL): the job should be requeued."""

@@ -37,7 +37,7 @@ class TopologyConfig:
     standalone_engines: int = 0
     """Rollout engines that never switch (one rank each)."""
     placement: Literal["colocated", "disjoint"] = "colocated"
-    """GPUs of a node (gyre.runtime.placement): colocated — a cell's trainer ranks share its
+    """GPUs of a node (gyre.runtime.shared.placement): colocated — a cell's trainer ranks share its
     engine's GPUs and leave them on every switch to rollout; disjoint — separate GPUs."""
 
     def __post_init__(self) -> None:

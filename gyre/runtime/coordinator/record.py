@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gyre.runtime.messages import VerdictRecord
+from gyre.runtime.shared.messages import VerdictRecord
 from gyre.tasks.evaluator import Assessment, Validity
 from gyre.trajectory.store import TraceWriter
 from gyre.trajectory.tree import TrajectoryTree

@@ -1,6 +1,6 @@
 """The control channel between the coordinator, the proxy node and the cells.
 
-Messages are the frozen dataclasses of `gyre.runtime.messages`, pickled and framed over
+Messages are the frozen dataclasses of `gyre.runtime.shared.messages`, pickled and framed over
 one TCP connection per rank to the coordinator (`connect`, collective over the MPI world
 once at start). Why not MPI for control: a blocking MPI receive busy-polls a core in
 MPICH, and polling with sleeps still wakes every rank dozens of times a second; a socket
@@ -11,7 +11,7 @@ its `Assessed`), and a dead peer is seen at once: its connection closes.
 
 The coordinator listens; every other rank connects and proves it belongs to the job with a
 token the coordinator broadcast over MPI (pickles are only ever read from the job's own
-ranks). The coordinator listens on its advertised address (`gyre.runtime.address`:
+ranks). The coordinator listens on its advertised address (`gyre.runtime.shared.address`:
 127.0.0.1 when every rank shares one network namespace, else its node's address).
 
     link = connect(MPI.COMM_WORLD, node_address(MPI.COMM_WORLD))   # every rank, once
@@ -34,7 +34,7 @@ import traceback
 from typing import Any
 
 from gyre.errors import GyreError
-from gyre.runtime.messages import Message
+from gyre.runtime.shared.messages import Message
 
 _FRAME = struct.Struct("<Q")
 _HELLO = struct.Struct("<16si")  # token, rank
@@ -118,7 +118,7 @@ def _exact(sock: socket.socket, n: int) -> bytes | None:
 
 def connect(world: Any, address: str, coordinator: int = 0, timeout: float = 120.0) -> Link:
     """Collective over `world`: the coordinator's link to every rank, each rank's to it.
-    `address`: this rank's advertised address (`gyre.runtime.address.node_address`); the
+    `address`: this rank's advertised address (`gyre.runtime.shared.address.node_address`); the
     coordinator listens on its own."""
     rank, size = world.Get_rank(), world.Get_size()
     if rank == coordinator:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gyre.runtime.messages import VerdictRecord
+from gyre.runtime.shared.messages import VerdictRecord
 from gyre.trajectory.reader import TraceReader
 from gyre.trajectory.tree import TrajectoryTree
 from gyre.vocabulary import CloseStatus, VerdictStatus
