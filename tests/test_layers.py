@@ -196,3 +196,26 @@ def test_the_checks_see_relative_and_function_level_imports(tmp_path: Path) -> N
     edges = imports("gyre.proxy.admin", pkg / "admin.py", known)
     assert [(e.line, e.target) for e in edges] == [(3, "gyre.proxy.app"), (5, "gyre.runtime")]
     assert cycles([Edge("a", 1, "b"), Edge("b", 2, "c"), Edge("c", 3, "a")]) == [["a", "b", "c"]]
+
+
+RANK_ROOMS = ("gyre.runtime.coordinator", "gyre.runtime.cell", "gyre.runtime.proxy_node")
+"""The runtime's rank packages: each speaks to the others only through `gyre.runtime.shared`."""
+
+
+def room(module: str) -> str | None:
+    """The runtime room a module lives in (a rank package or `shared`), else None."""
+    for r in (*RANK_ROOMS, "gyre.runtime.shared"):
+        if module == r or module.startswith(r + "."):
+            return r
+    return None
+
+
+def test_the_rank_rooms_meet_only_in_shared() -> None:
+    """No arrow from one rank's package into another's, and none from `shared` up into any
+    of them: a rank's code is read in its own room plus the shared one."""
+    crossing = [e for e in graph()
+                if room(e.source) and room(e.target) in RANK_ROOMS
+                and room(e.source) != room(e.target)]  # fmt: skip
+    assert not crossing, "imports between the runtime's rooms:\n" + "\n".join(
+        f"{e.source}:{e.line} imports {e.target}" for e in crossing
+    )
