@@ -1,17 +1,20 @@
 """Typed configuration of the scheduler: the cluster's cells, the RL batch shape, dispatch.
 
-`Config` holds what every policy shares (cells, standalone pool, N, k, B, φ, μ, supply and join
-thresholds, the priors of the online cost estimates); `PolicyConfig` picks Elastic, Async or
-Colocate and the Table 1 knobs that only a policy reads (streaming, the Async training split).
-Both validate in `__post_init__` and raise `ConfigError` naming the field, the value and what
-is allowed.
+`ScheduleConfig` is the batch shape and dispatch (N, k, B, φ, μ, supply and join thresholds,
+a cell engine's concurrency): declared here once, embedded by the run config's `schedule:`
+section (`gyre.runtime.shared.config.RunSchedule`) and by the simulator's templates.
+`Config` is a `ScheduleConfig` on a machine (cells, standalone pool, the priors of the online
+cost estimates); `PolicyConfig` picks Elastic, Async or Colocate and the Table 1 knobs that
+only a policy reads (streaming, the Async training split). Each validates in `__post_init__`
+and raises `ConfigError` naming the field, the value and what is allowed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from gyre.errors import ConfigError
 
@@ -19,19 +22,13 @@ POLICIES = ("elastic", "async", "colocate")
 
 
 @dataclass(kw_only=True, slots=True)
-class Config:
-    """Cells, standalone pool, batch shape and boundary dispatch of one run."""
+class ScheduleConfig:
+    """The RL batch shape and boundary dispatch: what a run config's `schedule:` section
+    sets and the scheduler runs with (defaults: the paper's cluster runs; the one-machine
+    values are in templates/local.yaml)."""
 
-    nodes: int = 32
-    """Nodes in the elastic cells (standalone nodes not included)."""
-    cells: int = 8
-    """K: number of cells; cell 0 is the core, the rest are satellites in this order."""
-    train_layout_nodes: int = 4
-    """Nodes one training replica needs (its TP x PP x EP x CP layout); a cell holds a multiple."""
     concurrency_per_cell: int = 144
     """Executions one cell-sized rollout engine serves at once."""
-    standalone_nodes: int = 0
-    """Nodes that stay in rollout; grouped into engines of one cell's size and concurrency."""
     group_size: int = 16
     """N: executions per rollout group (the ones a group trains)."""
     oversample: int = 0
@@ -50,6 +47,50 @@ class Config:
     join_payback: float = 1.0
     """Cost-aware join: a satellite's share of the batch's work left when it arrives must be
     at least this many times its round-trip switch time (0: the count check alone)."""
+
+    def __post_init__(self) -> None:
+        _positive("concurrency_per_cell", self.concurrency_per_cell)
+        _positive("group_size", self.group_size)
+        _count("oversample", self.oversample)
+        _positive("batch_groups", self.batch_groups)
+        if not self.phi >= 0:
+            raise ConfigError(f"phi: {self.phi} is negative; allowed φ >= 0")
+        if self.mu < 1:
+            raise ConfigError(f"mu: {self.mu}; allowed μ >= 1 (integer)")
+        if not 0 < self.supply_fraction <= 1:
+            raise ConfigError(f"supply_fraction: {self.supply_fraction}; allowed 0 < x <= 1")
+        if self.join_min_microsteps < 0:
+            raise ConfigError(f"join_min_microsteps: {self.join_min_microsteps}; allowed >= 0")
+        _finite("join_payback", self.join_payback)
+
+    @property
+    def executions_per_group(self) -> int:
+        """N + k: executions dispatched per group (group g owns g(N+k) .. g(N+k)+N+k-1)."""
+        return self.group_size + self.oversample
+
+    @property
+    def extra_groups(self) -> int:
+        """φB rounded to whole groups."""
+        return math.floor(self.phi * self.batch_groups + 0.5)
+
+    def shape(self) -> dict[str, Any]:
+        """This schedule's own fields by name (to build a `Config` around them)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ScheduleConfig)}
+
+
+@dataclass(kw_only=True, slots=True)
+class Config(ScheduleConfig):
+    """The scheduler's whole config: a `ScheduleConfig` on a machine of cells, a standalone
+    pool, and the priors of the online cost estimates."""
+
+    nodes: int = 32
+    """Nodes in the elastic cells (standalone nodes not included)."""
+    cells: int = 8
+    """K: number of cells; cell 0 is the core, the rest are satellites in this order."""
+    train_layout_nodes: int = 4
+    """Nodes one training replica needs (its TP x PP x EP x CP layout); a cell holds a multiple."""
+    standalone_nodes: int = 0
+    """Nodes that stay in rollout; grouped into engines of one cell's size and concurrency."""
     switch_to_train_prior_s: float = 8.52
     """Rollout -> training switch seconds of a cell until one is measured (paper §6.2)."""
     switch_to_rollout_prior_s: float = 3.46
@@ -79,28 +120,15 @@ class Config:
                 f"train_layout_nodes: {self.train_layout_nodes} does not fit a cell of "
                 f"{self.nodes_per_cell} nodes; allowed: a divisor of nodes/cells"
             )
-        _positive("concurrency_per_cell", self.concurrency_per_cell)
+        ScheduleConfig.__post_init__(self)  # slots dataclass: no zero-argument super()
         if self.standalone_nodes < 0 or self.standalone_nodes % self.nodes_per_cell:
             raise ConfigError(
                 f"standalone_nodes: {self.standalone_nodes}; allowed: a multiple of the "
                 f"cell size ({self.nodes_per_cell}), 0 or more"
             )
-        _positive("group_size", self.group_size)
-        _count("oversample", self.oversample)
-        _positive("batch_groups", self.batch_groups)
-        if not self.phi >= 0:
-            raise ConfigError(f"phi: {self.phi} is negative; allowed φ >= 0")
-        if self.mu < 1:
-            raise ConfigError(f"mu: {self.mu}; allowed μ >= 1 (integer)")
-        if not 0 < self.supply_fraction <= 1:
-            raise ConfigError(f"supply_fraction: {self.supply_fraction}; allowed 0 < x <= 1")
-        if self.join_min_microsteps < 0:
-            raise ConfigError(f"join_min_microsteps: {self.join_min_microsteps}; allowed >= 0")
-        for name in ("join_payback", "switch_to_train_prior_s", "switch_to_rollout_prior_s",
-                     "prepass_prior_s", "gradient_prior_s"):  # fmt: skip
-            value = getattr(self, name)
-            if not 0 <= value < math.inf:
-                raise ConfigError(f"{name}: {value}; allowed: a finite number >= 0")
+        for name in ("switch_to_train_prior_s", "switch_to_rollout_prior_s", "prepass_prior_s",
+                     "gradient_prior_s"):  # fmt: skip
+            _finite(name, getattr(self, name))
         if not 0 < self.cost_smoothing <= 1:
             raise ConfigError(f"cost_smoothing: {self.cost_smoothing}; allowed 0 < x <= 1")
 
@@ -111,16 +139,6 @@ class Config:
     @property
     def standalone_engines(self) -> int:
         return self.standalone_nodes // self.nodes_per_cell
-
-    @property
-    def executions_per_group(self) -> int:
-        """N + k: executions dispatched per group (group g owns g(N+k) .. g(N+k)+N+k-1)."""
-        return self.group_size + self.oversample
-
-    @property
-    def extra_groups(self) -> int:
-        """φB rounded to whole groups."""
-        return math.floor(self.phi * self.batch_groups + 0.5)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -143,6 +161,11 @@ class PolicyConfig:
 def _positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}: {value!r}; allowed: an integer >= 1")
+
+
+def _finite(name: str, value: float) -> None:
+    if not 0 <= value < math.inf:
+        raise ConfigError(f"{name}: {value}; allowed: a finite number >= 0")
 
 
 def _count(name: str, value: int) -> None:

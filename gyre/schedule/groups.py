@@ -1,7 +1,7 @@
 """Rollout groups inside the scheduler: their executions, outcomes and trained members.
 
-A group is dispatched as N + k executions (k = `Config.oversample`, 0 by default), group g
-owning executions g(N+k) .. g(N+k)+N+k-1. An execution can end without a valid reward
+A group is dispatched as N + k executions (`ScheduleConfig.executions_per_group`; k:
+`oversample`, 0 by default), group g owning executions g(N+k) .. g(N+k)+N+k-1. An execution can end without a valid reward
 (evaluator crash, overall budget, unrecoverable after a restart: *excluded*), and a group
 trains on N valid rewards (paper §2.3, §5.2), so k extra executions are launched up front
 and the surplus is cancelled once the group has what it needs (§4.2: every launched
@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gyre.errors import SchedulerError
+from gyre.schedule.config import ScheduleConfig
 
 QUEUED, RUNNING, CLOSED, SETTLED, WITHDRAWN = range(5)
 """An execution's state: dispatched, launched, terminated, outcome settled, never launched."""
@@ -68,9 +69,9 @@ class Group:
 class Groups:
     """Every group of a run, in dispatch order (index = group id)."""
 
-    def __init__(self, group_size: int, oversample: int = 0) -> None:
-        self.n = group_size
-        self.size = group_size + oversample
+    def __init__(self, schedule: ScheduleConfig) -> None:
+        self.n = schedule.group_size
+        self.size = schedule.executions_per_group
         self.groups: list[Group] = []
         self.state = bytearray()  # per execution
         self.soon_ready = 0

@@ -130,7 +130,7 @@ class Scheduler:
         """Surplus executions withdrawn from the queue (counted in p and f, never launched)."""
         self.version = 0  # v: optimizer updates applied so far
         self.published = 0  # latest published version (recorded at dispatch)
-        self.groups = Groups(config.group_size, config.oversample)
+        self.groups = Groups(config)
         self.queue: deque[int] = deque()
         self.ready: list[tuple[int, int]] = []  # heap of (v_d, group): oldest version first
         self.batch: Batch | None = None

@@ -34,7 +34,9 @@ from typing import Any
 import numpy as np
 import yaml
 
+from gyre.config import load
 from gyre.errors import StoreError
+from gyre.schedule.config import Config, ScheduleConfig
 from gyre.sim.workload import HOUR, GroupSample
 from gyre.trajectory.reader import trace_path
 from gyre.vocabulary import Outcome, VerdictStatus
@@ -80,13 +82,20 @@ class RecordedRun:
         return value if isinstance(value, dict) else {}
 
     @property
+    def schedule(self) -> ScheduleConfig:
+        """The run's batch shape and dispatch (its `schedule:` section, policy keys aside)."""
+        section, own = self.section("schedule"), ScheduleConfig.__dataclass_fields__
+        return load(ScheduleConfig, {k: v for k, v in section.items() if k in own},
+                    path="schedule")  # fmt: skip
+
+    @property
     def group_size(self) -> int:
-        return int(self.section("schedule").get("group_size", 1))
+        return self.schedule.group_size
 
     @property
     def executions_per_group(self) -> int:
         """N + k: the executions each group ran (k: the run's oversampling)."""
-        return self.group_size + int(self.section("schedule").get("oversample", 0))
+        return self.schedule.executions_per_group
 
     def groups(self) -> dict[str, list[RecordedExecution]]:
         out: dict[str, list[RecordedExecution]] = {}
@@ -246,11 +255,9 @@ def _policy(run: RecordedRun) -> str:
 
 
 def _scheduler(run: RecordedRun) -> dict[str, Any]:
-    sched, topo = run.section("schedule"), run.section("topology")
+    topo = run.section("topology")
     cells = int(topo.get("cells", 1))
-    keys = ("concurrency_per_cell", "group_size", "oversample", "batch_groups", "phi", "mu",
-            "supply_fraction", "join_min_microsteps")  # fmt: skip
-    out: dict[str, Any] = {k: sched[k] for k in keys if k in sched}
+    out: dict[str, Any] = run.schedule.shape()
     out.update(nodes=cells, cells=cells, train_layout_nodes=1,
                standalone_nodes=int(topo.get("standalone_engines", 0)))  # fmt: skip
     return out
@@ -335,7 +342,7 @@ def _step_tokens(run: RecordedRun) -> list[float]:
             by_group[x.group] = by_group.get(x.group, 0.0) + x.tokens
     if not run.admitted:  # a trace without admit events: spread the total evenly
         total = sum(by_group.values())
-        return [total / max(1, len(by_group)) * run.section("schedule").get("batch_groups", 1)
+        return [total / max(1, len(by_group)) * run.schedule.batch_groups
                 for _ in run.steps]  # fmt: skip
     return [
         sum(by_group.get(g, 0.0) for g in run.admitted.get(b, [])) for b in range(len(run.steps))
@@ -405,8 +412,7 @@ def fit_figures(fit: Fit, groups: int = 2000, seed: int = 1) -> dict[str, float]
     """The parametric workload's own figures (at the reference load), in seconds."""
     from gyre.sim.workload import WorkloadConfig, nominal_stats
 
-    sched = fit.template["scheduler"]
-    n = int(sched["group_size"]) + int(sched.get("oversample", 0))
+    n = Config(**fit.template["scheduler"]).executions_per_group
     stats = nominal_stats(WorkloadConfig(**fit.template["workload"]), n, groups, seed)
     return {"mean_execution_s": stats["mean_execution_h"] * HOUR,
             "mean_query_s": stats["mean_query_h"] * HOUR,

@@ -23,14 +23,14 @@ from gyre.harness import get_adapter
 from gyre.runtime.main import keep_config
 from gyre.runtime.proxy_node.node import check_harness, proxy_config
 from gyre.runtime.shared.config import (
-    POLICY_KEYS,
-    ScheduleConfig,
+    RunSchedule,
     TopologyConfig,
     dump_run_config,
     load_run_config,
 )
 from gyre.runtime.shared.layout import cell_members, cell_of_rank, cell_ranks, engine_ranks, layout
 from gyre.schedule.config import Config as SchedulerConfig
+from gyre.schedule.config import ScheduleConfig
 from gyre.vocabulary import RoleRule
 
 from .conftest import ROOT, small_config, write_config
@@ -107,8 +107,15 @@ def test_rank_0_keeps_the_config_gyre_run_wrote(tmp_path: Path) -> None:
 
 
 def test_the_schedule_section_is_the_schedulers_fields(tmp_path: Path) -> None:
-    own = {k: t for k, t in _field_types(ScheduleConfig).items() if k not in POLICY_KEYS}
-    assert own.items() <= _field_types(SchedulerConfig).items()  # same names, same types
+    """The run's `schedule:` is the scheduler's own `ScheduleConfig` (declared once: same
+    defaults) plus the policy choice; the scheduler gets every one of its values."""
+    policy = {"policy", "streaming", "train_cells"}
+    shape = {k: t for k, t in _field_types(RunSchedule).items() if k not in policy}
+    assert (
+        shape == _field_types(ScheduleConfig)
+        and shape.items() <= _field_types(SchedulerConfig).items()
+    )
+    assert RunSchedule().shape() == ScheduleConfig().shape()
     got = load_run_config(write_config(tmp_path, small_config(tmp_path)), ["schedule.mu=4"])
     sc, _ = got.schedule.scheduler(got.topology)
     assert (sc.mu, sc.group_size, sc.cells) == (4, got.schedule.group_size, got.topology.cells)

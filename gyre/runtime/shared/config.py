@@ -27,7 +27,7 @@ from gyre.config import apply_overrides, load, read_mapping
 from gyre.errors import ConfigError
 from gyre.proxy.config import Config as ProxyConfig
 from gyre.runtime.shared.layout import TopologyConfig
-from gyre.schedule.config import POLICIES, PolicyConfig
+from gyre.schedule.config import POLICIES, PolicyConfig, ScheduleConfig
 from gyre.schedule.config import Config as SchedulerConfig
 from gyre.schedule.devices import PaceConfig
 from gyre.tasks.suite import ToolLatency
@@ -39,10 +39,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "templates" / "local.yaml
 
 
 @dataclass(kw_only=True, slots=True)
-class ScheduleConfig:
-    """Batch shape, dispatch and the placement policy (see docs/scheduler.md): the pure
-    scheduler's fields of the same names (`gyre.schedule.config.Config`), with one machine's
-    defaults, and the policy's (`POLICY_KEYS`)."""
+class RunSchedule(ScheduleConfig):
+    """The run's `schedule:` section: the scheduler's `ScheduleConfig` (batch shape and
+    dispatch, docs/scheduler.md) and the placement policy that runs it."""
 
     policy: Literal["elastic", "async", "colocate"] = "elastic"
     """Placement policy: elastic | async | colocate."""
@@ -50,49 +49,22 @@ class ScheduleConfig:
     """Stream batches; None: the policy's default (on for elastic, off otherwise)."""
     train_cells: int = 1
     """Async only: cells fixed in training."""
-    concurrency_per_cell: int = 4
-    """Executions one cell's engine serves at once."""
-    group_size: int = 2
-    """N: executions per group."""
-    oversample: int = 0
-    """k: extra executions launched per group; the first N to settle valid train, the surplus
-    is cancelled (docs/scheduler.md "Oversampling"; 0: N launched)."""
-    batch_groups: int = 2
-    """B: groups per training step."""
-    phi: float = 0.5
-    """φ: extra dispatch in units of B groups."""
-    mu: int = 1
-    """μ: training steps per burst."""
-    supply_fraction: float = 0.5
-    """Streaming supply check, as a fraction of B."""
-    join_min_microsteps: int = 1
-    """A satellite joins a batch only if this many micro-steps are left for it."""
-    join_payback: float = 1.0
-    """Cost-aware joins: the work left must repay this many round-trip switches (0: off)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy: {self.policy!r}; allowed: {', '.join(POLICIES)}")
+        ScheduleConfig.__post_init__(self)  # slots dataclass: no zero-argument super()
 
     def scheduler(self, topology: TopologyConfig) -> tuple[SchedulerConfig, PolicyConfig]:
-        """The pure scheduler's config and policy for this topology (validated there).
-
-        Every field but the policy's own is the scheduler's field of the same name; the cells
-        come from `topology` (one node each) and the cost priors keep the scheduler's defaults.
-        """
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                  if f.name not in POLICY_KEYS}  # fmt: skip
+        """The pure scheduler's config and policy for this topology (validated there): this
+        schedule on cells of one node each; the cost priors keep the scheduler's defaults."""
         sc = SchedulerConfig(
             nodes=topology.cells, cells=topology.cells, train_layout_nodes=1,
-            standalone_nodes=topology.standalone_engines, **shared,
+            standalone_nodes=topology.standalone_engines, **self.shape(),
         )  # fmt: skip
         streaming = self.streaming if self.streaming is not None else self.policy == "elastic"
         pc = PolicyConfig(name=self.policy, streaming=streaming, train_cells=self.train_cells)
         return sc, pc
-
-
-POLICY_KEYS = ("policy", "streaming", "train_cells")
-"""The `schedule` keys the `PolicyConfig` takes; the others are `SchedulerConfig` fields."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -319,7 +291,7 @@ class RunConfig:
     """Where run directories are created."""
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     """Processes of the MPI world."""
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    schedule: RunSchedule = field(default_factory=RunSchedule)
     """Scheduler and policy."""
     harness: HarnessConfig = field(default_factory=HarnessConfig)
     """Harness pool and tasks."""
