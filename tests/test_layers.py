@@ -219,3 +219,20 @@ def test_the_rank_rooms_meet_only_in_shared() -> None:
     assert not crossing, "imports between the runtime's rooms:\n" + "\n".join(
         f"{e.source}:{e.line} imports {e.target}" for e in crossing
     )
+
+
+def test_the_preflight_imports_no_rank_room() -> None:
+    """The preflight asks each domain through `gyre.runtime.shared.checks.Check`: the checks
+    live in `shared` (or below), so nothing it reaches, directly or through another module,
+    is a rank's module."""
+    succ: dict[str, set[str]] = {}
+    for e in graph():
+        succ.setdefault(e.source, set()).add(e.target)
+    reached: set[str] = set()
+    todo = ["gyre.runtime.preflight"]
+    while todo:
+        for target in succ.get(todo.pop(), set()) - reached:
+            reached.add(target)
+            todo.append(target)
+    into = sorted(m for m in reached if room(m) in RANK_ROOMS)
+    assert not into, f"gyre.runtime.preflight reaches the rank rooms' modules: {into}"

@@ -295,11 +295,12 @@ class Segment:
     @property
     def layout(self) -> tuple[int, int]:
         """(tensor, pipeline) of its cells, as its config.yaml says."""
+        from gyre.train.backends import backend
         from gyre.train.config import ParallelConfig
 
         train = self.config["train"]
-        dims = ParallelConfig(**train["parallel"]).dims(
-            train["backend"], self.config["topology"]["ranks_per_cell"]
+        dims = backend(train["backend"]).dims(
+            ParallelConfig(**train["parallel"]), self.config["topology"]["ranks_per_cell"]
         )
         return dims.tensor, dims.pipeline
 

@@ -2,7 +2,7 @@
 
     python tools/bench_checkpoint.py [--models tiny tiny:256x4] [--repeats 5] [--json]
 
-For each model: the core's replica and AdamW (the runtime's own `build_replica`), one update
+For each model: the core's replica and AdamW (the training backend's own `build`), one update
 so the optimizer holds both moments, then `repeats` checkpoints exactly as a run takes them
 — `checkpoint.begin`, the core's `save_core` (weights + optimizer), `commit` (driver state,
 rename, prune) — timed whole. Also the time to load one back (`load_core`), which is what a
@@ -25,13 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def bench(model: str, repeats: int) -> dict[str, float]:
     import torch
 
-    from gyre.runtime.cell.replica import build_replica
     from gyre.runtime.shared import checkpoint
     from gyre.runtime.shared.config import load_run_config
 
     torch.set_num_threads(1)
     cfg = load_run_config(ROOT / "templates" / "local.yaml", [f"model={model}"])
-    replica = build_replica(cfg, core=True)
+    replica = cfg.train_backend.build(cfg.model, cfg.train, cfg.dims, core=True,
+                                      device=cfg.train.device)  # fmt: skip
     assert replica.optimizer is not None
     replica.optimizer.step(torch.randn_like(replica.cell.flat_params))  # moments exist now
     named = [(n, p.detach()) for n, p in replica.cell.model.named_parameters()]
@@ -42,7 +42,9 @@ def bench(model: str, repeats: int) -> dict[str, float]:
             t0 = time.perf_counter()
             folder = checkpoint.begin(run_dir, v)
             size = checkpoint.save_core(folder, named, replica.optimizer_state(), v)
-            checkpoint.commit(run_dir, folder, {"version": v, "updates": v, "trained": []}, keep=2)
+            state = checkpoint.CheckpointState(version=v, updates=v, trained=(), next_group=0,
+                                               t=time.time())  # fmt: skip
+            checkpoint.commit(run_dir, folder, state, keep=2)
             seconds.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         checkpoint.load_core(run_dir)

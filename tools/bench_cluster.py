@@ -37,9 +37,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_policies import POLICIES, held_out, run_policy
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_policies import POLICIES, burst_steps, held_out, run_policy, study_arguments
 
 
 def replay_h(run_dir: Path, scale: float, seeds: int = 5) -> float:
@@ -108,8 +106,7 @@ def per_policy(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(ROOT / "templates" / "bench" / "cluster.yaml"))
-    p.add_argument("--steps", type=int, default=8)
+    study_arguments(p, config="cluster.yaml", steps=8, staleness=1.5, eval_every=4, target=0.3)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument(
         "--first-seed",
@@ -117,26 +114,13 @@ def main() -> int:
         default=0,
         help="seeds run are FIRST_SEED .. FIRST_SEED+SEEDS-1 (split a study across calls)",
     )
-    p.add_argument("--staleness", type=float, default=1.5, help="target E[d] for all policies")
-    p.add_argument("--min-phi", type=float, default=1.0, help="Elastic's smallest φ (gyre plan)")
-    p.add_argument(
-        "--eval-every", type=int, default=4, help="held-out eval every K steps (0: none)"
-    )
-    p.add_argument("--target", type=float, default=0.3, help="held-out reward to reach")
-    p.add_argument("--instances", type=int, default=8, help="held-out instances per eval")
     p.add_argument("--quick", action="store_true", help="one seed, 4 steps")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--keep", metavar="DIR", help="keep the runs under DIR")
     args = p.parse_args()
     if args.first_seed < 0 or args.seeds < 1:
         p.error("--first-seed must be >= 0 and --seeds >= 1")
     if args.quick:
         args.seeds, args.steps, args.eval_every = 1, 4, 4
-    from gyre.schedule import plan_for
-
-    lcm = math.lcm(*(plan_for(pol, args.staleness, args.min_phi).mu for pol in POLICIES))
-    if args.steps % lcm:
-        raise SystemExit(f"--steps {args.steps}: must be a multiple of every policy's μ ({lcm})")
+    burst_steps(args)
     base = yaml.safe_load(Path(args.config).read_text())
     with tempfile.TemporaryDirectory(prefix="gyre-cluster-") as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)

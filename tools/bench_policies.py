@@ -117,31 +117,58 @@ def steady(row: dict[str, Any], first: int) -> float | None:
     return (done[-1] - done[first - 1]) / (len(done) - first)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(ROOT / "templates" / "bench" / "policies.yaml"))
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--staleness", type=float, default=1.0, help="target E[d] for all policies")
-    p.add_argument("--min-phi", type=float, default=1.0,
-                   help="Elastic's smallest φ (gyre plan --min-phi); 1.0 gives μ = 1 at E[d] = 1, "
-                        "a publication per step, which is cheap on one machine")  # fmt: skip
+def study_arguments(
+    p: argparse.ArgumentParser,
+    *,
+    config: str,
+    steps: int,
+    staleness: float,
+    eval_every: int,
+    target: float,
+) -> None:
+    """The options of a study of the three policies (this benchmark's, bench_cluster's), with
+    the study's defaults."""
+    p.add_argument("--config", default=str(ROOT / "templates" / "bench" / config))
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument(
+        "--staleness", type=float, default=staleness, help="target E[d] for all policies"
+    )
+    p.add_argument(
+        "--min-phi",
+        type=float,
+        default=1.0,
+        help="Elastic's smallest φ (gyre plan --min-phi); 1.0 gives μ = 1 at E[d] = 1, "
+        "a publication per step, which is cheap on one machine",
+    )
     p.add_argument(
         "--eval-every",
         type=int,
-        default=0,
+        default=eval_every,
         help="evaluate the policy of every K-th step on held-out instances (0: no evals)",
     )
-    p.add_argument("--target", type=float, default=0.5, help="held-out reward to reach")
+    p.add_argument("--target", type=float, default=target, help="held-out reward to reach")
     p.add_argument("--instances", type=int, default=8, help="held-out instances per eval")
     p.add_argument("--json", action="store_true")
     p.add_argument("--keep", metavar="DIR", help="keep the runs (traces, summaries) under DIR")
-    args = p.parse_args()
+
+
+def burst_steps(args: argparse.Namespace) -> int:
+    """The lcm of every policy's μ: the first burst every policy completes, which `--steps`
+    must be a multiple of."""
     from gyre.schedule import plan_for
 
     mus = [plan_for(pol, args.staleness, args.min_phi).mu for pol in POLICIES]
     lcm = math.lcm(*mus)
     if args.steps % lcm:
         raise SystemExit(f"--steps {args.steps}: must be a multiple of every policy's μ ({mus})")
+    return lcm
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    study_arguments(p, config="policies.yaml", steps=12, staleness=1.0, eval_every=0, target=0.5)
+    args = p.parse_args()
+    lcm = burst_steps(args)
     base = yaml.safe_load(Path(args.config).read_text())
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ group: bytes and seconds.
 
 What: for each model an embedded engine is launched the way a cell of `gyre run` launches
 it (`EngineHost`: the preset of `EngineConfig.server`, started by `EngineProcess`), and the
-model's weights as the core publishes them (`named_parameters()`, `gyre.runtime.cell.replica`:
+model's weights as the core publishes them (`named_parameters()`, `gyre.train.backends.torch`:
 tied weights once, float32) are pushed to it `--repeats` times by each path, with the core's
 own call:
 

@@ -24,8 +24,9 @@ import yaml
 from gyre.config import load
 from gyre.errors import ConfigError
 from gyre.launch.config import SlurmConfig, TopologyConfig, check_log_dir, time_minutes
-from gyre.runtime.preflight import Where, check_gpus, preflight
-from gyre.runtime.shared.layout import Group, Layout
+from gyre.runtime.preflight import Where, preflight
+from gyre.runtime.shared.layout import Layout, RankGroup
+from gyre.runtime.shared.placement import check_gpus
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,9 +56,9 @@ class Launch:
 @dataclass(kw_only=True, slots=True)
 class Request:
     """What the job asks Slurm for one group of the world's layout (`gyre.runtime.shared.layout.
-    Group`): one `#SBATCH hetjob` block."""
+    RankGroup`): one `#SBATCH hetjob` block."""
 
-    group: Group
+    group: RankGroup
     """The world ranks it holds: coordinator, proxy, one cell or the standalone pool."""
     nodes: int
     """Nodes of this component."""

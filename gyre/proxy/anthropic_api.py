@@ -27,10 +27,13 @@ from gyre.proxy.conversation import (
     check_schema,
     check_tool_name,
     check_type,
+    named_choice,
     need,
+    nucleus,
     number_in,
     opt,
     positive_int,
+    typed_items,
 )
 from gyre.proxy.errors import invalid
 
@@ -53,9 +56,7 @@ def parse_request(body: Any) -> CallRequest:
     conv = Conversation(system=_system(body.get("system")), tools=_tools(body), messages=[])
     for i, msg in enumerate(raw):
         conv.messages.extend(_message(msg, f"body.messages[{i}]"))
-    top_p = number_in(body, "top_p", 0.0, 1.0, "body")
-    if top_p == 0.0:
-        raise invalid("body.top_p: 0; allowed: a number in (0, 1]", "top_p")
+    top_p = nucleus(body, "body")
     return CallRequest(
         api="anthropic",
         model=model,
@@ -118,13 +119,7 @@ def _tool_choice(value: dict[str, Any] | None, conv: Conversation) -> ToolChoice
         return ToolChoice(mode="required")
     if kind == "tool":
         name = need(value, "name", str, "body.tool_choice")
-        if name not in conv.tool_names():
-            raise invalid(
-                f"body.tool_choice.name: {name!r} is not one of the request's tools "
-                f"{conv.tool_names()}",
-                "tool_choice",
-            )
-        return ToolChoice(mode="named", name=name)
+        return named_choice(conv, name, "body.tool_choice.name")
     raise invalid(f"body.tool_choice.type: {kind!r}; allowed: auto, any, tool, none", "tool_choice")
 
 
@@ -142,10 +137,7 @@ def _message(msg: Any, where: str) -> list[Message]:
         return [_assistant(blocks, where)]
     out: list[Message] = []
     texts: list[str] = []
-    for j, block in enumerate(blocks):
-        w = f"{where}.content[{j}]"
-        check_type(block, dict, w)
-        kind = need(block, "type", str, w)
+    for w, block, kind in typed_items(blocks, f"{where}.content"):
         if kind == "tool_result" and role == "user":
             if texts:
                 out.append(Message(role="user", content="\n\n".join(texts)))
@@ -174,10 +166,9 @@ def _tool_result(block: dict[str, Any], where: str) -> Message:
         text = content
     else:
         parts = check_type(content, list, f"{where}.content")
-        chunks = []
-        for k, part in enumerate(parts):
-            check_type(part, dict, f"{where}.content[{k}]")
-            chunks.append(_plain(part, need(part, "type", str, f"{where}.content[{k}]"), where))
+        chunks = [
+            _plain(part, kind, where) for _, part, kind in typed_items(parts, f"{where}.content")
+        ]
         text = "\n\n".join(chunks)
     return Message(role="tool", content=text, tool_call_id=call_id)
 
@@ -185,10 +176,7 @@ def _tool_result(block: dict[str, Any], where: str) -> Message:
 def _assistant(blocks: list[Any], where: str) -> Message:
     texts: list[str] = []
     calls: list[ToolCall] = []
-    for j, block in enumerate(blocks):
-        w = f"{where}.content[{j}]"
-        check_type(block, dict, w)
-        kind = need(block, "type", str, w)
+    for w, block, kind in typed_items(blocks, f"{where}.content"):
         if kind == "text":
             texts.append(need(block, "text", str, w))
         elif kind == "tool_use":

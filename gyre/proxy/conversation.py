@@ -10,6 +10,7 @@ and `anthropic_api` own the translation in and out.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -143,11 +144,28 @@ def number_in(obj: dict[str, Any], key: str, lo: float, hi: float, where: str) -
     return float(value)
 
 
+def nucleus(obj: dict[str, Any], where: str) -> float | None:
+    """The optional `top_p` of obj: a nucleus mass in (0, 1]."""
+    value = number_in(obj, "top_p", 0.0, 1.0, where)
+    if value == 0.0:
+        raise invalid(f"{where}.top_p: 0; allowed: a number in (0, 1]", "top_p")
+    return value
+
+
 def positive_int(obj: dict[str, Any], key: str, where: str, *, required: bool) -> int | None:
     value = need(obj, key, int, where) if required else opt(obj, key, int, where)
     if value is not None and value < 1:
         raise invalid(f"{where}.{key}: {value}; allowed: an integer >= 1", key)
     return value
+
+
+def typed_items(items: list[Any], where: str) -> Iterator[tuple[str, dict[str, Any], str]]:
+    """(path, item, its `type`) of each item of a list of typed objects (content blocks,
+    content parts), each checked to be an object with a string `type`."""
+    for j, item in enumerate(items):
+        path = f"{where}[{j}]"
+        check_type(item, dict, path)
+        yield path, item, need(item, "type", str, path)
 
 
 def arguments_text(value: Any, where: str) -> str:
@@ -187,6 +205,17 @@ def check_tool_name(name: str, where: str) -> str:
     if not name or len(name) > 128:
         raise invalid(f"{where}: tool name must be 1-128 characters", where)
     return name
+
+
+def named_choice(conv: Conversation, name: str, where: str) -> ToolChoice:
+    """tool_choice naming one tool, which must be one of the request's (`where`: the name's
+    field)."""
+    if name not in conv.tool_names():
+        raise invalid(
+            f"{where}: {name!r} is not one of the request's tools {conv.tool_names()}",
+            "tool_choice",
+        )
+    return ToolChoice(mode="named", name=name)
 
 
 def check_tool_results(conv: Conversation, issued: set[str] | dict[str, Any]) -> None:

@@ -24,10 +24,13 @@ from gyre.proxy.conversation import (
     check_schema,
     check_tool_name,
     check_type,
+    named_choice,
     need,
+    nucleus,
     number_in,
     opt,
     positive_int,
+    typed_items,
 )
 from gyre.proxy.errors import invalid
 
@@ -57,18 +60,11 @@ def parse_request(body: Any) -> CallRequest:
         conversation=conv,
         max_tokens=max_tokens,
         temperature=number_in(body, "temperature", 0.0, 2.0, "body"),
-        top_p=_top_p(body),
+        top_p=nucleus(body, "body"),
         stream=stream,
         tool_choice=_tool_choice(body.get("tool_choice"), conv),
         include_usage=bool(opt(options, "include_usage", bool, "body.stream_options")),
     )
-
-
-def _top_p(body: dict[str, Any]) -> float | None:
-    top_p = number_in(body, "top_p", 0.0, 1.0, "body")
-    if top_p == 0.0:
-        raise invalid("body.top_p: 0; allowed: a number in (0, 1]", "top_p")
-    return top_p
 
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -95,23 +91,26 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_choice(value: Any, conv: Conversation) -> ToolChoice:
+def tool_mode(value: Any, conv: Conversation) -> ToolChoice | None:
+    """The tool_choice strings of both OpenAI APIs ("auto", "none", "required"; absent is
+    "auto"); None when `value` is not one of them."""
     if value is None or value == "auto":
         return ToolChoice()
     if value in ("none", "required"):
         if value == "required" and not conv.tools:
             raise invalid("body.tool_choice: 'required' needs at least one tool", "tool_choice")
         return ToolChoice(mode=value)
+    return None
+
+
+def _tool_choice(value: Any, conv: Conversation) -> ToolChoice:
+    mode = tool_mode(value, conv)
+    if mode is not None:
+        return mode
     if isinstance(value, dict) and value.get("type") == "function":
         fn = need(value, "function", dict, "body.tool_choice")
         name = need(fn, "name", str, "body.tool_choice.function")
-        if name not in conv.tool_names():
-            raise invalid(
-                f"body.tool_choice.function.name: {name!r} is not one of the request's tools "
-                f"{conv.tool_names()}",
-                "tool_choice",
-            )
-        return ToolChoice(mode="named", name=name)
+        return named_choice(conv, name, "body.tool_choice.function.name")
     raise invalid(
         "body.tool_choice: allowed 'auto', 'none', 'required' or "
         '{"type": "function", "function": {"name": ...}}',
@@ -128,12 +127,10 @@ def _text(content: Any, where: str, *, allow_null: bool) -> str:
         return content
     check_type(content, list, where)
     parts = []
-    for j, part in enumerate(content):
-        check_type(part, dict, f"{where}[{j}]")
-        kind = need(part, "type", str, f"{where}[{j}]")
+    for w, part, kind in typed_items(content, where):
         if kind not in ("text", "input_text"):
-            raise invalid(f"{where}[{j}].type: {kind!r} is not supported; allowed: 'text'", where)
-        parts.append(need(part, "text", str, f"{where}[{j}]"))
+            raise invalid(f"{w}.type: {kind!r} is not supported; allowed: 'text'", where)
+        parts.append(need(part, "text", str, w))
     return "".join(parts)
 
 

@@ -44,12 +44,16 @@ from gyre.proxy.conversation import (
     check_schema,
     check_tool_name,
     check_type,
+    named_choice,
     need,
+    nucleus,
     number_in,
     opt,
     positive_int,
+    typed_items,
 )
 from gyre.proxy.errors import invalid
+from gyre.proxy.openai_api import tool_mode
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text")
 MEDIA_PARTS = ("input_image", "input_file", "input_audio")
@@ -71,9 +75,7 @@ def parse_request(body: Any) -> CallRequest:
     tools, namespaces = _tools(body)
     system = opt(body, "instructions", str, "body")
     conv = _conversation(_input_items(body), tools, system, namespaces)
-    top_p = number_in(body, "top_p", 0.0, 1.0, "body")
-    if top_p == 0.0:
-        raise invalid("body.top_p: 0; allowed: a number in (0, 1]", "top_p")
+    top_p = nucleus(body, "body")
     return CallRequest(
         api="responses",
         model=model,
@@ -150,23 +152,14 @@ def _function(
 def _tool_choice(
     value: Any, conv: Conversation, namespaces: dict[str, tuple[str, str]]
 ) -> ToolChoice:
-    if value is None or value == "auto":
-        return ToolChoice()
-    if value in ("none", "required"):
-        if value == "required" and not conv.tools:
-            raise invalid("body.tool_choice: 'required' needs at least one tool", "tool_choice")
-        return ToolChoice(mode=value)
+    mode = tool_mode(value, conv)
+    if mode is not None:
+        return mode
     if isinstance(value, dict) and value.get("type") == "function":
         name = need(value, "name", str, "body.tool_choice")
         if value.get("namespace"):
             name = f"{value['namespace']}.{name}"
-        if name not in conv.tool_names():
-            raise invalid(
-                f"body.tool_choice.name: {name!r} is not one of the request's tools "
-                f"{conv.tool_names()}",
-                "tool_choice",
-            )
-        return ToolChoice(mode="named", name=name)
+        return named_choice(conv, name, "body.tool_choice.name")
     raise invalid(
         "body.tool_choice: allowed 'auto', 'none', 'required' or "
         '{"type": "function", "name": ...}',
@@ -242,18 +235,16 @@ def _text(content: Any, where: str) -> str:
         return content
     parts = check_type(content, list, where)
     out = []
-    for j, part in enumerate(parts):
-        check_type(part, dict, f"{where}[{j}]")
-        kind = need(part, "type", str, f"{where}[{j}]")
+    for w, part, kind in typed_items(parts, where):
         if kind in TEXT_PARTS:
-            out.append(need(part, "text", str, f"{where}[{j}]"))
+            out.append(need(part, "text", str, w))
         elif kind == "refusal":
-            out.append(need(part, "refusal", str, f"{where}[{j}]"))
+            out.append(need(part, "refusal", str, w))
         elif kind in MEDIA_PARTS:
             out.append(f"[{kind.removeprefix('input_')} omitted]")
         else:
             allowed = ", ".join((*TEXT_PARTS, "refusal", *MEDIA_PARTS))
-            raise invalid(f"{where}[{j}].type: {kind!r}; allowed: {allowed}", where)
+            raise invalid(f"{w}.type: {kind!r}; allowed: {allowed}", where)
     return "".join(out)
 
 

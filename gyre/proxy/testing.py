@@ -7,7 +7,8 @@
         tree = proxy.call(proxy.app.tree, "ex-1")
 
 `call(fn, *args)` runs `fn` on the proxy's loop thread (the app is not thread-safe) and
-returns its result. On exit the server and the loop are stopped and the thread joined.
+returns its result; `admin(path, body)` POSTs to an admin route over HTTP with the admin
+token. On exit the server and the loop are stopped and the thread joined.
 
 `ScriptedEngine` is an engine for harness tests that need a policy which follows a script
 (a random tiny model never finishes a task): it answers each call with the next scripted
@@ -22,9 +23,11 @@ shutdown tests and `tools/bench_proxy.py`, where a model's own cost would hide t
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,6 +66,20 @@ class RunningProxy:
     def run(self, coro: Any, timeout: float = 600) -> Any:
         """Run a coroutine on the proxy's loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout)
+
+    def admin(self, path: str, body: dict[str, Any]) -> Any:
+        """POST `body` to an admin route over HTTP, with the admin token; its JSON answer."""
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={
+                "Authorization": f"Bearer {self.admin_token}",
+                "Content-Type": "application/json",
+            },
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.load(r)
 
 
 class ScriptedEngine:

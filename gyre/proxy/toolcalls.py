@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,77 +105,67 @@ def _xml_value(schema: Any, max_str: int) -> str:
     return f"%json {json.dumps({**_as_dict(schema), 'x-guidance': _JSON_STYLE})}"
 
 
-def _tool_calls_field(open_pattern: str, close_pattern: str, content: dict[str, Any]) -> Any:
+JOINED_TEXT = {"content": "text", "repeats": True, "join": "\n"}  # text around the calls
+
+
+def _response_template(
+    open_pattern: str,
+    close_pattern: str,
+    call: dict[str, Any],
+    text: Mapping[str, Any] = JOINED_TEXT,
+) -> dict[str, Any]:
+    """A reply from ANCHOR on: repeated calls between the two patterns, each read by `call`,
+    and the text outside them read by `text`."""
+    calls = {"open_pattern": open_pattern, "close_pattern": close_pattern, "repeats": True}
     return {
-        "open_pattern": open_pattern,
-        "close_pattern": close_pattern,
-        "repeats": True,
-        **content,
+        "start_anchor": ANCHOR,
+        "defaults": {"role": "assistant"},
+        "fields": {"tool_calls": {**calls, **call}, "content": dict(text)},
     }
 
 
 HERMES = ToolFormat(
     name="hermes",
-    response_template={
-        "start_anchor": ANCHOR,
-        "defaults": {"role": "assistant"},
-        "fields": {
-            "tool_calls": _tool_calls_field(
-                r"\s*<tool_call>\s*",
-                r"\s*</tool_call>",
-                {"content": "json", "transform": {"type": "function", "function": "{content}"}},
-            ),
-            "content": {"content": "text", "repeats": True, "join": "\n"},
-        },
-    },
+    response_template=_response_template(
+        r"\s*<tool_call>\s*",
+        r"\s*</tool_call>",
+        {"content": "json", "transform": {"type": "function", "function": "{content}"}},
+    ),
     call=_hermes_call,
     envelope=("<tool_call>\n", "\n</tool_call>", "arguments"),
 )
 QWEN3_CODER = ToolFormat(
     name="qwen3_coder",
-    response_template={
-        "start_anchor": ANCHOR,
-        "defaults": {"role": "assistant"},
-        "fields": {
-            "tool_calls": _tool_calls_field(
-                r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>",
-                r"</function>\s*</tool_call>",
-                {
-                    "content": "xml-inline",
-                    "content_args": {
-                        "tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>"
-                    },
-                    "transform": {
-                        "type": "function",
-                        "function": {"name": "{name}", "arguments": "{content}"},
-                    },
-                },
-            ),
-            "content": {"content": "text", "repeats": True, "join": "\n"},
+    response_template=_response_template(
+        r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>",
+        r"</function>\s*</tool_call>",
+        {
+            "content": "xml-inline",
+            "content_args": {
+                "tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>"
+            },
+            "transform": {
+                "type": "function",
+                "function": {"name": "{name}", "arguments": "{content}"},
+            },
         },
-    },
+    ),
     call=_xml_call,
 )
 LLAMA3_JSON = ToolFormat(
     name="llama3_json",
-    response_template={
-        "start_anchor": ANCHOR,
-        "defaults": {"role": "assistant"},
-        "fields": {
-            "tool_calls": _tool_calls_field(
-                r'\s*(?=\{\s*"name")',
-                r"(?<=\})\s*(?:;|$)",
-                {
-                    "content": "json",
-                    "transform": {
-                        "type": "function",
-                        "function": {"name": "{content.name}", "arguments": "{content.parameters}"},
-                    },
-                },
-            ),
-            "content": {"content": "text"},
+    response_template=_response_template(
+        r'\s*(?=\{\s*"name")',
+        r"(?<=\})\s*(?:;|$)",
+        {
+            "content": "json",
+            "transform": {
+                "type": "function",
+                "function": {"name": "{content.name}", "arguments": "{content.parameters}"},
+            },
         },
-    },
+        text={"content": "text"},
+    ),
     call=_llama_call,
     envelope=("", "", "parameters"),
 )

@@ -152,7 +152,7 @@ class Engine:
         self._log: collections.deque[tuple[str, np.ndarray, float]] = collections.deque()
         self._log_tokens = 0
         self._batch_sizes: collections.Counter[int] = collections.Counter()
-        self.kv_layout = kvstore.Layout.of_model(model)
+        self.kv_layout = kvstore.KVLayout.of_model(model)
         self._kv = kvstore.KVPort(config.kv_transport, config.kv_host)
         self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
         self._paced = PacedCalls(config.pace) if config.pace is not None else None
@@ -420,7 +420,7 @@ class Engine:
         weights (the behaviour log-probs would change), or no memory."""
         mine, theirs = (
             self.kv_layout,
-            kvstore.Layout(seg.layers, seg.heads, seg.head_dim, seg.dtype),
+            kvstore.KVLayout(seg.layers, seg.heads, seg.head_dim, seg.dtype),
         )
         if seg.model != self.config.model or theirs != mine:
             raise EngineError(

@@ -45,7 +45,7 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")  # KV dtypes a segment ma
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class KVLayout:
     """The shape of a model's KV cache: what a segment must match to be used."""
 
     layers: int
@@ -54,7 +54,7 @@ class Layout:
     dtype: str
 
     @classmethod
-    def of_model(cls, model: Any) -> Layout:
+    def of_model(cls, model: Any) -> KVLayout:
         c = model.config
         heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -72,7 +72,7 @@ def pack(tokens: list[int] | np.ndarray, layers: LayerKV) -> np.ndarray:
     """One contiguous buffer holding `tokens` and their per-layer KV ([1, H, n, D] each)."""
     n = len(tokens)
     k0 = layers[0][0]
-    layout = Layout(len(layers), int(k0.shape[1]), int(k0.shape[3]), _dtype_name(k0.dtype))
+    layout = KVLayout(len(layers), int(k0.shape[1]), int(k0.shape[3]), _dtype_name(k0.dtype))
     buf = np.empty(layout.nbytes(n), np.uint8)
     buf[: 8 * n].view(np.int64)[:] = tokens
     flat = torch.from_numpy(buf)
@@ -87,7 +87,7 @@ def pack(tokens: list[int] | np.ndarray, layers: LayerKV) -> np.ndarray:
 
 def unpack(buf: np.ndarray, seg: KVSegment) -> tuple[np.ndarray, LayerKV]:
     """Token ids and per-layer [1, H, n, D] views into `buf` (a packed segment)."""
-    layout = Layout(seg.layers, seg.heads, seg.head_dim, seg.dtype)
+    layout = KVLayout(seg.layers, seg.heads, seg.head_dim, seg.dtype)
     n = seg.tokens
     if buf.nbytes != layout.nbytes(n):
         raise EngineError(f"KV segment {seg.handle}: {buf.nbytes} B, expected {layout.nbytes(n)}")

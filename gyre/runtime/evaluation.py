@@ -38,9 +38,9 @@ from gyre import fsafe
 from gyre.errors import ConfigError
 from gyre.models import check_model
 from gyre.rollout.protocol import ensure_engine_key
-from gyre.runtime.preflight import config_inputs
 from gyre.runtime.shared import policies
 from gyre.runtime.shared.config import DEFAULT_CONFIG, RunConfig, load_run_config
+from gyre.runtime.shared.run_directory import config_inputs
 from gyre.tasks.suite import heldout_seed
 
 if TYPE_CHECKING:
@@ -250,7 +250,7 @@ def heldout(cfg: RunConfig, tasks: list[str] | None) -> tuple[RunConfig, list[st
     training suite's tasks (`harness.tasks`), each on held-out seeds, which only a task with
     variables has: a task without is a single instance training runs, so it is refused
     rather than scored as held-out. `tasks` (`--tasks`) replaces the task list."""
-    from gyre.runtime.proxy_node.node import check_adapter, check_sandbox, load_tasks
+    from gyre.runtime.shared.harness import check_adapter, check_sandbox, load_tasks
 
     own = cfg.eval.suite is not None
     suite = cfg.eval.suite if own else cfg.harness.suite

@@ -23,13 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gyre.runtime.shared.config import RunConfig
-from gyre.runtime.shared.layout import (
-    COORDINATOR_RANK,
-    Component,
-    cell_members,
-    cell_of_rank,
-    engine_ranks,
-)
+from gyre.runtime.shared.layout import COORDINATOR_RANK, Component, Layout, cell_of_rank
 from gyre.runtime.shared.placement import RankDevice
 from gyre.runtime.shared.startup import StartupClock
 
@@ -78,9 +72,10 @@ class Wiring:
         self.link.send(self.clock.report(rank, label(me)), COORDINATOR_RANK)
 
 
-class Role(Protocol):
+class RankRole(Protocol):
     """A rank's component, built: what it shares with the snapshot transport (a cell's
-    parameters) and how it serves until the run ends."""
+    parameters) and how it serves until the run ends. (A cell's rollout or training role,
+    the paper's, is `gyre.vocabulary.Role`.)"""
 
     flat: Any
 
@@ -106,8 +101,8 @@ class CoordinatorRole:
         meta = {"config": (self.run_dir / "config.yaml").read_text(),
                 "world_size": len(components), "hosts": self.wiring.hosts,
                 "model": cfg.model, **provenance()}  # fmt: skip
-        coordinator = Coordinator(cfg, link, self.run_dir, engine_ranks(components), meta,
-                                  cell_members=cell_members(components), startup=clock)  # fmt: skip
+        coordinator = Coordinator(cfg, link, self.run_dir, Layout(cfg.topology).ranks, meta,
+                                  startup=clock)  # fmt: skip
         clock.mark("trace open")  # the trace, the trackers
         try:
             summary = coordinator.run()
@@ -186,35 +181,37 @@ class FollowerRole:
         return CellFollower(trainer).serve(link)
 
 
-def _role(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> Role:
+def _role(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> RankRole:
     """A cell rank: the leader hosts the engine, the others follow it."""
     if me.kind == "cell" and me.shard > 0:
         return FollowerRole(cfg, wiring, me, run_dir)
     return EngineRole(cfg, wiring, me, run_dir)
 
 
-ROLES: dict[str, Callable[[RunConfig, Wiring, Component, Path], Role]] = {
+ROLES: dict[str, Callable[[RunConfig, Wiring, Component, Path], RankRole]] = {
     "coordinator": CoordinatorRole, "proxy": ProxyRole, "cell": _role, "standalone": EngineRole,
 }  # fmt: skip
 """Each component kind's role, built from the run config and the rank's wiring."""
 
 
 def _build_replica(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> tuple[Any, int]:
-    """This cell rank's training replica (its shard of the cell) and the version it
-    resumed at. The core cell's optimizer runs on its leader (torch) or on every rank
-    (megatron: each rank steps its own shard)."""
+    """This cell rank's training replica (its shard of the cell, built by the training
+    backend) and the version it resumed at (the newest checkpoint's; 0 without one)."""
     import torch
 
-    from gyre.runtime.cell.replica import build_replica
+    from gyre.runtime.shared.checkpoint import latest
 
     torch.set_num_threads(1)
+    trainer = cfg.train_backend
     on_gpu = cfg.train.device.startswith("cuda")
-    owns_optimizer = me.index == 0 and (me.shard == 0 or cfg.train.backend == "megatron")
     wiring.clock.mark("role imports")  # torch, the training code
-    replica = build_replica(cfg, core=owns_optimizer, comms=wiring.comms, host=wiring.address,
-                            device=wiring.placed.device if on_gpu else "cpu")  # fmt: skip
+    replica = trainer.build(cfg.model, cfg.train, cfg.dims,
+                            core=me.index == 0 and trainer.owns_optimizer(me.shard),
+                            device=wiring.placed.device if on_gpu else "cpu",
+                            comms=wiring.comms, host=wiring.address)  # fmt: skip
     wiring.clock.mark("model build")
-    version = replica.restore(run_dir, me.shard)
+    found = latest(run_dir)
+    version = replica.restore(found[0]) if found is not None else 0
     wiring.clock.mark("restore")
     return replica, version
 
@@ -233,7 +230,7 @@ def place_rank(cfg: RunConfig, world: Any, components: list[Component]) -> RankD
     from gyre.runtime.shared.placement import RankDevice, node_ranks, plan_node
 
     me = components[world.Get_rank()]
-    if not (cfg.train.device.startswith("cuda") or cfg.engine.backend == "sglang"):
+    if not cfg.uses_gpus:
         return RankDevice(local_rank=0, component=me, device="cpu")
     import torch
 

@@ -4,17 +4,21 @@
     sched = Scheduler(cfg, make_policy(cfg, PolicyConfig(name="elastic")))
     actions = sched.handle(events.Start())
 
-See docs/scheduler.md for the equations and the event/action protocol.
+A driver (the coordinator, the simulator) hands it events through one `Feed`, which carries
+out each action by its type (`gyre.schedule.feed`). See docs/scheduler.md for the equations
+and the event/action protocol.
 """
 
 from gyre.schedule import events
 from gyre.schedule.config import Config, PolicyConfig
+from gyre.schedule.feed import Feed
 from gyre.schedule.machine import Phase, Scheduler
 from gyre.schedule.plan import Plan, expected_staleness, plan, plan_for
 from gyre.schedule.policy import Policy, asynchronous, colocate, elastic, make_policy
 
 __all__ = [
     "Config",
+    "Feed",
     "Phase",
     "Plan",
     "Policy",

@@ -28,6 +28,7 @@ from typing import Any
 from gyre.errors import SchedulerError
 from gyre.schedule import events as ev
 from gyre.schedule.devices import EngineModel, EnginePool
+from gyre.schedule.feed import Feed
 from gyre.schedule.machine import Scheduler
 from gyre.schedule.plan import expected_staleness
 from gyre.schedule.policy import make_policy
@@ -80,8 +81,10 @@ class Simulator:
         self.now = 0.0
         self.queue: list[tuple[float, int, int, int, int]] = []
         self.seq = 0  # tie-breaker: equal times keep their scheduling order
-        self.pending: deque[ev.Event] = deque()
-        self.feeding = False
+        # an event to the scheduler, its actions carried out (an event an action raises,
+        # AdmitGroup -> MicroStepsQueued, waits until the current one is done); bound
+        # `__call__`: the hot path skips the instance-call lookup (measured: 1-2 % of a run)
+        self.feed = Feed(self.scheduler, _ACTIONS, self).__call__
         # per execution (index = execution id)
         self.nominal: list[float] = []
         self.full_tokens: list[float] = []
@@ -118,7 +121,7 @@ class Simulator:
         for c in range(self.sched_config.cells):
             self.timeline.append((0.0, c, self.scheduler.roles[c].value))
         self.now = self.config.costs.startup_s
-        self._feed(ev.Start())
+        self.feed(ev.Start())
         queue, on_timer = self.queue, self._on_timer
         while len(self.step_end) < self.steps:
             if not queue:
@@ -135,23 +138,6 @@ class Simulator:
         self.seq += 1
         heapq.heappush(self.queue, (self.now + delay, self.seq, kind, a, b))
 
-    def _feed(self, event: ev.Event) -> None:
-        """Hand an event to the scheduler and carry out its actions; an event an action
-        raises (AdmitGroup -> MicroStepsQueued) waits until the current one is done."""
-        if self.feeding:
-            self.pending.append(event)
-            return
-        self.feeding = True
-        handle, actions, pending = self.scheduler.handle, _ACTIONS, self.pending
-        try:
-            for action in handle(event):
-                actions[type(action)](self, action)
-            while pending:
-                for action in handle(pending.popleft()):
-                    actions[type(action)](self, action)
-        finally:
-            self.feeding = False
-
     # ------------------------------------------------------------------ timers
 
     def _on_timer(self, kind: int, a: int, b: int) -> None:
@@ -162,7 +148,7 @@ class Simulator:
         elif kind == MICRO:
             self._micro_done(a, b)
         elif kind == EVALUATED:
-            self._feed(ev.Assessed(a, self.valid[a]))
+            self.feed(ev.Assessed(a, self.valid[a]))
         elif kind == TIMEOUT:
             if self.pool.engine_of(a) is not None:
                 self._terminate(a, Outcome.TIMED_OUT)
@@ -171,12 +157,12 @@ class Simulator:
             # burst ended while it switched is sent straight back (a second entry, to_rollout)
             arrived = Role.TRAIN if b else Role.ROLLOUT
             self.timeline.append((self.now, a, arrived.value))
-            self._feed(ev.SwitchDone(a, seconds=self._switch_s(b)))
+            self.feed(ev.SwitchDone(a, seconds=self._switch_s(b)))
         elif kind == UPDATE:
             self.step_end.append(self.now)
-            self._feed(ev.BatchDone(a))
+            self.feed(ev.BatchDone(a))
         elif kind == PUBLISH:
-            self._feed(ev.WeightsPublished(a))
+            self.feed(ev.WeightsPublished(a))
 
     def _engine_due(self, e: int) -> None:
         nxt = self.pool.next_completion(e)
@@ -212,7 +198,7 @@ class Simulator:
         scored = self.now + self.eval_s[x]
         self.valid[x] = scored <= deadline  # else excluded: settled when its budget ends
         self._at(min(scored, deadline) - self.now, EVALUATED, x)
-        self._feed(ev.Terminated(x, outcome))
+        self.feed(ev.Terminated(x, outcome))
 
     # ------------------------------------------------------------------ actions
 
@@ -275,7 +261,7 @@ class Simulator:
         tokens = [self.tokens[x] for x in a.members if self.valid[x]]
         steps = self._pack(a.batch, tokens)
         self.batch_tokens.setdefault(a.batch, deque()).extend(steps)
-        self._feed(ev.MicroStepsQueued(batch=a.batch, group=a.group, count=len(steps)))
+        self.feed(ev.MicroStepsQueued(batch=a.batch, group=a.group, count=len(steps)))
 
     def _pack(self, batch: int, tokens: list[float]) -> list[float]:
         """Micro-steps (their tokens) the packing buffer emits for one more group: one per
@@ -316,10 +302,10 @@ class Simulator:
         """A simulated micro-step's rows belong to its own executions, so its gradient is
         ready right after its own prepass."""
         tokens = self.prepassing.pop(cell, None)
-        self._feed(ev.MicroStepDone(cell=cell, batch=batch, seconds=self.running.pop(cell)))
+        self.feed(ev.MicroStepDone(cell=cell, batch=batch, seconds=self.running.pop(cell)))
         if tokens is not None:
             self.batch_gradients.setdefault(batch, deque()).append(tokens)
-            self._feed(ev.GradientsReady(batch=batch, count=1))
+            self.feed(ev.GradientsReady(batch=batch, count=1))
 
     def _update(self, a: ev.OptimizerUpdate) -> None:
         self.batch_tokens.pop(a.batch, None)

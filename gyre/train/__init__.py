@@ -10,6 +10,9 @@
 * `cell`      — a torch training cell: forwards, backwards, gradient buffers, the core's Adam.
 * `comm`      — communicators (world, per cell, prefix sets), gradient sum, parameter broadcast.
 * `transfer`  — weight snapshots core -> satellites over Mooncake (TCP) or MPI.
+* `backends`  — the training backends (torch, megatron) by `train.backend`: one record each,
+  one registry; each builds a cell rank's replica.
+* `core_file` — a checkpoint's core file: the core's weights and AdamW state (HF layout).
 * `world`     — one streaming batch driven across an MPI world (coordinator + cells).
 
 Pure modules (config, rewards, admission, packing, stream) import no torch; docs/training.md describes the

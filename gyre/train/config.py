@@ -88,10 +88,11 @@ class OptimConfig:
 class ParallelConfig:
     """How one cell's ranks share its training replica: tensor x pipeline x data = ranks.
 
-    Unset sizes are derived from `topology.ranks_per_cell` by `dims`: the torch backend is
-    data parallel inside a cell (every rank a whole replica, rows split); the Megatron
-    backend shards the model over the cell with tensor and pipeline parallelism (data
-    parallelism runs across cells, between the core and its satellites).
+    Unset sizes are derived from `topology.ranks_per_cell` by the training backend's `dims`
+    (`gyre.train.backends`): the torch backend is data parallel inside a cell (every rank a
+    whole replica, rows split); the Megatron backend shards the model over the cell with
+    tensor and pipeline parallelism (data parallelism runs across cells, between the core
+    and its satellites).
     """
 
     tensor: int | None = None
@@ -104,25 +105,6 @@ class ParallelConfig:
             raise ConfigError(f"tensor: {self.tensor}; allowed an integer >= 1 or null")
         if self.pipeline < 1:
             raise ConfigError(f"pipeline: {self.pipeline}; allowed an integer >= 1")
-
-    def dims(self, backend: str, ranks_per_cell: int) -> ParallelDims:
-        """The cell's parallel sizes for `backend` over `ranks_per_cell` ranks (validated)."""
-        if backend == "torch":
-            if (self.tensor or 1) != 1 or self.pipeline != 1:
-                raise ConfigError(
-                    f"parallel: tensor {self.tensor}, pipeline {self.pipeline} with backend "
-                    "torch; allowed: tensor 1 (or null) and pipeline 1 — the torch backend is "
-                    "data parallel inside a cell (train.backend megatron shards the model)"
-                )
-            return ParallelDims(tensor=1, pipeline=1, data=ranks_per_cell)
-        tensor = self.tensor if self.tensor is not None else ranks_per_cell // self.pipeline
-        if tensor * self.pipeline != ranks_per_cell:
-            raise ConfigError(
-                f"parallel: tensor {tensor} x pipeline {self.pipeline} != "
-                f"topology.ranks_per_cell {ranks_per_cell}; allowed: tensor x pipeline = "
-                "ranks_per_cell (the Megatron backend shards a cell's model over all its ranks)"
-            )
-        return ParallelDims(tensor=tensor, pipeline=self.pipeline, data=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,10 +149,11 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
     """Torch device of the cells (cpu, cuda, cuda:N)."""
     transport: Literal["mpi", "mooncake"] = "mpi"
     """How satellites pull the core's weight snapshot."""
-    backend: Literal["torch", "megatron"] = "torch"
-    """Training backend of the cells: torch (a whole replica per rank, the embedded default) or
-    megatron (megatron-core, the model sharded over a cell's ranks; extra `gyre[gpu]`, on CPU
-    through gyre.train.megatron.cpu)."""
+    backend: str = "torch"
+    """Training backend of the cells, a name in `gyre.train.backends.BACKENDS` (the run config
+    checks it): torch (a whole replica per rank, the embedded default) or megatron
+    (megatron-core, the model sharded over a cell's ranks; extra `gyre[gpu]`, on CPU through
+    gyre.train.megatron.cpu)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """How a cell's ranks share its replica (tensor / pipeline sizes; docs/gpu.md)."""
     keep_policies: int = 3

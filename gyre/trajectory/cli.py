@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from gyre import cliargs
@@ -60,12 +61,7 @@ def _show(args: argparse.Namespace) -> int:
         else:
             doc = _execution_doc(reader, args.execution)
             printer = _print_tree
-    if args.json:
-        json.dump(doc, sys.stdout, indent=1, allow_nan=False)
-        sys.stdout.write("\n")
-    else:
-        printer(doc)
-    return 0
+    return _emit(doc, printer, as_json=args.json)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -82,12 +78,16 @@ def _export(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     from gyre.trajectory.stats import print_stats, run_stats
 
-    stats = run_stats(args.source)
-    if args.json:
-        json.dump(stats, sys.stdout, indent=1, allow_nan=False)
+    return _emit(run_stats(args.source), print_stats, as_json=args.json)
+
+
+def _emit(doc: dict[str, Any], printer: Callable[[dict[str, Any]], None], *, as_json: bool) -> int:
+    """Print `doc` as one JSON document, or for people with `printer`."""
+    if as_json:
+        json.dump(doc, sys.stdout, indent=1, allow_nan=False)
         sys.stdout.write("\n")
     else:
-        print_stats(stats)
+        printer(doc)
     return 0
 
 

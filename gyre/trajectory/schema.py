@@ -266,6 +266,14 @@ def _lookup3(data: bytes, initval: int = 0) -> int:
     def rot(x: int, k: int) -> int:
         return ((x << k) | (x >> (32 - k))) & m
 
+    def mix(x: int, y: int, z: int, k: int) -> tuple[int, int]:
+        """One line of lookup3's `mix` macro: x -= z; x ^= rot(z, k); z += y."""
+        return ((x - z) & m) ^ rot(z, k), (z + y) & m
+
+    def final(x: int, y: int, k: int) -> int:
+        """One line of lookup3's `final` macro: x ^= y; x -= rot(y, k)."""
+        return ((x ^ y) - rot(y, k)) & m
+
     n = len(data)
     a = b = c = (0xDEADBEEF + n + initval) & m
     i = 0
@@ -273,18 +281,12 @@ def _lookup3(data: bytes, initval: int = 0) -> int:
         a = (a + int.from_bytes(data[i : i + 4], "little")) & m
         b = (b + int.from_bytes(data[i + 4 : i + 8], "little")) & m
         c = (c + int.from_bytes(data[i + 8 : i + 12], "little")) & m
-        a = ((a - c) & m) ^ rot(c, 4)
-        c = (c + b) & m
-        b = ((b - a) & m) ^ rot(a, 6)
-        a = (a + c) & m
-        c = ((c - b) & m) ^ rot(b, 8)
-        b = (b + a) & m
-        a = ((a - c) & m) ^ rot(c, 16)
-        c = (c + b) & m
-        b = ((b - a) & m) ^ rot(a, 19)
-        a = (a + c) & m
-        c = ((c - b) & m) ^ rot(b, 4)
-        b = (b + a) & m
+        a, c = mix(a, b, c, 4)
+        b, a = mix(b, c, a, 6)
+        c, b = mix(c, a, b, 8)
+        a, c = mix(a, b, c, 16)
+        b, a = mix(b, c, a, 19)
+        c, b = mix(c, a, b, 4)
         i, n = i + 12, n - 12
     if n == 0:
         return c
@@ -292,11 +294,11 @@ def _lookup3(data: bytes, initval: int = 0) -> int:
     a = (a + int.from_bytes(tail[0:4], "little")) & m
     b = (b + int.from_bytes(tail[4:8], "little")) & m
     c = (c + int.from_bytes(tail[8:12], "little")) & m
-    c = ((c ^ b) - rot(b, 14)) & m
-    a = ((a ^ c) - rot(c, 11)) & m
-    b = ((b ^ a) - rot(a, 25)) & m
-    c = ((c ^ b) - rot(b, 16)) & m
-    a = ((a ^ c) - rot(c, 4)) & m
-    b = ((b ^ a) - rot(a, 14)) & m
-    c = ((c ^ b) - rot(b, 24)) & m
+    c = final(c, b, 14)
+    a = final(a, c, 11)
+    b = final(b, a, 25)
+    c = final(c, b, 16)
+    a = final(a, c, 4)
+    b = final(b, a, 14)
+    c = final(c, b, 24)
     return c

@@ -28,7 +28,7 @@ def main(rank: int, world: int, port: int, out: str, pipeline: int = 1) -> None:
     from gyre.train.megatron import cpu
     from gyre.train.megatron.config import MegatronConfig
     from gyre.train.megatron.model import MegatronCell, build_gpt_model, init_model_parallel
-    from gyre.train.megatron.weights import Layout, stage_to_mcore
+    from gyre.train.megatron.weights import WeightLayout, stage_to_mcore
     from gyre.train.objective import ObjectiveConfig
 
     tp = world // pipeline
@@ -37,7 +37,7 @@ def main(rank: int, world: int, port: int, out: str, pipeline: int = 1) -> None:
     hf, _ = load_model("tiny")
     hfc = hf.config.to_dict()
     model = build_gpt_model(hfc, mcfg, device="cpu")
-    shard = stage_to_mcore(dict(hf.state_dict()), Layout.from_hf_config(hfc), tp_rank=rank % tp,
+    shard = stage_to_mcore(dict(hf.state_dict()), WeightLayout.from_hf_config(hfc), tp_rank=rank % tp,
                            tp_size=tp, stage=rank // tp, stages=pipeline)  # fmt: skip
     missing, _ = model.load_state_dict(shard, strict=False)
     assert not [k for k in missing if not k.endswith("_extra_state")], missing

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from gyre.errors import TrainingError
 from gyre.train.megatron.weights import (
-    Layout,
+    WeightLayout,
     fuse_qkv,
     hf_to_mcore,
     mcore_to_hf,
@@ -48,7 +48,9 @@ def _reference_fuse(q, k, v, heads, groups, hd):
 )
 def test_fuse_qkv_matches_reference_and_inverts(groups, per, hd, bias):
     heads, hidden = groups * per, 8
-    lay = Layout(num_layers=1, heads=heads, groups=groups, head_dim=hd, qkv_bias=bias, tied=True)
+    lay = WeightLayout(
+        num_layers=1, heads=heads, groups=groups, head_dim=hd, qkv_bias=bias, tied=True
+    )
     shape = () if bias else (hidden,)
     q = torch.randn(heads * hd, *shape)
     k, v = torch.randn(groups * hd, *shape), torch.randn(groups * hd, *shape)
@@ -58,7 +60,7 @@ def test_fuse_qkv_matches_reference_and_inverts(groups, per, hd, bias):
         assert torch.equal(a, b)
 
 
-def _hf_state(lay: Layout, hidden=8, ffn=12, vocab=16):
+def _hf_state(lay: WeightLayout, hidden=8, ffn=12, vocab=16):
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     sd = {"model.embed_tokens.weight": r(vocab, hidden), "model.norm.weight": r(hidden)}
@@ -83,7 +85,7 @@ def _hf_state(lay: Layout, hidden=8, ffn=12, vocab=16):
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("fused_norms", [False, True])
 def test_round_trip_over_tp_shards_is_exact(tp, tied, fused_norms):
-    lay = Layout(num_layers=2, heads=8, groups=4, head_dim=2, qkv_bias=True, tied=tied,
+    lay = WeightLayout(num_layers=2, heads=8, groups=4, head_dim=2, qkv_bias=True, tied=tied,
                  fused_norms=fused_norms)  # fmt: skip
     hf = _hf_state(lay)
     shards = [hf_to_mcore(hf, lay, tp_rank=r, tp_size=tp) for r in range(tp)]
@@ -96,7 +98,7 @@ def test_round_trip_over_tp_shards_is_exact(tp, tied, fused_norms):
 
 
 def test_pipeline_stages_cover_the_model_once():
-    lay = Layout(num_layers=4, heads=2, groups=1, head_dim=4, qkv_bias=False, tied=False)
+    lay = WeightLayout(num_layers=4, heads=2, groups=1, head_dim=4, qkv_bias=False, tied=False)
     hf = _hf_state(lay)
     first = hf_to_mcore(hf, lay, layers=[0, 1], last_stage=False)
     last = hf_to_mcore(hf, lay, layers=[2, 3], first_stage=False)
@@ -111,7 +113,7 @@ def test_pipeline_stages_cover_the_model_once():
 def test_a_tp_by_pp_cell_round_trips_exactly(tp, pp, tied):
     """A cell's ranks in Gyre's order (rank s: TP rank s % TP of stage s // TP) gather back
     to the HF tensors; a tied embedding's last-stage copy is the embedding itself."""
-    lay = Layout(num_layers=4, heads=8, groups=4, head_dim=2, qkv_bias=True, tied=tied)
+    lay = WeightLayout(num_layers=4, heads=8, groups=4, head_dim=2, qkv_bias=True, tied=tied)
     hf = _hf_state(lay)
     ranks = [stage_to_mcore(hf, lay, tp_rank=s % tp, tp_size=tp, stage=s // tp, stages=pp)
              for s in range(tp * pp)]  # fmt: skip
@@ -127,7 +129,7 @@ def test_a_tp_by_pp_cell_round_trips_exactly(tp, pp, tied):
 
 
 def test_bad_input_is_named():
-    lay = Layout(num_layers=1, heads=4, groups=2, head_dim=2, qkv_bias=False, tied=True)
+    lay = WeightLayout(num_layers=1, heads=4, groups=2, head_dim=2, qkv_bias=False, tied=True)
     hf = _hf_state(lay)
     with pytest.raises(TrainingError, match="not divisible by TP 4"):
         hf_to_mcore(hf, lay, tp_rank=0, tp_size=4)
@@ -146,7 +148,7 @@ def test_gpt_model_from_tiny_config_matches_hf_layers(megatron_world):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = build_gpt_model(hfc, MegatronConfig(dtype="float32"), device="cpu")
-    lay = Layout.from_hf_config(hfc)
+    lay = WeightLayout.from_hf_config(hfc)
     mc = hf_to_mcore(hf_model.state_dict(), lay)
     assert {k: tuple(v.shape) for k, v in mc.items()} == {
         k: tuple(v.shape) for k, v in tensor_state(model).items()

@@ -21,7 +21,7 @@ from gyre.harness import Adapter, HarnessRunner
 from gyre.harness import sandbox as sb
 from gyre.harness.adapters import REPO_ROOT
 from gyre.harness.workspace import prepare
-from gyre.runtime.proxy_node.node import check_sandbox
+from gyre.runtime.shared.harness import check_sandbox
 from gyre.tasks.suite import SHIPPED, load_suite
 
 

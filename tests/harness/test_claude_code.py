@@ -10,9 +10,7 @@ the right execution and nobody else's (max_tokens continuations extend the recor
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -35,17 +33,6 @@ pytestmark = pytest.mark.skipif(
 MODEL = "claude-gyre-tiny"
 
 
-def admin(p, path: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        p.url + path,
-        data=json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {p.admin_token}", "Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.load(r)
-
-
 def test_claude_code_calls_are_recorded_for_its_execution(tmp_path, suite):
     task = suite["reverse_words"]
     config = Config(model_names=[MODEL], max_tokens_cap=64, default_max_tokens=64)
@@ -53,8 +40,8 @@ def test_claude_code_calls_are_recorded_for_its_execution(tmp_path, suite):
         running_engine("tiny") as url,
         running_proxy({"e0": url}, tokenizer=tiny_tokenizer(), config=config) as p,
     ):
-        key = admin(p, "/admin/executions", {"execution_id": "cc-1", "role": "main"})["key"]
-        admin(p, "/admin/executions", {"execution_id": "cc-other"})
+        key = p.admin("/admin/executions", {"execution_id": "cc-1", "role": "main"})["key"]
+        p.admin("/admin/executions", {"execution_id": "cc-other"})
         runner = HarnessRunner(
             HarnessRunner.Config(
                 workspace_root=str(tmp_path / "ws"), harness_timeout_s=180, overall_timeout_s=240

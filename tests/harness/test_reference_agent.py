@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import pytest
 from gyre.harness import ExecutionSpec, HarnessRunner, Launched, get_adapter
 from gyre.models import tiny_tokenizer
 from gyre.proxy.config import Config
-from gyre.proxy.testing import RunningProxy, running_proxy
+from gyre.proxy.testing import running_proxy
 from gyre.rollout.testing import running_engine
 from gyre.tasks import Evaluator, Validity, snapshot_id
 from gyre.trajectory.tree import Provenance
@@ -38,17 +37,6 @@ FORCE_BRANCHES = {
 }
 
 
-def admin(p: RunningProxy, path: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        p.url + path,
-        data=json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {p.admin_token}", "Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.load(r)
-
-
 @pytest.fixture(scope="module")
 def proxy():
     config = Config(model_names=[MODEL])
@@ -60,7 +48,7 @@ def proxy():
 
 
 def run_agent(p, tmp_path, execution_id, params, *, task, feedback=None, sandbox="none"):
-    key = admin(p, "/admin/executions", {"execution_id": execution_id, "role": "main"})["key"]
+    key = p.admin("/admin/executions", {"execution_id": execution_id, "role": "main"})["key"]
     events: list = []
     runner: HarnessRunner
 
@@ -104,7 +92,7 @@ def test_reference_agent_builds_a_multi_branch_tree_and_is_scored(proxy, tmp_pat
             assert n.parent_id == 0  # after compaction: a fresh history, a new trajectory
     sub_roots = [n for n in tree.nodes if n.role == "subagent" and n.parent_id == 0]
     assert sub_roots  # the sub-agent's fresh context starts its own branch
-    admin(proxy, "/admin/executions/ref-branches/close", {"status": "completed"})
+    proxy.admin("/admin/executions/ref-branches/close", {"status": "completed"})
 
     verdict = asyncio.run(Evaluator().assess(term, task))
     assert verdict.status is VerdictStatus.SCORED and verdict.assessment.validity is Validity.VALID
@@ -131,7 +119,7 @@ def test_evaluator_feedback_is_recorded_with_evaluator_provenance(proxy, tmp_pat
 
 
 def test_calls_land_in_the_callers_execution_only(proxy, tmp_path, suite):
-    admin(proxy, "/admin/executions", {"execution_id": "bystander"})
+    proxy.admin("/admin/executions", {"execution_id": "bystander"})
     params = {**FORCE_BRANCHES, "max_turns": "1", "delegate": "off"}
     # inside bubblewrap where installed: the sandbox still reaches the proxy on 127.0.0.1
     term, _ = run_agent(proxy, tmp_path, "ref-own", params, task=suite["add"], sandbox="auto")
@@ -161,7 +149,7 @@ def test_turns_cut_off_by_max_tokens_still_wait_the_tool_latency(proxy, tmp_path
     from gyre.harness.tools import Workspace
     from gyre.tasks.suite import ToolLatency
 
-    key = admin(proxy, "/admin/executions", {"execution_id": "cutoff", "role": "main"})["key"]
+    key = proxy.admin("/admin/executions", {"execution_id": "cutoff", "role": "main"})["key"]
     slept: list[float] = []
     ws = Workspace(tmp_path, latency=ToolLatency(dist="fixed", seconds=0.5), sleep=slept.append)
     cfg = AgentConfig(model=MODEL, instruction="Implement add(a, b) in calc.py.", max_turns=3,
@@ -170,7 +158,7 @@ def test_turns_cut_off_by_max_tokens_still_wait_the_tool_latency(proxy, tmp_path
     report = ReferenceAgent(cfg, client, ws).run()
     assert report.turns == 3 and report.stop == "turn limit"
     assert slept == [0.5, 0.5, 0.5]  # three cut-off turns, one environment step each
-    admin(proxy, "/admin/executions/cutoff/close", {"status": "completed"})
+    proxy.admin("/admin/executions/cutoff/close", {"status": "completed"})
 
 
 def test_a_forced_delegation_cut_off_by_max_tokens_still_delegates(proxy, tmp_path):
@@ -179,7 +167,7 @@ def test_a_forced_delegation_cut_off_by_max_tokens_still_delegates(proxy, tmp_pa
     from gyre.harness.reference_agent import AgentConfig, ChatClient, ReferenceAgent
     from gyre.harness.tools import Workspace
 
-    key = admin(proxy, "/admin/executions", {"execution_id": "cut-force", "role": "main"})["key"]
+    key = proxy.admin("/admin/executions", {"execution_id": "cut-force", "role": "main"})["key"]
     cfg = AgentConfig(model=MODEL, instruction="Implement add(a, b) in calc.py.", max_turns=1,
                       max_tokens=3, tool_choice="required", delegate="force",
                       subagent_turns=1)  # fmt: skip
@@ -188,7 +176,7 @@ def test_a_forced_delegation_cut_off_by_max_tokens_still_delegates(proxy, tmp_pa
     assert report.delegations == 1
     roles = [n.role for n in proxy.call(proxy.app.tree, "cut-force").nodes]
     assert roles == ["main", "subagent"]
-    admin(proxy, "/admin/executions/cut-force/close", {"status": "completed"})
+    proxy.admin("/admin/executions/cut-force/close", {"status": "completed"})
 
 
 def test_chat_client_retries_what_the_sdk_retries_and_names_what_it_refuses():

@@ -7,8 +7,6 @@ that reads the instruction: the tree must branch the same way and the workspace 
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,17 +22,6 @@ pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 MODEL = "smollm2"
 
 
-def admin(p, path: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        p.url + path,
-        data=json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {p.admin_token}", "Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.load(r)
-
-
 def test_smollm2_reference_agent_branches_and_is_scored(tmp_path, suite, smollm2_url):
     task = suite["add"]
     params = {
@@ -43,7 +30,7 @@ def test_smollm2_reference_agent_branches_and_is_scored(tmp_path, suite, smollm2
     }  # fmt: skip
     tok = load_tokenizer("smollm2-135m")
     with running_proxy({"e0": smollm2_url}, tokenizer=tok, config=Config(model_names=[MODEL])) as p:
-        key = admin(p, "/admin/executions", {"execution_id": "smol", "role": "main"})["key"]
+        key = p.admin("/admin/executions", {"execution_id": "smol", "role": "main"})["key"]
         runner = HarnessRunner(
             HarnessRunner.Config(
                 workspace_root=str(tmp_path / "ws"),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gyre.errors import ConfigError, HarnessError
-from gyre.harness import Adapter, HarnessRunner, Launched, Terminated
+from gyre.harness import Adapter, ExecutionSpec, HarnessRunner, Launched, Terminated
 from gyre.tasks import Evaluator, ToolLatency, Validity
 from gyre.vocabulary import Outcome, VerdictStatus
 
@@ -82,15 +82,20 @@ def test_failing_harness_reports_status_and_stderr(make_runner, spec_for):
     assert term.assessable  # it ran: whatever it left is scored
 
 
+async def started(runner: HarnessRunner, spec: ExecutionSpec, marker: str) -> asyncio.Task:
+    """The task running `spec`, once its harness has written `marker` in its workspace."""
+    task = asyncio.create_task(runner.run(spec))
+    while not runner.events or not Path(runner.events[0].workspace, marker).exists():
+        await asyncio.sleep(0.02)
+    return task
+
+
 def test_cancel_kills_the_group(make_runner, spec_for):
     runner = make_runner()
 
     async def scenario():
-        task = asyncio.create_task(
-            runner.run(spec_for("sleep 300 & echo $! > bg.tmp; mv bg.tmp bg.txt; wait"))
-        )
-        while not runner.events or not Path(runner.events[0].workspace, "bg.txt").exists():
-            await asyncio.sleep(0.02)
+        spec = spec_for("sleep 300 & echo $! > bg.tmp; mv bg.tmp bg.txt; wait")
+        task = await started(runner, spec, "bg.txt")
         assert runner.running == ["e0"]
         assert runner.cancel("e0", "group already complete")
         assert not runner.cancel("other")
@@ -105,11 +110,8 @@ def test_cancelling_the_run_task_still_reports_and_kills(make_runner, spec_for):
     runner = make_runner()
 
     async def scenario():
-        task = asyncio.create_task(
-            runner.run(spec_for("echo $$ > me.tmp; mv me.tmp me.txt; sleep 300"))
-        )
-        while not runner.events or not Path(runner.events[0].workspace, "me.txt").exists():
-            await asyncio.sleep(0.02)
+        spec = spec_for("echo $$ > me.tmp; mv me.tmp me.txt; sleep 300")
+        task = await started(runner, spec, "me.txt")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -15,38 +15,43 @@ from typing import Any
 import numpy as np
 import pytest
 
+from gyre.config import load
 from gyre.models import tiny_tokenizer
 from gyre.proxy.config import Config
 from gyre.proxy.testing import RunningProxy, running_proxy
 from gyre.rollout.testing import running_engine
+from gyre.runtime.shared.config import RunConfig
 from gyre.trajectory.tree import TrajectoryTree, node_to_dict
 
 MODEL = "gyre-tiny"
-LS_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "ls",
-        "description": "List the files in a directory.",
-        "parameters": {
-            "type": "object",
-            "properties": {"path": {"type": "string"}, "all": {"type": "boolean"}},
-            "required": ["path", "all"],
+
+
+def function_tool(name: str, description: str, **types: str) -> dict[str, Any]:
+    """An OpenAI function tool whose parameters are all required, of the JSON `types` given."""
+    properties = {key: {"type": kind} for key, kind in types.items()}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(types)},
         },
-    },
-}
-READ_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "read",
-        "description": "Read a file.",
-        "parameters": {
-            "type": "object",
-            "properties": {"file": {"type": "string"}, "limit": {"type": "integer"}},
-            "required": ["file", "limit"],
-        },
-    },
-}
+    }
+
+
+LS_TOOL = function_tool("ls", "List the files in a directory.", path="string", all="boolean")
+READ_TOOL = function_tool("read", "Read a file.", file="string", limit="integer")
 TOOLS = [LS_TOOL, READ_TOOL]
+
+
+def harness_run_config(adapter: str, max_context_tokens: int) -> RunConfig:
+    """A run's config for the harness `adapter`, serving MODEL with this context limit."""
+    return load(
+        RunConfig,
+        {"model_name": MODEL, "harness": {"adapter": adapter},
+         "proxy": {"model_names": [MODEL], "max_context_tokens": max_context_tokens}},
+        path="run",
+    )  # fmt: skip
 
 
 def anthropic_tools() -> list[dict[str, Any]]:

@@ -23,14 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MODEL, assert_paths_match, assert_paths_match_engine
+from conftest import MODEL, assert_paths_match, assert_paths_match_engine, harness_run_config
 
-from gyre.config import load
 from gyre.harness import get_adapter
 from gyre.proxy.config import Config
 from gyre.proxy.testing import RunningProxy, ScriptedEngine, running_proxy
 from gyre.runtime.proxy_node.node import proxy_config
-from gyre.runtime.shared.config import RunConfig
 from gyre.train.admission import AdmissionTree, admit, derive_seed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,12 +109,7 @@ def _claude(p: RunningProxy, key: str, home: Path, prompt: str, *extra: str) -> 
 def test_claude_code_subagent_and_compaction_are_labelled_and_admitted_by_role(
     tokenizer: Any, tmp_path: Path
 ) -> None:
-    run_cfg = load(
-        RunConfig,
-        {"model_name": MODEL, "harness": {"adapter": "claude_code"},
-         "proxy": {"model_names": [MODEL], "max_context_tokens": 1_000_000}},
-        path="run",
-    )  # fmt: skip
+    run_cfg = harness_run_config("claude_code", 1_000_000)
     config = proxy_config(run_cfg)  # what the proxy node serves: the adapter's rules included
     script = [DELEGATE, "The sub-agent found 0 files.", "There are 0 files.", SUMMARY, "0."]
     engine = ScriptedEngine(tokenizer, script)

@@ -18,14 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MODEL, assert_paths_match, assert_paths_match_engine
+from conftest import MODEL, assert_paths_match, assert_paths_match_engine, harness_run_config
 
-from gyre.config import load
 from gyre.harness.codex import config_toml, find_codex
 from gyre.proxy.config import Config
 from gyre.proxy.testing import RunningProxy, ScriptedEngine, running_proxy
 from gyre.runtime.proxy_node.node import proxy_config
-from gyre.runtime.shared.config import RunConfig
 
 CODEX = find_codex()
 pytestmark = pytest.mark.skipif(
@@ -81,12 +79,7 @@ def test_codex_against_the_real_engine_records_its_call(
 
 
 def test_codex_subagent_and_compaction_are_labelled(tokenizer: Any, tmp_path: Path) -> None:
-    run_cfg = load(
-        RunConfig,
-        {"model_name": MODEL, "harness": {"adapter": "codex"},
-         "proxy": {"model_names": [MODEL], "max_context_tokens": 65536}},
-        path="run",
-    )  # fmt: skip
+    run_cfg = harness_run_config("codex", 65536)
     spawn = (
         '<tool_call>\n{"name": "multi_agent_v1.spawn_agent", "arguments": '
         '{"message": "Count the files here."}}\n</tool_call>'

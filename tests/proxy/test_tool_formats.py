@@ -32,13 +32,34 @@ HEADER = """{%- if tools -%}<|im_start|>system
 {% elif messages[0].role == 'system' %}<|im_start|>system
 {{ messages[0].content }}<|im_end|>
 {% endif -%}"""
-QWEN3_CODER = (
-    HEADER
-    + """{%- for m in messages -%}
+
+
+def _chatml(calls: str, tool_turn: str) -> str:
+    """A ChatML chat template (HEADER first) writing an assistant turn's calls with `calls`
+    (the body of a loop over them, closed) and a tool result as the turn `tool_turn`."""
+    return (
+        HEADER
+        + """{%- for m in messages -%}
 {%- if m.role == 'system' and loop.first -%}
 {%- elif m.role == 'assistant' -%}<|im_start|>assistant
 {{ m.content }}
-{%- for c in m.tool_calls or [] %}
+{%- for c in m.tool_calls or [] %}"""
+        + calls
+        + """<|im_end|>
+{% elif m.role == 'tool' -%}<|im_start|>"""
+        + tool_turn
+        + """<|im_end|>
+{% else -%}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}"""
+    )
+
+
+QWEN3_CODER = _chatml(
+    """
 <tool_call>
 <function={{ c.function.name }}>
 {% for k, v in c.function.arguments.items() %}<parameter={{ k }}>
@@ -46,33 +67,12 @@ QWEN3_CODER = (
 </parameter>
 {% endfor %}</function>
 </tool_call>
-{%- endfor %}<|im_end|>
-{% elif m.role == 'tool' -%}<|im_start|>user
-<tool_response>
-{{ m.content }}
-</tool_response><|im_end|>
-{% else -%}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}"""
+{%- endfor %}""",
+    "user\n<tool_response>\n{{ m.content }}\n</tool_response>",
 )
-LLAMA3_JSON = (
-    HEADER
-    + """{%- for m in messages -%}
-{%- if m.role == 'system' and loop.first -%}
-{%- elif m.role == 'assistant' -%}<|im_start|>assistant
-{{ m.content }}
-{%- for c in m.tool_calls or [] %}{{ '; ' if not loop.first }}{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}{% endfor %}<|im_end|>
-{% elif m.role == 'tool' -%}<|im_start|>ipython
-{{ m.content }}<|im_end|>
-{% else -%}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}"""
+LLAMA3_JSON = _chatml(
+    """{{ '; ' if not loop.first }}{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}{% endfor %}""",
+    "ipython\n{{ m.content }}",
 )
 ARGS = {"path": "src/é", "all": True}
 REPLIES = {
@@ -129,21 +129,30 @@ def test_format_round_trip_continues_the_recorded_node(fmt: str) -> None:
         assert assert_paths_match(p, f"fmt-{fmt}", engine.requests) == 2
 
 
+def _forced_call(
+    engine: Any, tok: Any, config: Config, execution_id: str, content: str, **extra: Any
+) -> Any:
+    """The reply to one user message `content` with TOOLS and tool_choice "required", sent
+    through a proxy over `engine`."""
+    with running_proxy({"e0": engine}, tokenizer=tok, config=config) as p:
+        key = p.call(p.app.register_execution, execution_id, "main")
+        client = openai.OpenAI(base_url=p.url + "/v1", api_key=key, max_retries=0)
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": content}],
+            tools=TOOLS,
+            tool_choice="required",
+            **extra,
+        )
+
+
 @pytest.mark.parametrize("fmt", list(REPLIES))
 def test_forced_call_in_each_format_from_the_real_engine(fmt: str, engine_url: str) -> None:
     tok = _tokenizer(fmt)
     config = Config(model_names=[MODEL], max_tokens_cap=200)
-    with running_proxy({"e0": engine_url}, tokenizer=tok, config=config) as p:
-        key = p.call(p.app.register_execution, f"forced-{fmt}", "main")
-        client = openai.OpenAI(base_url=p.url + "/v1", api_key=key, max_retries=0)
-        reply = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "read it"}],
-            tools=TOOLS,
-            tool_choice="required",
-            max_tokens=200,
-            seed=3,
-        )
+    reply = _forced_call(
+        engine_url, tok, config, f"forced-{fmt}", "read it", max_tokens=200, seed=3
+    )
     (call,) = reply.choices[0].message.tool_calls or []
     args = json.loads(call.function.arguments)
     schema = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
@@ -176,15 +185,7 @@ def test_a_forced_call_holding_its_close_marker_reaches_the_client_whole() -> No
     args = {"path": "x</tool_call>y", "all": False}
     reply = f"<tool_call>\n{json.dumps({'name': 'ls', 'arguments': args})}\n</tool_call>"
     engine = ScriptedEngine(tok, [reply])
-    with running_proxy({"e0": engine}, tokenizer=tok, config=Config(model_names=[MODEL])) as p:
-        key = p.call(p.app.register_execution, "forced-marker", "main")
-        client = openai.OpenAI(base_url=p.url + "/v1", api_key=key, max_retries=0)
-        out = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "ls"}],
-            tools=TOOLS,
-            tool_choice="required",
-        )
+    out = _forced_call(engine, tok, Config(model_names=[MODEL]), "forced-marker", "ls")
     assert out.choices[0].finish_reason == "tool_calls"
     (call,) = out.choices[0].message.tool_calls or []
     assert json.loads(call.function.arguments) == args

@@ -7,7 +7,8 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import pytest
 
@@ -17,6 +18,7 @@ from gyre.rollout.protocol import SamplingParams
 
 from .conftest import run
 
+T = TypeVar("T")
 LONG = SamplingParams(max_new_tokens=5000, temperature=1.0, ignore_eos=True)
 
 
@@ -58,44 +60,42 @@ def test_abort_all_ends_every_call(engine_url: str, prompt: list[int]) -> None:
     assert [r.finish_type for r in run(scenario())] == ["abort"] * 3
 
 
-def test_pause_holds_inflight_calls_until_continue(engine_url: str, prompt: list[int]) -> None:
+async def _paused_during_a_call(
+    engine_url: str,
+    prompt: list[int],
+    mode: str,
+    observe: Callable[[EngineClient, asyncio.Future[Any]], Awaitable[T]],
+) -> tuple[Any, Any, T]:
+    """A greedy call run alone, then the same call paused in `mode` while it decodes: both
+    results, and what `observe(client, the paused call)` saw while the engine was paused."""
     sp = SamplingParams(max_new_tokens=2000, temperature=0.0, ignore_eos=True)
+    client = EngineClient(engine_url)
+    solo = await client.generate(prompt, sp, f"solo-{mode}")
+    task = asyncio.ensure_future(client.generate(prompt, sp, f"paused-{mode}"))
+    await _wait_running(client, 1)
+    await client.pause(mode)
+    try:
+        seen = await observe(client, task)
+    finally:
+        await client.resume()  # never leave the shared engine paused
+    return solo, await task, seen
 
-    async def scenario() -> tuple[Any, Any, bool]:
-        client = EngineClient(engine_url)
-        solo = await client.generate(prompt, sp, "solo-pause")
-        task = asyncio.ensure_future(client.generate(prompt, sp, "paused"))
-        await _wait_running(client, 1)
-        await client.pause("in_place")
-        try:
-            await asyncio.sleep(0.5)
-            held = not task.done() and (await client.stats())["running"] == 1
-        finally:
-            await client.resume()  # never leave the shared engine paused
-        return solo, await task, held
 
-    solo, paused, held = run(scenario())
-    assert held
+def test_pause_holds_inflight_calls_until_continue(engine_url: str, prompt: list[int]) -> None:
+    async def held(client: EngineClient, call: asyncio.Future[Any]) -> bool:
+        await asyncio.sleep(0.5)
+        return not call.done() and (await client.stats())["running"] == 1
+
+    solo, paused, was_held = run(_paused_during_a_call(engine_url, prompt, "in_place", held))
+    assert was_held
     assert paused.output_ids == solo.output_ids  # in-place pause changes nothing
 
 
 def test_retract_pause_requeues_and_completes(engine_url: str, prompt: list[int]) -> None:
-    sp = SamplingParams(max_new_tokens=2000, temperature=0.0, ignore_eos=True)
-
-    async def scenario() -> tuple[Any, Any]:
-        client = EngineClient(engine_url)
-        solo = await client.generate(prompt, sp, "solo-retract")
-        task = asyncio.ensure_future(client.generate(prompt, sp, "retracted"))
-        await _wait_running(client, 1)
-        await client.pause("retract")
-        try:
-            stats = await client.stats()
-        finally:
-            await client.resume()  # never leave the shared engine paused
-        assert (stats["running"], stats["pending"]) == (0, 1)
-        return solo, await task
-
-    solo, retracted = run(scenario())
+    solo, retracted, stats = run(
+        _paused_during_a_call(engine_url, prompt, "retract", lambda client, _: client.stats())
+    )
+    assert (stats["running"], stats["pending"]) == (0, 1)
     assert retracted.output_ids == solo.output_ids
     assert retracted.output_logprobs == pytest.approx(solo.output_logprobs, abs=1e-4)
 

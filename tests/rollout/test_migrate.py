@@ -220,7 +220,7 @@ def test_pack_round_trips_and_select_keeps_the_longest(tiny: Any) -> None:
         ("a-", "a-3"),
         ("b-", "b-1"),
     ]
-    assert kvstore.Layout.of_model(tiny[0]).nbytes(6) == buf.nbytes
+    assert kvstore.KVLayout.of_model(tiny[0]).nbytes(6) == buf.nbytes
     with pytest.raises(ProtocolError, match="ttl_s"):
         parse_kv_pin({"rids": ["a"], "ttl_s": 0})
 

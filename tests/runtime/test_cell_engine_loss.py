@@ -20,7 +20,6 @@ from gyre.rollout.client import EngineClient, blocking
 from gyre.rollout.protocol import SamplingParams
 from gyre.runtime.cell.engine_host import EngineHost
 from gyre.runtime.cell.leader import CellProcess
-from gyre.runtime.cell.replica import build_replica
 from gyre.runtime.shared import messages as msg
 from gyre.runtime.shared import policies
 from gyre.runtime.shared.config import load_run_config
@@ -32,8 +31,10 @@ from .conftest import small_config, write_config
 
 def _cell(tmp_path: Path, index: int, engine: EngineHost, core: bool) -> CellProcess:
     cfg = load_run_config(write_config(tmp_path, small_config(tmp_path)))
+    replica = cfg.train_backend.build(cfg.model, cfg.train, cfg.dims, core=core,
+                                      device=cfg.train.device)  # fmt: skip
     cell = CellProcess(cfg, engine_index=index, comms=Communicators.alone(index), run_dir=tmp_path,
-                       engine=engine, replica=build_replica(cfg, core=core))  # fmt: skip
+                       engine=engine, replica=replica)  # fmt: skip
     cell.sent = []  # type: ignore[attr-defined]
     cell._up = cell.sent.append  # type: ignore[attr-defined,method-assign]
     return cell

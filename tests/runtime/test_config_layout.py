@@ -21,13 +21,14 @@ from processes import gone, scan, wait_for
 from gyre.errors import ConfigError
 from gyre.harness import get_adapter
 from gyre.runtime.main import keep_config
-from gyre.runtime.proxy_node.node import check_harness, proxy_config
+from gyre.runtime.proxy_node.node import proxy_config
 from gyre.runtime.shared.config import (
     RunSchedule,
     TopologyConfig,
     dump_run_config,
     load_run_config,
 )
+from gyre.runtime.shared.harness import check_adapter
 from gyre.runtime.shared.layout import cell_members, cell_of_rank, cell_ranks, engine_ranks, layout
 from gyre.schedule.config import Config as SchedulerConfig
 from gyre.schedule.config import ScheduleConfig
@@ -216,7 +217,7 @@ def test_missing_harness_binary_fails_before_anything_starts(tmp_path: Path) -> 
     cfg["harness"]["adapter"] = "ghost"
     path = write_config(tmp_path, cfg)
     with pytest.raises(ConfigError, match=r"gyre-no-such-harness.*not on PATH"):
-        check_harness(load_run_config(path))
+        check_adapter(load_run_config(path), program=True)
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "gyre", "run", str(path)],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -393,8 +394,10 @@ def test_render_names_both_backends_and_the_cell_layout() -> None:
 
 
 def test_every_training_backend_the_config_allows_has_a_builder() -> None:
-    from gyre.runtime.cell.replica import BACKENDS
-    from gyre.train.config import TrainConfig
+    from gyre.train.backends import BACKENDS
 
-    allowed = typing.get_args(typing.get_type_hints(TrainConfig)["backend"])
-    assert set(allowed) == set(BACKENDS)
+    for name in BACKENDS:  # each registered backend is a name the run config accepts
+        assert load_run_config(LOCAL, [f"train.backend={name}"]).train_backend is BACKENDS[name]
+    with pytest.raises(ConfigError) as e:  # and the config allows no other
+        load_run_config(LOCAL, ["train.backend=jax"])
+    assert str(e.value).endswith("choose one of " + ", ".join(repr(n) for n in BACKENDS))

@@ -39,7 +39,6 @@ from gyre.harness.workspace import prepare
 from gyre.rollout.client import EngineClient, blocking
 from gyre.runtime.cell.engine_host import EngineHost
 from gyre.runtime.cell.leader import CellProcess
-from gyre.runtime.cell.replica import Replica, build_replica
 from gyre.runtime.coordinator.coordinator import MESSAGES, Coordinator
 from gyre.runtime.coordinator.ledger import ExecutionState
 from gyre.runtime.coordinator.training import TrainingPlane
@@ -49,6 +48,7 @@ from gyre.runtime.shared import messages as msg
 from gyre.runtime.shared.config import DEFAULT_CONFIG, RunConfig, load_run_config
 from gyre.runtime.shared.layout import COORDINATOR_RANK, PROXY_RANK
 from gyre.schedule import events as ev
+from gyre.train.backends import Replica
 from gyre.train.comm import Communicators
 from gyre.train.rewards import ExecutionOutcome, Status
 from gyre.trajectory.tree import Node, Provenance, TrajectoryTree
@@ -475,7 +475,9 @@ def engine(engine_process: EngineHost) -> EngineHost:
 
 @pytest.fixture(scope="module")
 def replica() -> Replica:
-    return build_replica(_config(), core=True)
+    cfg = _config()
+    return cfg.train_backend.build(cfg.model, cfg.train, cfg.dims, core=True,
+                                   device=cfg.train.device)  # fmt: skip
 
 
 class CellRig:

@@ -197,7 +197,7 @@ def test_every_trained_group_has_n_valid_members_and_the_excluded_one_is_replace
 def test_a_carried_groups_members_follow_the_order_of_its_verdicts() -> None:
     """A resumed run's group enters ready (`AdmitGroup.members == ()`): the ledger applies
     the rule to the order its verdicts were given — the first N usable, then excluded ones."""
-    from gyre.runtime.coordinator.ledger import Execution, ExecutionState, Group, Ledger
+    from gyre.runtime.coordinator.ledger import Execution, ExecutionState, GroupRecord, Ledger
 
     def verdict(t: float, usable: bool = True) -> msg.VerdictRecord:
         if not usable:
@@ -206,7 +206,7 @@ def test_a_carried_groups_members_follow_the_order_of_its_verdicts() -> None:
 
     ledger = Ledger(N + K)
     for g, times in enumerate([(3.0, 1.0, 2.0), (1.0, 2.0, 3.0)]):
-        ledger.add(Group(f"g{g}", "notes", 0, 0), [
+        ledger.add(GroupRecord(f"g{g}", "notes", 0, 0), [
             Execution(f"g{g}-e{i}", g, ExecutionState.RECORDED,
                       verdict=verdict(t, usable=(g, i) != (1, 0)))
             for i, t in enumerate(times)

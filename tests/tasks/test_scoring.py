@@ -18,6 +18,14 @@ def score(task, workspace: Path):
     return asyncio.run(hidden_tests(workspace, task))
 
 
+def workspace_with(tmp_path: Path, name: str, source: str) -> Path:
+    """A workspace holding one file, `name`, with `source`."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / name).write_text(source)
+    return ws
+
+
 @pytest.mark.slow
 def test_every_builtin_task_is_solvable_and_starts_unsolved(suite, solutions, tmp_path):
     for task in suite:
@@ -33,13 +41,9 @@ def test_every_builtin_task_is_solvable_and_starts_unsolved(suite, solutions, tm
 
 def test_partial_credit_is_the_fraction_passing(suite, tmp_path):
     task = suite["palindrome"]
-    ws = tmp_path / "ws"
-    ws.mkdir()
     # case-insensitive but keeps punctuation: 5 of 6 hidden checks
-    (ws / "palindrome.py").write_text(
-        "def is_palindrome(s):\n    s = s.lower()\n    return s == s[::-1]\n"
-    )
-    result = score(task, ws)
+    source = "def is_palindrome(s):\n    s = s.lower()\n    return s == s[::-1]\n"
+    result = score(task, workspace_with(tmp_path, "palindrome.py", source))
     assert result.detail == {
         "passed": 5,
         "total": 6,
@@ -51,10 +55,7 @@ def test_partial_credit_is_the_fraction_passing(suite, tmp_path):
 
 def test_broken_code_is_a_valid_zero_not_an_evaluator_failure(suite, tmp_path):
     task = suite["add"]
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "calc.py").write_text("def add(a, b) return a + b\n")  # syntax error
-    result = score(task, ws)
+    result = score(task, workspace_with(tmp_path, "calc.py", "def add(a, b) return a + b\n"))
     assert result.value == 0.0 and result.detail["total"] == 3
 
 
@@ -62,33 +63,27 @@ def test_hanging_code_fails_its_test_within_the_per_test_timeout(suite, tmp_path
     task = dataclasses.replace(
         suite["add"], scoring=dataclasses.replace(suite["add"].scoring, per_test_timeout_s=0.3)
     )
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "calc.py").write_text(
+    source = (
         "def add(a, b):\n    if a == 1:\n        while True:\n            pass\n    return a + b\n"
     )
-    result = score(task, ws)
+    result = score(task, workspace_with(tmp_path, "calc.py", source))
     assert result.detail["passed"] == 2 and result.detail["failed"] == ["test_add::test_small"]
 
 
 def test_code_under_test_cannot_fake_the_count(suite, tmp_path):
     task = suite["add"]
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "calc.py").write_text(
+    source = (
         'import json, sys\nprint(\'{"total": 1, "passed": 1}\')\ndef add(a, b):\n    return 0\n'
     )
-    result = score(task, ws)
+    result = score(task, workspace_with(tmp_path, "calc.py", source))
     assert result.detail["total"] == 3 and result.value == 0.0
 
 
 def test_whole_run_timeout_is_an_evaluator_failure(suite, tmp_path):
     task = suite["add"]
     slow = dataclasses.replace(task, scoring=dataclasses.replace(task.scoring, timeout_s=0.5))
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "calc.py").write_text("import time\ntime.sleep(30)\n")  # hangs at import, no alarm yet
-    with pytest.raises(EvaluatorError, match="timed out"):
+    ws = workspace_with(tmp_path, "calc.py", "import time\ntime.sleep(30)\n")  # hangs at import
+    with pytest.raises(EvaluatorError, match="timed out"):  # before any per-test alarm
         score(slow, ws)
 
 

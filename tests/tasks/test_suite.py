@@ -94,36 +94,32 @@ def test_missing_initial_state_is_a_clear_error(tmp_path):
         load_suite(tmp_path)
 
 
-def test_unknown_scoring_rule_names_the_allowed_rules(tmp_path):
-    write_task(tmp_path, "t", scoring="{rule: vibes}")
-    with pytest.raises(
-        ConfigError, match=r"t/task.yaml.scoring.rule: 'vibes' .*allowed: command, hidden_tests"
-    ):
-        load_suite(tmp_path)
+BAD_TASKS = {  # case: (task.yaml fields, the error it must raise)
+    "unknown-scoring-rule-names-the-allowed-rules": (
+        {"scoring": "{rule: vibes}"},
+        r"t/task.yaml.scoring.rule: 'vibes' .*allowed: command, hidden_tests",
+    ),
+    "missing-hidden-tests-file": (
+        {"scoring": "{rule: hidden_tests, tests: hidden/nope.py}"},
+        r"scoring.tests: .*nope.py' does not exist",
+    ),
+    "hidden-tests-inside-the-workspace": (
+        {"scoring": "{rule: hidden_tests, tests: workspace/m.py}"},
+        "inside the workspace",
+    ),
+    "unknown-key": (
+        {"colour": "blue"},
+        r"unknown key 'colour'; allowed keys: data, difficulty, instruction",
+    ),
+    "bad-difficulty": ({"difficulty": "impossible"}, r"difficulty: 'impossible' is not allowed"),
+}
 
 
-def test_missing_hidden_tests_file(tmp_path):
-    write_task(tmp_path, "t", scoring="{rule: hidden_tests, tests: hidden/nope.py}")
-    with pytest.raises(ConfigError, match=r"scoring.tests: .*nope.py' does not exist"):
-        load_suite(tmp_path)
-
-
-def test_hidden_tests_inside_the_workspace_are_refused(tmp_path):
-    d = write_task(tmp_path, "t", scoring="{rule: hidden_tests, tests: workspace/m.py}")
-    assert (d / "workspace" / "m.py").exists()
-    with pytest.raises(ConfigError, match="inside the workspace"):
-        load_suite(tmp_path)
-
-
-def test_unknown_key_and_bad_values(tmp_path):
-    write_task(tmp_path, "t", colour="blue")
-    with pytest.raises(
-        ConfigError, match=r"unknown key 'colour'; allowed keys: data, difficulty, instruction"
-    ):
-        load_suite(tmp_path)
-    shutil.rmtree(tmp_path / "t")
-    write_task(tmp_path, "t", difficulty="impossible")
-    with pytest.raises(ConfigError, match=r"difficulty: 'impossible' is not allowed"):
+@pytest.mark.parametrize(("fields", "error"), BAD_TASKS.values(), ids=BAD_TASKS)
+def test_bad_task_yaml_is_a_clear_error(tmp_path, fields, error):
+    d = write_task(tmp_path, "t", **fields)
+    assert (d / "workspace" / "m.py").exists()  # the file a case may name as its tests
+    with pytest.raises(ConfigError, match=error):
         load_suite(tmp_path)
 
 
@@ -143,16 +139,17 @@ def test_builtin_dir_is_shipped_next_to_the_code():
     assert (BUILTIN_DIR / "suite.yaml").is_file()
 
 
+LATENCY = {  # a ToolLatency's fields: its distribution, two bounds, mu and the cap
+    "dist": st.sampled_from(["none", "fixed", "uniform", "lognormal"]),
+    "a": st.floats(0, 5),
+    "b": st.floats(0, 5),
+    "mu": st.floats(-5, 3),
+    "cap": st.floats(0, 10),
+}
+
+
 @settings(max_examples=200, deadline=None)
-@given(
-    dist=st.sampled_from(["none", "fixed", "uniform", "lognormal"]),
-    a=st.floats(0, 5),
-    b=st.floats(0, 5),
-    mu=st.floats(-5, 3),
-    sigma=st.floats(0, 3),
-    cap=st.floats(0, 10),
-    seed=st.integers(0, 2**32),
-)
+@given(**LATENCY, sigma=st.floats(0, 3), seed=st.integers(0, 2**32))
 def test_tool_latency_samples_stay_in_bounds(dist, a, b, mu, sigma, cap, seed):
     lo, hi = min(a, b), max(a, b)
     lat = ToolLatency(dist=dist, seconds=a, low=lo, high=hi, mu=mu, sigma=sigma, max_s=cap)
@@ -183,11 +180,7 @@ def test_tool_latency_rejects_bad_values():
 
 @settings(max_examples=100, deadline=None)
 @given(
-    dist=st.sampled_from(["none", "fixed", "uniform", "lognormal"]),
-    a=st.floats(0, 5),
-    b=st.floats(0, 5),
-    mu=st.floats(-5, 3),
-    cap=st.floats(0, 10),
+    **LATENCY,
     qs=st.floats(0, 2),
     es=st.floats(0, 2),
     hard=st.floats(0, 1),

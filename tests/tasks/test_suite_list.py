@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gyre.errors import ConfigError
-from gyre.runtime.proxy_node.node import load_tasks
 from gyre.runtime.shared.config import DEFAULT_CONFIG, load_run_config
+from gyre.runtime.shared.harness import load_tasks
 from gyre.tasks.suite import named_suite
 
 

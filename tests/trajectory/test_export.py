@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pytest
 from trajectory_strategies import make_tree
-from worlds import ROOT, World
+from worlds import ROOT
 
 from gyre.errors import StoreError
 from gyre.models import tiny_tokenizer
@@ -192,13 +192,6 @@ def test_bad_arguments_are_store_errors(tmp_path: Path) -> None:
         export_trace(tmp_path / "nothing", tmp_path / "out")
     with pytest.raises(StoreError, match="--text needs the run's model"):
         export_trace(tmp_path, tmp_path / "out", text=True)  # its run_meta names no model
-
-
-@pytest.fixture
-def run_dir(e2e_run: World) -> Path:
-    """The shared end-to-end run (tests/worlds.py)."""
-    assert e2e_run.returncode == 0, e2e_run.output[-3000:]
-    return e2e_run.run_dir
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from worlds import World
 
 from gyre.trajectory.reader import TraceReader
 from gyre.trajectory.stats import plot_stats, run_stats
@@ -168,13 +167,6 @@ def test_report_page_states_the_evaluations_and_the_summary_readably(tmp_path: P
     assert "0: n1, n2<br>1: n3, n4" in summary_table
     text = re.sub(r"<style>.*?</style>|<[^>]+>", " ", page, flags=re.S)
     assert not re.search(r"[{}\[\]]|None|\d\.\d{6}", text), text
-
-
-@pytest.fixture
-def run_dir(e2e_run: World) -> Path:
-    """The shared end-to-end run (tests/worlds.py)."""
-    assert e2e_run.returncode == 0, e2e_run.output[-3000:]
-    return e2e_run.run_dir
 
 
 @pytest.mark.slow

@@ -27,7 +27,6 @@ from gyre.rollout.kvmigrate import execution_prefix, migrate_kv
 from gyre.runtime.cell.engine_host import EngineHost, publish
 from gyre.runtime.cell.follower import IDLE_S
 from gyre.runtime.cell.pace import Pace
-from gyre.runtime.cell.replica import Replica
 from gyre.runtime.cell.residency import TrainerResidency
 from gyre.runtime.cell.trainer import CellTrainer
 from gyre.runtime.shared import checkpoint, policies, wire
@@ -35,6 +34,7 @@ from gyre.runtime.shared import messages as msg
 from gyre.runtime.shared.config import RunConfig
 from gyre.runtime.shared.layout import COORDINATOR_RANK
 from gyre.runtime.shared.startup import StartupClock
+from gyre.train.backends import Replica
 from gyre.train.comm import Communicators
 from gyre.vocabulary import Role
 

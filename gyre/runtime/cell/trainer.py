@@ -1,10 +1,10 @@
 """One cell rank's training work: the one implementation every rank of a cell runs.
 
-`CellTrainer` holds the rank's part of the cell's replica (`gyre.runtime.cell.replica`) and does
-its share of each pass and update the coordinator sends (Prepass, Accumulate, Reduce), its
-role switches' residency moves and its part of the core's checkpoint. The leader's loop
-(`gyre.runtime.cell.leader.CellProcess`) and the other ranks' (`gyre.runtime.cell.follower`) both
-drive it.
+`CellTrainer` holds the rank's part of the cell's replica (built by the training backend,
+`gyre.train.backends`) and does its share of each pass and update the coordinator sends
+(Prepass, Accumulate, Reduce), its role switches' residency moves and its part of the core's
+checkpoint. The leader's loop (`gyre.runtime.cell.leader.CellProcess`) and the other ranks'
+(`gyre.runtime.cell.follower`) both drive it.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from gyre.errors import TrainingError
-from gyre.runtime.cell.replica import Replica
 from gyre.runtime.cell.residency import TrainerResidency
 from gyre.runtime.shared import audit
 from gyre.runtime.shared import messages as msg
 from gyre.runtime.shared.config import RunConfig
+from gyre.train.backends import Replica
 from gyre.train.cell import StepStats
 from gyre.train.comm import (
     Communicators,
@@ -45,7 +45,7 @@ def share(step: MicroStep, shard: int, ranks: int) -> MicroStep:
 
 
 class CellTrainer:
-    """One rank's part of its cell's training replica (`gyre.runtime.cell.replica`).
+    """One rank's part of its cell's training replica (`gyre.train.backends.Replica`).
 
     Data parallel inside the cell (the torch backend, `dims.splits_rows`): every rank holds
     the whole model, each pass's rows are split over the cell's ranks, whose results the

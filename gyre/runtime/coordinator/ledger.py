@@ -51,7 +51,7 @@ class Execution:
 
 
 @dataclass(slots=True)
-class Group:
+class GroupRecord:
     """One dispatched group: its task instance, dispatch version and scoring progress."""
 
     id: str
@@ -67,10 +67,10 @@ class Ledger:
 
     def __init__(self, group_size: int) -> None:
         self.n = group_size  # executions per group: N + k
-        self.groups: list[Group] = []
+        self.groups: list[GroupRecord] = []
         self.executions: list[Execution] = []
 
-    def add(self, group: Group, executions: list[Execution]) -> int:
+    def add(self, group: GroupRecord, executions: list[Execution]) -> int:
         """Append a group and its N + k executions; returns its scheduler index."""
         self.groups.append(group)
         self.executions += executions
@@ -84,7 +84,7 @@ class Ledger:
         """The scheduler's ids of group `group`'s N + k executions."""
         return range(group * self.n, (group + 1) * self.n)
 
-    def group_of(self, execution: int) -> Group:
+    def group_of(self, execution: int) -> GroupRecord:
         return self.groups[self.executions[execution].group]
 
     def live(self) -> list[Execution]:
@@ -132,7 +132,7 @@ class Ledger:
 
     def keep_only(self, keep: set[str]) -> None:
         """Renumber: the kept groups become groups 0..k-1, in order (the others leave)."""
-        groups: list[Group] = []
+        groups: list[GroupRecord] = []
         executions: list[Execution] = []
         for g, group in enumerate(self.groups):
             if group.id in keep:

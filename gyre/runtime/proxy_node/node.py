@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
-import os
 import secrets
 import threading
 import time
@@ -29,35 +28,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gyre.errors import ConfigError
 from gyre.harness import ExecutionSpec, HarnessRunner, Terminated
-from gyre.harness.sandbox import apptainer_works, bwrap_works
 from gyre.proxy.app import ProxyApp
 from gyre.proxy.config import Config as ProxyConfig
 from gyre.runtime.shared import messages as msg
 from gyre.runtime.shared import wire
 from gyre.runtime.shared.config import RunConfig
+from gyre.runtime.shared.harness import load_tasks
 from gyre.runtime.shared.layout import COORDINATOR_RANK
-from gyre.tasks import AssessmentLog, Evaluator, TaskSuite
-from gyre.tasks.suite import Task, named_suite
+from gyre.tasks import AssessmentLog, Evaluator
+from gyre.tasks.suite import Task
 from gyre.vocabulary import Outcome
-
-
-def load_tasks(cfg: RunConfig) -> tuple[TaskSuite, list[str]]:
-    """The suite and the task names groups are drawn from (checked against the suite)."""
-    suite = named_suite(cfg.harness.suite)
-    if cfg.harness.tool_latency is not None:
-        latency = cfg.harness.tool_latency
-        tasks = tuple(dataclasses.replace(t, tool_latency=latency) for t in suite.tasks)
-        suite = dataclasses.replace(suite, tasks=tasks)
-    names = cfg.harness.tasks or suite.names()
-    unknown = [n for n in names if n not in suite.names()]
-    if unknown:
-        raise ConfigError(
-            f"harness.tasks: {unknown} not in suite {cfg.harness.suite!r}; allowed: "
-            f"{', '.join(suite.names())}"
-        )
-    return suite, names
 
 
 def proxy_config(cfg: RunConfig) -> ProxyConfig:
@@ -71,50 +52,6 @@ def proxy_config(cfg: RunConfig) -> ProxyConfig:
     masked = "masked" if cfg.engine.backend == "sglang" else proxy.constrained_logprobs
     return dataclasses.replace(
         proxy, role_rules=rules, sampling_seed=seed, constrained_logprobs=masked
-    )
-
-
-def check_harness(cfg: RunConfig) -> list[str]:
-    """Fail fast (before any process starts) when the adapter or its program is missing, the
-    sandbox cannot run, or a task is not in the suite; returns the task names groups are
-    drawn from."""
-    check_adapter(cfg, program=True)
-    check_sandbox(cfg.harness.sandbox, cfg.harness.apptainer_image)
-    return load_tasks(cfg)[1]
-
-
-def check_adapter(cfg: RunConfig, *, program: bool) -> None:
-    """The adapter is known and its params valid; with `program`, its program is installed."""
-    try:
-        adapter = cfg.harness.adapter_object()
-    except ConfigError as exc:
-        raise ConfigError(f"harness.{exc}") from None
-    path = os.environ.get("PATH", os.defpath)
-    if program and adapter.resolve_program(path) is None:
-        hint = f"; install it with {adapter.install}" if adapter.install else ""
-        raise ConfigError(
-            f"harness.adapter: {cfg.harness.adapter!r} needs the program "
-            f"{adapter.command[0]!r}, which is not on PATH or in {adapter.search_path}{hint}"
-        )
-    try:
-        adapter.check_params(cfg.harness.adapter_params)
-    except ConfigError as exc:
-        raise ConfigError(f"harness.{exc}") from None
-
-
-def check_sandbox(sandbox: str, image: str) -> None:
-    """Refuse (one line: what is missing, what is allowed) a sandbox that cannot run here."""
-    if sandbox == "none":
-        return
-    why = apptainer_works(image) if sandbox == "apptainer" else bwrap_works()
-    if why is None:
-        return
-    need = ("Apptainer with harness.apptainer_image a local image" if sandbox == "apptainer"
-            else "a working bubblewrap")  # fmt: skip
-    other = "harness.sandbox=bwrap" if sandbox == "apptainer" else "harness.sandbox=apptainer"
-    raise ConfigError(
-        f"harness.sandbox: {sandbox}: {why}; allowed: {need}, {other}, or harness.sandbox=none "
-        "to run harnesses unconfined (they can then read and rewrite checkers: docs/harness.md)"
     )
 
 

@@ -8,7 +8,7 @@ pruned):
 
     RUN_DIR/checkpoints/v<version>/core.pt     the core's weights and AdamW state, both in
                                                the Hugging Face layout whatever the backend
-                                               (a Megatron core gathers its shards)
+                                               (its format: `gyre.train.core_file`)
     RUN_DIR/checkpoints/v<version>/state.json  updates done, policy version, the groups
                                                trained so far, the next group index
 
@@ -41,6 +41,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gyre import fsafe
+from gyre.train import core_file
+from gyre.train.core_file import CORE
+from gyre.train.core_file import save as save_core
 
 if TYPE_CHECKING:
     from gyre.runtime.shared.config import CheckpointConfig
@@ -48,12 +51,12 @@ if TYPE_CHECKING:
 EXIT_CHECKPOINTED = 75
 """Exit status of rank 0 after a checkpoint-and-exit (EX_TEMPFAIL): the job should be requeued."""
 CHECKPOINTS = "checkpoints"
-CORE, STATE = "core.pt", "state.json"
+STATE = "state.json"
 MADE_BY = "gyre checkpoint"  # the marker of a checkpoint directory (gyre.fsafe)
 PREEMPT = threading.Event()  # set by the coordinator's SIGUSR1 handler
 
-__all__ = ["EXIT_CHECKPOINTED", "PREEMPT", "CheckpointState", "Checkpoints", "begin", "commit",
-           "latest", "load_core", "save_core"]  # fmt: skip
+__all__ = ["CORE", "EXIT_CHECKPOINTED", "PREEMPT", "STATE", "CheckpointState", "Checkpoints",
+           "begin", "commit", "latest", "load_core", "save_core"]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,16 +131,6 @@ def begin(run_dir: Path, version: int) -> Path:
     return fsafe.make_temp_dir(f".v{version:05d}-", root)
 
 
-def save_core(
-    folder: Path, named: list[tuple[str, Any]], opt: dict[str, Any] | None, version: int
-) -> int:
-    """The core's weights and AdamW state dict into `folder` (its `begin` directory); bytes."""
-    import torch
-
-    torch.save({"version": version, "named": named, "optimizer": opt}, folder / CORE)
-    return (folder / CORE).stat().st_size
-
-
 def commit(run_dir: Path, folder: Path, state: CheckpointState, keep: int) -> Path:
     """Write the driver state, rename the checkpoint into place, prune to the newest `keep`."""
     (folder / STATE).write_text(json.dumps(state.as_dict()))
@@ -168,22 +161,5 @@ def latest(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
 
 def load_core(run_dir: Path) -> dict[str, Any] | None:
     """The newest checkpoint's core file (`version`, `named`, `optimizer`), or None."""
-    import torch
-
     found = latest(run_dir)
-    if found is None:
-        return None
-    return dict(torch.load(found[0] / CORE, weights_only=True))
-
-
-def restore_replica(run_dir: Path, model: Any, optimizer: Any) -> int:
-    """Load the newest checkpoint into a replica in place (the core: its optimizer too)."""
-    from gyre.rollout.weights import load_named_tensors
-
-    data = load_core(run_dir)
-    if data is None:
-        return 0
-    load_named_tensors(model, data["named"])
-    if optimizer is not None and data["optimizer"] is not None:
-        optimizer.opt.load_state_dict(data["optimizer"])
-    return int(data["version"])
+    return None if found is None else core_file.load(found[0])

@@ -32,6 +32,7 @@ from gyre.schedule.config import Config as SchedulerConfig
 from gyre.schedule.devices import PaceConfig
 from gyre.tasks.suite import ToolLatency
 from gyre.tracking import TrackingConfig
+from gyre.train.backends import TrainBackend, backend
 from gyre.train.config import ParallelDims, TrainConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "templates" / "local.yaml"
@@ -340,8 +341,8 @@ class RunConfig:
                 "allowed: pacing the embedded engine only (pace.scale 0 on GPUs)"
             )
         tiny_size(self.model)  # a malformed tiny:HxL is refused here, before any process starts
-        try:  # the cell's parallel sizes: tensor x pipeline x data = topology.ranks_per_cell
-            dims = self.train.parallel.dims(self.train.backend, self.topology.ranks_per_cell)
+        try:  # a known backend; the cell's sizes: tensor x pipeline x data = ranks_per_cell
+            dims = self.dims
             check_pipeline_split(self.model, dims.pipeline)  # equal stages of layers
         except ConfigError as e:
             raise ConfigError(f"train.{e}") from None
@@ -351,22 +352,25 @@ class RunConfig:
             raise ConfigError(f"schedule.{e}") from None
 
     @property
+    def train_backend(self) -> TrainBackend:
+        """The cells' training backend (`gyre.train.backends`), by `train.backend`."""
+        return backend(self.train.backend)
+
+    @property
     def dims(self) -> ParallelDims:
         """A cell's parallel sizes: the training backend's layout of its ranks."""
-        return self.train.parallel.dims(self.train.backend, self.topology.ranks_per_cell)
+        return self.train_backend.dims(self.train.parallel, self.topology.ranks_per_cell)
+
+    @property
+    def uses_gpus(self) -> bool:
+        """Does the run place anything on a GPU (an SGLang engine, a CUDA trainer)? Each rank's
+        placement (`gyre.runtime.roles.place_rank`) and the preflight's read this one answer."""
+        return self.train.device.startswith("cuda") or self.engine.backend == "sglang"
 
     def check_machine(self) -> None:
         """Refuse backends this machine cannot run, before any process starts."""
         self.engine.check_machine(self.model)
-        if self.train.backend == "megatron":
-            import importlib.util
-
-            if importlib.util.find_spec("megatron.core") is None:
-                raise ConfigError(
-                    "train.backend: megatron, but megatron-core is not installed here "
-                    "(pip install '.[megatron]'; on a GPU cluster '.[gpu]'); "
-                    "allowed here: torch"
-                )
+        self.train_backend.check_installed()
 
     def warnings(self) -> list[str]:
         """What loads but deserves the operator's attention (`gyre run` and `gyre render`

@@ -6,7 +6,8 @@ harness pool), ranks 2 .. 2+K*R-1 the cells (cell c holds ranks 2+c*R .. 2+c*R+R
 per cell), then the standalone rollout engines, one rank each.
 
     Layout(cfg.topology).components[3]  ->  Component(kind="cell", index=1, shard=0)
-    Layout(cfg.topology).groups[3]      ->  Group(kind="cell", index=1, first=3, size=1)
+    Layout(cfg.topology).groups[3]      ->  RankGroup(kind="cell", index=1, first=3, size=1)
+    Layout(cfg.topology).ranks.cells[1] ->  (3,)   (the ranks of cell 1, the leader first)
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class Component:
 
 
 @dataclass(frozen=True, slots=True)
-class Group:
+class RankGroup:
     """Consecutive world ranks that run one kind of component: one component of the
     heterogeneous Slurm job (the coordinator, the proxy node, one cell, the standalone
     pool)."""
@@ -98,15 +99,17 @@ class Layout:
         return self.topology.world_size
 
     @property
-    def groups(self) -> list[Group]:
+    def groups(self) -> list[RankGroup]:
         """The world's groups in rank order: coordinator, proxy, cells 0..K-1, then (if any)
         the standalone pool."""
         t = self.topology
-        out = [Group("coordinator", 0, 0, 1), Group("proxy", 0, 1, 1)]
-        out += [Group("cell", c, 2 + c * t.ranks_per_cell, t.ranks_per_cell)
+        out = [RankGroup("coordinator", 0, 0, 1), RankGroup("proxy", 0, 1, 1)]
+        out += [RankGroup("cell", c, 2 + c * t.ranks_per_cell, t.ranks_per_cell)
                 for c in range(t.cells)]  # fmt: skip
         if t.standalone_engines:
-            out.append(Group("standalone", 0, 2 + t.cells * t.ranks_per_cell, t.standalone_engines))
+            out.append(
+                RankGroup("standalone", 0, 2 + t.cells * t.ranks_per_cell, t.standalone_engines)
+            )
         return out
 
     @property
@@ -132,6 +135,50 @@ class Layout:
         if not 0 <= group < len(groups):
             raise ConfigError(f"het group {group}: the layout has {len(groups)} groups")
         return groups[group].component(rank_in_group)
+
+    @property
+    def ranks(self) -> Ranks:
+        """Where the coordinator sends: each engine's rank and each cell's ranks."""
+        return Ranks.of(self.components)
+
+
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """The world ranks the coordinator talks to, by what they run: the rank speaking for each
+    engine id (the cells' leaders, then the standalone engines) and every rank of each cell
+    (the leader first: training and role messages go to all of them, the leader answers)."""
+
+    engines: tuple[int, ...]
+    cells: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, components: list[Component]) -> Ranks:
+        return cls(tuple(engine_ranks(components)), tuple(map(tuple, cell_members(components))))
+
+    @classmethod
+    def one_per_cell(cls, engines: list[int], cells: int) -> Ranks:
+        """A world whose `cells` cells are one rank each: the first `cells` of `engines`."""
+        return cls(tuple(engines), tuple((r,) for r in engines[:cells]))
+
+    @property
+    def core(self) -> int:
+        """The core's leader (engine 0): it publishes and saves the policy."""
+        return self.engines[0]
+
+    @property
+    def followers(self) -> list[int]:
+        """Every rank of a cell but its leader, cell by cell."""
+        return [r for members in self.cells for r in members[1:]]
+
+    @property
+    def cells_and_engines(self) -> list[int]:
+        """Every rank but the coordinator and the proxy node: the engines', then the
+        followers (the ranks told to stop at the end of a run)."""
+        return [*self.engines, *self.followers]
+
+    def by_cell(self, per_rank: list[str]) -> list[list[str]]:
+        """A per-rank list (e.g. hosts) regrouped as each cell's ranks are."""
+        return [[per_rank[r] for r in members] for members in self.cells]
 
 
 def layout(world_size: int, topology: TopologyConfig) -> list[Component]:

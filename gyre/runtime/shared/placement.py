@@ -28,16 +28,27 @@ How:
     plan[me].device, plan[me].engine, plan[me].offload       # "cuda:1", EngineGpus(...), True
 
 No torch, no CUDA calls; mpi4py is imported only when a communicator has to be split.
+
+The preflight's checks of this domain (`gyre.runtime.preflight`) plan as the ranks will:
+`check_gpus` every node of a cluster job on `slurm.gpus_per_node` GPUs (the launch layer
+calls it, which owns the Slurm section); `check_ranks_here` and `check_devices_here`, as
+`Check` functions (`gyre.runtime.shared.checks`), what `gyre run` starts on this machine (the
+latter asks torch how many GPUs it has, at call time).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gyre.errors import ConfigError
-from gyre.runtime.shared.layout import Component
+from gyre.runtime.shared.checks import Site, Where
+from gyre.runtime.shared.layout import Component, Layout
+
+if TYPE_CHECKING:
+    from gyre.runtime.shared.config import RunConfig
 
 Mode = Literal["disjoint", "colocated"]
 MODES: tuple[Mode, ...] = ("disjoint", "colocated")
@@ -49,6 +60,10 @@ LOCAL_RANK_VARIABLES = (
     "LOCAL_RANK",  # torchrun
 )
 """Environment variables that carry a rank's index on its node, in the order they are read."""
+
+RANKS_PER_CPU = 8
+"""`gyre run` starts every rank on this machine: at most this many per CPU (the default job
+runs 5 ranks + 3 engine processes on 2 CPUs, 2-rank cells 8 + 3)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,3 +229,76 @@ def _split_shared(world: Any, kind: int | None) -> Any:
 
         kind = MPI.COMM_TYPE_SHARED
     return world.Split_type(kind, key=int(world.Get_rank()))
+
+
+def check_gpus(cfg: RunConfig, gpus: int, nodes_per_cell: int, standalone_nodes: int) -> None:
+    """Every node of the job places its ranks and engine on `gpus` GPUs, as the ranks will."""
+    if not cfg.uses_gpus:
+        return
+    why = _why_gpus(cfg)
+    if gpus == 0:
+        raise ConfigError(f"slurm.gpus_per_node: 0, but {why} runs on GPUs; allowed: the GPUs "
+                          "of each cell node (>= 1), or engine.backend=embedded with "
+                          "train.device=cpu on a CPU cluster")  # fmt: skip
+    t = cfg.topology
+    if nodes_per_cell < 1 or t.ranks_per_cell % nodes_per_cell:
+        return  # the layout's own check names it (gyre.launch.spec.job_spec)
+    per_node = t.ranks_per_cell // nodes_per_cell
+    nodes = [[Component("cell", 0, shard) for shard in range(k * per_node, (k + 1) * per_node)]
+             for k in range(nodes_per_cell)]  # fmt: skip
+    if t.standalone_engines and (standalone_nodes < 1 or t.standalone_engines % standalone_nodes):
+        return  # the layout's own check names it (gyre.launch.spec.job_spec)
+    if t.standalone_engines:
+        each = t.standalone_engines // standalone_nodes
+        nodes.append([Component("standalone", i) for i in range(each)])
+    for ranks in nodes:
+        try:
+            plan_node(gpus, ranks, tensor_parallel=cfg.engine.tensor_parallel,
+                      mode=cfg.topology.placement)  # fmt: skip
+        except ConfigError as e:
+            raise ConfigError(f"slurm.gpus_per_node {gpus}: {e} ({why})") from None
+
+
+def check_ranks_here(cfg: RunConfig, site: Site) -> list[str]:
+    """`gyre run`: refuse a world it cannot start on this machine (a cluster template)."""
+    t = cfg.topology
+    cpus = os.cpu_count() or 1
+    if site.where is not Where.HERE or t.world_size <= RANKS_PER_CPU * cpus:
+        return []
+    raise ConfigError(
+        f"topology: {t.world_size} ranks (1 coordinator + 1 proxy + {t.cells} cells x "
+        f"{t.ranks_per_cell} ranks + {t.standalone_engines} standalone engines); gyre run "
+        f"starts them all on this machine, which has {cpus} CPUs; allowed: at most "
+        f"{RANKS_PER_CPU * cpus} ranks here. Run a cluster config with `gyre submit "
+        "CONFIG` or `gyre render CONFIG -o job.sbatch && sbatch job.sbatch`, or shrink it "
+        "(topology.cells=3 topology.ranks_per_cell=1)"
+    )
+
+
+def check_devices_here(cfg: RunConfig, site: Site) -> list[str]:
+    """`gyre run`: this machine runs the backends (`RunConfig.check_machine`), and its CUDA
+    devices place every rank and engine of the job, as each rank's `place_rank` will
+    (`torch.cuda.device_count()`, then `plan_node` over the whole world)."""
+    if site.where is not Where.HERE:
+        return []
+    cfg.check_machine()
+    if not cfg.uses_gpus:
+        return []
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:  # an SGLang engine without CUDA is refused by `check_machine` first
+        raise ConfigError(f"train.device: {cfg.train.device!r}, but this machine has no CUDA "
+                          "GPU (torch.cuda.device_count() is 0); allowed here: train.device=cpu")  # fmt: skip
+    try:
+        plan_node(gpus, Layout(cfg.topology).components,
+                  tensor_parallel=cfg.engine.tensor_parallel, mode=cfg.topology.placement)  # fmt: skip
+    except ConfigError as e:
+        raise ConfigError(f"{_why_gpus(cfg)} on this machine's {gpus} GPUs: {e}") from None
+    return []
+
+
+def _why_gpus(cfg: RunConfig) -> str:
+    if cfg.engine.backend == "sglang":
+        return f"engine.backend sglang (tensor_parallel {cfg.engine.tensor_parallel})"
+    return f"train.device {cfg.train.device}"

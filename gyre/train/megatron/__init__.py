@@ -12,7 +12,7 @@
 * `cpu` — the four scoped patches that let megatron-core's forward and backward run on a
   machine without CUDA (inactive where CUDA is present).
 
-`gyre run` uses it through `train.backend: megatron` (`gyre.runtime.cell.replica`).
+`gyre run` uses it through `train.backend: megatron` (`gyre.train.backends.megatron`).
 
 See docs/gpu.md.
 """

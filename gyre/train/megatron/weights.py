@@ -16,7 +16,7 @@ Names follow Megatron's *local* layer spec (``input_layernorm``, ``pre_mlp_layer
 with ``fused_norms=True``, the Transformer-Engine spec (``linear_qkv.layer_norm_weight``,
 ``linear_fc1.layer_norm_weight``).
 
-    layout = Layout.from_hf_config(hf_config)
+    layout = WeightLayout.from_hf_config(hf_config)
     shard = hf_to_mcore(hf_state, layout, tp_rank=0, tp_size=2)
     hf_state_again = mcore_to_hf([shard0, shard1], layout)        # exact round trip
     stage = stage_to_mcore(hf_state, layout, tp_rank=0, tp_size=1, stage=1, stages=2)
@@ -37,7 +37,7 @@ Tensors = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class WeightLayout:
     """The shapes that decide how tensors fuse and split."""
 
     num_layers: int
@@ -49,7 +49,7 @@ class Layout:
     fused_norms: bool = False
 
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any], *, fused_norms: bool = False) -> Layout:
+    def from_hf_config(cls, hf: Mapping[str, Any], *, fused_norms: bool = False) -> WeightLayout:
         heads = int(hf["num_attention_heads"])
         return cls(
             num_layers=int(hf["num_hidden_layers"]),
@@ -62,7 +62,7 @@ class Layout:
         )
 
 
-def stage_layers(layout: Layout, stage: int, stages: int) -> range:
+def stage_layers(layout: WeightLayout, stage: int, stages: int) -> range:
     """The global layer indices pipeline stage `stage` of `stages` holds (equal blocks, in
     order, as Megatron splits them)."""
     if layout.num_layers % stages:
@@ -71,7 +71,7 @@ def stage_layers(layout: Layout, stage: int, stages: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
-def stage_to_mcore(hf: Mapping[str, torch.Tensor], layout: Layout, *, tp_rank: int,
+def stage_to_mcore(hf: Mapping[str, torch.Tensor], layout: WeightLayout, *, tp_rank: int,
                    tp_size: int, stage: int, stages: int) -> Tensors:  # fmt: skip
     """`hf_to_mcore` for one TP rank of pipeline stage `stage` of `stages`."""
     return hf_to_mcore(hf, layout, tp_rank=tp_rank, tp_size=tp_size,
@@ -79,7 +79,7 @@ def stage_to_mcore(hf: Mapping[str, torch.Tensor], layout: Layout, *, tp_rank: i
                        last_stage=stage == stages - 1)  # fmt: skip
 
 
-def stages_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: Layout, *,
+def stages_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: WeightLayout, *,
                  tp_size: int) -> Tensors:  # fmt: skip
     """HF tensors from every rank's state dict of a TP x PP cell (rank s: TP rank
     s % tp_size of stage s // tp_size)."""
@@ -92,7 +92,7 @@ def stages_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: Layout, *
     return out
 
 
-def _norm_names(layout: Layout, i: int) -> tuple[str, str]:
+def _norm_names(layout: WeightLayout, i: int) -> tuple[str, str]:
     d = f"decoder.layers.{i}"
     if layout.fused_norms:
         return (
@@ -114,7 +114,9 @@ def _split(t: torch.Tensor, dim: int, rank: int, size: int, what: str) -> torch.
     return t.chunk(size, dim=dim)[rank].clone()
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
+def fuse_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: WeightLayout
+) -> torch.Tensor:
     """HF q/k/v (weights [out, in] or biases [out]) → Megatron's grouped linear_qkv."""
     per = layout.heads // layout.groups
     rest = q.shape[1:]
@@ -125,7 +127,7 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) 
 
 
 def split_qkv(
-    qkv: torch.Tensor, layout: Layout, groups: int | None = None
+    qkv: torch.Tensor, layout: WeightLayout, groups: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of `fuse_qkv` (for `groups` query groups: a TP shard holds fewer)."""
     g = layout.groups if groups is None else groups
@@ -136,7 +138,7 @@ def split_qkv(
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def _layer_to_mcore(hf: Mapping[str, torch.Tensor], layout: Layout, i: int, local: int,
+def _layer_to_mcore(hf: Mapping[str, torch.Tensor], layout: WeightLayout, i: int, local: int,
                     rank: int, size: int) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     h, d = f"model.layers.{i}", f"decoder.layers.{local}"
     ln1, ln2 = _norm_names(layout, local)
@@ -158,7 +160,7 @@ def _layer_to_mcore(hf: Mapping[str, torch.Tensor], layout: Layout, i: int, loca
 
 def hf_to_mcore(
     hf: Mapping[str, torch.Tensor],
-    layout: Layout,
+    layout: WeightLayout,
     *,
     tp_rank: int = 0,
     tp_size: int = 1,
@@ -194,7 +196,7 @@ def _cat(shards: Sequence[Mapping[str, torch.Tensor]], name: str, dim: int) -> t
         raise TrainingError(f"megatron weights: {name!r} missing in a TP shard") from e
 
 
-def _layer_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: Layout, local: int,
+def _layer_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: WeightLayout, local: int,
                  i: int) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     h, d = f"model.layers.{i}", f"decoder.layers.{local}"
     ln1, ln2 = _norm_names(layout, local)
@@ -215,7 +217,7 @@ def _layer_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: Layout, l
 
 def mcore_to_hf(
     shards: Sequence[Mapping[str, torch.Tensor]],
-    layout: Layout,
+    layout: WeightLayout,
     *,
     layers: Sequence[int] | None = None,
     first_stage: bool = True,

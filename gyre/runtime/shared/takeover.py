@@ -1,11 +1,18 @@
-"""What a resumed run takes over from its trace: every group not yet trained, and how to close
-the executions the dead job left open (docs/runtime.md "Crashes and resume").
+"""What a job takes over from the run directory it continues: the newest checkpoint's driver
+state, the groups those weights trained, and what the trace holds beyond them (docs/runtime.md
+"Crashes and resume").
 
-`read_trace(path, trained)` reads the run's trace once, before the coordinator reopens it
-for writing, and returns a `Takeover`: per dispatched, untrained group its task instance,
-dispatch version and members; per member either its closed verdict and tree, the partial
-tree journaled while it ran (to be scored from its preserved workspace), or nothing at all
-(it never launched). Pure reading; no process is started here.
+`Handover(run_dir)` reads both once, before the coordinator reopens the trace for writing;
+`read_trace(path, trained)` returns the trace's `Takeover`: per dispatched, untrained group
+its task instance, dispatch version and members; per member either its closed verdict and
+tree, the partial tree journaled while it ran (to be scored from its preserved workspace),
+or nothing at all (it never launched). `Handover.check` refuses a config the take-over would
+trip over. Pure reading; no process is started here.
+
+Two readers build the same `Handover`: the coordinator, whose `Resume`
+(`gyre.runtime.coordinator.resume`) acts on it, and the preflight's run-directory check
+(`gyre.runtime.shared.run_directory.check_run_dir`), which refuses a config before any process
+starts.
 """
 
 from __future__ import annotations
@@ -14,12 +21,18 @@ import enum
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from gyre.errors import ConfigError
+from gyre.runtime.shared import checkpoint
+from gyre.runtime.shared.checkpoint import CheckpointState
 from gyre.runtime.shared.messages import VerdictRecord
 from gyre.trajectory.reader import TraceReader
 from gyre.trajectory.tree import TrajectoryTree
 from gyre.vocabulary import CloseStatus, VerdictStatus
+
+if TYPE_CHECKING:
+    from gyre.runtime.shared.config import RunConfig
 
 
 class MemberState(enum.Enum):
@@ -59,6 +72,44 @@ class Takeover:
     groups: list[CarriedGroup]
     next_group: int  # the first unused group number (g<n>)
     executions: int  # executions recorded in the trace so far
+
+
+class Handover:
+    """What `run_dir` hands the job that continues it: the newest checkpoint's driver state
+    and the groups it trained, and the trace's take-over (neither for a fresh run)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        found = checkpoint.latest(run_dir)
+        self.state = CheckpointState.of(found[1]) if found is not None else None
+        self.trained: list[str] = sorted(self.state.trained) if self.state else []
+        trace = run_dir / "trace.h5"
+        self.takeover = read_trace(trace, set(self.trained)) if trace.exists() else None
+
+    def check_groups(self, n: int) -> None:
+        """Every taken-over group has the `n` executions per group the config runs."""
+        for cg in self.takeover.groups if self.takeover else []:
+            if len(cg.members) != n:
+                raise ConfigError(
+                    f"schedule.group_size + schedule.oversample: {n}, but the run's group "
+                    f"{cg.id} has {len(cg.members)} executions; allowed: {len(cg.members)} (the "
+                    "run's own) to continue it"
+                )
+
+    def check(self, cfg: RunConfig, run_model: str, *, steps: bool = True) -> None:
+        """Refuse a config this take-over cannot continue with: fewer `steps` than the
+        checkpoint has done (not checked when `steps` is False: the job's --steps is unknown),
+        groups of another size, another model shape than the run's `run_model`."""
+        done = self.state.updates if self.state else 0
+        if steps and cfg.steps < done:  # equal: a run killed after its last update finishes
+            raise ConfigError(
+                f"steps: {cfg.steps}, but the run has done {done} updates (its newest "
+                f"checkpoint); allowed: steps >= {done} (--steps N)"
+            )
+        self.check_groups(cfg.schedule.scheduler(cfg.topology)[0].executions_per_group)
+        if self.state is not None or self.takeover is not None:
+            from gyre.models import check_same_shape
+
+            check_same_shape(cfg.model, run_model)
 
 
 def read_trace(path: Path, trained: set[str]) -> Takeover:

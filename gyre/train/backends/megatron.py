@@ -1,26 +1,19 @@
-"""A cell rank's training replica, by training backend (`train.backend`, docs/gpu.md).
+"""The Megatron training backend: the model sharded over a cell's ranks (`train.backend`).
 
-The backend seam of the training plane: a named builder per backend (`BACKENDS`), chosen by
-the run config, returns a `Replica` — the rank's `TorchCell` (flat parameter and gradient
-buffers, the two passes of the objective), the tokenizer, the core's optimizer where this
-rank owns one, and the cell's parallel sizes (`ParallelDims`). The cell's protocol
-(`gyre.runtime.cell.trainer.CellTrainer`) is the same for every backend; what differs is asked of
-the replica:
+megatron-core's GPTModel sharded over the cell's ranks with tensor and pipeline parallelism
+(torch.distributed over the cell ranks: gloo on CPU, NCCL on GPU; the CPU patches of
+`gyre.train.megatron.cpu`; rank s of a cell is TP rank s % TP of stage s // TP). Every rank
+runs every row (the stages one after the other); each core rank steps AdamW on its own shard
+with the whole model's gradient norm. After every change of weights (an update, a pull of
+the core's snapshot, a restore) the shards of every stage are gathered to the leader into a
+Hugging Face *mirror* of the policy: what the engines load, policies save and checkpoints
+keep (`gyre.train.core_file`, the same file as the torch backend's). docs/gpu.md.
 
-* **torch** — every rank of a cell holds the whole model (data parallel inside the cell):
-  a pass's rows are split over the ranks, the leader's optimizer steps the cell's summed
-  gradient; the leader's model *is* the Hugging Face policy.
-* **megatron** — megatron-core's GPTModel sharded over the cell's ranks with tensor and
-  pipeline parallelism (torch.distributed over the cell ranks: gloo on CPU, NCCL on GPU;
-  the CPU patches of `gyre.train.megatron.cpu`; rank s of a cell is TP rank s % TP of
-  stage s // TP). Every rank runs every row (the stages one after the other); each core
-  rank steps AdamW on its own shard with the whole model's gradient norm. After every
-  change of weights (an update, a pull of the core's snapshot, a restore) the shards of
-  every stage are gathered to the leader into a Hugging Face *mirror* of the policy: what
-  the engines load, policies save and checkpoints keep.
-
-    replica = build_replica(cfg, core=True, comms=comms, host="10.0.0.5")
+    replica = MEGATRON.build(cfg.model, cfg.train, dims, core=True, device="cuda:0",
+                             comms=comms, host="10.0.0.5")
     replica.named()            # the leader: HF-layout weights of the version held
+
+Torch and megatron-core are imported when a replica is built, not with this module.
 """
 
 from __future__ import annotations
@@ -30,75 +23,31 @@ import os
 import socket
 import threading
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from gyre.errors import ConfigError, TrainingError
+from gyre.train import core_file
+from gyre.train.backends.protocol import TrainBackend
+from gyre.train.backends.torch import TorchReplica
+from gyre.train.config import ParallelConfig, ParallelDims
 
-from gyre.errors import TrainingError
-from gyre.runtime.shared import checkpoint
-from gyre.runtime.shared.config import RunConfig
-from gyre.train.cell import CoreOptimizer, TorchCell
-from gyre.train.comm import Communicators
-from gyre.train.config import ParallelDims
+if TYPE_CHECKING:
+    import torch
 
-Named = list[tuple[str, torch.Tensor]]
-
-
-@dataclass(slots=True)
-class Replica:
-    """The torch backend's replica: the whole model on this rank (data parallel in a cell)."""
-
-    cell: TorchCell
-    tokenizer: Any
-    optimizer: CoreOptimizer | None = None
-    dims: ParallelDims = field(default_factory=lambda: ParallelDims(tensor=1, pipeline=1, data=1))
-
-    @property
-    def policy_model(self) -> Any:
-        """The Hugging Face model of the weights held (the leader's): saved as a policy."""
-        return self.cell.model
-
-    def named(self) -> Named:
-        """The leader's HF-layout weights (what engines load)."""
-        return [(n, p.detach()) for n, p in self.policy_model.named_parameters()]
-
-    def refresh(self) -> None:
-        """After the weights changed (collective over the cell): the torch replica is its
-        own policy model, nothing to gather."""
-
-    def hf_flat(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """A flat buffer (parameters or gradients) in the HF model's flat order, on the
-        leader (collective over the cell)."""
-        return flat
-
-    def optimizer_state(self) -> dict[str, Any] | None:
-        """The core's AdamW state dict with its moments in the HF model's flat order, on the
-        leader (collective over a model-parallel core); None without an optimizer."""
-        return self.optimizer.opt.state_dict() if self.optimizer is not None else None
-
-    def save(self, folder: Path, version: int, shard: int) -> int:
-        """This rank's part of a checkpoint (the leader writes it); bytes written."""
-        state = self.optimizer_state()
-        if shard != 0:
-            return 0
-        return checkpoint.save_core(folder, self.named(), state, version)
-
-    def restore(self, run_dir: Path, shard: int) -> int:
-        """Load the newest checkpoint into this rank's replica; returns its version."""
-        return checkpoint.restore_replica(run_dir, self.cell.model, self.optimizer)
+    from gyre.train.comm import Communicators
+    from gyre.train.config import TrainConfig
 
 
 @dataclass(slots=True)
-class MegatronReplica(Replica):
-    """The Megatron backend's replica: this rank's tensor-parallel shard of its pipeline
-    stage of the model."""
+class MegatronReplica(TorchReplica):
+    """This rank's tensor-parallel shard of its pipeline stage of the model."""
 
-    comm: Any = None  # the cell's MPI communicator (shard gathers to the leader)
-    mirror: Any = None  # the leader's Hugging Face model of the same weights (else None)
-    layout: Any = None  # gyre.train.megatron.weights.Layout of the model
+    comm: Any  # the cell's MPI communicator (shard gathers to the leader)
+    mirror: Any  # the leader's Hugging Face model of the same weights (else None)
+    layout: Any  # gyre.train.megatron.weights.WeightLayout of the model
 
     @property
     def policy_model(self) -> Any:
@@ -131,6 +80,8 @@ class MegatronReplica(Replica):
             load_named_tensors(self.mirror, sorted(hf.items()))
 
     def hf_flat(self, flat: torch.Tensor) -> torch.Tensor | None:
+        import torch
+
         hf = self._gather(self._views(flat))
         if hf is None:
             return None
@@ -149,14 +100,12 @@ class MegatronReplica(Replica):
             state["state"] = {**state["state"], 0: moments}
         return state
 
-    def restore(self, run_dir: Path, shard: int) -> int:
+    def restore(self, folder: Path) -> int:
         """Weights and AdamW moments from an HF-layout checkpoint (either backend's, any TP
         and PP sizes), split to this rank's shard of its stage."""
         from gyre.rollout.weights import load_named_tensors
 
-        data = checkpoint.load_core(run_dir)
-        if data is None:
-            return 0
+        data = core_file.load(folder)
         named = dict(data["named"])
         if self.mirror is not None:
             load_named_tensors(self.mirror, sorted(named.items()))
@@ -184,6 +133,8 @@ class MegatronReplica(Replica):
 
     def _shard_flat(self, flat: torch.Tensor, shapes: list[tuple[str, Any]]) -> torch.Tensor:
         """An HF flat buffer (parameters in `shapes` order) → this rank's flat buffer."""
+        import torch
+
         hf, off = {}, 0
         for name, shape in shapes:
             n = int(torch.Size(shape).numel())
@@ -194,30 +145,55 @@ class MegatronReplica(Replica):
                           if p.requires_grad]).to(self.cell.device)  # fmt: skip
 
 
-def build_replica(
-    cfg: RunConfig, core: bool, comms: Communicators | None = None, host: str = "127.0.0.1",
-    device: str | None = None,
-) -> Replica:  # fmt: skip
-    """A cell rank's training replica, built by `cfg.train.backend`'s builder (`BACKENDS`) on
-    `device` (its placement; default `train.device`); `core`: this rank is one the core's
-    optimizer runs on (torch: the core's leader; megatron: every core rank); `comms` and
-    `host` (the rank's address) for a backend with a process-group world of its own."""
-    build = BACKENDS[cfg.train.backend]
-    return build(cfg, core=core, comms=comms, host=host, device=device or cfg.train.device)
+def build(
+    model: str, train: TrainConfig, dims: ParallelDims, *, core: bool, device: str,
+    comms: Communicators | None = None, host: str = "127.0.0.1",
+) -> MegatronReplica:  # fmt: skip
+    """This rank's shard of the policy as a Megatron GPTModel, loaded from the HF model."""
+    if comms is None:
+        raise TrainingError("train.backend megatron: a cell rank needs its communicators")
+    import torch
+
+    from gyre.rollout.weights import load_named_tensors
+    from gyre.train.megatron.config import MegatronConfig
+    from gyre.train.megatron.model import (
+        MegatronCell,
+        ModelParallelOptimizer,
+        build_gpt_model,
+        init_model_parallel,
+    )
+    from gyre.train.megatron.weights import WeightLayout
+
+    # megatron-core warns at import and build about every optional CUDA library it lacks
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
+    hf, tokenizer, hf_config, dtype, shard = _leaders_model(model, dims, comms)
+    mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
+                          dtype=dtype)  # type: ignore[arg-type]  # fmt: skip
+    init_model_parallel(mcfg)
+    _check_rank(comms, dims)
+    gpt = build_gpt_model(hf_config, mcfg, device="cpu")
+    load_named_tensors(gpt, sorted(shard.items()))
+    gpt.to(torch.device(device)).train()
+    cell = MegatronCell(gpt, objective=train.objective)
+    optimizer = ModelParallelOptimizer(cell, train.optim) if core else None
+    return MegatronReplica(cell, tokenizer, optimizer, dims, comm=comms.cell, mirror=hf,
+                           layout=WeightLayout.from_hf_config(hf_config))  # fmt: skip
 
 
-def build_torch_replica(
-    cfg: RunConfig, *, core: bool, comms: Communicators | None, host: str, device: str
-) -> Replica:
-    """The whole Hugging Face model on this rank (the cell's ranks are data parallel)."""
-    from gyre.models import load_model
+def _check_rank(comms: Communicators, dims: ParallelDims) -> None:
+    """Megatron placed this rank where the cell's layout says (TP rank s % TP of stage s // TP)."""
+    from megatron.core import parallel_state
 
-    model, tokenizer = load_model(cfg.model)
-    module: torch.nn.Module = model
-    module.to(torch.device(device)).train()
-    cell = TorchCell(model, objective=cfg.train.objective)
-    optimizer = CoreOptimizer(cell, cfg.train.optim) if core else None
-    return Replica(cell, tokenizer, optimizer, cfg.dims)
+    tp_rank, stage = comms.shard % dims.tensor, comms.shard // dims.tensor
+    made = (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank())  # fmt: skip
+    if made != (tp_rank, stage):
+        raise TrainingError(
+            f"cell {comms.cell_id} rank {comms.shard}: Megatron made it tensor-parallel rank "
+            f"{made[0]} of pipeline stage {made[1]}, not {tp_rank} of {stage}; the cell's ranks "
+            "must be contiguous in the backend world"
+        )
 
 
 def init_backend_world(comms: Communicators, host: str, backend: str) -> None:
@@ -283,52 +259,8 @@ def interface_of(address: str) -> str:
                         "rendezvous address must be this node's own")  # fmt: skip
 
 
-def build_megatron_replica(
-    cfg: RunConfig, *, core: bool, comms: Communicators | None, host: str, device: str
-) -> MegatronReplica:
-    """This rank's shard of the policy as a Megatron GPTModel, loaded from the HF model."""
-    if comms is None:
-        raise TrainingError("train.backend megatron: a cell rank needs its communicators")
-    from gyre.rollout.weights import load_named_tensors
-    from gyre.train.megatron.config import MegatronConfig
-    from gyre.train.megatron.model import (
-        MegatronCell,
-        ModelParallelOptimizer,
-        build_gpt_model,
-        init_model_parallel,
-    )
-    from gyre.train.megatron.weights import Layout
-
-    # megatron-core warns at import and build about every optional CUDA library it lacks
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    dims = cfg.dims
-    init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
-    hf, tokenizer, hf_config, dtype, shard = _leaders_model(cfg, comms)
-    mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
-                          dtype=dtype)  # type: ignore[arg-type]  # fmt: skip
-    init_model_parallel(mcfg)
-    from megatron.core import parallel_state
-
-    tp_rank, stage = comms.shard % dims.tensor, comms.shard // dims.tensor
-    made = (parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_pipeline_model_parallel_rank())  # fmt: skip
-    if made != (tp_rank, stage):
-        raise TrainingError(
-            f"cell {comms.cell_id} rank {comms.shard}: Megatron made it tensor-parallel rank "
-            f"{made[0]} of pipeline stage {made[1]}, not {tp_rank} of {stage}; the cell's ranks "
-            "must be contiguous in the backend world"
-        )
-    model = build_gpt_model(hf_config, mcfg, device="cpu")
-    load_named_tensors(model, sorted(shard.items()))
-    model.to(torch.device(device)).train()
-    cell = MegatronCell(model, objective=cfg.train.objective)
-    optimizer = ModelParallelOptimizer(cell, cfg.train.optim) if core else None
-    return MegatronReplica(cell, tokenizer, optimizer, dims, comm=comms.cell, mirror=hf,
-                           layout=Layout.from_hf_config(hf_config))  # fmt: skip
-
-
 def _leaders_model(
-    cfg: RunConfig, comms: Communicators
+    model: str, dims: ParallelDims, comms: Communicators
 ) -> tuple[Any, Any, dict[str, Any], str, dict[str, torch.Tensor]]:
     """Collective over the cell: (HF model, tokenizer, HF config, dtype, this rank's Megatron
     tensors). Only the leader loads the Hugging Face model (it keeps it as the mirror; the
@@ -337,14 +269,13 @@ def _leaders_model(
     model."""
     from gyre.models import load_model
     from gyre.train.comm import arrive
-    from gyre.train.megatron.weights import Layout, stage_to_mcore
+    from gyre.train.megatron.weights import WeightLayout, stage_to_mcore
 
-    dims, leader = cfg.dims, comms.shard == 0
     hf = tokenizer = shards = head = None
-    if leader:
-        hf, tokenizer = load_model(cfg.model)
+    if comms.shard == 0:
+        hf, tokenizer = load_model(model)
         head = (hf.config.to_dict(), str(next(hf.parameters()).dtype).removeprefix("torch."))
-        layout, state = Layout.from_hf_config(head[0]), dict(hf.state_dict())
+        layout, state = WeightLayout.from_hf_config(head[0]), dict(hf.state_dict())
         shards = [{k: v.detach().clone() for k, v in stage_to_mcore(
                       state, layout, tp_rank=s % dims.tensor, tp_size=dims.tensor,
                       stage=s // dims.tensor, stages=dims.pipeline).items()}
@@ -358,8 +289,43 @@ def _leaders_model(
     return hf, tokenizer, hf_config, dtype, shard
 
 
-BACKENDS: dict[str, Callable[..., Replica]] = {
-    "torch": build_torch_replica,
-    "megatron": build_megatron_replica,
-}
-"""Training backends by `train.backend`: each builds a rank's `Replica` from the run config."""
+def model_parallel(parallel: ParallelConfig, ranks_per_cell: int) -> ParallelDims:
+    """Tensor x pipeline over all of a cell's ranks (data parallelism runs across cells)."""
+    pipeline = parallel.pipeline
+    tensor = parallel.tensor if parallel.tensor is not None else ranks_per_cell // pipeline
+    if tensor * pipeline != ranks_per_cell:
+        raise ConfigError(
+            f"parallel: tensor {tensor} x pipeline {pipeline} != "
+            f"topology.ranks_per_cell {ranks_per_cell}; allowed: tensor x pipeline = "
+            "ranks_per_cell (the Megatron backend shards a cell's model over all its ranks)"
+        )
+    return ParallelDims(tensor=tensor, pipeline=pipeline, data=1)
+
+
+def check_installed() -> None:
+    """megatron-core is importable here (the `megatron` extra)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.core") is None:
+        raise ConfigError(
+            "train.backend: megatron, but megatron-core is not installed here "
+            "(pip install '.[megatron]'; on a GPU cluster '.[gpu]'); "
+            "allowed here: torch"
+        )
+
+
+def check_model(hf_config: Mapping[str, Any], dims: ParallelDims) -> None:
+    """The model's family, shapes over `dims` and RoPE are ones `build_gpt_model` lays out."""
+    from gyre.train.megatron.config import MegatronConfig, check_trainable
+
+    try:
+        check_trainable(hf_config, MegatronConfig(tensor_parallel=dims.tensor,
+                                                  pipeline_parallel=dims.pipeline))  # fmt: skip
+    except ConfigError as e:
+        raise ConfigError(f"{e} (or train.backend=torch)") from None
+
+
+MEGATRON = TrainBackend(name="megatron", build=build, dims=model_parallel,
+                        every_core_rank_steps=True, check_installed=check_installed,
+                        check_model=check_model)  # fmt: skip
+"""The Megatron backend: every core rank steps its own shard."""
