@@ -2,12 +2,14 @@
 
 Each test names the doc it keeps true: the README's `gyre sim` row, docs/tracking.md's
 override example, docs/scheduler.md's `gyre plan` rule below E[d] = 0.5, and docs/runtime.md's
-one progress line per step (the run's last step included).
+one progress line per step (the run's last step included), docs/architecture.md's map of
+the runtime's rooms.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 from types import SimpleNamespace
@@ -78,3 +80,21 @@ def test_every_step_gets_a_progress_line_the_last_one_included(
     for updates in (0, 0, 1, 1, 2, 3):  # back to back: well within 0.5 s of each other
         progress.line(updates)
     assert _progress_steps(capsys.readouterr().out) == [0, 1, 2, 3]  # repeats rate-limited
+
+
+def test_the_architecture_page_names_every_module_of_each_runtime_room() -> None:
+    """docs/architecture.md "The runtime's rooms": each room's row (the doors' too) names
+    every module the room holds, so a module added, moved or renamed shows in the map."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in text.splitlines()
+            if (line.startswith("| ") and "/` |" in line) or line.startswith("| doors |")}  # fmt: skip
+    runtime = ROOT / "gyre" / "runtime"
+    rooms = {"doors": runtime, **{f"{d.name}/": d for d in runtime.iterdir()
+                                  if (d / "__init__.py").exists()}}  # fmt: skip
+    assert set(rows) == set(rooms), f"rooms in the doc {sorted(rows)}, in the code {sorted(rooms)}"
+    drawn = text[text.index("## The runtime's rooms") :]
+    for name, folder in rooms.items():
+        where = drawn if name == "shared/" else rows[name]  # shared's modules are in the drawing
+        missing = [m.stem for m in folder.glob("*.py")
+                   if m.stem != "__init__" and not re.search(rf"\b{m.stem}\b", where)]  # fmt: skip
+        assert not missing, f"docs/architecture.md, room {name}: {missing} not named"

@@ -1,8 +1,9 @@
 """Rollout groups inside the scheduler: their executions, outcomes and trained members.
 
 A group is dispatched as N + k executions (`ScheduleConfig.executions_per_group`; k:
-`oversample`, 0 by default), group g owning executions g(N+k) .. g(N+k)+N+k-1. An execution can end without a valid reward
-(evaluator crash, overall budget, unrecoverable after a restart: *excluded*), and a group
+`oversample`, 0 by default), group g owning executions g(N+k) .. g(N+k)+N+k-1. An
+execution can end without a valid reward (evaluator crash, overall budget, unrecoverable
+after a restart: *excluded*), and a group
 trains on N valid rewards (paper §2.3, §5.2), so k extra executions are launched up front
 and the surplus is cancelled once the group has what it needs (§4.2: every launched
 execution terminates once, "including surplus executions under oversampling"):
