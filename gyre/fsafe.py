@@ -105,8 +105,27 @@ def remove_tree(path: Path, made_by: str | None = None, *, ignore_errors: bool =
         raise UnsafePathError(
             f"{path}: not removed: gyre did not create it (no {MARKER} from {who} in it)"
         )
-    shutil.rmtree(path, ignore_errors=ignore_errors)
+    try:
+        _remove_marker_last(path)
+    except OSError:
+        if not ignore_errors:
+            raise
     _forget(path)
+
+
+def _remove_marker_last(path: Path) -> None:
+    """Remove a directory tree, its marker last: a removal cut short (the process killed,
+    the disk gone) leaves a directory still marked as Gyre's, which the next try may remove
+    (a resumed run replacing a policy the dead job was pruning)."""
+    for child in path.iterdir():
+        if child.name == MARKER:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    (path / MARKER).unlink(missing_ok=True)
+    path.rmdir()
 
 
 def fresh_dir(path: Path, made_by: str) -> Path:

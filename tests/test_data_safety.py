@@ -256,6 +256,42 @@ def test_remove_tree_removes_only_what_gyre_made(tmp_path: Path) -> None:
         fsafe.remove_tree(made)
 
 
+def test_a_removal_cut_short_leaves_a_directory_gyre_may_still_remove(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process killed while it removes a policy or checkpoint (pruning, replacing) leaves a
+    directory the resumed run may still replace: the marker goes last, whatever the order
+    the file system lists the files in (seen: a resumed run refusing `policies/v00002`)."""
+
+    class Killed(BaseException):
+        pass
+
+    real_unlink = os.unlink
+    for cut in range(1, 7):  # killed after `cut - 1` of its 6 files were removed
+        d = fsafe.fresh_dir(tmp_path / f"v{cut}", "gyre policy")
+        for name in ("config.json", "model.safetensors", "README.md", "tokenizer.json"):
+            (d / name).write_text(name)
+        (d / "sub").mkdir()
+        (d / "sub" / "x").write_text("x")
+        calls = [0]
+
+        def unlink(
+            path: object, *args: object, _c: list[int] = calls, _cut: int = cut, **kw: object
+        ) -> None:
+            _c[0] += 1
+            if _c[0] == _cut:
+                raise Killed
+            real_unlink(path, *args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "unlink", unlink)
+        with pytest.raises(Killed):
+            fsafe.remove_tree(d, "gyre policy")
+        monkeypatch.setattr(os, "unlink", real_unlink)
+        assert fsafe.maker_of(d) == "gyre policy", f"cut after {cut - 1} files: marker gone"
+        fsafe.remove_tree(d, "gyre policy")
+        assert not d.exists()
+
+
 def test_remove_tree_does_not_follow_symlinks_out(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     (outside / "sub").mkdir(parents=True)
