@@ -10,6 +10,12 @@ serves until the run ends:
     cell         EngineRole        the leader: its engine and its replica's shard 0
                  FollowerRole      the other ranks: their shards, stepped by the leader
     standalone   EngineRole        an engine that stays in rollout
+
+A cell leader spawns its engine first and builds its replica while the engine loads —
+unless the cell's trainers share their GPUs with the engine (`Wiring.parks_first`: a CUDA
+trainer in colocated placement): then every rank of the cell builds its replica, parks it
+on the host (`TrainerResidency`) and waits for the others, and only then does the leader
+start the engine, which so finds the GPUs' memory free.
 """
 
 from __future__ import annotations
@@ -44,6 +50,10 @@ class Wiring:
     placed: RankDevice  # this rank's device and its engine's GPUs
     residency: TrainerResidency | None  # a GPU trainer's offload on each switch to rollout
     clock: StartupClock  # this rank's start-up phases (gyre.runtime.shared.startup)
+    parks_first: bool = False
+    """The cell's trainers share their GPUs with its engine (a CUDA trainer, colocated
+    placement; the same on every rank of a cell): the cell's ranks build and park their
+    trainers before the leader starts the engine."""
 
     @classmethod
     def connect(
@@ -58,13 +68,15 @@ class Wiring:
         link = wire.connect(world, address)
         hosts = world.allgather(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
         placed = place_rank(cfg, world, components)
-        residency = None
+        residency, parks_first = None, False
         if cfg.train.device.startswith("cuda"):  # else the trainer stays on the CPU
             from gyre.runtime.cell.residency import TrainerResidency
 
             residency = TrainerResidency.for_rank(placed)
+            parks_first = cfg.topology.placement == "colocated"  # a leader's GPU is shared
         clock.mark("wiring")
-        return cls(components, comms, address, link, hosts, placed, residency, clock)
+        return cls(components, comms, address, link, hosts, placed, residency, clock,
+                   parks_first)  # fmt: skip
 
     def report_startup(self, me: Component) -> None:
         """Tell the coordinator this rank's start-up phases (it serves from now on)."""
@@ -74,10 +86,11 @@ class Wiring:
 
 class RankRole(Protocol):
     """A rank's component, built: what it shares with the snapshot transport (a cell's
-    parameters) and how it serves until the run ends. (A cell's rollout or training role,
-    the paper's, is `gyre.vocabulary.Role`.)"""
+    parameters, `snapshot_buffer`) and how it serves until the run ends. (A cell's rollout
+    or training role, the paper's, is `gyre.vocabulary.Role`.)"""
 
-    flat: Any
+    @property
+    def flat(self) -> Any: ...
 
     def serve(self, link: Any, transport: Any) -> int: ...
 
@@ -140,14 +153,20 @@ class EngineRole:
 
         self.cfg, self.wiring, self.me, self.run_dir = cfg, wiring, me, run_dir
         wiring.clock.mark("role imports")
+        self.replica, self.version = None, 0
+        cell = me.kind == "cell"
+        if cell and wiring.parks_first:  # the engine starts on the GPUs the trainers left
+            self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
         self.engine = _start_engine(cfg, me, run_dir, wiring.address, wiring.placed)
         wiring.clock.mark("engine spawn")
-        self.replica, self.version = None, 0
-        if me.kind == "cell":
+        if cell and self.replica is None:  # it builds while the engine loads
             self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
-        elif (found := latest(run_dir)) is not None:  # a standalone engine resumes there
-            self.version = int(found[1]["version"])
-        self.flat = self.replica.cell.flat_params if self.replica is not None else None
+        if not cell and (found := latest(run_dir)) is not None:  # a standalone engine
+            self.version = int(found[1]["version"])  # resumes there
+
+    @property
+    def flat(self) -> Any:
+        return snapshot_buffer(self.replica, self.wiring.residency)
 
     def serve(self, link: Any, transport: Any) -> int:
         from gyre.runtime.cell.leader import CellProcess
@@ -168,7 +187,10 @@ class FollowerRole:
     def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
         self.cfg, self.wiring, self.me, self.run_dir = cfg, wiring, me, run_dir
         self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
-        self.flat = self.replica.cell.flat_params
+
+    @property
+    def flat(self) -> Any:
+        return snapshot_buffer(self.replica, self.wiring.residency)
 
     def serve(self, link: Any, transport: Any) -> int:
         from gyre.runtime.cell.follower import CellFollower
@@ -196,10 +218,15 @@ ROLES: dict[str, Callable[[RunConfig, Wiring, Component, Path], RankRole]] = {
 
 def _build_replica(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> tuple[Any, int]:
     """This cell rank's training replica (its shard of the cell, built by the training
-    backend) and the version it resumed at (the newest checkpoint's; 0 without one)."""
+    backend) and the version it resumed at (the newest checkpoint's; 0 without one).
+
+    A trainer that shares its GPU with the engine is parked on the host right away (cells
+    start in rollout); with `wiring.parks_first` every rank of the cell then waits for the
+    others, so the leader starts the engine only once the cell's GPUs are free."""
     import torch
 
     from gyre.runtime.shared.checkpoint import latest
+    from gyre.train.comm import arrive
 
     torch.set_num_threads(1)
     trainer = cfg.train_backend
@@ -213,7 +240,23 @@ def _build_replica(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path)
     found = latest(run_dir)
     version = replica.restore(found[0]) if found is not None else 0
     wiring.clock.mark("restore")
+    if wiring.residency is not None:
+        wiring.residency.release(replica.cell, replica.optimizer)
+    if wiring.parks_first:
+        arrive(wiring.comms.cell)
+        wiring.clock.mark("park")
     return replica, version
+
+
+def snapshot_buffer(replica: Any, residency: TrainerResidency | None) -> Any:
+    """What the snapshot transport (`gyre.train.transfer`) is built over: a trainer's flat
+    parameters where they stay put (on the CPU the transport exposes that buffer itself),
+    else only their shape and dtype (a meta tensor: the transport keeps a host mirror of
+    its own, so a trainer that leaves its GPU leaves no buffer behind). None without one."""
+    if replica is None:
+        return None
+    flat = replica.cell.flat_params
+    return flat if residency is None else flat.new_empty(flat.shape, device="meta")
 
 
 def label(me: Component) -> str:

@@ -89,6 +89,11 @@ class TorchCell:
         """Start a new batch's gradient accumulation."""
         self.flat_grads.zero_()
 
+    def free_scratch(self) -> None:
+        """Drop the device scratch the passes allocate and keep for the next one (rebuilt at
+        the next pass): when the trainer leaves its GPU (`TrainerResidency`). A plain torch
+        model keeps none."""
+
     def _logprobs(self, step: MicroStep, *, grad: bool) -> tuple[torch.Tensor, Any]:
         st = step_tensors(step, self.device)
         with torch.set_grad_enabled(grad):

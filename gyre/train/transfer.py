@@ -1,8 +1,12 @@
 """Weight snapshots from the core to joining satellites: Mooncake Transfer Engine or MPI.
 
-The core exposes one flat host buffer holding its authoritative weights (for a CPU model the
-parameter buffer itself; for a CUDA model a host mirror refreshed by `expose()` after every
-update). A satellite *pulls* it one-sidedly, without interrupting the core's training:
+The core exposes one flat host buffer holding its authoritative weights. It is built over
+the `flat` it is given: a CPU tensor is the buffer itself (a CPU model's parameters that
+stay put: nothing to copy); anything else — a CUDA tensor, or a meta tensor of the
+parameters' shape and dtype where the trainer leaves its device on every switch to
+rollout (`gyre.runtime.roles`) — gives a host mirror of its size, refreshed by `expose()`
+after every update. The transport never keeps a reference to a device buffer. A satellite
+*pulls* it one-sidedly, without interrupting the core's training:
 
 * ``mooncake`` — every cell rank runs a `mooncake.engine.TransferEngine` (TCP on one machine,
   RDMA on clusters; P2P handshake, no metadata server); the core registers its buffer and
@@ -46,28 +50,38 @@ class SnapshotTransport(Protocol):
     def close(self) -> None: ...
 
 
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor, as a numpy view (no copy; any dtype)."""
+    import torch
+
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
 def _host_buffer(flat: torch.Tensor | None) -> np.ndarray:
+    """The host buffer over `flat`: its own bytes on the CPU, else a mirror of its size."""
     if flat is None:
         return np.zeros(0, np.uint8)
     if flat.device.type == "cpu":
-        return flat.detach().numpy().view(np.uint8)
+        return _bytes(flat)
     return np.empty(flat.numel() * flat.element_size(), np.uint8)
 
 
+def _is(t: torch.Tensor, host: np.ndarray) -> bool:
+    """Whether `t` is the host buffer itself (its bytes are already there)."""
+    return t.device.type == "cpu" and t.data_ptr() == host.ctypes.data
+
+
 def _copy_into(into: torch.Tensor, host: np.ndarray) -> None:
-    if into.device.type != "cpu":
+    if not _is(into, host):
         import torch
 
-        into.copy_(torch.from_numpy(host.view(torch_to_numpy(into.dtype))).to(into.device))
+        into.copy_(torch.from_numpy(host).view(into.dtype).view(into.shape))
 
 
-def torch_to_numpy(dtype: torch.dtype) -> Any:
-    """The numpy dtype of a torch dtype (float32/float64/bfloat16-as-uint16)."""
-    import torch
-
-    if dtype == torch.bfloat16:
-        return np.uint16
-    return torch.empty(0, dtype=dtype).numpy().dtype
+def _refresh(host: np.ndarray, flat: torch.Tensor) -> None:
+    """Copy `flat`'s bytes into the exposed `host` buffer unless `flat` is that buffer."""
+    if not _is(flat, host):
+        host[:] = _bytes(flat.detach().cpu())
 
 
 class MpiSnapshot:
@@ -90,9 +104,8 @@ class MpiSnapshot:
         self.win = MPI.Win.Create(self._buf if self._buf.nbytes else None, 1, comm=world)
 
     def expose(self, flat: torch.Tensor) -> None:
-        """Core: refresh the exposed buffer (only needed for device-resident weights)."""
-        if flat.device.type != "cpu":
-            self._buf[:] = flat.detach().cpu().numpy().view(np.uint8)
+        """Core: refresh the exposed buffer (a no-op when it is `flat` itself)."""
+        _refresh(self._buf, flat)
 
     def progress(self) -> None:
         """Core: serve pulls waiting on this rank (call it often while idle).
@@ -109,7 +122,7 @@ class MpiSnapshot:
     def pull(self, into: torch.Tensor) -> float:
         """Satellite: copy the core's weights into `into`; returns seconds taken."""
         t0 = time.perf_counter()
-        host = into.detach().numpy().view(np.uint8) if into.device.type == "cpu" else self._local
+        host = _bytes(into) if into.device.type == "cpu" else self._local
         if host is None or host.nbytes != self.nbytes:
             raise TrainingError(f"snapshot: local buffer does not match the core's {self.nbytes} B")
         self.win.Lock(self.core_rank, self._mpi.LOCK_SHARED)
@@ -154,9 +167,8 @@ class MooncakeSnapshot:
         self.session, self.remote_ptr, self.nbytes = every[core_ranks[shard % len(core_ranks)]]
 
     def expose(self, flat: torch.Tensor) -> None:
-        """Core: refresh the registered buffer (only needed for device-resident weights)."""
-        if flat.device.type != "cpu":
-            self._buf[:] = flat.detach().cpu().numpy().view(np.uint8)
+        """Core: refresh the registered buffer (a no-op when it is `flat` itself)."""
+        _refresh(self._buf, flat)
 
     def progress(self) -> None:
         """Nothing to do: Mooncake serves reads from its own threads."""

@@ -101,3 +101,53 @@ def test_embedded_engine_samples_with_generators_on_its_device():
     else:
         with pytest.raises(RuntimeError, match="CUDA"):
             engine.submit(sampled("on-cuda"), lambda body: None)
+
+
+def test_a_parked_megatron_cell_frees_megatrons_scratch(megatron_world):
+    """A Megatron trainer's park (`TrainerResidency.release`) also lets go of what megatron-core
+    keeps between passes — its global memory buffer (core attention's workspace) and RoPE's
+    cache of position embeddings — beside the flat buffers, the AdamW moments and the norm
+    mask; after the restore the cell computes bitwise the same log-probs."""
+    import gc
+    import warnings
+
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from gyre.train.megatron.config import MegatronConfig
+    from gyre.train.megatron.model import MegatronCell, ModelParallelOptimizer, build_gpt_model
+    from gyre.train.packing import MicroStep, TokenRow
+
+    hfc = {"model_type": "qwen2", "hidden_size": 16, "intermediate_size": 32,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
+           "vocab_size": 64, "tie_word_embeddings": True}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_gpt_model(hfc, MegatronConfig(dtype="float32"), device="cpu")
+    cell = MegatronCell(model, objective=ObjectiveConfig())
+    opt = ModelParallelOptimizer(cell, OptimConfig(lr=1e-2))
+    opt.step(torch.randn_like(cell.flat_params))  # AdamW moments exist
+    targets = np.arange(10) >= 4
+    step = MicroStep(index=0, rows=(TokenRow(
+        execution_id="e0", group_id="g0", policy_version=0,
+        ids=np.random.default_rng(0).integers(0, 64, 10), targets=targets,
+        behaviour_logprobs=np.where(targets, -1.0, 0.0), advantage=1.0,
+        execution_targets=int(targets.sum()), weights=targets / targets.sum()),))  # fmt: skip
+    before = cell.prepass(step)
+    scratch = parallel_state.get_global_memory_buffer().buffer
+    assert scratch and RotaryEmbedding.forward.cache_info().currsize > 0
+    state = opt.opt.state[opt._param]
+    held = {"flat_params": cell.flat_params, "flat_grads": cell.flat_grads, "mask": opt._mask,
+            "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"],
+            **{f"scratch {k}": t for k, t in scratch.items()}}  # fmt: skip
+    refs = {k: StorageWeakRef(t.untyped_storage()) for k, t in held.items()}
+    del held, state
+    residency = TrainerResidency(device="cpu")
+    residency.release(cell, opt)
+    gc.collect()
+    assert [k for k, r in refs.items() if not r.expired()] == []
+    assert not parallel_state.get_global_memory_buffer().buffer
+    assert RotaryEmbedding.forward.cache_info().currsize == 0
+    residency.restore(cell, opt)
+    assert cell.prepass(step) == before

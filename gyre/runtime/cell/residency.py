@@ -1,21 +1,32 @@
 """A colocated trainer's state leaving its GPU for rollout and coming back for training.
 
-What: `TrainerResidency.release(cell, optimizer)` moves a cell rank's flat parameters, flat
-gradients and (on the core) the optimizer's tensors (AdamW moments, a Megatron optimizer's
-norm mask) to host memory and re-views the
-model's parameters into the host buffers; `restore(cell, optimizer)` moves them back to the
-rank's device and re-views them there, exactly as `gyre.train.cell.flatten_parameters` laid
-them out. It keeps the gradients (a switch may come with gradients accumulated) and the
-core's AdamW moments, and rebinds the optimizer's parameter, so no device tensor stays
-referenced.
+What: `TrainerResidency.release(cell, optimizer)` *parks* a cell rank's trainer: its flat
+parameters, flat gradients and (on the core) the optimizer's tensors (AdamW moments, a
+Megatron optimizer's norm mask) are copied to host memory, the model's parameters and
+gradients are re-viewed into the host buffers, and the cell's cached scratch (Megatron's
+global memory buffer and RoPE cache: `TorchCell.free_scratch`) is freed; `restore(cell,
+optimizer)` copies them back to the rank's device, one allocation each, and re-views them
+there exactly as `gyre.train.cell.flatten_parameters` laid them out. The gradients (a
+switch may come with gradients accumulated) and the core's AdamW moments are kept, and the
+optimizer's parameter is rebound.
 
-Why: in `colocated` placement (`gyre.runtime.shared.placement`) the trainer shares its GPU with the
-cell's engine; the engine gets the memory back only when the trainer leaves it.
+Every move makes a new buffer and drops the cell's references to the old one, so after a
+release nothing of the trainer references device memory any more (the old buffers are freed
+with their last reference), and a restore allocates each buffer once, with no second copy
+beside it. That holds
+only if nobody else keeps the trainer's buffers: the rank's role and the snapshot transport
+are built over a description of the flat parameters, never the buffer itself, when the
+trainer moves (`gyre.runtime.roles`). On a CPU rank (tests) the "device" is the CPU and the
+moves are the same, a new host buffer each way.
+
+Why: in `colocated` placement (`gyre.runtime.shared.placement`) the trainer shares its GPU
+with the cell's engine; the engine gets the memory only when the trainer has left it.
 
 How (the plan marks the ranks that need it: `RankDevice.offload`):
 
     residency = TrainerResidency.for_rank(plan[me])      # None when the GPU is not shared
-    residency.release(cell, optimizer)                   # on the switch to rollout
+    residency.release(cell, optimizer)                   # at start, before the engine starts,
+                                                         # and on every switch to rollout
     residency.restore(cell, optimizer)                   # on the switch to train
 
 Every move goes through `move(what, tensor, device)` (default `move_tensor`), so a test on
@@ -35,20 +46,20 @@ from gyre.runtime.shared.placement import RankDevice
 from gyre.train.cell import CoreOptimizer, TorchCell
 
 Mover = Callable[[str, torch.Tensor, str], torch.Tensor]
-"""(what, tensor, device) -> the tensor's contents on `device` (a new tensor, or the same
-one when it is already there). `what` names it: flat_params, flat_grads, optimizer.<key>."""
+"""(what, tensor, device) -> the tensor's contents on `device`: a new tensor (a test's fake
+device map may return the same one). `what` names it: flat_params, flat_grads,
+optimizer.<key>."""
 
 
 def move_tensor(what: str, t: torch.Tensor, device: str) -> torch.Tensor:
-    """The real mover: a copy on `device`; pinned host memory when leaving a CUDA device."""
+    """The real mover: a new tensor on `device` with `t`'s contents (one allocation; pinned
+    host memory when leaving a CUDA device). Always a new buffer, also from the CPU to the
+    CPU, so the caller's last reference to `t` frees it."""
     target = torch.device(device)
-    if t.device == target:
-        return t
-    if target.type == "cpu" and t.is_cuda:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t)
-        return host
-    return t.to(target)
+    out = torch.empty(t.shape, dtype=t.dtype, device=target,
+                      pin_memory=target.type == "cpu" and t.is_cuda)  # fmt: skip
+    out.copy_(t)
+    return out
 
 
 @dataclass(slots=True)
@@ -56,7 +67,7 @@ class TrainerResidency:
     """Where one cell rank's trainer state lives: its device while training, host meanwhile."""
 
     device: str
-    """The rank's device from the placement plan (cuda:N)."""
+    """The rank's device from the placement plan (cuda:N; cpu in tests)."""
     move: Mover = move_tensor
     host: str = "cpu"
     released: bool = False
@@ -71,13 +82,15 @@ class TrainerResidency:
         if self.released:
             raise TrainingError("trainer state is already released to the host")
         was_cuda = cell.flat_params.is_cuda
+        cell.free_scratch()
         self._relocate(cell, optimizer, self.host)
         self.released = True
         if was_cuda:
             release_cached(self.device)
 
     def restore(self, cell: TorchCell, optimizer: CoreOptimizer | None = None) -> None:
-        """Switch to train: the same tensors back on the rank's device."""
+        """Switch to train: the same tensors back on the rank's device, one allocation each
+        (the host copies are dropped)."""
         if not self.released:
             raise TrainingError("trainer state is not released; nothing to restore")
         self._relocate(cell, optimizer, self.device)

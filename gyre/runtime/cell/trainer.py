@@ -67,8 +67,8 @@ class CellTrainer:
         self.run_dir = run_dir
         self.ranks = comms.cell.Get_size()
         self.residency = residency  # a trainer sharing its GPU with the engine (placement)
-        if residency is not None:  # cells start in rollout: the engine has the GPU
-            residency.release(replica.cell, replica.optimizer)
+        if residency is not None and not residency.released:  # cells start in rollout: the
+            residency.release(replica.cell, replica.optimizer)  # role parked it, else here
 
     def to_train(self) -> None:
         """The cell switches to training, its engine has let go of the GPUs (every rank of

@@ -133,6 +133,19 @@ class MegatronCell(TorchCell):
         # this stage's (received input, output) of the latest forward with grad: the backward's
         self._io: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
+    def free_scratch(self) -> None:
+        """megatron-core's scratch kept between passes: the global memory buffer
+        (`parallel_state.get_global_memory_buffer()`: core attention's and the tensor-parallel
+        gathers' workspace, as large as the longest micro-step's) and RoPE's cache of position
+        embeddings (`RotaryEmbedding.forward`'s lru_cache, up to 32 lengths). Both are
+        allocated again, once each, at the next forward."""
+        from megatron.core import parallel_state
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        self._io = None
+        parallel_state.get_global_memory_buffer().buffer.clear()
+        RotaryEmbedding.forward.cache_clear()
+
     def _logprobs(self, step: MicroStep, *, grad: bool) -> tuple[torch.Tensor, Any]:
         st = step_tensors(step, self.device)
         n, width = st.ids.shape
