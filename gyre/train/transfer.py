@@ -46,11 +46,18 @@ class SnapshotTransport(Protocol):
     def close(self) -> None: ...
 
 
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a host tensor, as a numpy view (any dtype: numpy has no bfloat16)."""
+    import torch
+
+    return t.detach().view(torch.uint8).numpy()
+
+
 def _host_buffer(flat: torch.Tensor | None) -> np.ndarray:
     if flat is None:
         return np.zeros(0, np.uint8)
     if flat.device.type == "cpu":
-        return flat.detach().numpy().view(np.uint8)
+        return _bytes(flat)
     return np.empty(flat.numel() * flat.element_size(), np.uint8)
 
 
@@ -58,16 +65,7 @@ def _copy_into(into: torch.Tensor, host: np.ndarray) -> None:
     if into.device.type != "cpu":
         import torch
 
-        into.copy_(torch.from_numpy(host.view(torch_to_numpy(into.dtype))).to(into.device))
-
-
-def torch_to_numpy(dtype: torch.dtype) -> Any:
-    """The numpy dtype of a torch dtype (float32/float64/bfloat16-as-uint16)."""
-    import torch
-
-    if dtype == torch.bfloat16:
-        return np.uint16
-    return torch.empty(0, dtype=dtype).numpy().dtype
+        into.copy_(torch.from_numpy(host).view(into.dtype).to(into.device))
 
 
 class MpiSnapshot:
@@ -92,7 +90,7 @@ class MpiSnapshot:
     def expose(self, flat: torch.Tensor) -> None:
         """Core: refresh the exposed buffer (only needed for device-resident weights)."""
         if flat.device.type != "cpu":
-            self._buf[:] = flat.detach().cpu().numpy().view(np.uint8)
+            self._buf[:] = _bytes(flat.detach().cpu())
 
     def progress(self) -> None:
         """Core: serve pulls waiting on this rank (call it often while idle).
@@ -109,7 +107,7 @@ class MpiSnapshot:
     def pull(self, into: torch.Tensor) -> float:
         """Satellite: copy the core's weights into `into`; returns seconds taken."""
         t0 = time.perf_counter()
-        host = into.detach().numpy().view(np.uint8) if into.device.type == "cpu" else self._local
+        host = _bytes(into) if into.device.type == "cpu" else self._local
         if host is None or host.nbytes != self.nbytes:
             raise TrainingError(f"snapshot: local buffer does not match the core's {self.nbytes} B")
         self.win.Lock(self.core_rank, self._mpi.LOCK_SHARED)
@@ -156,7 +154,7 @@ class MooncakeSnapshot:
     def expose(self, flat: torch.Tensor) -> None:
         """Core: refresh the registered buffer (only needed for device-resident weights)."""
         if flat.device.type != "cpu":
-            self._buf[:] = flat.detach().cpu().numpy().view(np.uint8)
+            self._buf[:] = _bytes(flat.detach().cpu())
 
     def progress(self) -> None:
         """Nothing to do: Mooncake serves reads from its own threads."""
