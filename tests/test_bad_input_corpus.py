@@ -97,6 +97,8 @@ CASES: list[Case] = [
          ("harness.tasks", "not in suite 'learn'", "allowed: notes")),
     Case("gyre run", ("run", "{local}", "--steps", "2", "train.bogus=1"),
          ("unknown key 'bogus'",)),
+    Case("gyre run", ("run", "{local}", "train.dtype=float16", "--dry-run"),
+         ("train.dtype", "'float16'", "'auto', 'float32', 'bfloat16'")),
     Case("gyre run", ("run", "{tmp}/case.yaml", "--run-dir", RUN),
          ("--run-dir", "holds a run of another config", "gyre run --resume"),
          config={"train": {"lr": 0.01}}),

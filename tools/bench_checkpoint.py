@@ -34,7 +34,8 @@ def bench(model: str, repeats: int) -> dict[str, float]:
                                       device=cfg.train.device)  # fmt: skip
     assert replica.optimizer is not None
     replica.optimizer.step(torch.randn_like(replica.cell.flat_params))  # moments exist now
-    named = [(n, p.detach()) for n, p in replica.cell.model.named_parameters()]
+    named = replica.main_named()  # the weights a checkpoint keeps (float32 main weights)
+    assert named is not None
     seconds, size = [], 0
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)

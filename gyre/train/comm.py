@@ -93,8 +93,18 @@ def build_communicators(world: Any, *, cell_of_rank: Sequence[int | None]) -> Co
     return comms
 
 
-def _host(t: torch.Tensor) -> tuple[Any, torch.Tensor]:
+def _host(t: torch.Tensor, *, summed: bool = False) -> tuple[Any, torch.Tensor]:
+    """(a numpy view of `t` on the host, that host tensor). numpy has no bfloat16: a bf16
+    tensor is viewed as its raw 16-bit words, which a broadcast copies as they are but a sum
+    would add as integers, so a 16-bit tensor is refused where it is `summed` (gradients
+    add up in float32: `gyre.train.cell.main_dtype`)."""
+    import torch
+
     h = t if t.device.type == "cpu" else t.detach().to("cpu")
+    if h.dtype in (torch.bfloat16, torch.float16):
+        if summed:
+            raise TrainingError(f"a sum over MPI of a {h.dtype} tensor; sums are float32")
+        return h.detach().view(torch.int16).numpy(), h
     return h.detach().numpy(), h
 
 
@@ -106,7 +116,7 @@ def reduce_to_core(comms: Communicators, grads: torch.Tensor, *, participants: i
     if participants == 1:
         return grads.clone()
     comm = comms.prefix[participants]
-    send, _ = _host(grads)
+    send, _ = _host(grads, summed=True)
     recv = send.copy() if comm.Get_rank() == 0 else None
     comm.Reduce(send, recv, op=MPI.SUM, root=0)
     if recv is None:
@@ -132,7 +142,7 @@ def sum_in_cell(comms: Communicators, t: torch.Tensor) -> torch.Tensor:
 
     if comms.cell.Get_size() == 1:
         return t
-    send, _ = _host(t)
+    send, _ = _host(t, summed=True)
     recv = send.copy() if comms.shard == 0 else None
     comms.cell.Reduce(send, recv, op=MPI.SUM, root=0)
     if recv is None:

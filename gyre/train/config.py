@@ -12,6 +12,7 @@
       token_budget: 16384        # padded tokens per micro-step
       transport: mooncake        # or mpi
       backend: megatron          # or torch (the default)
+      dtype: bfloat16            # the model's parameters (auto: bfloat16 on cuda, else float32)
       parallel: {tensor: 2}      # a cell's ranks: tensor x pipeline x data (ParallelDims)
 
 Its parts (`ObjectiveConfig`, `OptimConfig`, admission, advantages, the packing buffer's
@@ -27,6 +28,9 @@ from gyre.errors import ConfigError
 from gyre.train.admission import DEFAULT_ROLE_PRIORITY, AdmissionConfig
 from gyre.train.rewards import AdvantageConfig
 from gyre.train.stream import StreamConfig
+
+DTYPES = ("auto", "float32", "bfloat16")
+"""`train.dtype`'s allowed values."""
 
 
 @dataclass(kw_only=True)
@@ -147,6 +151,11 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
     """Seed of admission sampling and of task-instance draws."""
     device: str = "cpu"
     """Torch device of the cells (cpu, cuda, cuda:N)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The model's parameters, activations and published weights: float32, or bfloat16 with
+    Megatron's mixed precision (float32 main weights, gradients accumulated in float32,
+    float32 AdamW moments; checkpoints keep the float32 state); auto: bfloat16 on a cuda
+    `device`, float32 on cpu (`params_dtype`; docs/training.md "Mixed precision")."""
     transport: Literal["mpi", "mooncake"] = "mpi"
     """How satellites pull the core's weight snapshot."""
     backend: str = "torch"
@@ -176,6 +185,8 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
         AdmissionConfig(j_max=self.j_max, role_priority=list(self.role_priority))  # validates
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device: {self.device!r}; allowed cpu, cuda, cuda:N")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r}; allowed {', '.join(DTYPES)}")
         if self.token_budget < 1:
             raise ConfigError(f"token_budget: {self.token_budget}; allowed an integer >= 1")
         if self.keep_policies < 1:
@@ -188,6 +199,14 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
             raise ConfigError(
                 f"max_empty_batches: {self.max_empty_batches}; allowed an integer >= 1"
             )
+
+    @property
+    def params_dtype(self) -> Literal["float32", "bfloat16"]:
+        """The torch dtype name of the model's parameters: `dtype`, with auto resolved by
+        `device` (bfloat16 on cuda, float32 on cpu) — the one place it is resolved."""
+        if self.dtype == "auto":
+            return "bfloat16" if self.device.startswith("cuda") else "float32"
+        return self.dtype
 
     @property
     def objective(self) -> ObjectiveConfig:

@@ -5,12 +5,14 @@ newest, how many are kept) holds one core file, `core.pt`, written by the core's
 and read back by every cell rank on a resume:
 
     {"version": int,                       # the policy version of the weights
-     "named": [(name, tensor), ...],       # the Hugging Face layout (what engines load)
+     "named": [(name, tensor), ...],       # the main weights (float32 under mixed
+                                           # precision), in the Hugging Face layout
      "optimizer": AdamW state dict | None} # moments in the HF model's flat order
 
 Both backends write and read the same file (a Megatron core gathers its shards into the HF
 layout and splits them again on load), so a checkpoint taken with one resumes with the
-other, at any tensor / pipeline sizes. Torch is imported only when a file is written or read.
+other, at any tensor / pipeline sizes and either `train.dtype`: it holds the optimizer's
+main weights, not the bf16 parameters, so a resume continues bit for bit. Torch is imported only when a file is written or read.
 
     size = save(folder, named, optimizer_state, version)
     data = load(folder)            # {"version", "named", "optimizer"}

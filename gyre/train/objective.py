@@ -92,14 +92,18 @@ the bound on each per-chunk temporary, whatever the row length."""
 def target_logprobs(
     logits: torch.Tensor, ids: torch.Tensor, *, chunk_tokens: int | None = None
 ) -> torch.Tensor:
-    """log pi(ids[:, t] | ids[:, :t]) for t >= 1 (column 0 is 0), in the logits' dtype.
+    """log pi(ids[:, t] | ids[:, :t]) for t >= 1 (column 0 is 0), in float32 for 16-bit
+    logits (else the logits' dtype); the logits' gradient is in their own dtype.
 
     Computed `logits[target] - logsumexp(logits)` chunk by chunk over the sequence, forward and
     backward (which recomputes each chunk's softmax), so no full-vocabulary log-softmax, upcast
     copy or second gradient buffer of the `[rows, len, vocab]` logits is ever allocated; the
     only full-size tensor besides the logits is their own gradient. A chunk holds about
     `chunk_tokens` positions of all rows (default: `CHUNK_ELEMENTS // vocab`); the arithmetic
-    is in float32 for 16-bit logits (float64 stays float64).
+    is in float32 for 16-bit logits (float64 stays float64), and so is the result, as
+    Megatron's cross-entropy returns float32 for bf16 logits: a log-prob rounded to bfloat16
+    is off by up to 2^-9 of itself (0.01 at -5), twice the width of GSPO's 0.995..1.005 window
+    on a token's ratio.
     """
     chunk = _chunk_positions(logits.shape[0], logits.shape[-1], chunk_tokens)
     out = _TargetLogprobs.apply(logits, ids, chunk)
@@ -120,7 +124,8 @@ def lm_head_target_logprobs(
     `weight` [vocab, H] its bias-free LM head (`model.get_output_embeddings().weight`, tied
     or not); each chunk's logits are computed, used and dropped, in forward and again in
     backward, so memory per token is O(H), not O(vocab). Gradients flow to both `hidden` and
-    `weight` (the head's gradient is accumulated over chunks in float32 for 16-bit weights).
+    `weight` (the head's gradient is accumulated over chunks in float32 for 16-bit weights);
+    the result is float32 for 16-bit inputs, as `target_logprobs`'s is.
     """
     chunk = _chunk_positions(hidden.shape[0], weight.shape[0], chunk_tokens)
     out = _HeadTargetLogprobs.apply(hidden, weight, ids, chunk)
@@ -190,7 +195,7 @@ class _TargetLogprobs(torch.autograd.Function):
             )
         ctx.save_for_backward(logits, ids, top, logsum)
         ctx.chunk = chunk
-        return out.to(logits.dtype)
+        return out
 
     @staticmethod
     @once_differentiable
@@ -225,7 +230,7 @@ class _HeadTargetLogprobs(torch.autograd.Function):
             out[:, col], top[:, col], logsum[:, col] = _chunk_logprobs(z, ids, s, e, ct)
         ctx.save_for_backward(hidden, weight, ids, top, logsum)
         ctx.chunk = chunk
-        return out.to(hidden.dtype)
+        return out
 
     @staticmethod
     @once_differentiable

@@ -1,13 +1,14 @@
 """One rank of a tensor- and pipeline-parallel Megatron world on CPU (gloo), for
 test_gpu_megatron_cpu.py.
 
-    python megatron_tp_worker.py RANK WORLD PORT OUT_DIR [PIPELINE]
+    python megatron_tp_worker.py RANK WORLD PORT OUT_DIR [PIPELINE [DTYPE]]
 
 Builds Gyre's GPTModel of the tiny Qwen2 (`build_gpt_model` + `stage_to_mcore`: this rank's
-TP shard of its pipeline stage; TP = WORLD / PIPELINE), runs the micro-step's rows forward
-through `MegatronCell` (stage by stage; vocab-parallel cross-entropy), the cell's backward of
-the summed target log-probs, and writes this rank's log-probs and its shard's gradients
-(Megatron names) to OUT_DIR/rank<R>.pt.
+TP shard of its pipeline stage; TP = WORLD / PIPELINE) in DTYPE (float32, or bfloat16 with
+the cell's mixed precision), runs the micro-step's rows forward through `MegatronCell` (stage
+by stage; vocab-parallel cross-entropy), the cell's backward of the summed target log-probs,
+and writes this rank's log-probs and its shard's accumulated gradients (Megatron names) to
+OUT_DIR/rank<R>.pt.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 
-def main(rank: int, world: int, port: int, out: str, pipeline: int = 1) -> None:
+def main(
+    rank: int, world: int, port: int, out: str, pipeline: int = 1, dtype: str = "float32"
+) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -32,7 +35,7 @@ def main(rank: int, world: int, port: int, out: str, pipeline: int = 1) -> None:
     from gyre.train.objective import ObjectiveConfig
 
     tp = world // pipeline
-    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pipeline, dtype="float32")
+    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pipeline, dtype=dtype)  # type: ignore[arg-type]
     init_model_parallel(mcfg)
     hf, _ = load_model("tiny")
     hfc = hf.config.to_dict()
@@ -45,7 +48,7 @@ def main(rank: int, world: int, port: int, out: str, pipeline: int = 1) -> None:
     step = torch.load(f"{out}/step.pt", weights_only=False)
     logp, st = cell._logprobs(step, grad=True)
     cell._backward((logp * st.targets).sum())  # the last stage's loss; the others' gradients
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: cell.grad_of(p).detach().clone() for n, p in model.named_parameters()}
     torch.save({"logp": logp.detach(), "grads": grads, "patched": cpu.active()},
                f"{out}/rank{rank}.pt")  # fmt: skip
     dist.destroy_process_group()
@@ -53,4 +56,5 @@ def main(rank: int, world: int, port: int, out: str, pipeline: int = 1) -> None:
 
 if __name__ == "__main__":
     pipeline = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], pipeline)
+    dtype = sys.argv[6] if len(sys.argv) > 6 else "float32"
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], pipeline, dtype)

@@ -54,18 +54,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# TP = 1, PP = 1: test_gpu_megatron_weights.py, in-process
-@pytest.mark.slow
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-def test_megatron_tp_matches_transformers_on_cpu(tmp_path: Path, tp: int, pp: int) -> None:
-    from gyre.models import load_model
-    from gyre.train.megatron.weights import WeightLayout, stages_to_hf
-
-    step = _step()
+def _run_world(tmp_path: Path, step: MicroStep, tp: int, pp: int, dtype: str) -> list[dict]:
+    """Every rank's results of one micro-step through a TP x PP world of gloo processes."""
     torch.save(step, tmp_path / "step.pt")
     port, world = _free_port(), tp * pp
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port),
-                               str(tmp_path), str(pp)], stdout=subprocess.PIPE,
+                               str(tmp_path), str(pp), dtype], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for r in range(world)]  # fmt: skip
     for p in procs:
@@ -73,20 +67,73 @@ def test_megatron_tp_matches_transformers_on_cpu(tmp_path: Path, tp: int, pp: in
         assert p.returncode == 0, out[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     assert all(r["patched"] for r in ranks)  # the CPU patches were in force
-    want_logp, want_grads = _hf_reference(step)
-    targets = torch.from_numpy(np.zeros(want_logp.shape, bool))
+    return ranks
+
+
+def _targets(step: MicroStep, shape: tuple[int, ...]) -> torch.Tensor:
+    targets = torch.from_numpy(np.zeros(shape, bool))
     for k, row in enumerate(step.rows):
         targets[k, : row.length] = torch.from_numpy(row.targets)
-    for r in ranks:  # every rank has the whole rows' log-probs (vocab-parallel CE, broadcast)
-        assert (r["logp"][targets] - want_logp[targets]).abs().max() < 2e-5
+    return targets
+
+
+def _hf_grads(ranks: list[dict], tp: int) -> dict[str, torch.Tensor]:
+    from gyre.models import load_model
+    from gyre.train.megatron.weights import WeightLayout, stages_to_hf
+
     hf_config = load_model("tiny")[0].config.to_dict()
-    got = stages_to_hf(
+    return stages_to_hf(
         [r["grads"] for r in ranks], WeightLayout.from_hf_config(hf_config), tp_size=tp
     )
+
+
+# TP = 1, PP = 1: test_gpu_megatron_weights.py, in-process
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_megatron_tp_matches_transformers_on_cpu(tmp_path: Path, tp: int, pp: int) -> None:
+    step = _step()
+    ranks = _run_world(tmp_path, step, tp, pp, "float32")
+    want_logp, want_grads = _hf_reference(step)
+    targets = _targets(step, tuple(want_logp.shape))
+    for r in ranks:  # every rank has the whole rows' log-probs (vocab-parallel CE, broadcast)
+        assert (r["logp"][targets] - want_logp[targets]).abs().max() < 2e-5
+    got = _hf_grads(ranks, tp)
     assert set(got) == set(want_grads) - {"lm_head.weight"}  # tied to the embedding
     for name, g in got.items():
         ref = want_grads[name]
         assert float((g - ref).norm()) <= 1e-4 * float(ref.norm()) + 1e-7, name
+
+
+@pytest.mark.slow
+def test_megatron_bf16_tp_and_pp_match_transformers_within_bf16_tolerance(tmp_path: Path) -> None:
+    """bf16 at TP 2 x PP 2 (mixed precision: float32 log-probs from the vocab-parallel
+    cross-entropy, bf16 hidden states between the stages, gradients added up in float32, the
+    tied embedding's two float32 copies summed) against transformers in float32, within
+    tests/train/test_train_mixed_precision.py's T(n) = 2 sqrt(n) 2^-8: the log-probs' rms
+    error within T(n_f) of the logits' rms, the gradient's relative L2 error within T(n_b)."""
+    from gyre.models import load_model
+    from gyre.train.objective import step_tensors
+
+    step = _step()
+    ranks = _run_world(tmp_path, step, 2, 2, "bfloat16")
+    want_logp, want_grads = _hf_reference(step)
+    targets = _targets(step, tuple(want_logp.shape))
+    hf, st = load_model("tiny")[0], step_tensors(step)
+    n_f = 16 * hf.config.num_hidden_layers + 3  # bf16 roundings of the forward
+    with torch.no_grad():
+        scale = float(
+            hf(input_ids=st.ids, attention_mask=st.attention).logits.square().mean().sqrt()
+        )
+    for r in ranks:
+        assert r["logp"].dtype == torch.float32
+        err = (r["logp"][targets] - want_logp[targets]).square().mean().sqrt()
+        assert float(err) <= 2 * (n_f**0.5) * 2.0**-8 * scale
+    got = _hf_grads(ranks, 2)
+    assert {g.dtype for g in got.values()} == {torch.float32}
+    names = sorted(got)
+    g = torch.cat([got[n].reshape(-1) for n in names])
+    ref = torch.cat([want_grads[n].reshape(-1) for n in names])
+    assert float((g - ref).norm()) <= 2 * ((2 * n_f) ** 0.5) * 2.0**-8 * float(ref.norm())
 
 
 @pytest.mark.slow

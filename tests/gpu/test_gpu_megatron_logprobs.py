@@ -1,6 +1,7 @@
 """Target log-probs through Megatron's vocab-parallel cross-entropy (the TP > 1 path of
 `MegatronCell`), run here on a one-rank gloo tensor-parallel group against Gyre's reference
-`target_logprobs`: float32 and bfloat16, one row and several, values and gradients."""
+`target_logprobs`: float32 and bfloat16 logits (float32 log-probs either way), one row and
+several, values and gradients."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def test_vocab_parallel_logprobs_match_reference(megatron_world, dtype, rows):
     assert torch.equal(logits.detach(), base)  # the model's logits are left as they were
     ref_logits = base.clone().requires_grad_()
     want = target_logprobs(ref_logits.float(), ids)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert got.dtype == dtype and got.shape == (rows, 7)
-    assert torch.allclose(got.float(), want, atol=tol)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # of the logits' gradient, in their dtype
+    assert got.dtype == torch.float32 and got.shape == (rows, 7)  # as target_logprobs's
+    assert torch.allclose(got, want, atol=1e-5)  # no rounding to bf16 of the log-probs
     weights = torch.randn(rows, 7, generator=gen)
     (got.float() * weights).sum().backward()
     (want * weights).sum().backward()

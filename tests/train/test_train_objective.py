@@ -208,9 +208,11 @@ def test_target_logprobs_match_log_softmax(rows, width, vocab, chunk, dtype, sca
 
 
 @pytest.mark.parametrize("chunk", [1, 5, None])
-def test_bfloat16_logprobs_keep_dtype_and_round_once(chunk) -> None:
-    """16-bit logits: the result and gradient stay bfloat16 (as before), computed in float32
-    and rounded once, so they lie within one bfloat16 step of the float32 reference."""
+def test_bfloat16_logits_give_float32_logprobs(chunk) -> None:
+    """16-bit logits: float32 log-probs (computed in float32 and not rounded back: a bf16
+    log-prob would be off by up to 2^-9 of itself, wider than GSPO's clip window), equal to
+    the float32 reference on the same logits; the logits' gradient is bfloat16, rounded once
+    (within one bfloat16 step, 2^-7 relative, of the float32 reference's)."""
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 17, 300, generator=gen).to(torch.bfloat16)
     ids = torch.randint(0, 300, (3, 17), generator=gen)
@@ -219,12 +221,12 @@ def test_bfloat16_logprobs_keep_dtype_and_round_once(chunk) -> None:
         lambda x, i: target_logprobs(x, i, chunk_tokens=chunk), logits, ids, weights
     )
     want, g_want = _values_and_grad(_reference_logprobs, logits.float(), ids, weights)
-    assert got.dtype == torch.bfloat16 and g_got.dtype == torch.bfloat16
+    assert got.dtype == torch.float32 and g_got.dtype == torch.bfloat16
     step = 2.0**-7
-    assert torch.allclose(got.float(), want, rtol=step, atol=1e-6)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
     assert torch.allclose(g_got.float(), g_want, rtol=step, atol=step * float(g_want.abs().max()))
     old, _ = _values_and_grad(_reference_logprobs, logits, ids, weights)  # bf16 log_softmax
-    assert torch.allclose(got.float(), old.float(), rtol=2 * step, atol=1e-6)
+    assert torch.allclose(old.float(), got, rtol=2 * step, atol=1e-6)  # only rounding apart
 
 
 @settings(max_examples=30, deadline=None)
@@ -266,7 +268,7 @@ def test_lm_head_logprobs_bfloat16_accumulates_head_gradient_in_float32() -> Non
     step_loss(out, coeff).backward()
     w32 = weight.float().requires_grad_(True)
     step_loss(_reference_logprobs(hidden.float() @ w32.T, ids), coeff).backward()
-    assert out.dtype == torch.bfloat16 and w.grad is not None and w.grad.dtype == torch.bfloat16
+    assert out.dtype == torch.float32 and w.grad is not None and w.grad.dtype == torch.bfloat16
     assert w32.grad is not None
     err = float((w.grad.float() - w32.grad).norm() / w32.grad.norm())
     assert err < 2.0**-8  # one rounding of the sum, not one per chunk

@@ -2,13 +2,13 @@
 
 What: `TrainerResidency.release(cell, optimizer)` *parks* a cell rank's trainer: its flat
 parameters, flat gradients and (on the core) the optimizer's tensors (AdamW moments, a
-Megatron optimizer's norm mask) are copied to host memory, the model's parameters and
-gradients are re-viewed into the host buffers, and the cell's cached scratch (Megatron's
-global memory buffer and RoPE cache: `TorchCell.free_scratch`) is freed; `restore(cell,
-optimizer)` copies them back to the rank's device, one allocation each, and re-views them
-there exactly as `gyre.train.cell.flatten_parameters` laid them out. The gradients (a
-switch may come with gradients accumulated) and the core's AdamW moments are kept, and the
-optimizer's parameter is rebound.
+mixed-precision cell's float32 main weights, a Megatron optimizer's norm mask) are copied to
+host memory, the model's parameters and gradients are re-viewed into the host buffers, and
+the cell's cached scratch (Megatron's global memory buffer and RoPE cache:
+`TorchCell.free_scratch`) is freed; `restore(cell, optimizer)` copies them back to the rank's
+device, one allocation each, and re-views them there (`gyre.train.cell.view_parameters`, the
+layout `flatten_parameters` made). The gradients (a switch may come with gradients
+accumulated) and the core's AdamW moments are kept, and the optimizer's parameter is rebound.
 
 Every move makes a new buffer and drops the cell's references to the old one, so after a
 release nothing of the trainer references device memory any more (the old buffers are freed
@@ -43,7 +43,7 @@ import torch
 from gyre.errors import TrainingError
 from gyre.gpu.memory import release_cached
 from gyre.runtime.shared.placement import RankDevice
-from gyre.train.cell import CoreOptimizer, TorchCell
+from gyre.train.cell import CoreOptimizer, TorchCell, view_parameters
 
 Mover = Callable[[str, torch.Tensor, str], torch.Tensor]
 """(what, tensor, device) -> the tensor's contents on `device`: a new tensor (a test's fake
@@ -100,7 +100,7 @@ class TrainerResidency:
         old = cell.flat_params
         flat = self.move("flat_params", cell.flat_params, device)
         grads = self.move("flat_grads", cell.flat_grads, device)
-        _view_parameters(cell.model, flat, grads)
+        view_parameters(cell.model, flat, grads)
         cell.flat_params, cell.flat_grads, cell.device = flat, grads, flat.device
         if optimizer is not None:
             self._relocate_optimizer(optimizer, old, flat, device)
@@ -109,32 +109,22 @@ class TrainerResidency:
         self, optimizer: CoreOptimizer, old: torch.Tensor, flat: torch.Tensor, device: str
     ) -> None:
         """Move the optimizer object's own tensors (`ModelParallelOptimizer`'s norm mask),
-        rebind its parameter (a view of the old flat buffer) and move its state tensors;
-        scalar state (AdamW's `step`, kept on the host) stays where it is."""
+        rebind its parameter (the old flat buffer, or a mixed-precision cell's float32 main
+        weights, moved) and move its state tensors; scalar state (AdamW's `step`, kept on the
+        host) stays where it is."""
         for name, value in sorted(vars(optimizer).items()):
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
                 setattr(optimizer, name, self.move(f"optimizer.{name}", value, device))
         opt = optimizer.opt
         params = [p for group in opt.param_groups for p in group["params"]]
-        mine = [p for p in params if p.data_ptr() == old.data_ptr()]
-        if len(mine) != 1:
+        mine = [p for p in params if p.data_ptr() == optimizer.main.data_ptr()]
+        mixed = optimizer.cell.mixed  # else the optimizer steps the cell's flat buffer itself
+        if len(mine) != 1 or not (mixed or mine[0].data_ptr() == old.data_ptr()):
             raise TrainingError("optimizer: does not hold exactly the cell's flat parameters")
         param = mine[0]
-        param.data = flat
+        param.data = self.move("optimizer.main", param.data, device) if mixed else flat
         state = opt.state.get(param, {})
         for key in sorted(state):
             value = state[key]
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 state[key] = self.move(f"optimizer.{key}", value, device)
-
-
-def _view_parameters(model: torch.nn.Module, flat: torch.Tensor, grads: torch.Tensor) -> None:
-    """Point every trainable parameter and its grad at its slice of the flat buffers."""
-    off = 0
-    for p in (q for q in model.parameters() if q.requires_grad):
-        n = p.numel()
-        p.data = flat[off : off + n].view_as(p)
-        p.grad = grads[off : off + n].view_as(p)
-        off += n
-    if off != flat.numel() or flat.shape != grads.shape:
-        raise TrainingError(f"parameters cover {off} of {flat.numel()} flat elements")

@@ -173,12 +173,14 @@ class CellTrainer:
         assert replica.optimizer is not None
         if m.num_executions == 0:
             return 0.0  # nothing to train (every group set aside): no optimizer step
-        record = self.cfg.train.record_batches  # in the HF model's flat order, on the leader
-        before = replica.hf_flat(cell.flat_params.detach().clone()) if record else None
+        # in the HF model's flat order, on the leader; the weights AdamW steps (float32 main
+        # weights where the cell is mixed precision)
+        record, main = self.cfg.train.record_batches, replica.optimizer.main
+        before = replica.hf_flat(main.detach().clone()) if record else None
         grad_sum = replica.hf_flat(total.clone()) if record else None
         opt_before = copy.deepcopy(replica.optimizer_state()) if record else None
         norm = replica.optimizer.step(batch_gradient(total, m.num_executions))
-        after = replica.hf_flat(cell.flat_params.detach().clone()) if record else None
+        after = replica.hf_flat(main.detach().clone()) if record else None
         if before is not None:
             audit.record_update(self.run_dir, m.batch, {
                 "version": self.version, "params_before": before, "grad_sum": grad_sum,

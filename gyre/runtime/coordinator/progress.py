@@ -141,6 +141,7 @@ class Progress:
             "policy": self.cfg.schedule.policy,
             "ranks_per_cell": self.cfg.topology.ranks_per_cell,
             "train_backend": self.cfg.train.backend,
+            "train_dtype": self.cfg.train.params_dtype,
             "engine_backend": self.cfg.engine.backend,
             "parallel": dataclasses.asdict(self.cfg.dims),
             "cell_hosts": cell_hosts,

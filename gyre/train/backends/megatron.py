@@ -6,8 +6,9 @@ megatron-core's GPTModel sharded over the cell's ranks with tensor and pipeline 
 runs every row (the stages one after the other); each core rank steps AdamW on its own shard
 with the whole model's gradient norm. After every change of weights (an update, a pull of
 the core's snapshot, a restore) the shards of every stage are gathered to the leader into a
-Hugging Face *mirror* of the policy: what the engines load, policies save and checkpoints
-keep (`gyre.train.core_file`, the same file as the torch backend's). docs/gpu.md.
+Hugging Face *mirror* of the policy, in the model's dtype: what the engines load and policies
+save; checkpoints keep the core's main weights gathered the same way
+(`gyre.train.core_file`, the same file as the torch backend's). docs/gpu.md.
 
     replica = MEGATRON.build(cfg.model, cfg.train, dims, core=True, device="cuda:0",
                              comms=comms, host="10.0.0.5")
@@ -102,14 +103,14 @@ class MegatronReplica(TorchReplica):
 
     def restore(self, folder: Path) -> int:
         """Weights and AdamW moments from an HF-layout checkpoint (either backend's, any TP
-        and PP sizes), split to this rank's shard of its stage."""
+        and PP sizes, either dtype), split to this rank's shard of its stage."""
         from gyre.rollout.weights import load_named_tensors
 
         data = core_file.load(folder)
         named = dict(data["named"])
         if self.mirror is not None:
             load_named_tensors(self.mirror, sorted(named.items()))
-        load_named_tensors(self.cell.model, sorted(self._shard(named).items()))
+        self._load_weights(named)
         state = data["optimizer"]
         if self.optimizer is not None and state is not None:
             shapes = [(n, t.shape) for n, t in data["named"]]
@@ -120,7 +121,7 @@ class MegatronReplica(TorchReplica):
             self.optimizer.opt.load_state_dict(state)
         return int(data["version"])
 
-    def _shard(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _mine(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's Megatron tensors of full HF-layout tensors."""
         from megatron.core import parallel_state as ps
 
@@ -140,9 +141,7 @@ class MegatronReplica(TorchReplica):
             n = int(torch.Size(shape).numel())
             hf[name] = flat[off : off + n].view(shape)
             off += n
-        mine = self._shard(hf)
-        return torch.cat([mine[n].reshape(-1) for n, p in self.cell.model.named_parameters()
-                          if p.requires_grad]).to(self.cell.device)  # fmt: skip
+        return self._flat(self._mine(hf)).to(self.cell.device)
 
 
 def build(
@@ -167,14 +166,16 @@ def build(
     # megatron-core warns at import and build about every optional CUDA library it lacks
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
-    hf, tokenizer, hf_config, dtype, shard = _leaders_model(model, dims, comms)
+    hf, tokenizer, hf_config, shard = _leaders_model(model, dims, comms)
     mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
-                          dtype=dtype)  # type: ignore[arg-type]  # fmt: skip
+                          dtype=train.params_dtype)  # fmt: skip
     init_model_parallel(mcfg)
     _check_rank(comms, dims)
     gpt = build_gpt_model(hf_config, mcfg, device="cpu")
-    load_named_tensors(gpt, sorted(shard.items()))
+    load_named_tensors(gpt, sorted(shard.items()))  # rounded to the model's dtype
     gpt.to(torch.device(device)).train()
+    if hf is not None:  # the mirror holds what engines load: the model's dtype
+        hf.to(getattr(torch, train.params_dtype))
     cell = MegatronCell(gpt, objective=train.objective)
     optimizer = ModelParallelOptimizer(cell, train.optim) if core else None
     return MegatronReplica(cell, tokenizer, optimizer, dims, comm=comms.cell, mirror=hf,
@@ -261,12 +262,12 @@ def interface_of(address: str) -> str:
 
 def _leaders_model(
     model: str, dims: ParallelDims, comms: Communicators
-) -> tuple[Any, Any, dict[str, Any], str, dict[str, torch.Tensor]]:
-    """Collective over the cell: (HF model, tokenizer, HF config, dtype, this rank's Megatron
-    tensors). Only the leader loads the Hugging Face model (it keeps it as the mirror; the
-    others get None): it sends the config and each rank's shard, so the other ranks never
-    import transformers' model code (seconds of CPU each at start-up) nor hold the whole
-    model."""
+) -> tuple[Any, Any, dict[str, Any], dict[str, torch.Tensor]]:
+    """Collective over the cell: (HF model, tokenizer, HF config, this rank's Megatron
+    tensors, in the HF model's dtype). Only the leader loads the Hugging Face model (it keeps
+    it as the mirror; the others get None): it sends the config and each rank's shard, so the
+    other ranks never import transformers' model code (seconds of CPU each at start-up) nor
+    hold the whole model."""
     from gyre.models import load_model
     from gyre.train.comm import arrive
     from gyre.train.megatron.weights import WeightLayout, stage_to_mcore
@@ -274,19 +275,19 @@ def _leaders_model(
     hf = tokenizer = shards = head = None
     if comms.shard == 0:
         hf, tokenizer = load_model(model)
-        head = (hf.config.to_dict(), str(next(hf.parameters()).dtype).removeprefix("torch."))
-        layout, state = WeightLayout.from_hf_config(head[0]), dict(hf.state_dict())
+        head = hf.config.to_dict()
+        layout, state = WeightLayout.from_hf_config(head), dict(hf.state_dict())
         shards = [{k: v.detach().clone() for k, v in stage_to_mcore(
                       state, layout, tp_rank=s % dims.tensor, tp_size=dims.tensor,
                       stage=s // dims.tensor, stages=dims.pipeline).items()}
                   for s in range(comms.cell.Get_size())]  # fmt: skip
     arrive(comms.cell)  # the other ranks sleep while the leader loads
-    hf_config, dtype = comms.cell.bcast(head, root=0)
+    hf_config = comms.cell.bcast(head, root=0)
     shard = comms.cell.scatter(shards, root=0)
     # every rank holds its part before the leader moves on to torch's rendezvous (a netmod
     # without asynchronous progress delivers only while the sender is inside MPI)
     arrive(comms.cell)
-    return hf, tokenizer, hf_config, dtype, shard
+    return hf, tokenizer, hf_config, shard
 
 
 def model_parallel(parallel: ParallelConfig, ranks_per_cell: int) -> ParallelDims:

@@ -9,8 +9,9 @@ it looks the record up once (`gyre.train.backends.backend`) and asks it.
 The `Replica` a backend builds is what the cell's trainer (`gyre.runtime.cell.trainer`)
 drives, the same for every backend: the rank's `TorchCell` (flat parameter and gradient
 buffers, the two passes of the objective), the tokenizer, the core's optimizer where this
-rank owns one, and the weights in the Hugging Face layout (what engines load, policies save
-and checkpoints keep: `gyre.train.core_file`).
+rank owns one, and the weights in the Hugging Face layout (what engines load and policies
+save, in `train.params_dtype`; checkpoints keep the optimizer's float32 main weights:
+`gyre.train.core_file`).
 
 Torch-free: the run config imports this to validate `train.backend`.
 """
@@ -43,7 +44,11 @@ class Replica(Protocol):
         """The Hugging Face model of the weights held (the leader's): saved as a policy."""
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
-        """The leader's HF-layout weights (what engines load)."""
+        """The leader's HF-layout weights (what engines load), in `train.params_dtype`."""
+
+    def main_named(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The HF-layout weights a checkpoint keeps, on the leader (collective over the cell;
+        None elsewhere): the core's float32 main weights under mixed precision."""
 
     def refresh(self) -> None:
         """After the weights changed (collective over the cell): bring the HF view up to date."""

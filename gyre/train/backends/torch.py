@@ -2,8 +2,9 @@
 
 Data parallel inside a cell: a pass's rows are split over the cell's ranks, the leader's
 optimizer steps the cell's summed gradient and the cell receives the result; the leader's
-model *is* the Hugging Face policy (what engines load, policies save, checkpoints keep).
-The embedded default, CPU or GPU; docs/training.md.
+model *is* the Hugging Face policy (what engines load and policies save, in
+`train.params_dtype`); checkpoints keep the optimizer's main weights (float32 under mixed
+precision: docs/training.md "Mixed precision"). The embedded default, CPU or GPU.
 
     replica = TORCH.build(cfg.model, cfg.train, dims, core=True, device="cpu")
     replica.named()            # HF-layout weights of the version held
@@ -46,8 +47,23 @@ class TorchReplica:
         return self.cell.model
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
-        """The leader's HF-layout weights (what engines load)."""
+        """The leader's HF-layout weights (what engines load), in `train.params_dtype`."""
         return [(n, p.detach()) for n, p in self.policy_model.named_parameters()]
+
+    def main_named(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The weights a checkpoint keeps, HF layout, on the leader (collective over the
+        cell; None elsewhere): a core's optimizer's main weights (float32 where the cell is
+        mixed precision), else the model's."""
+        flat = self.optimizer.main.detach() if self.optimizer is not None else self.cell.flat_params
+        hf = self.hf_flat(flat)
+        if hf is None:
+            return None
+        named, off = [], 0
+        for name, p in self.policy_model.named_parameters():
+            if p.requires_grad:
+                named.append((name, hf[off : off + p.numel()].view(p.shape)))
+                off += p.numel()
+        return named
 
     def refresh(self) -> None:
         """After the weights changed (collective over the cell): the torch replica is its
@@ -64,22 +80,43 @@ class TorchReplica:
         return self.optimizer.opt.state_dict() if self.optimizer is not None else None
 
     def save(self, folder: Path, version: int, shard: int) -> int:
-        """This rank's part of a checkpoint (the leader writes it); bytes written."""
-        state = self.optimizer_state()
+        """This rank's part of a checkpoint (the leader writes it: main weights and moments,
+        so a resume continues exactly); bytes written."""
+        named, state = self.main_named(), self.optimizer_state()
         if shard != 0:
             return 0
-        return core_file.save(folder, self.named(), state, version)
+        assert named is not None
+        return core_file.save(folder, named, state, version)
 
     def restore(self, folder: Path) -> int:
         """Load checkpoint directory `folder` in place (the core: its optimizer too);
         returns its version."""
-        from gyre.rollout.weights import load_named_tensors
-
         data = core_file.load(folder)
-        load_named_tensors(self.cell.model, data["named"])
+        self._load_weights(dict(data["named"]))
         if self.optimizer is not None and data["optimizer"] is not None:
             self.optimizer.opt.load_state_dict(data["optimizer"])
         return int(data["version"])
+
+    def _mine(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tensors, by its model's names, of whole HF-layout tensors: all."""
+        return hf
+
+    def _flat(self, mine: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's tensors in the order of its flat buffers (one host tensor)."""
+        import torch
+
+        return torch.cat([mine[n].reshape(-1) for n, p in self.cell.model.named_parameters()
+                          if p.requires_grad])  # fmt: skip
+
+    def _load_weights(self, hf: dict[str, torch.Tensor]) -> None:
+        """A checkpoint's weights into this rank's model (rounded to its dtype) and, on a
+        core rank, exactly into its optimizer's main weights."""
+        from gyre.rollout.weights import load_named_tensors
+
+        mine = self._mine(hf)
+        load_named_tensors(self.cell.model, sorted(mine.items()))
+        if self.optimizer is not None:
+            self.optimizer.load_main(self._flat(mine))
 
 
 def build(
@@ -95,7 +132,7 @@ def build(
     hf, tokenizer = load_model(model)
     module: torch.nn.Module = hf
     module.to(torch.device(device)).train()
-    cell = TorchCell(hf, objective=train.objective)
+    cell = TorchCell(hf, objective=train.objective, dtype=getattr(torch, train.params_dtype))
     optimizer = CoreOptimizer(cell, train.optim) if core else None
     return TorchReplica(cell, tokenizer, optimizer, dims)
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from gyre.train.cell import CoreOptimizer, TorchCell
+from gyre.train.cell import CoreOptimizer, TorchCell, main_dtype
 from gyre.train.config import ObjectiveConfig, OptimConfig
 from gyre.train.megatron.config import MegatronConfig, gpt_kwargs, transformer_kwargs
 from gyre.train.objective import check_finite, step_tensors, target_logprobs
@@ -164,7 +164,7 @@ class MegatronCell(TorchCell):
             logp = self._target_logprobs(out, st.ids) if stage.last else None
         stage.send_forward(out)
         self._io = (received, out) if grad else None
-        logp = stage.broadcast_from_last(logp, (n, width), dtype, self.device)
+        logp = stage.broadcast_from_last(logp, (n, width), main_dtype(dtype), self.device)
         check_finite(logp, st, f"micro-step {step.index}")
         return logp, st
 
@@ -181,7 +181,7 @@ class MegatronCell(TorchCell):
 
         assert self._io is not None, "backward without a forward with grad"
         (received, out), self._io = self._io, None
-        with tied_gradients(self.model):
+        with tied_gradients(self.model, self.grad_of):
             if self.stage.last:
                 loss.backward()
             else:
@@ -196,13 +196,13 @@ def vocab_parallel_target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> t
     Megatron's kernel flattens its input with `.view` and works on it in place, so it gets a
     contiguous float32 copy: `logits[:, :-1]` is a strided slice, and in float32 `.float()`
     returns that same slice (a `.view` error, or with one row the model's logits
-    overwritten)."""
+    overwritten). The result is float32 (for bf16 logits too, as `target_logprobs`'s)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     shard = logits[:, :-1]
     shard = (shard.clone() if shard.dtype == torch.float32 else shard.float()).contiguous()
     nll = vocab_parallel_cross_entropy(shard, ids[:, 1:])
-    return torch.nn.functional.pad(-nll, (1, 0)).to(logits.dtype)
+    return torch.nn.functional.pad(-nll, (1, 0))
 
 
 def _replicated_mask(model: torch.nn.Module, total: int, device: torch.device) -> torch.Tensor:
@@ -225,7 +225,8 @@ def _replicated_mask(model: torch.nn.Module, total: int, device: torch.device) -
 
 
 class ModelParallelOptimizer(CoreOptimizer):
-    """The core's AdamW per rank shard; the clip norm is the whole model's norm."""
+    """The core's AdamW per rank shard (`CoreOptimizer`'s step, mixed precision included);
+    the clip norm is the whole model's norm."""
 
     def __init__(self, cell: TorchCell, config: OptimConfig) -> None:
         super().__init__(cell, config)
@@ -240,22 +241,3 @@ class ModelParallelOptimizer(CoreOptimizer):
         sq = (grads.float().square() * self._mask).sum()
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
         return float(sq.sqrt())
-
-    def step(self, summed_grads: torch.Tensor) -> float:
-        norm = self.global_norm(summed_grads)
-        clip = self.config.grad_clip
-        scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
-        # CoreOptimizer clips by the local norm; pre-scale so its local clip never triggers
-        saved, self.config = self.config, _no_clip(self.config)
-        try:
-            super().step(summed_grads * scale)
-        finally:
-            self.config = saved
-        return norm
-
-
-def _no_clip(cfg: OptimConfig) -> OptimConfig:
-    return OptimConfig(
-        lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
-        weight_decay=cfg.weight_decay, grad_clip=0.0,
-    )  # fmt: skip

@@ -23,7 +23,7 @@ talk through plain `torch.distributed` sends and receives here (docs/gpu.md).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,18 +116,23 @@ def tied_copy(model: Any) -> torch.nn.Parameter | None:
 
 
 @contextlib.contextmanager
-def tied_gradients(model: Any) -> Iterator[None]:
+def tied_gradients(
+    model: Any, grad_of: Callable[[torch.nn.Parameter], torch.Tensor]
+) -> Iterator[None]:
     """Keep the two copies of a tied embedding's gradient equal across a backward: what the
     block adds to either copy is summed over the embedding group (first and last stage) and
-    added to both, as Megatron's `finalize_model_grads` does; elsewhere a no-op."""
+    added to both, as Megatron's `finalize_model_grads` does (to its float32 `main_grad`);
+    elsewhere a no-op. `grad_of(weight)`: the gradient the cell accumulates for the weight
+    (`TorchCell.grad_of`: float32 for a mixed-precision cell)."""
     weight = tied_copy(model)
-    if weight is None or weight.grad is None:
+    if weight is None:
         yield
         return
     from megatron.core import parallel_state
 
-    before = weight.grad.detach().clone()
+    grad = grad_of(weight)
+    before = grad.detach().clone()
     yield
-    added = weight.grad.detach() - before
+    added = grad.detach() - before
     torch.distributed.all_reduce(added, group=parallel_state.get_embedding_group())
-    weight.grad.copy_(before + added)
+    grad.copy_(before + added)
