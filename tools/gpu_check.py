@@ -158,14 +158,14 @@ def section_parity(args: argparse.Namespace) -> dict[str, Any]:
     from gyre.train.config import ObjectiveConfig
     from gyre.train.megatron.config import MegatronConfig
     from gyre.train.megatron.model import MegatronCell, build_gpt_model
-    from gyre.train.megatron.weights import Layout, hf_to_mcore, mcore_to_hf
+    from gyre.train.megatron.weights import WeightLayout, hf_to_mcore, mcore_to_hf
 
     if not args.device.startswith("cuda"):
         return {"status": "skipped", "reason": "megatron-core forward/backward needs CUDA"}
     megatron_world(args.device)
     config = qwen_config(args.size)
     hfc = config.to_dict()
-    layout = Layout.from_hf_config(hfc)
+    layout = WeightLayout.from_hf_config(hfc)
     steps, info = batch(config.vocab_size, executions=6, length=(64, 384), budget=2048)
     out: dict[str, Any] = {"params": None, "micro_steps": len(steps), "dtypes": {}}
     for name in ("float32", "bfloat16"):
@@ -493,7 +493,7 @@ def tp2_rank(rank: int, device: str, size: str, port: int, tmp: str) -> None:
         build_gpt_model,
         init_model_parallel,
     )
-    from gyre.train.megatron.weights import Layout, hf_to_mcore
+    from gyre.train.megatron.weights import WeightLayout, hf_to_mcore
 
     cuda = device.startswith("cuda")
     if cuda:
@@ -504,7 +504,7 @@ def tp2_rank(rank: int, device: str, size: str, port: int, tmp: str) -> None:
         cfg = MegatronConfig(tensor_parallel=2, dtype="float32")
         init_model_parallel(cfg)
         config = qwen_config(size)
-        hfc, layout = config.to_dict(), Layout.from_hf_config(config.to_dict())
+        hfc, layout = config.to_dict(), WeightLayout.from_hf_config(config.to_dict())
         ref = hf_model(config, "cpu", torch.float32)  # the same seed on both ranks
         meg = build_gpt_model(hfc, cfg, device=f"cuda:{rank}" if cuda else "cpu")
         shard = hf_to_mcore(ref.state_dict(), layout, tp_rank=rank, tp_size=2)

@@ -59,7 +59,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_megatron_tp_matches_transformers_on_cpu(tmp_path: Path, tp: int, pp: int) -> None:
     from gyre.models import load_model
-    from gyre.train.megatron.weights import Layout, stages_to_hf
+    from gyre.train.megatron.weights import WeightLayout, stages_to_hf
 
     step = _step()
     torch.save(step, tmp_path / "step.pt")
@@ -80,7 +80,8 @@ def test_megatron_tp_matches_transformers_on_cpu(tmp_path: Path, tp: int, pp: in
     for r in ranks:  # every rank has the whole rows' log-probs (vocab-parallel CE, broadcast)
         assert (r["logp"][targets] - want_logp[targets]).abs().max() < 2e-5
     hf_config = load_model("tiny")[0].config.to_dict()
-    got = stages_to_hf([r["grads"] for r in ranks], Layout.from_hf_config(hf_config), tp_size=tp)
+    got = stages_to_hf([r["grads"] for r in ranks], WeightLayout.from_hf_config(hf_config),
+                       tp_size=tp)  # fmt: skip
     assert set(got) == set(want_grads) - {"lm_head.weight"}  # tied to the embedding
     for name, g in got.items():
         ref = want_grads[name]
