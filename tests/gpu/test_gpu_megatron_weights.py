@@ -21,6 +21,7 @@ from gyre.train.megatron.weights import (
     hf_to_mcore,
     mcore_to_hf,
     split_qkv,
+    stage_layers,
     stage_to_mcore,
     stages_to_hf,
     tensor_state,
@@ -136,6 +137,115 @@ def test_bad_input_is_named():
     del hf["model.layers.0.mlp.up_proj.weight"]
     with pytest.raises(TrainingError, match=r"up_proj\.weight' missing"):
         hf_to_mcore(hf, lay)
+
+
+def _whole_then_split(hf, lay, *, tp_rank, tp_size, stage, stages):
+    """Slow and obvious, as `stage_to_mcore` did it before ranks read slices: fuse the whole
+    q/k/v (`_reference_fuse`), then cut every tensor, the fused one included, into TP chunks."""
+    cut = lambda t, dim: t.chunk(tp_size, dim=dim)[tp_rank].clone()  # noqa: E731
+    per, emb = lay.num_layers // stages, hf["model.embed_tokens.weight"]
+    out = {"embedding.word_embeddings.weight": cut(emb, 0)} if stage == 0 else {}
+    for local, i in enumerate(range(stage * per, (stage + 1) * per)):
+        h, d = f"model.layers.{i}", f"decoder.layers.{local}"
+        out[f"{d}.input_layernorm.weight"] = hf[f"{h}.input_layernorm.weight"].clone()
+        out[f"{d}.pre_mlp_layernorm.weight"] = hf[f"{h}.post_attention_layernorm.weight"].clone()
+        for kind in ("weight", "bias") if lay.qkv_bias else ("weight",):
+            q, k, v = (hf[f"{h}.self_attn.{p}_proj.{kind}"] for p in "qkv")
+            fused = _reference_fuse(q, k, v, lay.heads, lay.groups, lay.head_dim)
+            out[f"{d}.self_attention.linear_qkv.{kind}"] = cut(fused, 0)
+        out[f"{d}.self_attention.linear_proj.weight"] = cut(hf[f"{h}.self_attn.o_proj.weight"], 1)
+        out[f"{d}.mlp.linear_fc1.weight"] = torch.cat(
+            [cut(hf[f"{h}.mlp.gate_proj.weight"], 0), cut(hf[f"{h}.mlp.up_proj.weight"], 0)]
+        )
+        out[f"{d}.mlp.linear_fc2.weight"] = cut(hf[f"{h}.mlp.down_proj.weight"], 1)
+    if stage == stages - 1:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+        if not lay.tied:
+            out["output_layer.weight"] = cut(hf["lm_head.weight"], 0)
+        elif stage > 0:
+            out["output_layer.weight"] = cut(emb, 0)
+    return out
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """Small random Qwen2 models saved by `save_pretrained` (safetensors): tied or not, one
+    file or sharded (with model.safetensors.index.json), float32 or bfloat16; with their
+    state dicts."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = {}
+    for tied in (True, False):
+        for sharded in (False, True):
+            for dtype in (torch.float32, torch.bfloat16):
+                torch.manual_seed(0)
+                config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=4, num_attention_heads=8,
+                                     num_key_value_heads=4, tie_word_embeddings=tied)  # fmt: skip
+                model = Qwen2ForCausalLM(config).to(dtype)
+                folder = tmp_path_factory.mktemp("qwen2")
+                model.save_pretrained(folder, max_shard_size="20KB" if sharded else "1GB")
+                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                out[tied, sharded, dtype] = folder, state, config.to_dict()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_rank_reads_exactly_its_slice_of_the_files(saved_models, tied, sharded, dtype):
+    """Each rank of TP 1, 2, 4 x PP 1, 2 reads only its chunks of its stage's tensors from
+    the safetensors files, and gets byte for byte what the whole-model path computes: the
+    whole tensors fused then split (`_whole_then_split`), and `stage_to_mcore` of the full
+    state dict."""
+    from gyre.train.megatron.shard_files import SafetensorsFiles
+
+    folder, state, config = saved_models[tied, sharded, dtype]
+    assert (folder / "model.safetensors.index.json").is_file() == sharded
+    lay = WeightLayout.from_hf_config(config)
+    files = SafetensorsFiles.find(str(folder))
+    reads = []
+    chunk = files.chunk
+    files.chunk = lambda name, dim, rank, size: (reads.append((name, size)),
+                                                 chunk(name, dim, rank, size))[1]  # fmt: skip
+    for tp in (1, 2, 4):
+        for pp in (1, 2):
+            for s in range(tp * pp):
+                kw = {"tp_rank": s % tp, "tp_size": tp, "stage": s // tp, "stages": pp}
+                reads.clear()
+                ours = stage_to_mcore(files, lay, **kw)
+                for want in (_whole_then_split(state, lay, **kw), stage_to_mcore(state, lay, **kw)):
+                    assert list(ours) == list(want)
+                    for k, t in ours.items():
+                        assert t.dtype == want[k].dtype == dtype and t.is_contiguous(), k
+                        assert _bytes(t) == _bytes(want[k]), k
+                # only this stage's layers; only the replicated norms whole
+                layers = {int(n.split(".")[2]) for n, _ in reads if n.startswith("model.layers.")}
+                assert layers == set(stage_layers(lay, s // tp, pp))
+                assert {n for n, size in reads if size != tp} <= {n for n in state if "norm" in n}
+
+
+def test_a_directory_without_safetensors_is_not_a_source(tmp_path):
+    from gyre.train.megatron.shard_files import SafetensorsFiles
+
+    assert SafetensorsFiles.find("tiny") is None
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    assert SafetensorsFiles.find(str(tmp_path)) is None
+    with pytest.raises(TrainingError, match=r"no model\.safetensors nor"):
+        SafetensorsFiles(tmp_path)
+
+
+def test_a_missing_tensor_names_the_files(saved_models):
+    from gyre.train.megatron.shard_files import SafetensorsFiles
+
+    folder, _, config = saved_models[True, True, torch.float32]
+    lay = WeightLayout.from_hf_config({**config, "tie_word_embeddings": False})
+    with pytest.raises(TrainingError, match=r"'lm_head.weight' missing in the safetensors"):
+        stage_to_mcore(SafetensorsFiles(folder), lay, tp_rank=0, tp_size=1, stage=0, stages=1)
 
 
 def test_gpt_model_from_tiny_config_matches_hf_layers(megatron_world):

@@ -24,7 +24,7 @@ import os
 import socket
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,10 +57,13 @@ class MegatronReplica(TorchReplica):
         return self.mirror
 
     def _gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Every rank's shard tensors → the HF-layout tensors on the leader."""
+        """Every rank's shard tensors → the HF-layout tensors on the leader. Each is copied
+        out of its flat buffer first: a pickled view carries its whole storage (on CPU, where
+        `.cpu()` is the view itself, a cell's ~300 views pickled ~300 flat buffers)."""
         from gyre.train.megatron.weights import stages_to_hf
 
-        shards = self.comm.gather({k: v.detach().cpu() for k, v in tensors.items()}, root=0)
+        shards = self.comm.gather({k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
+                                  root=0)  # fmt: skip
         return None if shards is None else stages_to_hf(shards, self.layout,
                                                         tp_size=self.dims.tensor)  # fmt: skip
 
@@ -153,7 +156,6 @@ def build(
         raise TrainingError("train.backend megatron: a cell rank needs its communicators")
     import torch
 
-    from gyre.rollout.weights import load_named_tensors
     from gyre.train.megatron.config import MegatronConfig
     from gyre.train.megatron.model import (
         MegatronCell,
@@ -166,13 +168,13 @@ def build(
     # megatron-core warns at import and build about every optional CUDA library it lacks
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
-    hf, tokenizer, hf_config, shard = _leaders_model(model, dims, comms)
+    hf, tokenizer, hf_config, shard = _shard_source(model, dims, comms)
     mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
                           dtype=train.params_dtype)  # fmt: skip
     init_model_parallel(mcfg)
     _check_rank(comms, dims)
     gpt = build_gpt_model(hf_config, mcfg, device="cpu")
-    load_named_tensors(gpt, sorted(shard.items()))  # rounded to the model's dtype
+    _load_shard(gpt, shard, comms.shard)
     gpt.to(torch.device(device)).train()
     if hf is not None:  # the mirror holds what engines load: the model's dtype
         hf.to(getattr(torch, train.params_dtype))
@@ -260,34 +262,78 @@ def interface_of(address: str) -> str:
                         "rendezvous address must be this node's own")  # fmt: skip
 
 
-def _leaders_model(
+def _shard_source(
     model: str, dims: ParallelDims, comms: Communicators
-) -> tuple[Any, Any, dict[str, Any], dict[str, torch.Tensor]]:
+) -> tuple[Any, Any, dict[str, Any], Iterable[tuple[str, torch.Tensor]]]:
     """Collective over the cell: (HF model, tokenizer, HF config, this rank's Megatron
-    tensors, in the HF model's dtype). Only the leader loads the Hugging Face model (it keeps
-    it as the mirror; the others get None): it sends the config and each rank's shard, so the
-    other ranks never import transformers' model code (seconds of CPU each at start-up) nor
-    hold the whole model."""
+    tensors, read one at a time as they are iterated; the model's `train.dtype` rounds them).
+
+    Only the leader loads the Hugging Face model, as the mirror the engines load (the
+    others get None). Every rank, the leader too, reads only its slice of the model
+    directory's safetensors files (`SafetensorsFiles`), so no other rank holds the whole
+    model or imports transformers' model code, and the leader's shard does not touch the
+    mirror (transformers maps a float32 file's tensors: its pages become resident only when
+    read or written). A model that is not a directory of safetensors files (the built-in
+    `tiny` family, built from a config under a seed; SmolLM2, de-quantized from GGUF)
+    exists only in the leader's memory, and is small: the leader cuts every rank's shard
+    from it and scatters them (a copy written to a temporary directory would be on the
+    leader's node only, and a cell's stages may span nodes)."""
     from gyre.models import load_model
     from gyre.train.comm import arrive
-    from gyre.train.megatron.weights import WeightLayout, stage_to_mcore
+    from gyre.train.megatron.shard_files import SafetensorsFiles
+    from gyre.train.megatron.weights import WeightLayout, iter_stage_to_mcore
 
-    hf = tokenizer = shards = head = None
+    hf = tokenizer = head = None
     if comms.shard == 0:
         hf, tokenizer = load_model(model)
-        head = hf.config.to_dict()
-        layout, state = WeightLayout.from_hf_config(head), dict(hf.state_dict())
-        shards = [{k: v.detach().clone() for k, v in stage_to_mcore(
-                      state, layout, tp_rank=s % dims.tensor, tp_size=dims.tensor,
-                      stage=s // dims.tensor, stages=dims.pipeline).items()}
-                  for s in range(comms.cell.Get_size())]  # fmt: skip
+        files = SafetensorsFiles.find(model) is not None
+        head = (hf.config.to_dict(), files)
     arrive(comms.cell)  # the other ranks sleep while the leader loads
-    hf_config = comms.cell.bcast(head, root=0)
-    shard = comms.cell.scatter(shards, root=0)
-    # every rank holds its part before the leader moves on to torch's rendezvous (a netmod
-    # without asynchronous progress delivers only while the sender is inside MPI)
+    hf_config, files = comms.cell.bcast(head, root=0)
+    layout = WeightLayout.from_hf_config(hf_config)
+
+    def slices(s: int, source: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_stage_to_mcore(source, layout, tp_rank=s % dims.tensor, tp_size=dims.tensor,
+                                   stage=s // dims.tensor, stages=dims.pipeline)  # fmt: skip
+
+    if not files:
+        return hf, tokenizer, hf_config, _scattered(hf, slices, comms)
+    # every rank holds the broadcast before the leader moves on to torch's rendezvous (a
+    # netmod without asynchronous progress delivers only while the sender is inside MPI)
     arrive(comms.cell)
-    return hf, tokenizer, hf_config, shard
+    return hf, tokenizer, hf_config, slices(comms.shard, SafetensorsFiles(Path(model)))
+
+
+def _scattered(
+    hf: Any, slices: Callable[[int, Any], Iterator[tuple[str, torch.Tensor]]], comms: Communicators
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """Collective over the cell, for a model only the leader holds: the leader cuts every
+    other rank's shard (`slices(rank, tensors)`) from its model and scatters them."""
+    from gyre.train.comm import arrive
+
+    state = None if hf is None else dict(hf.state_dict())
+    shards = None if state is None else [
+        {} if s == 0 else dict(slices(s, state)) for s in range(comms.cell.Get_size())
+    ]  # fmt: skip
+    received = comms.cell.scatter(shards, root=0)
+    arrive(comms.cell)  # as after the broadcast: every rank holds its part
+    return received.items() if state is None else slices(0, state)
+
+
+def _load_shard(gpt: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
+                shard: int) -> None:  # fmt: skip
+    """Copy this rank's Megatron tensors into `gpt` one at a time, each dropped once copied
+    (so the rank holds its model and one tensor); every parameter must get one."""
+    from gyre.rollout.weights import load_named_tensors
+    from gyre.train.megatron.weights import tensor_state
+
+    loaded = set()
+    for name, tensor in tensors:
+        load_named_tensors(gpt, [(name, tensor)])
+        loaded.add(name)
+    missing = sorted(set(tensor_state(gpt)) - loaded)
+    if missing:
+        raise TrainingError(f"megatron cell rank {shard}: no weights for {missing[:5]}")
 
 
 def model_parallel(parallel: ParallelConfig, ranks_per_cell: int) -> ParallelDims:

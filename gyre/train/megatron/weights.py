@@ -16,24 +16,71 @@ Names follow Megatron's *local* layer spec (``input_layernorm``, ``pre_mlp_layer
 with ``fused_norms=True``, the Transformer-Engine spec (``linear_qkv.layer_norm_weight``,
 ``linear_fc1.layer_norm_weight``).
 
+A TP rank's tensors are cut from its chunks of the Hugging Face tensors (whole query groups
+are contiguous rows of q, k and v), so a rank reads only its slice of each tensor: from
+whole tensors in memory (a `Mapping`) or straight from a model directory's safetensors
+files (`gyre.train.megatron.shard_files`), the same bytes either way.
+
     layout = WeightLayout.from_hf_config(hf_config)
     shard = hf_to_mcore(hf_state, layout, tp_rank=0, tp_size=2)
     hf_state_again = mcore_to_hf([shard0, shard1], layout)        # exact round trip
     stage = stage_to_mcore(hf_state, layout, tp_rank=0, tp_size=1, stage=1, stages=2)
     hf_state_again = stages_to_hf([stage0, stage1], layout, tp_size=1)   # pipeline stages
+    for name, t in iter_stage_to_mcore(SafetensorsFiles(model_dir), layout, tp_rank=1,
+                                       tp_size=2, stage=0, stages=1): ...  # one at a time
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from gyre.errors import TrainingError
 
 Tensors = dict[str, torch.Tensor]
+
+
+class TensorSource(Protocol):
+    """Where a rank's Hugging Face tensors come from, one chunk at a time."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The whole tensor's shape (`TrainingError` naming it when there is no such tensor)."""
+        ...
+
+    def chunk(self, name: str, dim: int, rank: int, size: int) -> torch.Tensor:
+        """Chunk `rank` of `size` equal chunks along `dim`, in memory of its own (`size` 1:
+        the whole tensor); `size` divides the dimension."""
+        ...
+
+
+class InMemory:
+    """Whole tensors in memory (a model's state dict) as a `TensorSource`."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._take(name).shape)
+
+    def chunk(self, name: str, dim: int, rank: int, size: int) -> torch.Tensor:
+        return self._take(name).chunk(size, dim=dim)[rank].clone()
+
+    def _take(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise TrainingError(f"hf weights: {name!r} missing")
+        return self.tensors[name]
+
+
+Source = Mapping[str, torch.Tensor] | TensorSource
+"""Whole tensors by name, or a `TensorSource` (e.g. a model directory's files)."""
+
+
+def as_source(hf: Source) -> TensorSource:
+    """`hf` as a `TensorSource` (whole tensors wrapped in `InMemory`)."""
+    return InMemory(hf) if isinstance(hf, Mapping) else hf
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +118,20 @@ def stage_layers(layout: WeightLayout, stage: int, stages: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
-def stage_to_mcore(hf: Mapping[str, torch.Tensor], layout: WeightLayout, *, tp_rank: int,
+def stage_to_mcore(hf: Source, layout: WeightLayout, *, tp_rank: int,
                    tp_size: int, stage: int, stages: int) -> Tensors:  # fmt: skip
     """`hf_to_mcore` for one TP rank of pipeline stage `stage` of `stages`."""
-    return hf_to_mcore(hf, layout, tp_rank=tp_rank, tp_size=tp_size,
-                       layers=stage_layers(layout, stage, stages), first_stage=stage == 0,
-                       last_stage=stage == stages - 1)  # fmt: skip
+    return dict(iter_stage_to_mcore(hf, layout, tp_rank=tp_rank, tp_size=tp_size, stage=stage,
+                                    stages=stages))  # fmt: skip
+
+
+def iter_stage_to_mcore(hf: Source, layout: WeightLayout, *, tp_rank: int, tp_size: int,
+                        stage: int, stages: int) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """`stage_to_mcore` one tensor at a time: a loader copies each into the model and drops
+    it, so no more than one of the shard's tensors is held beside the model."""
+    return _iter_hf_to_mcore(as_source(hf), layout, tp_rank=tp_rank, tp_size=tp_size,
+                             layers=stage_layers(layout, stage, stages), first_stage=stage == 0,
+                             last_stage=stage == stages - 1)  # fmt: skip
 
 
 def stages_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: WeightLayout, *,
@@ -102,27 +157,26 @@ def _norm_names(layout: WeightLayout, i: int) -> tuple[str, str]:
     return f"{d}.input_layernorm.weight", f"{d}.pre_mlp_layernorm.weight"
 
 
-def _take(hf: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-    if name not in hf:
-        raise TrainingError(f"hf weights: {name!r} missing")
-    return hf[name]
-
-
-def _split(t: torch.Tensor, dim: int, rank: int, size: int, what: str) -> torch.Tensor:
-    if t.shape[dim] % size:
-        raise TrainingError(f"{what}: dim {dim} of {tuple(t.shape)} not divisible by TP {size}")
-    return t.chunk(size, dim=dim)[rank].clone()
+def _split(hf: TensorSource, name: str, dim: int, rank: int, size: int) -> torch.Tensor:
+    """TP rank `rank`'s chunk of HF tensor `name` along `dim`."""
+    shape = hf.shape(name)
+    if shape[dim] % size:
+        raise TrainingError(f"{name}: dim {dim} of {shape} not divisible by TP {size}")
+    return hf.chunk(name, dim, rank, size)
 
 
 def fuse_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: WeightLayout
-) -> torch.Tensor:
-    """HF q/k/v (weights [out, in] or biases [out]) → Megatron's grouped linear_qkv."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: WeightLayout,
+    groups: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """HF q/k/v (weights [out, in] or biases [out]) → Megatron's grouped linear_qkv (of
+    `groups` query groups: a TP rank's chunks of q, k and v hold groups/TP whole groups)."""
+    g = layout.groups if groups is None else groups
     per = layout.heads // layout.groups
     rest = q.shape[1:]
-    qg = q.reshape(layout.groups, per * layout.head_dim, *rest)
-    kg = k.reshape(layout.groups, layout.head_dim, *rest)
-    vg = v.reshape(layout.groups, layout.head_dim, *rest)
+    qg = q.reshape(g, per * layout.head_dim, *rest)
+    kg = k.reshape(g, layout.head_dim, *rest)
+    vg = v.reshape(g, layout.head_dim, *rest)
     return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
 
 
@@ -138,28 +192,26 @@ def split_qkv(
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def _layer_to_mcore(hf: Mapping[str, torch.Tensor], layout: WeightLayout, i: int, local: int,
-                    rank: int, size: int) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def _layer_to_mcore(hf: TensorSource, layout: WeightLayout, i: int, local: int, rank: int,
+                    size: int) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     h, d = f"model.layers.{i}", f"decoder.layers.{local}"
     ln1, ln2 = _norm_names(layout, local)
-    yield ln1, _take(hf, f"{h}.input_layernorm.weight").clone()
-    yield ln2, _take(hf, f"{h}.post_attention_layernorm.weight").clone()
-    kinds = ("weight", "bias") if layout.qkv_bias else ("weight",)
-    for kind in kinds:
-        q, k, v = (_take(hf, f"{h}.self_attn.{p}_proj.{kind}") for p in "qkv")
-        fused = fuse_qkv(q, k, v, layout)
-        yield f"{d}.self_attention.linear_qkv.{kind}", _split(fused, 0, rank, size, "qkv")
-    o = _take(hf, f"{h}.self_attn.o_proj.weight")
-    yield f"{d}.self_attention.linear_proj.weight", _split(o, 1, rank, size, "o_proj")
-    gate = _split(_take(hf, f"{h}.mlp.gate_proj.weight"), 0, rank, size, "gate_proj")
-    up = _split(_take(hf, f"{h}.mlp.up_proj.weight"), 0, rank, size, "up_proj")
+    yield ln1, hf.chunk(f"{h}.input_layernorm.weight", 0, 0, 1)
+    yield ln2, hf.chunk(f"{h}.post_attention_layernorm.weight", 0, 0, 1)
+    for kind in ("weight", "bias") if layout.qkv_bias else ("weight",):
+        q, k, v = (_split(hf, f"{h}.self_attn.{p}_proj.{kind}", 0, rank, size) for p in "qkv")
+        yield f"{d}.self_attention.linear_qkv.{kind}", fuse_qkv(q, k, v, layout,
+                                                                layout.groups // size)  # fmt: skip
+    yield f"{d}.self_attention.linear_proj.weight", _split(hf, f"{h}.self_attn.o_proj.weight",
+                                                           1, rank, size)  # fmt: skip
+    gate = _split(hf, f"{h}.mlp.gate_proj.weight", 0, rank, size)
+    up = _split(hf, f"{h}.mlp.up_proj.weight", 0, rank, size)
     yield f"{d}.mlp.linear_fc1.weight", torch.cat([gate, up], dim=0)
-    down = _take(hf, f"{h}.mlp.down_proj.weight")
-    yield f"{d}.mlp.linear_fc2.weight", _split(down, 1, rank, size, "down_proj")
+    yield f"{d}.mlp.linear_fc2.weight", _split(hf, f"{h}.mlp.down_proj.weight", 1, rank, size)
 
 
 def hf_to_mcore(
-    hf: Mapping[str, torch.Tensor],
+    hf: Source,
     layout: WeightLayout,
     *,
     tp_rank: int = 0,
@@ -168,25 +220,31 @@ def hf_to_mcore(
     first_stage: bool = True,
     last_stage: bool = True,
 ) -> Tensors:
-    """One TP rank's (and pipeline stage's) Megatron state dict from full HF tensors."""
+    """One TP rank's (and pipeline stage's) Megatron state dict, reading only that rank's
+    chunk of each Hugging Face tensor (whole tensors or a `TensorSource`)."""
+    return dict(_iter_hf_to_mcore(as_source(hf), layout, tp_rank=tp_rank, tp_size=tp_size,
+                                  layers=layers if layers is not None else range(layout.num_layers),
+                                  first_stage=first_stage, last_stage=last_stage))  # fmt: skip
+
+
+def _iter_hf_to_mcore(hf: TensorSource, layout: WeightLayout, *, tp_rank: int, tp_size: int,
+                      layers: Sequence[int], first_stage: bool,
+                      last_stage: bool) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     if not 0 <= tp_rank < tp_size:
         raise TrainingError(f"tp_rank: {tp_rank}; allowed 0..{tp_size - 1}")
     if layout.groups % tp_size:
         raise TrainingError(f"query groups {layout.groups} not divisible by TP {tp_size}")
-    out: Tensors = {}
-    emb = _take(hf, "model.embed_tokens.weight")
+    emb = "model.embed_tokens.weight"
     if first_stage:
-        out["embedding.word_embeddings.weight"] = _split(emb, 0, tp_rank, tp_size, "embed")
-    for local, i in enumerate(layers if layers is not None else range(layout.num_layers)):
-        out.update(_layer_to_mcore(hf, layout, i, local, tp_rank, tp_size))
+        yield "embedding.word_embeddings.weight", _split(hf, emb, 0, tp_rank, tp_size)
+    for local, i in enumerate(layers):
+        yield from _layer_to_mcore(hf, layout, i, local, tp_rank, tp_size)
     if last_stage:
-        out["decoder.final_layernorm.weight"] = _take(hf, "model.norm.weight").clone()
+        yield "decoder.final_layernorm.weight", hf.chunk("model.norm.weight", 0, 0, 1)
         if not layout.tied:
-            head = _take(hf, "lm_head.weight")
-            out["output_layer.weight"] = _split(head, 0, tp_rank, tp_size, "lm_head")
+            yield "output_layer.weight", _split(hf, "lm_head.weight", 0, tp_rank, tp_size)
         elif not first_stage:  # the last stage keeps its own copy of the tied embedding
-            out["output_layer.weight"] = _split(emb, 0, tp_rank, tp_size, "embed")
-    return out
+            yield "output_layer.weight", _split(hf, emb, 0, tp_rank, tp_size)
 
 
 def _cat(shards: Sequence[Mapping[str, torch.Tensor]], name: str, dim: int) -> torch.Tensor:
