@@ -136,8 +136,10 @@ def _summary(run_dir: Path, steps: int, ranks: int, backend: str, dims: tuple[in
 
 @pytest.mark.mpi
 @pytest.mark.slow
-# the Mooncake run's budget is shorter than most paths: those train alone in a micro-step
-@pytest.mark.parametrize("transport,ranks,budget", [("mpi", 2, 1500), ("mooncake", 2, 160)])
+# the Mooncake run's budget is shorter than most paths: those train alone in a micro-step;
+# the MPI run's leaves a batch enough micro-steps that a satellite still finds some to join
+# under a loaded machine (at 1500 the core, seen once in a full suite, took them all)
+@pytest.mark.parametrize("transport,ranks,budget", [("mpi", 2, 600), ("mooncake", 2, 160)])
 def test_every_update_equals_the_single_process_reference(
     tmp_path: Path, transport: str, ranks: int, budget: int
 ):
