@@ -1,12 +1,12 @@
 """One rank of a tensor- and pipeline-parallel Megatron world on CPU (gloo), for
 test_gpu_megatron_cpu.py.
 
-    python megatron_tp_worker.py RANK WORLD PORT OUT_DIR [PIPELINE]
+    python megatron_tp_worker.py RANK WORLD PORT OUT_DIR [PIPELINE [ATTENTION]]
 
-Builds Gyre's GPTModel of the tiny Qwen2 (`build_gpt_model` + `stage_to_mcore`: this rank's
-TP shard of its pipeline stage; TP = WORLD / PIPELINE), runs the micro-step's rows forward
-through `MegatronCell` (stage by stage; vocab-parallel cross-entropy), the cell's backward of
-the summed target log-probs, and writes this rank's log-probs and its shard's gradients
+Builds Gyre's GPTModel of the tiny Qwen2 (`stage_to_mcore` + `build_rank_model`: this rank's
+TP shard of its pipeline stage; TP = WORLD / PIPELINE; core attention "sdpa", the default, or
+"local"), runs the micro-step's rows forward through `MegatronCell` (stage by stage;
+vocab-parallel chunked log-probs), the cell's backward of the summed target log-probs, and writes this rank's log-probs and its shard's gradients
 (Megatron names) to OUT_DIR/rank<R>.pt.
 """
 
@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 
-def main(rank: int, world: int, port: int, out: str, pipeline: int = 1) -> None:
+def main(
+    rank: int, world: int, port: int, out: str, pipeline: int = 1, attention: str = "sdpa"
+) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -27,21 +29,19 @@ def main(rank: int, world: int, port: int, out: str, pipeline: int = 1) -> None:
     from gyre.models import load_model
     from gyre.train.megatron import cpu
     from gyre.train.megatron.config import MegatronConfig
-    from gyre.train.megatron.model import MegatronCell, build_gpt_model, init_model_parallel
+    from gyre.train.megatron.model import MegatronCell, build_rank_model
     from gyre.train.megatron.weights import WeightLayout, stage_to_mcore
     from gyre.train.objective import ObjectiveConfig
 
     tp = world // pipeline
-    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pipeline, dtype="float32")
-    init_model_parallel(mcfg)
+    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pipeline, dtype="float32",
+                          attention=attention)  # fmt: skip
     hf, _ = load_model("tiny")
     hfc = hf.config.to_dict()
-    model = build_gpt_model(hfc, mcfg, device="cpu")
     shard = stage_to_mcore(dict(hf.state_dict()), WeightLayout.from_hf_config(hfc), tp_rank=rank % tp,
                            tp_size=tp, stage=rank // tp, stages=pipeline)  # fmt: skip
-    missing, _ = model.load_state_dict(shard, strict=False)
-    assert not [k for k in missing if not k.endswith("_extra_state")], missing
-    cell = MegatronCell(model.train(), objective=ObjectiveConfig())
+    model = build_rank_model(hfc, shard, mcfg, device="cpu")  # the backend's own build
+    cell = MegatronCell(model, objective=ObjectiveConfig())
     step = torch.load(f"{out}/step.pt", weights_only=False)
     logp, st = cell._logprobs(step, grad=True)
     cell._backward((logp * st.targets).sum())  # the last stage's loss; the others' gradients
@@ -53,4 +53,5 @@ def main(rank: int, world: int, port: int, out: str, pipeline: int = 1) -> None:
 
 if __name__ == "__main__":
     pipeline = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], pipeline)
+    attention = sys.argv[6] if len(sys.argv) > 6 else "sdpa"
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], pipeline, attention)

@@ -1,8 +1,9 @@
 """The Megatron training backend: the model sharded over a cell's ranks (`train.backend`).
 
 megatron-core's GPTModel sharded over the cell's ranks with tensor and pipeline parallelism
-(torch.distributed over the cell ranks: gloo on CPU, NCCL on GPU; the CPU patches of
-`gyre.train.megatron.cpu`; rank s of a cell is TP rank s % TP of stage s // TP). Every rank
+(torch.distributed over the cell ranks: gloo on CPU, NCCL on GPU; each rank's shard built on
+its own device, `gyre.train.megatron.model.build_rank_model`; rank s of a cell is TP rank
+s % TP of stage s // TP). Every rank
 runs every row (the stages one after the other); each core rank steps AdamW on its own shard
 with the whole model's gradient norm. After every change of weights (an update, a pull of
 the core's snapshot, a restore) the shards of every stage are gathered to the leader into a
@@ -152,16 +153,8 @@ def build(
     """This rank's shard of the policy as a Megatron GPTModel, loaded from the HF model."""
     if comms is None:
         raise TrainingError("train.backend megatron: a cell rank needs its communicators")
-    import torch
-
-    from gyre.rollout.weights import load_named_tensors
     from gyre.train.megatron.config import MegatronConfig
-    from gyre.train.megatron.model import (
-        MegatronCell,
-        ModelParallelOptimizer,
-        build_gpt_model,
-        init_model_parallel,
-    )
+    from gyre.train.megatron.model import MegatronCell, ModelParallelOptimizer, build_rank_model
     from gyre.train.megatron.weights import WeightLayout
 
     # megatron-core warns at import and build about every optional CUDA library it lacks
@@ -170,11 +163,9 @@ def build(
     hf, tokenizer, hf_config, dtype, shard = _leaders_model(model, dims, comms)
     mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
                           dtype=dtype)  # type: ignore[arg-type]  # fmt: skip
-    init_model_parallel(mcfg)
+    # on its own device: Megatron's seeding there (CUDA) or the CPU patches, no random init
+    gpt = build_rank_model(hf_config, shard, mcfg, device=device)
     _check_rank(comms, dims)
-    gpt = build_gpt_model(hf_config, mcfg, device="cpu")
-    load_named_tensors(gpt, sorted(shard.items()))
-    gpt.to(torch.device(device)).train()
     cell = MegatronCell(gpt, objective=train.objective)
     optimizer = ModelParallelOptimizer(cell, train.optim) if core else None
     return MegatronReplica(cell, tokenizer, optimizer, dims, comm=comms.cell, mirror=hf,
