@@ -1,11 +1,12 @@
-"""Peak memory per token of the training objective's log-probs: full log-softmax vs chunked.
+"""Peak memory per token of a training row: its log-probs, and a Megatron step's attention.
 
-    python tools/bench_memory.py [--json] [--quick] [--repeats N]
+    python tools/bench_memory.py [--json] [--quick] [--repeats N]          # log-probs
+    python tools/bench_memory.py --attention [--json] [--rows 8192,32768,65536] [--tp 1,2]
 
-What: the peak resident memory of one training row's forward + backward through the target
-log-probs and the step loss `TorchCell.accumulate` backpropagates (`step_loss(logp, coeff)`),
-in bytes per token, for 8k- and 64k-token rows and realistic vocabularies (49152 as SmolLM2,
-151936 as Qwen2), on CPU in float32. Paths:
+What, default suite: the peak resident memory of one training row's forward + backward
+through the target log-probs and the step loss `TorchCell.accumulate` backpropagates
+(`step_loss(logp, coeff)`), in bytes per token, for 8k- and 64k-token rows and realistic
+vocabularies (49152 as SmolLM2, 151936 as Qwen2), on CPU in float32. Paths:
 
 * `logits/reference` — what Gyre did before: `log_softmax(logits)` + gather (the baseline,
   kept here, not in gyre/);
@@ -14,14 +15,25 @@ in bytes per token, for 8k- and 64k-token rows and realistic vocabularies (49152
 * `head/chunked` — `gyre.train.objective.lm_head_target_logprobs`: each chunk's logits made
   from the hidden states inside the chunk, so no logits tensor exists at all.
 
-Why: a row's logits are `len x vocab` floats (8k x 152k x 4 B = 5 GB); the full log-softmax
-and its gradient buffers multiply that, which decides the longest row a device can train.
+`--attention`: one phase-B micro-step (`MegatronCell.accumulate`: forward, objective,
+backward) of one row of 8k, 32k and 64k tokens through a tiny-width Megatron model
+(`ATTENTION_MODEL`: one layer, hidden 16, two heads of 8, vocabulary 128, so the attention
+is what grows), built by the backend's own `build_rank_model`, at TP 1 and TP 2 (two gloo
+processes, the peak of the larger rank), with Megatron's `DotProductAttention` ("local",
+before) and `SDPAttention` ("sdpa", after). A "local" case whose predicted peak
+(`local_attention_bytes`: the causal mask, the scores buffer, the saved probabilities and
+their gradients, all len x len) exceeds `--max-gb` is reported skipped with that prediction.
 
-How: every case runs in a fresh subprocess (`--child`): it builds its inputs, resets the
-kernel's peak-RSS counter (`/proc/self/clear_refs`, Linux), runs forward + backward and reads
-`VmHWM`; the case's memory is that peak minus the RSS before the pass (inputs included in
-neither; the logits' gradient is in both logits paths). Cases whose peak would not fit this
-machine are skipped and reported as such (`--max-gb`, default 20). Single-threaded.
+Why: a row's logits are `len x vocab` floats (8k x 152k x 4 B = 5 GB), and Megatron's local
+attention holds `heads x len x len` floats per layer; either decides the longest row a
+device can train.
+
+How: every case runs in fresh subprocesses (`--child`, `--child-step`): each builds its
+inputs, resets the kernel's peak-RSS counter (`/proc/self/clear_refs`, Linux), runs forward +
+backward and reads `VmHWM`; the case's memory is that peak minus the RSS before the pass
+(inputs and model included in neither; the logits' gradient is in both logits paths).
+Cases whose peak would not fit this machine are skipped and reported as such (`--max-gb`,
+default 20 for log-probs, 8 for attention). Single-threaded.
 """
 
 from __future__ import annotations
@@ -121,19 +133,160 @@ def grid(quick: bool, cases: str | None) -> list[tuple[str, int, int]]:
     return out
 
 
+# ----- a Megatron step's attention -------------------------------------------------------
+ATTENTION_MODEL = {"model_type": "qwen2", "hidden_size": 16, "intermediate_size": 32,
+                   "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 1,
+                   "vocab_size": 128, "max_position_embeddings": 131072,
+                   "tie_word_embeddings": True}  # fmt: skip
+"""The `--attention` cases' model: one layer, narrow, so the attention is what grows."""
+
+
+def local_attention_bytes(tokens: int, tp: int) -> int:
+    """Predicted peak of `DotProductAttention`'s len x len tensors on one rank (float32): the
+    causal mask (bool), the scores buffer and each layer's saved probabilities, and in a
+    layer's backward two more (the gradients of the probabilities and of the scores).
+    At 8k tokens it is the local cases' measured peak less the sdpa cases' to 0.2 %."""
+    heads = int(ATTENTION_MODEL["num_attention_heads"]) // tp
+    layers = int(ATTENTION_MODEL["num_hidden_layers"])
+    return tokens * tokens * (1 + 4 * heads * (1 + layers + 2))
+
+
+def child_step(attention: str, tp: int, rank: int, tokens: int, port: int) -> dict[str, Any]:
+    """One rank of one case: bytes above the pre-pass RSS at the peak of a phase-B step."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from gyre.train.config import ObjectiveConfig
+    from gyre.train.megatron.config import MegatronConfig
+    from gyre.train.megatron.model import (
+        MegatronCell,
+        build_gpt_model,
+        build_rank_model,
+        init_model_parallel,
+    )
+    from gyre.train.objective import ExecutionScalar
+    from gyre.train.packing import MicroStep, TokenRow
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=tp)  # fmt: skip
+    cfg = MegatronConfig(tensor_parallel=tp, dtype="float32", attention=attention)  # type: ignore[arg-type]
+    init_model_parallel(cfg, "cpu")
+    gen = torch.Generator().manual_seed(rank)
+    shapes = build_gpt_model(ATTENTION_MODEL, cfg, device="cpu").state_dict()
+    weights = {k: 0.02 * torch.randn(v.shape, generator=gen) for k, v in shapes.items()
+               if not k.endswith("_extra_state")}  # fmt: skip
+    cell = MegatronCell(build_rank_model(ATTENTION_MODEL, weights, cfg, device="cpu"),
+                        objective=ObjectiveConfig())  # fmt: skip
+    ids = np.random.default_rng(0).integers(0, ATTENTION_MODEL["vocab_size"], tokens)
+    targets = np.arange(tokens) >= 1
+    row = TokenRow(execution_id="e", group_id="g", policy_version=0, ids=ids.astype(np.int64),
+                   targets=targets, behaviour_logprobs=np.where(targets, -5.0, 0.0),
+                   advantage=1.0, execution_targets=int(targets.sum()),
+                   weights=targets / targets.sum())  # fmt: skip
+    scalars = {"e": ExecutionScalar(advantage=1.0, num_targets=row.num_targets, log_ratio=0.0,
+                                    gate=1.0)}  # fmt: skip
+    step = MicroStep(index=0, rows=(row,))
+    before = _kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    t0 = time.perf_counter()
+    cell.accumulate(step, scalars)
+    seconds = time.perf_counter() - t0
+    extra = (_kib("VmHWM") - before) * 1024
+    dist.destroy_process_group()
+    return {"attention": attention, "tp": tp, "rank": rank, "tokens": tokens,
+            "extra_bytes": extra, "seconds": seconds}  # fmt: skip
+
+
+def run_step_case(attention: str, tp: int, tokens: int) -> dict[str, Any]:
+    """One case over `tp` fresh processes: the larger rank's peak."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    procs = [subprocess.Popen([sys.executable, __file__, "--child-step", attention, str(tp),
+                               str(rank), str(tokens), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(tp)]  # fmt: skip
+    ranks = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=3600)
+        if proc.returncode != 0:
+            raise SystemExit(f"--child-step {attention} {tp} {tokens} failed:\n{err[-4000:]}")
+        ranks.append(json.loads(out.strip().splitlines()[-1]))
+    peak = max(r["extra_bytes"] for r in ranks)
+    return {"attention": attention, "tp": tp, "tokens": tokens, "peak_bytes": peak,
+            "bytes_per_token": peak / tokens, "seconds": max(r["seconds"] for r in ranks),
+            "predicted_local_bytes": local_attention_bytes(tokens, tp)}  # fmt: skip
+
+
+def attention_suite(rows: list[int], tps: list[int], max_gb: float) -> list[dict[str, Any]]:
+    out = []
+    for tp in tps:
+        for tokens in rows:
+            for attention in ("local", "sdpa"):
+                predicted = local_attention_bytes(tokens, tp)
+                if attention == "local" and predicted / 1e9 > max_gb:
+                    out.append({"attention": attention, "tp": tp, "tokens": tokens,
+                                "skipped": True, "predicted_local_bytes": predicted,
+                                "predicted_bytes_per_token": predicted / tokens})  # fmt: skip
+                    print(f"{attention:6} TP {tp} {tokens:6}  skipped: predicted "
+                          f"{predicted / 1e9:.1f} GB > {max_gb} GB", file=sys.stderr, flush=True)  # fmt: skip
+                    continue
+                r = run_step_case(attention, tp, tokens)
+                out.append(r)
+                print(f"{attention:6} TP {tp} {tokens:6}  {r['bytes_per_token']:10.0f} B/token  "
+                      f"(peak {r['peak_bytes'] / 1e9:.3f} GB, {r['seconds']:.1f} s; local "
+                      f"predicted {predicted / 1e9:.3f} GB)", file=sys.stderr, flush=True)  # fmt: skip
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="2k tokens, one vocabulary")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-gb", type=float, default=20.0)
+    ap.add_argument(
+        "--max-gb",
+        type=float,
+        default=None,
+        help="largest predicted peak to run (default 20 GB; 8 with --attention)",
+    )
     ap.add_argument("--cases", help="PATH:TOKENS:VOCAB,... instead of the default grid")
+    ap.add_argument(
+        "--attention",
+        action="store_true",
+        help="a Megatron step's attention, local vs sdpa, instead of the log-probs",
+    )
+    ap.add_argument("--rows", default="8192,32768,65536", help="--attention row lengths")
+    ap.add_argument("--tp", default="1,2", help="--attention tensor-parallel sizes")
     ap.add_argument("--child", nargs=3, metavar=("PATH", "TOKENS", "VOCAB"))
+    ap.add_argument("--child-step", nargs=5, metavar=("ATTENTION", "TP", "RANK", "TOKENS", "PORT"))
     args = ap.parse_args()
     if args.child:
         path, tokens, vocab = args.child
         print(json.dumps(child(path, int(tokens), int(vocab))))
         return 0
+    if args.child_step:
+        attention, tp, rank, tokens, port = args.child_step
+        print(json.dumps(child_step(attention, int(tp), int(rank), int(tokens), int(port))))
+        return 0
+    if args.attention:
+        found = attention_suite([int(r) for r in args.rows.split(",")],
+                                [int(t) for t in args.tp.split(",")],
+                                8.0 if args.max_gb is None else args.max_gb)  # fmt: skip
+        if args.json:
+            print(json.dumps(found, indent=1))
+        return 0
+    args.max_gb = 20.0 if args.max_gb is None else args.max_gb
     rows = []
     for path, tokens, vocab in grid(args.quick, args.cases):
         if not fits(path, tokens, vocab, args.max_gb):

@@ -143,7 +143,7 @@ def megatron_world(device: str) -> None:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         url = f"tcp://127.0.0.1:{free_port()}"
         dist.init_process_group(backend, init_method=url, rank=0, world_size=1)
-    init_model_parallel(MegatronConfig())
+    init_model_parallel(MegatronConfig(), device)
 
 
 def rel(a: float, b: float) -> float:
@@ -239,14 +239,20 @@ def section_train_speed(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"dtype": str(dtype), "rows": len(step.rows), "row_length": length}
     cell = TorchCell(hf_model(config, args.device, dtype), objective=ObjectiveConfig())
     out["torch"] = time_steps(cell, step, scalars, n, args.device)
-    del cell
     if cuda:
-        torch.cuda.empty_cache()
         from gyre.train.megatron.config import MegatronConfig
         from gyre.train.megatron.model import MegatronCell, build_gpt_model
+        from gyre.train.megatron.weights import WeightLayout, hf_to_mcore
 
         megatron_world(args.device)
         meg = build_gpt_model(config.to_dict(), MegatronConfig(dtype="bfloat16"), device="cuda")
+        # built uninitialized: the torch model's weights
+        meg.load_state_dict(
+            hf_to_mcore(cell.model.state_dict(), WeightLayout.from_hf_config(config.to_dict())),
+            strict=False,
+        )
+        del cell
+        torch.cuda.empty_cache()
         out["megatron"] = time_steps(MegatronCell(meg, objective=ObjectiveConfig()), step,
                                      scalars, n, args.device)  # fmt: skip
         out["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
@@ -502,7 +508,7 @@ def tp2_rank(rank: int, device: str, size: str, port: int, tmp: str) -> None:
                             rank=rank, world_size=2)  # fmt: skip
     try:
         cfg = MegatronConfig(tensor_parallel=2, dtype="float32")
-        init_model_parallel(cfg)
+        init_model_parallel(cfg, f"cuda:{rank}" if cuda else "cpu")
         config = qwen_config(size)
         hfc, layout = config.to_dict(), WeightLayout.from_hf_config(config.to_dict())
         ref = hf_model(config, "cpu", torch.float32)  # the same seed on both ranks

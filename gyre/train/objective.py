@@ -21,7 +21,8 @@ the same for any split of rows into micro-steps and any assignment of micro-step
 (Zheng et al., 2025) with our execution-level sequences and normalization.
 
 l_t comes from `target_logprobs(logits, ids)`, chunked over the sequence in forward and backward
-so that no full-vocabulary log-softmax of a row exists; `lm_head_target_logprobs(hidden,
+so that no full-vocabulary log-softmax of a row exists (with a `VocabShard`, from a
+tensor-parallel rank's vocabulary shard of the logits); `lm_head_target_logprobs(hidden,
 lm_head_weight, ids)` also makes each chunk's logits inside the chunk, for rows whose logits
 would not fit (docs/training.md, "Memory per token (measured)").
 """
@@ -29,7 +30,7 @@ would not fit (docs/training.md, "Memory per token (measured)").
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +90,31 @@ CHUNK_ELEMENTS = 1 << 25
 the bound on each per-chunk temporary, whatever the row length."""
 
 
+@dataclass(frozen=True, slots=True)
+class VocabShard:
+    """This rank's slice [start, start + size) of a vocabulary split over ranks (Megatron's
+    vocab-parallel output layer: equal contiguous shards), and how per-position statistics
+    are combined over those ranks: `reduce(t, op)` replaces `t` in place by its elementwise
+    "max" or "sum" over the ranks (a collective; every rank calls it in the same order)."""
+
+    start: int
+    size: int
+    reduce: Callable[[torch.Tensor, str], None]
+
+    def local(self, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index into this shard, clamped to 0 where another rank holds the id; whether
+        this rank holds it)."""
+        index = target - self.start
+        held = (index >= 0) & (index < self.size)
+        return index.masked_fill(~held, 0), held
+
+
 def target_logprobs(
-    logits: torch.Tensor, ids: torch.Tensor, *, chunk_tokens: int | None = None
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    vocab_shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """log pi(ids[:, t] | ids[:, :t]) for t >= 1 (column 0 is 0), in float32 for 16-bit
     logits (else the logits' dtype); the logits' gradient is in their own dtype.
@@ -104,9 +128,15 @@ def target_logprobs(
     Megatron's cross-entropy returns float32 for bf16 logits: a log-prob rounded to bfloat16
     is off by up to 2^-9 of itself (0.01 at -5), twice the width of GSPO's 0.995..1.005 window
     on a token's ratio.
+
+    With a `vocab_shard`, `logits` is this rank's `[rows, len, shard size]` slice of the
+    vocabulary: each chunk's max, sum of exponentials and target logit are reduced over the
+    ranks, so every rank gets the whole vocabulary's log-probs, and the backward (no
+    reduction) gives the gradient of this rank's slice. Every rank calls it with the same
+    `ids` and `chunk_tokens`.
     """
     chunk = _chunk_positions(logits.shape[0], logits.shape[-1], chunk_tokens)
-    out = _TargetLogprobs.apply(logits, ids, chunk)
+    out = _TargetLogprobs.apply(logits, ids, chunk, vocab_shard)
     assert isinstance(out, torch.Tensor)
     return out
 
@@ -151,15 +181,28 @@ def _spans(width: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def _chunk_logprobs(
-    z: torch.Tensor, ids: torch.Tensor, s: int, e: int, ct: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    z: torch.Tensor, ids: torch.Tensor, s: int, e: int, ct: torch.dtype,
+    shard: VocabShard | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(target log-probs, max, log-sum-exp of logits - max) of the logits chunk `z` (positions
     s..e-1), in `ct`; the target's `logit - max` is taken before the log-sum is subtracted, as
-    in log_softmax, so a target near probability 1 keeps its small log-prob."""
+    in log_softmax, so a target near probability 1 keeps its small log-prob. With a `shard`,
+    max, sum and target logit are the whole vocabulary's (all-reduced)."""
     top = z.amax(dim=-1).to(ct)
+    if shard is not None:
+        shard.reduce(top, "max")
     shifted = torch.sub(z, top[..., None])  # the chunk's one temporary (in ct)
-    logsum = shifted.exp_().sum(dim=-1).log_()
-    picked = z.gather(-1, ids[:, s + 1 : e + 1, None]).squeeze(-1).to(ct)
+    total = shifted.exp_().sum(dim=-1)
+    if shard is not None:
+        shard.reduce(total, "sum")
+    logsum = total.log_()
+    target = ids[:, s + 1 : e + 1]
+    if shard is None:
+        picked = z.gather(-1, target[..., None]).squeeze(-1).to(ct)
+    else:
+        index, held = shard.local(target)
+        picked = z.gather(-1, index[..., None]).squeeze(-1).to(ct).masked_fill_(~held, 0)
+        shard.reduce(picked, "sum")  # the one rank holding the target gives its logit
     return (picked - top) - logsum, top, logsum
 
 
@@ -171,11 +214,17 @@ def _chunk_grad(
     g: torch.Tensor,
     s: int,
     e: int,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """d/dz of sum g * log_softmax(z)[target] = g * (onehot(target) - softmax(z)), in the
-    dtype of `top` (one chunk-sized temporary, updated in place)."""
+    dtype of `top` (one chunk-sized temporary, updated in place); with a `shard`, of this
+    rank's slice of the vocabulary (`top` and `logsum` are the whole vocabulary's)."""
     dz = torch.sub(z, top[..., None]).sub_(logsum[..., None]).exp_().mul_(-g[..., None])
-    return dz.scatter_add_(-1, ids[:, s + 1 : e + 1, None], g[..., None])
+    target = ids[:, s + 1 : e + 1]
+    if shard is None:
+        return dz.scatter_add_(-1, target[..., None], g[..., None])
+    index, held = shard.local(target)
+    return dz.scatter_add_(-1, index[..., None], g.masked_fill(~held, 0)[..., None])
 
 
 class _TargetLogprobs(torch.autograd.Function):
@@ -183,7 +232,7 @@ class _TargetLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, logits: torch.Tensor, ids: torch.Tensor, chunk: int
+        ctx: Any, logits: torch.Tensor, ids: torch.Tensor, chunk: int, shard: VocabShard | None
     ) -> torch.Tensor:
         n, width, _ = logits.shape
         ct = _compute_dtype(logits.dtype)
@@ -191,27 +240,27 @@ class _TargetLogprobs(torch.autograd.Function):
         for s, e in _spans(width, chunk):
             col = slice(s + 1, e + 1)
             out[:, col], top[:, col], logsum[:, col] = _chunk_logprobs(
-                logits[:, s:e], ids, s, e, ct
+                logits[:, s:e], ids, s, e, ct, shard
             )
         ctx.save_for_backward(logits, ids, top, logsum)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.shard = chunk, shard
         return out
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         logits, ids, top, logsum = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None
+            return None, None, None, None
         grad = torch.empty_like(logits)
         grad[:, -1].zero_()  # the last position predicts nothing
         for s, e in _spans(logits.shape[1], ctx.chunk):
             col = slice(s + 1, e + 1)
             g = grad_out[:, col].to(top.dtype)
             grad[:, s:e].copy_(
-                _chunk_grad(logits[:, s:e], ids, top[:, col], logsum[:, col], g, s, e)
+                _chunk_grad(logits[:, s:e], ids, top[:, col], logsum[:, col], g, s, e, ctx.shard)
             )
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _HeadTargetLogprobs(torch.autograd.Function):

@@ -39,7 +39,7 @@ def megatron_world() -> Iterator[None]:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
     )
-    init_model_parallel(MegatronConfig(dtype="float32"))
+    init_model_parallel(MegatronConfig(dtype="float32"), "cpu")
     try:
         yield
     finally:

@@ -1,14 +1,14 @@
 """One rank of a tensor- and pipeline-parallel Megatron world on CPU (gloo), for
 test_gpu_megatron_cpu.py.
 
-    python megatron_tp_worker.py RANK WORLD PORT OUT_DIR [PIPELINE [DTYPE]]
+    python megatron_tp_worker.py RANK WORLD PORT OUT_DIR [PIPELINE [DTYPE [ATTENTION]]]
 
-Builds Gyre's GPTModel of the tiny Qwen2 (`build_gpt_model` + `stage_to_mcore`: this rank's
-TP shard of its pipeline stage; TP = WORLD / PIPELINE) in DTYPE (float32, or bfloat16 with
-the cell's mixed precision), runs the micro-step's rows forward through `MegatronCell` (stage
-by stage; vocab-parallel cross-entropy), the cell's backward of the summed target log-probs,
-and writes this rank's log-probs and its shard's accumulated gradients (Megatron names) to
-OUT_DIR/rank<R>.pt.
+Builds Gyre's GPTModel of the tiny Qwen2 (`stage_to_mcore` + `build_rank_model`: this rank's
+TP shard of its pipeline stage; TP = WORLD / PIPELINE) in DTYPE (float32, or bfloat16 with the
+cell's mixed precision) with core attention ATTENTION ("sdpa", the default, or "local"), runs
+the micro-step's rows forward through `MegatronCell` (stage by stage; vocab-parallel chunked
+log-probs), the cell's backward of the summed target log-probs, and writes this rank's
+log-probs and its shard's accumulated gradients (Megatron names) to OUT_DIR/rank<R>.pt.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 
 def main(
-    rank: int, world: int, port: int, out: str, pipeline: int = 1, dtype: str = "float32"
+    rank: int, world: int, port: int, out: str, pipeline: int = 1, dtype: str = "float32",
+    attention: str = "sdpa",
 ) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -30,21 +31,19 @@ def main(
     from gyre.models import load_model
     from gyre.train.megatron import cpu
     from gyre.train.megatron.config import MegatronConfig
-    from gyre.train.megatron.model import MegatronCell, build_gpt_model, init_model_parallel
+    from gyre.train.megatron.model import MegatronCell, build_rank_model
     from gyre.train.megatron.weights import WeightLayout, stage_to_mcore
     from gyre.train.objective import ObjectiveConfig
 
     tp = world // pipeline
-    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pipeline, dtype=dtype)  # type: ignore[arg-type]
-    init_model_parallel(mcfg)
+    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pipeline, dtype=dtype,  # type: ignore[arg-type]
+                          attention=attention)  # type: ignore[arg-type]  # fmt: skip
     hf, _ = load_model("tiny")
     hfc = hf.config.to_dict()
-    model = build_gpt_model(hfc, mcfg, device="cpu")
     shard = stage_to_mcore(dict(hf.state_dict()), WeightLayout.from_hf_config(hfc), tp_rank=rank % tp,
                            tp_size=tp, stage=rank // tp, stages=pipeline)  # fmt: skip
-    missing, _ = model.load_state_dict(shard, strict=False)
-    assert not [k for k in missing if not k.endswith("_extra_state")], missing
-    cell = MegatronCell(model.train(), objective=ObjectiveConfig())
+    model = build_rank_model(hfc, shard, mcfg, device="cpu")  # the backend's own build
+    cell = MegatronCell(model, objective=ObjectiveConfig())
     step = torch.load(f"{out}/step.pt", weights_only=False)
     logp, st = cell._logprobs(step, grad=True)
     cell._backward((logp * st.targets).sum())  # the last stage's loss; the others' gradients
@@ -57,4 +56,6 @@ def main(
 if __name__ == "__main__":
     pipeline = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     dtype = sys.argv[6] if len(sys.argv) > 6 else "float32"
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], pipeline, dtype)
+    attention = sys.argv[7] if len(sys.argv) > 7 else "sdpa"
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], pipeline, dtype,
+         attention)

@@ -1,15 +1,22 @@
-"""Megatron-core forward and backward on this CPU (gyre.train.megatron.cpu's four patches):
-Gyre's GPTModel of the tiny Qwen2 against transformers' own model at TP = 2, PP = 2 and
-TP 2 x PP 2 over gloo processes (vocab-parallel cross-entropy; the stages' hidden states
-and input gradients sent stage to stage, the tied embedding's two copies summed; shards
-gathered back to the Hugging Face layout). And the patches stay off where CUDA is present."""
+"""Megatron-core forward and backward on this CPU, and its CUDA build path.
+
+Gyre's GPTModel of the tiny Qwen2 (built by `build_rank_model`, the backend's build, with
+gyre.train.megatron.cpu's four patches) against transformers' own model at TP = 2, PP = 2 and
+TP 2 x PP 2 over gloo processes, with the SDPA core attention and, at TP = 2, Megatron's
+`DotProductAttention` (vocab-parallel chunked log-probs; the stages' hidden states and input
+gradients sent stage to stage, the tied embedding's two copies summed; shards gathered back
+to the Hugging Face layout). And the CUDA build path run here with only the CUDA device
+stood in (megatron_cuda_path_probe.py): Megatron seeded, its first forward runs, each CPU
+patch off; a CPU model on a machine with CUDA gets the patches."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +26,7 @@ from gyre.train.packing import MicroStep, TokenRow
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (extra gyre[gpu])")
 WORKER = Path(__file__).with_name("megatron_tp_worker.py")
+PROBE = Path(__file__).with_name("megatron_cuda_path_probe.py")
 
 
 def _step(lengths: tuple[int, ...] = (12, 7, 9)) -> MicroStep:
@@ -54,12 +62,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_world(tmp_path: Path, step: MicroStep, tp: int, pp: int, dtype: str) -> list[dict]:
+def _run_world(
+    tmp_path: Path, step: MicroStep, tp: int, pp: int, dtype: str, attention: str = "sdpa"
+) -> list[dict]:
     """Every rank's results of one micro-step through a TP x PP world of gloo processes."""
     torch.save(step, tmp_path / "step.pt")
     port, world = _free_port(), tp * pp
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port),
-                               str(tmp_path), str(pp), dtype], stdout=subprocess.PIPE,
+                               str(tmp_path), str(pp), dtype, attention], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for r in range(world)]  # fmt: skip
     for p in procs:
@@ -89,10 +99,13 @@ def _hf_grads(ranks: list[dict], tp: int) -> dict[str, torch.Tensor]:
 
 # TP = 1, PP = 1: test_gpu_megatron_weights.py, in-process
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-def test_megatron_tp_matches_transformers_on_cpu(tmp_path: Path, tp: int, pp: int) -> None:
+@pytest.mark.parametrize("tp,pp,attention",
+                         [(2, 1, "sdpa"), (1, 2, "sdpa"), (2, 2, "sdpa"), (2, 1, "local")])  # fmt: skip
+def test_megatron_tp_matches_transformers_on_cpu(
+    tmp_path: Path, tp: int, pp: int, attention: str
+) -> None:
     step = _step()
-    ranks = _run_world(tmp_path, step, tp, pp, "float32")
+    ranks = _run_world(tmp_path, step, tp, pp, "float32", attention)
     want_logp, want_grads = _hf_reference(step)
     targets = _targets(step, tuple(want_logp.shape))
     for r in ranks:  # every rank has the whole rows' log-probs (vocab-parallel CE, broadcast)
@@ -102,6 +115,18 @@ def test_megatron_tp_matches_transformers_on_cpu(tmp_path: Path, tp: int, pp: in
     for name, g in got.items():
         ref = want_grads[name]
         assert float((g - ref).norm()) <= 1e-4 * float(ref.norm()) + 1e-7, name
+
+
+@pytest.fixture(scope="module")
+def cuda_path(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """megatron_cuda_path_probe.py's report: the CUDA build path run here with only the CUDA
+    device stood in (one subprocess for the module: the stand-ins are process-wide)."""
+    out = tmp_path_factory.mktemp("cuda_path") / "probe.json"
+    proc = subprocess.run([sys.executable, str(PROBE), str(out)], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
 
 
 @pytest.mark.slow
@@ -137,19 +162,35 @@ def test_megatron_bf16_tp_and_pp_match_transformers_within_bf16_tolerance(tmp_pa
 
 
 @pytest.mark.slow
-def test_the_cpu_patches_stay_off_where_cuda_is_present() -> None:
-    probe = (
-        "import torch\n"
-        "torch.cuda.is_available = lambda: True\n"
-        "from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding\n"
-        "from megatron.core.models.common.language_module.language_module import LanguageModule\n"
-        "before = RotaryEmbedding.get_emb, LanguageModule.setup_embeddings_and_output_layer\n"
-        "from gyre.train.megatron import cpu\n"
-        "on = cpu.enable()\n"
-        "after = RotaryEmbedding.get_emb, LanguageModule.setup_embeddings_and_output_layer\n"
-        "print(on, cpu.active(), all(a is b for a, b in zip(before, after)))\n"
-    )
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False", "False", "True"]
+@pytest.mark.parametrize("attention", ["sdpa", "local"])
+def test_the_cuda_build_path_seeds_megatron_and_runs_its_first_forward(
+    cuda_path: dict[str, Any], attention: str
+) -> None:
+    """`build_rank_model(..., device="cuda:0")` (the backend's build) with CUDA stood in and
+    no CPU patch: Megatron's attention forks the "model-parallel-rng" state at the first
+    forward, which exists only because the build seeded it (without
+    `model_parallel_cuda_manual_seed` this reads "cuda rng state model-parallel-rng is not
+    added"); the loaded weights give transformers' log-probs."""
+    got = cuda_path["cuda"][attention]
+    assert got["ok"], got["error"]
+    assert got["max_logprob_gap"] < 2e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patch", ["rotary", "tied_embedding", "memory_buffer", "rng_tracker"])
+def test_each_cpu_patch_is_off_on_the_cuda_path(cuda_path: dict[str, Any], patch: str) -> None:
+    """After the CUDA build path and its forward, Megatron's own object is in place: the
+    rotary embedding's `get_emb`, the tied-embedding setup, the global memory buffer, and
+    the model-parallel RNG tracker (its training tracker, seeded)."""
+    assert cuda_path["patches"]["active"] is False
+    assert cuda_path["patches"][patch] is True, f"cpu.py's {patch} patch is on the CUDA path"
+
+
+@pytest.mark.slow
+def test_a_cpu_model_on_a_gpu_machine_is_patched(cuda_path: dict[str, Any]) -> None:
+    """`train.device: cpu` where CUDA is visible: the patches follow the model's device, not
+    the machine, so the CPU build runs (unpatched Megatron would put the rotary table and its
+    scratch buffer on the GPU)."""
+    got = cuda_path["cpu_on_gpu_machine"]
+    assert got["ok"], got.get("error")
+    assert got["patched"] and got["max_logprob_gap"] < 2e-5

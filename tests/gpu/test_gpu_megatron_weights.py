@@ -293,6 +293,42 @@ def test_gpt_model_from_tiny_config_matches_hf_layers(megatron_world):
     assert set(hf_model.state_dict()) - set(back) <= {"lm_head.weight"}  # tied
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_uninitialized_build_marks_the_sharded_weights_as_megatron_does(megatron_world, tied):
+    """`build_gpt_model` skips Megatron's weight initialization, which is where its local layers
+    set the tensor-parallel attributes: every parameter carries the same
+    `tensor_model_parallel`, `partition_dim` and `partition_stride` as in a GPTModel built
+    with `perform_initialization=True` (without them the clip norm counted a sharded weight
+    on TP rank 0 only: the TP 2 gradient norm 26 % low)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from gyre.train.megatron.attention import layer_spec
+    from gyre.train.megatron.config import MegatronConfig, gpt_kwargs, transformer_kwargs
+    from gyre.train.megatron.model import build_gpt_model
+
+    hfc = {"model_type": "qwen2", "hidden_size": 16, "intermediate_size": 32,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
+           "vocab_size": 64, "tie_word_embeddings": tied}  # fmt: skip
+    cfg = MegatronConfig(dtype="float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = build_gpt_model(hfc, cfg, device="cpu")
+        tc = TransformerConfig(**transformer_kwargs(hfc, cfg), activation_func=torch.nn.functional.silu,
+                               use_cpu_initialization=True, perform_initialization=True)  # fmt: skip
+        initialized = GPTModel(tc, layer_spec("sdpa"), pre_process=True, post_process=True,
+                               **gpt_kwargs(hfc))  # fmt: skip
+    assert parallel_state.get_tensor_model_parallel_world_size() == 1
+
+    def marks(model):
+        keys = ("tensor_model_parallel", "partition_dim", "partition_stride")
+        return {n: tuple(getattr(p, k, None) for k in keys) for n, p in model.named_parameters()}
+
+    assert marks(ours) == marks(initialized)
+    assert marks(ours)["decoder.layers.0.mlp.linear_fc1.weight"] == (True, 0, 2)
+
+
 def test_megatron_cell_and_optimizer_on_cpu(megatron_world):
     """The cell re-homes GPTModel parameters into flat buffers; the model-parallel optimizer
     (group of one here) clips by the global norm and steps like the torch core optimizer."""
@@ -307,6 +343,10 @@ def test_megatron_cell_and_optimizer_on_cpu(megatron_world):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = build_gpt_model(hfc, MegatronConfig(dtype="float32"), device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # built uninitialized: weights of our own
+        for p in model.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     cell = MegatronCell(model, objective=ObjectiveConfig())
     assert cell.flat_params.numel() == sum(p.numel() for p in model.parameters())
     twin = TorchCell(torch.nn.Linear(1, cell.flat_params.numel(), bias=False),

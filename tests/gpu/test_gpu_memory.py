@@ -124,7 +124,12 @@ def test_a_parked_megatron_cell_frees_megatrons_scratch(megatron_world):
            "vocab_size": 64, "tie_word_embeddings": True}  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build_gpt_model(hfc, MegatronConfig(dtype="float32"), device="cpu")
+        # Megatron's own core attention: the one that keeps a scratch buffer between passes
+        model = build_gpt_model(hfc, MegatronConfig(dtype="float32", attention="local"),
+                                device="cpu")  # fmt: skip
+    with torch.no_grad():  # built uninitialized (the backend loads weights next)
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
     cell = MegatronCell(model, objective=ObjectiveConfig())
     opt = ModelParallelOptimizer(cell, OptimConfig(lr=1e-2))
     opt.step(torch.randn_like(cell.flat_params))  # AdamW moments exist

@@ -1,8 +1,9 @@
 """The Megatron training backend: the model sharded over a cell's ranks (`train.backend`).
 
 megatron-core's GPTModel sharded over the cell's ranks with tensor and pipeline parallelism
-(torch.distributed over the cell ranks: gloo on CPU, NCCL on GPU; the CPU patches of
-`gyre.train.megatron.cpu`; rank s of a cell is TP rank s % TP of stage s // TP). Every rank
+(torch.distributed over the cell ranks: gloo on CPU, NCCL on GPU; each rank's shard built on
+its own device, `gyre.train.megatron.model.build_rank_model`; rank s of a cell is TP rank
+s % TP of stage s // TP). Every rank
 runs every row (the stages one after the other); each core rank steps AdamW on its own shard
 with the whole model's gradient norm. After every change of weights (an update, a pull of
 the core's snapshot, a restore) the shards of every stage are gathered to the leader into a
@@ -154,15 +155,8 @@ def build(
     """This rank's shard of the policy as a Megatron GPTModel, loaded from the HF model."""
     if comms is None:
         raise TrainingError("train.backend megatron: a cell rank needs its communicators")
-    import torch
-
     from gyre.train.megatron.config import MegatronConfig
-    from gyre.train.megatron.model import (
-        MegatronCell,
-        ModelParallelOptimizer,
-        build_gpt_model,
-        init_model_parallel,
-    )
+    from gyre.train.megatron.model import MegatronCell, ModelParallelOptimizer, build_rank_model
     from gyre.train.megatron.weights import WeightLayout
 
     # megatron-core warns at import and build about every optional CUDA library it lacks
@@ -171,12 +165,13 @@ def build(
     hf, tokenizer, hf_config, shard = _shard_source(model, dims, comms)
     mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
                           dtype=train.params_dtype)  # fmt: skip
-    init_model_parallel(mcfg)
+    # on its own device: Megatron's seeding there (CUDA) or the CPU patches, no random
+    # init; the shard streamed in one tensor at a time
+    gpt = build_rank_model(hf_config, shard, mcfg, device=device)
     _check_rank(comms, dims)
-    gpt = build_gpt_model(hf_config, mcfg, device="cpu")
-    _load_shard(gpt, shard, comms.shard)
-    gpt.to(torch.device(device)).train()
     if hf is not None:  # the mirror holds what engines load: the model's dtype
+        import torch
+
         hf.to(getattr(torch, train.params_dtype))
     cell = MegatronCell(gpt, objective=train.objective)
     optimizer = ModelParallelOptimizer(cell, train.optim) if core else None
@@ -318,22 +313,6 @@ def _scattered(
     received = comms.cell.scatter(shards, root=0)
     arrive(comms.cell)  # as after the broadcast: every rank holds its part
     return received.items() if state is None else slices(0, state)
-
-
-def _load_shard(gpt: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
-                shard: int) -> None:  # fmt: skip
-    """Copy this rank's Megatron tensors into `gpt` one at a time, each dropped once copied
-    (so the rank holds its model and one tensor); every parameter must get one."""
-    from gyre.rollout.weights import load_named_tensors
-    from gyre.train.megatron.weights import tensor_state
-
-    loaded = set()
-    for name, tensor in tensors:
-        load_named_tensors(gpt, [(name, tensor)])
-        loaded.add(name)
-    missing = sorted(set(tensor_state(gpt)) - loaded)
-    if missing:
-        raise TrainingError(f"megatron cell rank {shard}: no weights for {missing[:5]}")
 
 
 def model_parallel(parallel: ParallelConfig, ranks_per_cell: int) -> ParallelDims:

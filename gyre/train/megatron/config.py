@@ -20,6 +20,7 @@ from gyre.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTIONS = ("sdpa", "local")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,7 +34,11 @@ class MegatronConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Parameter and compute dtype."""
     seed: int = 1234
-    """Model-parallel RNG seed (random init)."""
+    """Megatron's model-parallel RNG seed on CUDA (`model_parallel_cuda_manual_seed`: dropout
+    and the tracker its attention forks)."""
+    attention: Literal["sdpa", "local"] = "sdpa"
+    """Core attention: "sdpa" (torch's fused kernels, memory linear in the row) or "local"
+    (Megatron's `DotProductAttention`, scores materialised: kept for comparisons)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel"):
@@ -41,6 +46,8 @@ class MegatronConfig:
                 raise ConfigError(f"{name}: {getattr(self, name)!r}; allowed an integer >= 1")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r}; allowed {', '.join(DTYPES)}")
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"attention: {self.attention!r}; allowed {', '.join(ATTENTIONS)}")
 
     @property
     def ranks_per_cell(self) -> int:

@@ -4,25 +4,26 @@ megatron-core (0.16) assumes a CUDA device at four points even with every fusion
 
 * `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` at the first
   forward — here it runs with the tensor's own device instead;
-* `parallel_state`'s `GlobalMemoryBuffer` (scratch space of core attention and the
-  tensor-parallel collectives) allocates on the CUDA device — here a subclass allocates in
-  host memory;
+* `parallel_state`'s `GlobalMemoryBuffer` (scratch space of Megatron's `DotProductAttention`
+  and the tensor-parallel collectives) allocates on the CUDA device — here a subclass
+  allocates in host memory;
 * the model-parallel RNG tracker refuses any forward whose "model-parallel-rng" CUDA state
-  was never added (even with dropout 0) — here Megatron's own
-  `initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)` installs its
-  no-state tracker;
+  was never added (even with dropout 0; on CUDA `model_parallel_cuda_manual_seed` adds it)
+  — here Megatron's own `initialize_rng_tracker(inference_rng_tracker=True,
+  force_reset=True)` installs its no-state tracker;
 * with pipeline stages and tied embeddings, `LanguageModule.setup_embeddings_and_output_layer`
   (run by the model's constructor) moves the stage's copy of the tied embedding with
   `.cuda()` before all-reducing it over the embedding group — here, for that call only,
   `Tensor.cuda` leaves a tensor where it is.
 
-`enable()` applies them only when no CUDA device is visible (on a GPU machine it does
-nothing, so a cluster job runs unpatched Megatron), after every `parallel_state`
-initialization (which makes a new buffer and tracker). It is called by the
-Megatron training backend right after `parallel_state` is initialized
-(`gyre.train.megatron.model.init_model_parallel`).
+`enable()` applies them; `gyre.train.megatron.model.init_model_parallel` calls it for a
+model on the CPU only (`train.device: cpu`, whether or not the machine has a GPU), after
+every `parallel_state` initialization (which makes a new buffer and tracker). A model on a
+CUDA device runs unpatched Megatron, seeded as Megatron requires
+(tests/gpu/test_gpu_megatron_cpu.py runs that path on CPU with device stand-ins and checks
+that each patch is off).
 
-    init_model_parallel(cfg)     # calls cpu.enable() on a CPU-only machine
+    init_model_parallel(cfg, "cpu")     # calls cpu.enable()
 """
 
 from __future__ import annotations
@@ -43,19 +44,15 @@ def active() -> bool:
     return _rotary_patched
 
 
-def enable() -> bool:
-    """Apply the patches on a machine without CUDA (after `parallel_state` is initialized);
-    returns whether they are active."""
+def enable() -> None:
+    """Apply the patches (after `parallel_state` is initialized), for a model on the CPU."""
     global _rotary_patched
-    if torch.cuda.is_available():
-        return False
     if not _rotary_patched:
         _patch_rotary()
         _patch_tied_embedding_setup()
         _rotary_patched = True
     _host_memory_buffer()
     _rng_tracker()
-    return True
 
 
 @contextlib.contextmanager

@@ -1,51 +1,60 @@
 """Megatron-core policy model and the training cell that runs it.
 
-`build_gpt_model(hf_config, cfg)` builds a `GPTModel` (local layer spec: plain torch modules,
-no Transformer Engine needed) from a Hugging Face Qwen2 / Llama config dict; Megatron's
-`parallel_state` must be initialized first (`init_model_parallel`). `MegatronCell` is a
-`gyre.train.cell.TorchCell` over that model: the same flat parameter / gradient buffers,
-phase-A prepass and phase-B accumulate of the same micro-steps and objective, so the world
-protocol (`gyre.runtime.coordinator.training`, docs/training.md) and transports work unchanged. With
-tensor parallelism the logits are vocabulary-sharded and target log-probs come from
-Megatron's vocab-parallel cross-entropy; with pipeline parallelism a micro-step runs stage by
-stage (`gyre.train.megatron.pipeline`) and every stage gets the last stage's log-probs.
-`ModelParallelOptimizer` is the core's optimizer: AdamW on each rank's shard, with the
-global gradient norm summed over the cell's model-parallel group (replicated parameters and
-the last stage's copy of a tied embedding counted once), so clipping matches a
-single-device run.
+`build_rank_model(hf_config, weights, cfg, device=...)` is what every Megatron rank runs: it
+prepares Megatron's process state for the rank's device (`init_model_parallel`), builds a
+`GPTModel` there (`build_gpt_model`: Megatron's local layer spec, plain torch modules, no
+Transformer Engine needed, with `SDPAttention` as core attention, `gyre.train.megatron.attention`)
+from a Hugging Face Qwen2 / Llama config dict, without initializing its weights, and loads
+the rank's Megatron tensors into it. `MegatronCell` is a `gyre.train.cell.TorchCell` over that
+model: the same flat parameter / gradient buffers, phase-A prepass and phase-B accumulate of
+the same micro-steps and objective, so the world protocol (`gyre.runtime.coordinator.training`,
+docs/training.md) and transports work unchanged. With tensor parallelism the logits are
+vocabulary-sharded and the chunked target log-probs all-reduce each chunk's statistics over
+the tensor-parallel group (`target_logprobs(..., vocab_shard=...)`); with pipeline
+parallelism a micro-step runs stage by stage (`gyre.train.megatron.pipeline`) and every stage
+gets the last stage's log-probs. `ModelParallelOptimizer` is the core's optimizer: AdamW on
+each rank's shard, with the global gradient norm summed over the cell's model-parallel group
+(replicated parameters and the last stage's copy of a tied embedding counted once), so
+clipping matches a single-device run.
 
-On a machine without CUDA, `init_model_parallel` applies the four scoped patches of
-`gyre.train.megatron.cpu` (megatron-core calls `torch.cuda` at four points even with every
-fusion off), so forward and backward run on CPU too; with CUDA it changes nothing.
+On a CUDA device Megatron needs its model-parallel RNG seeded before the first forward (its
+core attention forks the "model-parallel-rng" CUDA state, dropout or not); on the CPU
+(`train.device: cpu`, with or without a GPU on the machine) `init_model_parallel` applies
+instead the four scoped patches of `gyre.train.megatron.cpu` (megatron-core calls
+`torch.cuda` at four points even with every fusion off).
 
-    init_model_parallel(cfg)                  # after torch.distributed.init_process_group
-    model = build_gpt_model(hf_config, cfg, device="cuda")
+    # after torch.distributed.init_process_group
+    model = build_rank_model(hf_config, stage_to_mcore(...), MegatronConfig(), device="cuda:0")
     cell = MegatronCell(model, objective=ObjectiveConfig())
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from gyre.errors import TrainingError
 from gyre.train.cell import CoreOptimizer, TorchCell, main_dtype
 from gyre.train.config import ObjectiveConfig, OptimConfig
 from gyre.train.megatron.config import MegatronConfig, gpt_kwargs, transformer_kwargs
-from gyre.train.objective import check_finite, step_tensors, target_logprobs
+from gyre.train.objective import VocabShard, check_finite, step_tensors, target_logprobs
 from gyre.train.packing import MicroStep
 
 
-def init_model_parallel(cfg: MegatronConfig) -> None:
-    """Megatron's parallel_state over the current torch.distributed world (TP × PP inside a cell).
+def init_model_parallel(cfg: MegatronConfig, device: str | torch.device) -> None:
+    """Megatron's process state for a model on `device`, over the current torch.distributed
+    world (TP × PP inside a cell): `parallel_state`, then on a CUDA device that device bound
+    and Megatron's model-parallel RNG seeded (`model_parallel_cuda_manual_seed`), on the CPU
+    the scoped patches of `gyre.train.megatron.cpu`.
 
     Cell ranks must be contiguous in the torch.distributed numbering (`GroupLayout.dist_rank`);
     data parallelism then runs across cells.
     """
     _import_megatron()
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel
 
     from gyre.train.megatron import cpu
 
@@ -55,7 +64,28 @@ def init_model_parallel(cfg: MegatronConfig) -> None:
         parallel_state.initialize_model_parallel(
             cfg.tensor_parallel, cfg.pipeline_parallel, order="tp-cp-ep-pp-dp"
         )
-    cpu.enable()  # CPU only: Megatron's four CUDA-only points (gyre.train.megatron.cpu)
+    if _on_cuda(device):
+        _bind(device)
+        # after parallel_state (the seeds depend on the TP rank); Megatron's attention forks
+        # the tracker's "model-parallel-rng" state at every forward
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    else:
+        cpu.enable()  # Megatron's four CUDA-only points (gyre.train.megatron.cpu)
+
+
+def _on_cuda(device: str | torch.device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def _bind(device: str | torch.device) -> torch.device:
+    """Where Megatron puts this rank's model: on CUDA the current device, made `device` when
+    it names one (Megatron allocates at `torch.cuda.current_device()`); else `device`."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    if dev.index is not None:
+        torch.cuda.set_device(dev)
+    return torch.device(torch.cuda.current_device())
 
 
 def _import_megatron() -> None:
@@ -79,15 +109,20 @@ def _import_megatron() -> None:
 
 
 def build_gpt_model(
-    hf_config: Mapping[str, Any], cfg: MegatronConfig, *, device: str = "cuda"
+    hf_config: Mapping[str, Any], cfg: MegatronConfig, *, device: str | torch.device
 ) -> torch.nn.Module:
-    """A random-init GPTModel for this rank's TP shard / pipeline stage."""
+    """This rank's GPTModel (its TP shard of its pipeline stage) on `device`, its weights
+    allocated but not initialized (`perform_initialization=False`): the caller loads them
+    next (`build_rank_model`). `init_model_parallel(cfg, device)` first."""
+    _import_megatron()
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from gyre.train.megatron.attention import layer_spec
+
     dtype = getattr(torch, cfg.dtype)
+    place = _bind(device)
     tc = TransformerConfig(
         **transformer_kwargs(hf_config, cfg),
         activation_func=torch.nn.functional.silu,
@@ -95,21 +130,78 @@ def build_gpt_model(
         pipeline_dtype=dtype,  # of the hidden states sent between stages
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=device == "cpu",
-        perform_initialization=True,
+        use_cpu_initialization=not _on_cuda(device),  # else on torch.cuda.current_device()
+        perform_initialization=False,  # weights are loaded right after: no random init
     )
-    if device != "cpu":
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     model = GPTModel(
         tc,
-        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        layer_spec(cfg.attention),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         **gpt_kwargs(hf_config),
     )
-    return model.to(device=device, dtype=dtype)
+    _mark_tensor_parallel(model)
+    # what Megatron leaves to torch's default device (its local norms) follows the weights
+    return model.to(device=place, dtype=dtype)
+
+
+def _mark_tensor_parallel(model: torch.nn.Module) -> None:
+    """The tensor-parallel attributes of the sharded weights, which Megatron's local layers
+    set only while initializing them (`_initialize_affine_weight_cpu/gpu`, skipped with
+    `perform_initialization=False`): `tensor_model_parallel`, `partition_dim` (0 for
+    column-parallel layers and the vocab-parallel embedding, 1 for row-parallel layers) and
+    `partition_stride` (2 for a gated MLP's `linear_fc1`: megatron/core/transformer/mlp.py).
+    Without them a sharded weight reads as replicated over the TP ranks (Gyre's clip norm,
+    Megatron's `param_is_not_tensor_parallel_duplicate`). Checked against a build that
+    initializes, in tests/gpu/test_gpu_megatron_weights.py."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+    from megatron.core.transformer.mlp import MLP
+
+    strides = {id(m.linear_fc1): 2 for m in model.modules()
+               if isinstance(m, MLP) and m.config.gated_linear_unit}  # fmt: skip
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        set_tensor_model_parallel_attributes(weight, True, dim, strides.get(id(module), 1))
+
+
+def build_rank_model(
+    hf_config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    cfg: MegatronConfig,
+    *, device: str | torch.device,
+) -> torch.nn.Module:  # fmt: skip
+    """This rank's model on `device` holding `weights` (its Megatron tensors, e.g. from
+    `stage_to_mcore`, or a stream of (name, tensor) read one at a time from the model's
+    files), in training mode: Megatron's process state for the device
+    (`init_model_parallel`), the model built uninitialized there, every tensor loaded as it
+    comes (so a streaming rank holds its model and one tensor)."""
+    from gyre.rollout.weights import load_named_tensors
+    from gyre.train.megatron.weights import tensor_state
+
+    init_model_parallel(cfg, device)
+    model = build_gpt_model(hf_config, cfg, device=device)
+    loaded = set()
+    for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
+        load_named_tensors(model, [(name, tensor)])
+        loaded.add(name)
+    missing = sorted(set(tensor_state(model)) - loaded)
+    if missing:
+        raise TrainingError(f"megatron rank: no weights given for {missing[:5]} "
+                            f"({len(missing)} tensors would stay uninitialized)")  # fmt: skip
+    return model.train()
 
 
 def _tp_size() -> int:
@@ -130,6 +222,9 @@ class MegatronCell(TorchCell):
 
         super().__init__(model, objective=objective)
         self.stage = Stage.current()
+        # Megatron's DotProductAttention needs the causal mask as a tensor (its own default
+        # one is made on "cuda"); SDPAttention is causal without one (no len x len tensor)
+        self._explicit_mask = any(_materialises_scores(m) for m in model.modules())
         # this stage's (received input, output) of the latest forward with grad: the backward's
         self._io: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
@@ -151,16 +246,18 @@ class MegatronCell(TorchCell):
         n, width = st.ids.shape
         dtype, stage = self.flat_params.dtype, self.stage
         positions = torch.arange(width, device=self.device).expand(n, width)
-        # Megatron's mask convention: True = masked out. Causal; right padding is never a
-        # target's context, so no padding mask is needed.
-        mask = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)
+        # Causal; right padding is never a target's context, so no padding mask is needed.
+        # Megatron's mask convention: True = masked out.
+        mask = None
+        if self._explicit_mask:
+            mask = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)
         hidden = (width, n, int(self.model.config.hidden_size))  # type: ignore[union-attr,arg-type]
         received = stage.receive_forward(hidden, dtype, self.device)
         if received is not None:
             received.requires_grad_(grad)
             self.model.set_input_tensor(received)  # type: ignore[operator]
         with torch.set_grad_enabled(grad):
-            out = self.model(st.ids, positions, mask[None, None])
+            out = self.model(st.ids, positions, None if mask is None else mask[None, None])
             logp = self._target_logprobs(out, st.ids) if stage.last else None
         stage.send_forward(out)
         self._io = (received, out) if grad else None
@@ -190,19 +287,30 @@ class MegatronCell(TorchCell):
 
 
 def vocab_parallel_target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """`target_logprobs` from this rank's vocabulary shard of the logits (Megatron's
-    vocab-parallel cross-entropy over the tensor-parallel group).
+    """`target_logprobs` from this rank's vocabulary shard of the logits (the output layer's
+    vocab-parallel split over the tensor-parallel group): chunked over the sequence like
+    TP 1's, each chunk's max, sum and target logit all-reduced over the group, so no float32
+    copy of the logits nor a saved softmax (Megatron's `vocab_parallel_cross_entropy` keeps
+    both)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
 
-    Megatron's kernel flattens its input with `.view` and works on it in place, so it gets a
-    contiguous float32 copy: `logits[:, :-1]` is a strided slice, and in float32 `.float()`
-    returns that same slice (a `.view` error, or with one row the model's logits
-    overwritten). The result is float32 (for bf16 logits too, as `target_logprobs`'s)."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    group = parallel_state.get_tensor_model_parallel_group()
+    ops = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
 
-    shard = logits[:, :-1]
-    shard = (shard.clone() if shard.dtype == torch.float32 else shard.float()).contiguous()
-    nll = vocab_parallel_cross_entropy(shard, ids[:, 1:])
-    return torch.nn.functional.pad(-nll, (1, 0))
+    def reduce(t: torch.Tensor, op: str) -> None:
+        dist.all_reduce(t, op=ops[op], group=group)
+
+    size = logits.shape[-1]
+    shard = VocabShard(start=parallel_state.get_tensor_model_parallel_rank() * size, size=size,
+                       reduce=reduce)  # fmt: skip
+    return target_logprobs(logits, ids, vocab_shard=shard)
+
+
+def _materialises_scores(module: torch.nn.Module) -> bool:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return isinstance(module, DotProductAttention)
 
 
 def _replicated_mask(model: torch.nn.Module, total: int, device: torch.device) -> torch.Tensor:
