@@ -63,13 +63,23 @@ TOLERANCES = {
     "float32": {"objective_rel": 1e-4, "grad_norm_rel": 1e-4},
     "bfloat16": {"objective_rel": 3e-2, "grad_norm_rel": 3e-2},
 }
-SECTIONS = ("parity", "train_speed", "engine", "role_switch", "megatron_tp2")
-BUDGET_S = {"parity": 140, "train_speed": 90, "engine": 140, "role_switch": 90,
-            "megatron_tp2": 120}  # fmt: skip
-# Imported by the sections (directly or through gyre) beyond the device image's torch,
-# transformers, numpy, h5py and yaml: tools/gpu_check.sh's WHEELS carries them.
+SECTIONS = ("run", "parity", "train_speed", "engine", "role_switch", "megatron_tp2")
+BUDGET_S = {"run": 150, "parity": 100, "train_speed": 60, "engine": 80, "role_switch": 60,
+            "megatron_tp2": 100}  # fmt: skip
+# The device image's own packages (what tools/gpu_check.sh does not carry).
+IMAGE = ("torch", "transformers", "numpy", "h5py", "pyyaml")
+# Imported by the sections (directly or through gyre: `gyre run`'s ranks and engines too)
+# beyond the image's: tools/gpu_check.sh's WHEELS carries them, and the CPU rehearsal of the
+# `run` section allows exactly these (tools/gpu_image_guard) — a missing one fails it here.
 CARRIED = {"megatron.core": "megatron-core", "tornado": "tornado", "orjson": "orjson",
-           "aiohttp": "aiohttp"}  # module: distribution  # fmt: skip
+           "aiohttp": "aiohttp", "mpi4py": "mpi4py", "psutil": "psutil",
+           "llguidance": "llguidance", "prometheus_client": "prometheus-client"}  # fmt: skip
+# Gyre's optional packages, used where installed and absent on the image (the run goes on
+# without them: mooncake is the RDMA transport, `train.transport: mooncake`)
+OPTIONAL = ("mooncake",)
+# the carried packages' own dependencies (no module of their own to check: their wheels)
+CARRIED_DEPENDENCIES = ("aiohappyeyeballs", "aiosignal", "attrs", "frozenlist", "multidict",
+                        "propcache", "yarl", "idna", "mpich")  # fmt: skip
 
 
 # ----- shared helpers ---------------------------------------------------------------------
@@ -562,8 +572,93 @@ def tp2_compare(ref: Any, got: dict[str, Any], steps: list, info: Any, layout: A
     }  # fmt: skip
 
 
+# ----- run: `gyre run` on the GPU --------------------------------------------------------
+def image_modules() -> set[str]:
+    """Top-level modules of the device image's packages (IMAGE and what they require, read
+    from this machine's metadata) and of the carried wheels."""
+    import importlib.metadata as md
+    import re
+
+    wanted, seen = [*IMAGE, *CARRIED.values(), *CARRIED_DEPENDENCIES], set()
+    while wanted:
+        name = wanted.pop().lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = md.distribution(name).requires or []
+        except md.PackageNotFoundError:
+            continue
+        wanted += [re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0] for r in requires
+                   if "extra ==" not in r]  # fmt: skip
+    modules = {"gyre"}
+    for module, dists in md.packages_distributions().items():
+        if any(d.lower().replace("_", "-") in seen for d in dists):
+            modules.add(module)
+    return modules
+
+
+def section_run(args: argparse.Namespace) -> dict[str, Any]:
+    """`gyre run` of templates/local.yaml for 2 steps on this machine's device: one cell of
+    one rank, the Megatron backend in bf16 (`train.device`), its embedded engine beside it
+    (`engine.device`, colocated: the trainer parks on every switch to rollout). Passes when
+    the run completes both steps, and on CUDA every switch to rollout left the trainer's
+    GPU memory lower than it found it (the switch events' `device_allocated_before/after`).
+    On CPU (the rehearsal) every process runs under tools/gpu_image_guard: a package the
+    device image lacks and the wheels do not carry fails it."""
+    from gyre.trajectory.store import TraceReader
+
+    on_gpu = args.device.startswith("cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir, blocked = Path(tmp) / "run", Path(tmp) / "blocked.txt"
+        env = dict(os.environ)
+        if not on_gpu:
+            guard = str(ROOT / "tools" / "gpu_image_guard")
+            env.update(PYTHONPATH=os.pathsep.join(filter(None, [guard, str(ROOT),
+                                                                env.get("PYTHONPATH")])),
+                       GYRE_IMAGE_ALLOWED=",".join(sorted(image_modules())),
+                       GYRE_IMAGE_CHECKED=",".join(["gyre", *(m.split(".")[0] for m in CARRIED)]),
+                       GYRE_IMAGE_BLOCKED=str(blocked))  # fmt: skip
+        cmd = [sys.executable, "-m", "gyre", "run", str(ROOT / "templates" / "local.yaml"),
+               "topology.cells=1", "topology.ranks_per_cell=1", "train.backend=megatron",
+               "train.dtype=bfloat16", f"train.device={args.device}",
+               f"engine.device={'cuda' if on_gpu else 'cpu'}", "--steps", "2",
+               "--run-dir", str(run_dir), "--quiet"]  # fmt: skip
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp,
+                              timeout=BUDGET_S["run"] * 3 - 10)  # fmt: skip
+        wall = time.perf_counter() - t0
+        out: dict[str, Any] = {"status": "ok", "command": " ".join(cmd[1:]), "wall_s": wall,
+                               "exit": proc.returncode}  # fmt: skip
+        # imports the image could not serve: Gyre's fail the check, a carried package's
+        # (its optional extras, e.g. aiohttp's brotli) are listed
+        out["blocked_imports"] = sorted(set(blocked.read_text().split("\n")) - {""}
+                                        if blocked.exists() else [])  # fmt: skip
+        gyre_blocked = [b for b in out["blocked_imports"] if b.endswith("(imported by gyre)")
+                        and b.split()[0] not in OPTIONAL]  # fmt: skip
+        if proc.returncode != 0:
+            out.update(status="error", stderr_tail=(proc.stdout + proc.stderr)[-3000:])
+            return out
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        with TraceReader(run_dir / "trace.h5") as r:
+            events = [(e["kind"], json.loads(e["detail"])) for e in r.rows("events")]
+    parks = [d for k, d in events if k == "switch" and d["to"] == "rollout"]
+    out.update({k: summary.get(k) for k in ("steps_done", "train_backend", "train_dtype",
+                                            "switches", "publications", "switch_s_mean")})  # fmt: skip
+    out["parks"] = [{k: d.get(k) for k in ("trainer_parked_bytes", "device_allocated_before",
+                                           "device_allocated_after")} for d in parks]  # fmt: skip
+    out["memory_falls_on_every_park"] = (
+        all(d["device_allocated_after"] < d["device_allocated_before"] for d in parks)
+        if on_gpu and parks and all("device_allocated_after" in d for d in parks) else None
+    )  # None: not measurable here (a CPU trainer does not park)
+    out["pass"] = (summary.get("steps_done") == 2 and summary.get("train_dtype") == "bfloat16"
+                   and not gyre_blocked and bool(parks)
+                   and (out["memory_falls_on_every_park"] is True or not on_gpu))  # fmt: skip
+    return out
+
+
 # ----- orchestration ----------------------------------------------------------------------
-FUNCS = {"parity": section_parity, "train_speed": section_train_speed,
+FUNCS = {"run": section_run, "parity": section_parity, "train_speed": section_train_speed,
          "engine": section_engine, "role_switch": section_role_switch,
          "megatron_tp2": section_megatron_tp2}  # fmt: skip
 

@@ -94,3 +94,46 @@ def test_every_carried_import_has_a_wheel(gpu_check):
     pinned = {w.split("==")[0] for w in wheels}
     assert set(gpu_check.CARRIED.values()) <= pinned
     assert all("Error" not in v for v in gpu_check.imports().values()), gpu_check.imports()
+
+
+@pytest.mark.slow
+def test_the_run_section_rehearses_gyre_run_with_only_the_images_packages(gyre_check_run):
+    """The GPU check's `gyre run` (Megatron, bf16, one colocated cell, 2 steps) here on the
+    CPU, every process under tools/gpu_image_guard: only the device image's packages and the
+    wheels tools/gpu_check.sh carries import, so a package Gyre needs and the list lacks
+    fails here, not on the GPU."""
+    out = gyre_check_run
+    assert out["status"] == "ok", out
+    assert out["steps_done"] == 2 and out["train_dtype"] == "bfloat16"
+    assert out["train_backend"] == "megatron" and out["publications"] >= 1
+    assert out["parks"], "no switch to rollout"
+    assert out["pass"] is True, out["blocked_imports"]
+
+
+@pytest.fixture(scope="module")
+def gyre_check_run(gpu_check):
+    return gpu_check.section_run(ARGS)
+
+
+def test_the_image_guard_refuses_what_the_image_lacks(gpu_check, tmp_path):
+    """The guard the rehearsal runs under: a package Gyre imports that neither the image nor
+    the carried wheels provide fails as on the device (and is logged), one they provide
+    imports."""
+    import os
+    import subprocess
+    import sys
+
+    guard = gpu_check.ROOT / "tools" / "gpu_image_guard"
+    log = tmp_path / "blocked.txt"
+    env = dict(os.environ, PYTHONPATH=f"{guard}{os.pathsep}{gpu_check.ROOT}",
+               GYRE_IMAGE_ALLOWED="gyre,torch,tornado", GYRE_IMAGE_CHECKED="gyre",
+               GYRE_IMAGE_BLOCKED=str(log))  # fmt: skip
+    probe = ("import gyre.errors\n"
+             "g = vars(gyre.errors)\n"
+             "exec('import tornado', g)\n"
+             "try:\n    exec('import h5py', g)\nexcept ModuleNotFoundError as e:\n    print(e)\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "No module named 'h5py' (not on the GPU image)" in proc.stdout
+    assert log.read_text().split("\n")[0] == "h5py (imported by gyre)"

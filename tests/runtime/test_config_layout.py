@@ -401,3 +401,27 @@ def test_every_training_backend_the_config_allows_has_a_builder() -> None:
     with pytest.raises(ConfigError) as e:  # and the config allows no other
         load_run_config(LOCAL, ["train.backend=jax"])
     assert str(e.value).endswith("choose one of " + ", ".join(repr(n) for n in BACKENDS))
+
+
+def test_an_embedded_engine_on_cuda_launches_on_its_cells_gpu_and_places_the_run() -> None:
+    """`engine.device: cuda` launches the embedded engine through `gyre.gpu.engine` on the GPU
+    the placement gave the cell (`base_gpu_id`) in `engine.dtype`, with the embedded CLI's
+    own arguments; the run then places ranks on GPUs. A device this machine lacks, or one
+    not allowed, is refused before anything starts."""
+    from gyre.runtime.shared.config import EngineConfig
+
+    cmd = EngineConfig(device="cuda", dtype="float32").server("tiny", 3, base_gpu_id=2).command(0)
+    assert cmd[1:7] == ["-m", "gyre.gpu.engine", "--device", "cuda:2", "--dtype", "float32"]
+    assert cmd[cmd.index("--model") + 1] == "tiny" and cmd[cmd.index("--weight-version") + 1] == "3"
+    assert "--max-batch-size" in cmd  # the embedded engine's own knobs follow it
+    assert EngineConfig().server("tiny", 0).command(0)[1:3] == ["-m", "gyre.rollout.cli"]
+    local = ROOT / "templates" / "local.yaml"
+    assert load_run_config(local, ["engine.device=cuda"]).uses_gpus
+    assert not load_run_config(local).uses_gpus
+    with pytest.raises(ConfigError, match="engine.device: 'tpu'.*allowed: device cpu | cuda"):
+        EngineConfig(device="tpu")  # type: ignore[arg-type]
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="engine.device: cuda, but this machine has no"):
+            EngineConfig(device="cuda").check_machine("tiny")

@@ -286,3 +286,24 @@ def test_training_across_a_park_and_restore_is_bitwise_the_training_without_one(
     pulled = torch.zeros_like(a["flat_params"])
     parked.transport.pull(pulled)  # the window was refreshed from the restored buffer
     assert torch.equal(pulled, a["flat_params"])
+
+
+def test_the_switch_to_rollout_reports_what_the_trainer_parked(leaders: Any) -> None:
+    """The Switched message (the trace's switch event, which the GPU check reads) carries
+    the park: the bytes of every training buffer moved to the host (flat weights, gradients,
+    both AdamW moments) and the device's allocated bytes before and after (0 on a CPU rank;
+    on a GPU the after is what the engine finds)."""
+    leader = leaders(park=True)
+    steps, scalars = _batch(2)
+    leader.handle(msg.ToTrain())
+    _accumulate(leader, steps[0], scalars)
+    leader.handle(msg.Reduce(batch=0, cells=1, num_executions=3))
+    training = _training_tensors(leader.replica)
+    nbytes = sum(t.untyped_storage().nbytes() for n, t in training.items()
+                 if not n.startswith(("param ", "grad ")))  # fmt: skip
+    del training
+    leader.handle(msg.ToRollout(published=0))
+    switched = [m for m in leader.cell.link if isinstance(m, msg.Switched)][-1]
+    assert switched.role.value == "rollout"
+    assert switched.detail["trainer_parked_bytes"] == nbytes > 0
+    assert switched.detail["device_allocated_before"] == switched.detail["device_allocated_after"] == 0

@@ -50,6 +50,12 @@ PRESETS: dict[str, list[str]] = {
         "{python}", "-m", "gyre.rollout.cli", "--model", "{model_path}",
         "--host", "{host}", "--port", "{port}", "--weight-version", "{weight_version}",
     ],
+    # the embedded engine on the cell's GPU (`gyre.gpu.engine`): the same CLI and routes
+    "embedded-cuda": [
+        "{python}", "-m", "gyre.gpu.engine", "--device", "cuda:{base_gpu_id}", "--dtype",
+        "{dtype}", "--model", "{model_path}", "--host", "{host}", "--port", "{port}",
+        "--weight-version", "{weight_version}",
+    ],
 }  # fmt: skip
 # Environment of every launched server. SGLang reports the log-prob of each sampled token
 # under logits / temperature unless SGLANG_RETURN_ORIGINAL_LOGPROB is set; Gyre's behaviour
@@ -59,7 +65,7 @@ SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 WILDCARDS = ("", "0.0.0.0", "::")  # bind every interface: no address to put in a URL
 PLACEHOLDERS = (
     "python", "model_path", "host", "port", "tp", "mem_fraction", "base_gpu_id", "weight_version",
-    "api_key",
+    "api_key", "dtype",
 )  # fmt: skip
 
 
@@ -70,7 +76,7 @@ class ServerConfig:
     model_path: str
     """Model directory (SGLang) or embedded model spec (tiny | smollm2-135m | directory)."""
     launch: str | list[str] = "sglang"
-    """Preset name (sglang | embedded) or a command template (list of argv strings)."""
+    """Preset name (sglang | embedded | embedded-cuda) or a command template (argv strings)."""
     host: str = "127.0.0.1"
     """Address the server binds and its URL names (one address, so the URL is reachable
     wherever the address is): a job gives its rank's (`gyre.runtime.shared.address`), never a
@@ -85,6 +91,8 @@ class ServerConfig:
     """SGLang --base-gpu-id: first GPU of this server."""
     weight_version: str = "0"
     """Initial weight version the server reports."""
+    dtype: str = "bfloat16"
+    """The embedded engine on CUDA (`embedded-cuda`): the dtype it serves in."""
     extra_args: list[str] = field(default_factory=list)
     """Appended to the command verbatim."""
     env: dict[str, str] = field(default_factory=dict)
@@ -131,6 +139,7 @@ class ServerConfig:
             "port": str(port), "tp": str(self.tensor_parallel),
             "mem_fraction": str(self.mem_fraction_static), "base_gpu_id": str(self.base_gpu_id),
             "weight_version": self.weight_version, "api_key": engine_key() or "",
+            "dtype": self.dtype,
         }  # fmt: skip
         return [arg.format(**values) for arg in self.template()] + list(self.extra_args)
 

@@ -63,7 +63,7 @@ class EngineProcess:
     def command(self) -> tuple[list[str], str]:
         """The argv that starts this server, and its URL ("" when the server picks its port
         and prints the URL: the embedded engine on port 0)."""
-        if self.config.launch == "embedded" and self.config.port == 0:
+        if self.config.launch in ("embedded", "embedded-cuda") and self.config.port == 0:
             return self.config.command(0), ""
         port = self.config.port or free_port(self.config.host)
         return self.config.command(port), f"http://{self.config.host}:{port}"

@@ -169,9 +169,8 @@ class CellProcess:
 
     def to_rollout(self, m: msg.ToRollout) -> None:
         t0 = time.perf_counter()
-
-        if self.trainer is not None:
-            self.trainer.to_rollout()
+        # the leader's park: the trainer's state off the GPU before the engine takes it back
+        parked = self.trainer.to_rollout() if self.trainer is not None else {}
 
         def restore() -> None:
             self.engine.resume()
@@ -184,7 +183,8 @@ class CellProcess:
 
         self._engine_call(restore)
         self.pace.switch(to_train=False)
-        detail = {"engine_version": self.engine.version}  # the weights it serves from now on
+        detail = {"engine_version": self.engine.version,  # the weights it serves from now on
+                  **parked}  # fmt: skip
         self._up(msg.Switched(self.index, Role.ROLLOUT, time.perf_counter() - t0, detail))
 
     def _engine_call(self, call: Callable[[], None]) -> None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from gyre.errors import TrainingError
-from gyre.gpu.memory import release_cached
+from gyre.gpu.memory import memory_stats, release_cached
 from gyre.runtime.shared.placement import RankDevice
 from gyre.train.cell import CoreOptimizer, TorchCell, view_parameters
 
@@ -77,16 +77,21 @@ class TrainerResidency:
         """The residency of a rank whose GPU the engine shares; None when it needs none."""
         return cls(device=rank.device, move=move) if rank.offload else None
 
-    def release(self, cell: TorchCell, optimizer: CoreOptimizer | None = None) -> None:
-        """Switch to rollout: params, grads and optimizer state to host; device memory freed."""
+    def release(self, cell: TorchCell, optimizer: CoreOptimizer | None = None) -> dict[str, int]:
+        """Switch to rollout: params, grads and optimizer state to host; device memory freed.
+        Returns what the switch records: the bytes parked on the host and the device's
+        allocated bytes before and after (`gyre.gpu.memory.memory_stats`; 0 on a CPU rank)."""
         if self.released:
             raise TrainingError("trainer state is already released to the host")
         was_cuda = cell.flat_params.is_cuda
+        before = memory_stats(self.device)["allocated"]
         cell.free_scratch()
-        self._relocate(cell, optimizer, self.host)
+        parked = self._relocate(cell, optimizer, self.host)
         self.released = True
         if was_cuda:
             release_cached(self.device)
+        return {"trainer_parked_bytes": parked, "device_allocated_before": before,
+                "device_allocated_after": memory_stats(self.device)["allocated"]}  # fmt: skip
 
     def restore(self, cell: TorchCell, optimizer: CoreOptimizer | None = None) -> None:
         """Switch to train: the same tensors back on the rank's device, one allocation each
@@ -96,25 +101,34 @@ class TrainerResidency:
         self._relocate(cell, optimizer, self.device)
         self.released = False
 
-    def _relocate(self, cell: TorchCell, optimizer: CoreOptimizer | None, device: str) -> None:
+    def _relocate(self, cell: TorchCell, optimizer: CoreOptimizer | None, device: str) -> int:
+        """Move the trainer's tensors to `device` (each through `self.move`); the bytes moved."""
+        moved = [0]
+
+        def move(what: str, t: torch.Tensor, to: str) -> torch.Tensor:
+            moved[0] += t.numel() * t.element_size()
+            return self.move(what, t, to)
+
         old = cell.flat_params
-        flat = self.move("flat_params", cell.flat_params, device)
-        grads = self.move("flat_grads", cell.flat_grads, device)
+        flat = move("flat_params", cell.flat_params, device)
+        grads = move("flat_grads", cell.flat_grads, device)
         view_parameters(cell.model, flat, grads)
         cell.flat_params, cell.flat_grads, cell.device = flat, grads, flat.device
         if optimizer is not None:
-            self._relocate_optimizer(optimizer, old, flat, device)
+            self._relocate_optimizer(optimizer, old, flat, device, move)
+        return moved[0]
 
     def _relocate_optimizer(
-        self, optimizer: CoreOptimizer, old: torch.Tensor, flat: torch.Tensor, device: str
-    ) -> None:
+        self, optimizer: CoreOptimizer, old: torch.Tensor, flat: torch.Tensor, device: str,
+        move: Mover,
+    ) -> None:  # fmt: skip
         """Move the optimizer object's own tensors (`ModelParallelOptimizer`'s norm mask),
         rebind its parameter (the old flat buffer, or a mixed-precision cell's float32 main
         weights, moved) and move its state tensors; scalar state (AdamW's `step`, kept on the
         host) stays where it is."""
         for name, value in sorted(vars(optimizer).items()):
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                setattr(optimizer, name, self.move(f"optimizer.{name}", value, device))
+                setattr(optimizer, name, move(f"optimizer.{name}", value, device))
         opt = optimizer.opt
         params = [p for group in opt.param_groups for p in group["params"]]
         mine = [p for p in params if p.data_ptr() == optimizer.main.data_ptr()]
@@ -122,9 +136,9 @@ class TrainerResidency:
         if len(mine) != 1 or not (mixed or mine[0].data_ptr() == old.data_ptr()):
             raise TrainingError("optimizer: does not hold exactly the cell's flat parameters")
         param = mine[0]
-        param.data = self.move("optimizer.main", param.data, device) if mixed else flat
+        param.data = move("optimizer.main", param.data, device) if mixed else flat
         state = opt.state.get(param, {})
         for key in sorted(state):
             value = state[key]
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state[key] = self.move(f"optimizer.{key}", value, device)
+                state[key] = move(f"optimizer.{key}", value, device)

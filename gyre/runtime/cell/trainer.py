@@ -77,12 +77,16 @@ class CellTrainer:
         if self.residency is not None:
             self.residency.restore(self.replica.cell, self.replica.optimizer)
 
-    def to_rollout(self) -> None:
+    def to_rollout(self) -> dict[str, int]:
         """The cell switches to rollout: the trainer's state leaves the GPU before the
-        engine takes it back (the leader resumes its engine once every rank is done)."""
+        engine takes it back (the leader resumes its engine once every rank is done).
+        Returns this rank's park (`TrainerResidency.release`: bytes parked, device memory
+        allocated before and after), empty when the trainer does not share its GPU."""
+        parked: dict[str, int] = {}
         if self.residency is not None:
-            self.residency.release(self.replica.cell, self.replica.optimizer)
+            parked = self.residency.release(self.replica.cell, self.replica.optimizer)
         arrive(self.comms.cell)
+        return parked
 
     @property
     def core(self) -> bool:

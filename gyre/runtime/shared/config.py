@@ -147,6 +147,12 @@ class EngineConfig:
     """embedded: sequences decoded together."""
     prefix_cache_mb: int = 64
     """embedded: prefix KV cache size (0 disables)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """embedded: where the engine runs — cpu, or cuda: on the cell's GPU from the placement
+    (`python -m gyre.gpu.engine`, in `dtype`; the run then places ranks on GPUs). SGLang
+    always runs on its GPUs."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """embedded on cuda: the dtype the engine serves in (the published weights' is cast)."""
     tensor_parallel: int = 1
     """sglang: --tp-size, GPUs of one server."""
     mem_fraction_static: float = 0.8
@@ -160,6 +166,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.threads < 1 or self.max_batch_size < 1 or self.prefix_cache_mb < 0:
             raise ConfigError("threads / max_batch_size >= 1, prefix_cache_mb >= 0")
+        if self.device not in ("cpu", "cuda") or self.dtype not in ("bfloat16", "float32"):
+            raise ConfigError(f"engine.device: {self.device!r}, engine.dtype: {self.dtype!r}; "
+                              "allowed: device cpu | cuda, dtype bfloat16 | float32")  # fmt: skip
         if self.publication not in ("http", "distributed", "auto"):
             raise ConfigError(f"engine.publication: {self.publication!r}; allowed: http, "
                               "distributed, auto")  # fmt: skip
@@ -196,14 +205,22 @@ class EngineConfig:
         # deterministic (sglang/srt/sampling/sampling_batch_info.py: no seed tensor without
         # it). The flag also pins SGLang's sampling (pytorch) and attention backends.
         sglang = ["--enable-deterministic-inference"]
+        on_gpu = self.backend == "embedded" and self.device == "cuda"
         return ServerConfig(
-            model_path=model, launch=self.backend, weight_version=str(version), host=host,
+            model_path=model, launch="embedded-cuda" if on_gpu else self.backend,
+            weight_version=str(version), host=host, dtype=self.dtype,
             base_gpu_id=base_gpu_id, tensor_parallel=self.tensor_parallel, mem_fraction_static=self.mem_fraction_static,
             extra_args=embedded if self.backend == "embedded" else sglang,
         )  # fmt: skip
 
     def check_machine(self, model: str) -> None:
         """Refuse a backend this machine cannot run, before any process starts."""
+        if self.backend == "embedded" and self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("engine.device: cuda, but this machine has no CUDA GPU; "
+                                  "allowed here: cpu")  # fmt: skip
         if self.backend != "sglang":
             return
         import importlib.util
@@ -365,7 +382,8 @@ class RunConfig:
     def uses_gpus(self) -> bool:
         """Does the run place anything on a GPU (an SGLang engine, a CUDA trainer)? Each rank's
         placement (`gyre.runtime.roles.place_rank`) and the preflight's read this one answer."""
-        return self.train.device.startswith("cuda") or self.engine.backend == "sglang"
+        return (self.train.device.startswith("cuda") or self.engine.backend == "sglang"
+                or self.engine.device == "cuda")  # fmt: skip
 
     def check_machine(self) -> None:
         """Refuse backends this machine cannot run, before any process starts."""
