@@ -23,7 +23,7 @@ an enabled tracker whose package is missing, an MLflow tracking URI MLflow has n
 
     tracker = open_tracker(cfg.tracking, run_dir, run_config=to_dict(cfg))
     tracker.log_step(step, {"loss": 0.4, "reward_mean": 0.3})
-    tracker.log_eval(version, {"reward_mean": 0.6})      # gyre eval: heldout/reward_mean
+    tracker.log_eval(version, {"reward_mean": 0.6})      # gyre eval: eval/reward_mean
     tracker.log_summary(summary)
     tracker.close()
 
@@ -52,7 +52,7 @@ from gyre.errors import ConfigError, GyreError
 log = logging.getLogger(__name__)
 
 
-EVAL_PREFIX = "heldout/"  # held-out evaluation metrics (`Tracker.log_eval`)
+EVAL_PREFIX = "eval/"  # held-out evaluation metrics (`Tracker.log_eval`)
 
 
 class TrackingError(GyreError):
@@ -193,7 +193,7 @@ class Tracker:
 
     def log_eval(self, version: int, metrics: dict[str, float]) -> None:
         """A held-out evaluation (`gyre eval`) of the policy of weight version `version`:
-        `heldout/<name>` metrics whose x-axis is the policy version (the optimizer step
+        `eval/<name>` metrics whose x-axis is the policy version (the optimizer step
         that produced it), so they line up with the training curves."""
         values = {f"{EVAL_PREFIX}{k}": float(v) for k, v in metrics.items()}
         self._each("log_eval", version, values)

@@ -133,7 +133,7 @@ def test_all_trackers_write_steps_config_and_summary_and_resume(tmp_path: Path) 
     assert scalars["loss"] == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3})
     assert scalars["reward_mean"] == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3})
     assert math.isnan(scalars["grad_norm"][2]) and scalars["summary/steps_done"] == {3: 3.0}
-    assert scalars["heldout/reward_mean"] == pytest.approx({0: 0.2, 3: 0.7})  # at versions
+    assert scalars["eval/reward_mean"] == pytest.approx({0: 0.2, 3: 0.7})  # at versions
 
     records = wandb_records(run_dir)
     runs = [r["run"] for r in records if r["type"] == "run"]
@@ -144,8 +144,8 @@ def test_all_trackers_write_steps_config_and_summary_and_resume(tmp_path: Path) 
     assert sorted(history) == [1, 2, 3] and history[2]["loss"] == 0.5
     summary = [r["summary"]["update"] for r in records if r["type"] == "summary"]
     assert any(s.get("policy") == "elastic" and s.get("steps_done") == 3 for s in summary)
-    held = {k: v for s in summary for k, v in s.items() if k.startswith("heldout/")}
-    assert held == {"heldout/reward_mean/v0": 0.2, "heldout/reward_mean/v3": 0.7}
+    held = {k: v for s in summary for k, v in s.items() if k.startswith("eval/")}
+    assert held == {"eval/reward_mean/v0": 0.2, "eval/reward_mean/v3": 0.7}
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve() / 'mlflow' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("gyre").experiment_id])
@@ -153,7 +153,7 @@ def test_all_trackers_write_steps_config_and_summary_and_resume(tmp_path: Path) 
     assert run.data.params["train.lr"] == "0.0001" and run.data.params["tasks"] == '["add"]'
     loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
     assert loss == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3})
-    held = client.get_metric_history(run.info.run_id, "heldout/reward_mean")
+    held = client.get_metric_history(run.info.run_id, "eval/reward_mean")
     assert {m.step: m.value for m in held} == pytest.approx({0: 0.2, 3: 0.7})
     assert (
         run.data.metrics["summary.steps_done"] == 3 and run.data.tags["summary.policy"] == "elastic"
@@ -182,5 +182,5 @@ def test_gyre_eval_results_reach_the_runs_trackers(tmp_path: Path) -> None:
     cfg.tracking.tensorboard.enabled = True
     _track(cfg, run_dir, results)
     scalars = tensorboard_scalars(run_dir / "tensorboard")
-    assert scalars["heldout/reward_mean"] == pytest.approx({0: 0.25, 40: 1.0})
-    assert scalars["heldout/excluded"] == pytest.approx({0: 0.0, 40: 1.0})
+    assert scalars["eval/reward_mean"] == pytest.approx({0: 0.25, 40: 1.0})
+    assert scalars["eval/excluded"] == pytest.approx({0: 0.0, 40: 1.0})

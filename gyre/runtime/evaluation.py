@@ -17,7 +17,7 @@ a second `gyre eval` of a run scores afresh and gives the same answer. Only a di
 what the evaluation reads (the model, the run's policies, config and trace): `gyre eval
 MODEL_DIR` leaves the model as it was. For a run directory
 the results are also written to `RUN_DIR/eval.json`, which `gyre report` plots, and sent to
-the run's trackers (its `tracking:`) as `heldout/*` metrics against the policy version.
+the run's trackers (its `tracking:`) as `eval/*` metrics against the policy version.
 """
 
 from __future__ import annotations

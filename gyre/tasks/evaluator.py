@@ -20,6 +20,8 @@ policy call sees it, is recorded with EVALUATOR provenance (see `feedback_text`)
 
     evaluator = Evaluator(Evaluator.Config(), log=AssessmentLog())
     verdict = await evaluator.assess(terminated, task)   # a harness `Terminated` event
+    # a task whose python rule reads the transcript (`scoring.transcript`) also gets it:
+    verdict = await evaluator.assess(terminated, task, transcript)  # gyre.trajectory.transcript
     verdict.status, verdict.reward      # SCORED 0.6 | EXCLUDED None | PLACEHOLDER 0.0
     verdict.tests                       # a repository task's per-test TestVerdicts; else ()
 
@@ -38,7 +40,7 @@ from typing import Any, Literal, Protocol
 
 from gyre import fsafe
 from gyre.errors import ConfigError
-from gyre.tasks.scoring import RULES, EvaluatorError, Score, ScoringRule, TestVerdict
+from gyre.tasks.scoring import RULES, EvaluatorError, Score, ScoringRule, TestVerdict, Transcript
 from gyre.tasks.snapshot import copy_workspace, freeze
 from gyre.tasks.suite import Task
 from gyre.vocabulary import VerdictStatus
@@ -210,8 +212,11 @@ class Evaluator:
         self.log = log or AssessmentLog()
         self._rules = dict(RULES if rules is None else rules)
 
-    async def assess(self, terminated: Ended, task: Task) -> Verdict:
-        """The final assessment of a terminated execution (see the module docstring)."""
+    async def assess(
+        self, terminated: Ended, task: Task, transcript: Transcript | None = None
+    ) -> Verdict:
+        """The final assessment of a terminated execution (see the module docstring);
+        `transcript`: the execution's, for a rule that reads it (`scoring.transcript`)."""
         eid = terminated.execution_id
         if not terminated.assessable or terminated.workspace is None:
             return self._placeholder(eid, terminated.reason or "no assessable work")
@@ -226,7 +231,7 @@ class Evaluator:
         while time.time() < terminated.deadline and not self._attempts_exhausted(attempt):
             attempt += 1
             last = await self._attempt(
-                eid, "final", state_ref, frozen, task, attempt, terminated.deadline
+                eid, "final", state_ref, frozen, task, attempt, terminated.deadline, transcript
             )
             if last.validity is Validity.VALID:
                 return Verdict(
@@ -270,7 +275,7 @@ class Evaluator:
 
     async def _attempt(
         self, eid: str, kind: Literal["final", "intermediate"], state_ref: str, frozen: Path,
-        task: Task, attempt: int, deadline: float,
+        task: Task, attempt: int, deadline: float, transcript: Transcript | None = None,
     ) -> Assessment:  # fmt: skip
         t0 = time.time()
         rule = self._rules.get(task.scoring.rule)
@@ -278,7 +283,7 @@ class Evaluator:
             if rule is None:
                 raise EvaluatorError(f"scoring rule {task.scoring.rule!r} is not registered")
             score = await asyncio.wait_for(
-                self._score_copy(rule, frozen, task), max(0.0, deadline - t0)
+                self._score_copy(rule, frozen, task, transcript), max(0.0, deadline - t0)
             )
         except TimeoutError:
             return self._record(
@@ -289,12 +294,14 @@ class Evaluator:
         return self._record(eid, kind, state_ref, attempt, score, "", t0)
 
     @staticmethod
-    async def _score_copy(rule: ScoringRule, frozen: Path, task: Task) -> Score:
+    async def _score_copy(
+        rule: ScoringRule, frozen: Path, task: Task, transcript: Transcript | None
+    ) -> Score:
         with fsafe.temp_dir("gyre-eval-") as tmp:
             scratch = tmp / "workspace"
             await asyncio.to_thread(copy_workspace, frozen, scratch)
             try:
-                score = await rule(scratch, task)
+                score = await rule(scratch, task, transcript)
             finally:
                 await asyncio.to_thread(fsafe.remove_tree, scratch, ignore_errors=True)
         if not 0.0 <= score.value <= 1.0:

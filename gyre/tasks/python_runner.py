@@ -7,7 +7,9 @@ in a scratch copy of the preserved workspace, with the minimal scoring environme
         --data /tmp/data.json --result /tmp/result.json
 
 The function is called as `fn(workspace: pathlib.Path, data: dict)`; `data` is the task's
-data (a data-suite row's extra fields). The result file holds `{"returned": <value>}`, or
+data (a data-suite row's extra fields). With `--transcript FILE` (a task with
+`scoring.transcript: true`) it is called as `fn(workspace, data, transcript)`, the
+execution's transcript read from that JSON file. The result file holds `{"returned": <value>}`, or
 `{"error": "<what went wrong>"}` when the file does not import, the function raises or its
 value is not JSON. Checking the value (a score in [0, 1] or a `{score, detail, critique}`
 mapping) is the evaluator's job (`gyre.tasks.scoring.python`), not this script's.
@@ -40,10 +42,11 @@ def load_function(spec: str) -> Any:
     return fn
 
 
-def call(spec: str, workspace: Path, data: dict[str, Any]) -> dict[str, Any]:
-    """`{"returned": value}` of the reward function, or `{"error": ...}` if it failed."""
+def call(spec: str, workspace: Path, data: dict[str, Any], *more: Any) -> dict[str, Any]:
+    """`{"returned": value}` of the reward function called with (workspace, data, *more), or
+    `{"error": ...}` if it failed."""
     try:
-        returned = load_function(spec)(workspace, data)
+        returned = load_function(spec)(workspace, data, *more)
     except BaseException as e:  # any failure of the reward function (SystemExit included)
         tail = "".join(traceback.format_exception(e)[-3:])
         return {"error": f"{type(e).__name__}: {str(e)[:300]}\n{tail[-1000:]}"}
@@ -59,11 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--function", required=True)
     ap.add_argument("--workspace", required=True, type=Path)
     ap.add_argument("--data", required=True, type=Path)
+    ap.add_argument("--transcript", type=Path)
     ap.add_argument("--result", required=True, type=Path)
     args = ap.parse_args(argv)
     result_path = args.result.resolve()
     data = json.loads(args.data.read_text())
-    result = call(args.function, args.workspace.resolve(), data)
+    more = [json.loads(args.transcript.read_text())] if args.transcript else []
+    result = call(args.function, args.workspace.resolve(), data, *more)
     result_path.write_text(json.dumps(result))
     return 0
 

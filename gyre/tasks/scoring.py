@@ -13,7 +13,9 @@ Rules (name -> class in `RULES`):
   [0, 1]; a non-zero exit or other output is an evaluator failure.
 * `python`: calls `fn(workspace, data)` from the task's `function` file (`python_runner.py`);
   it returns a score in [0, 1] or `{"score", "detail", "critique"}`. An exception, another
-  type or a value outside [0, 1] is an evaluator failure.
+  type or a value outside [0, 1] is an evaluator failure. A task with `transcript: true`
+  gets `fn(workspace, data, transcript)`: the execution's transcript (data the evaluator
+  was handed, `gyre.trajectory.transcript`); none handed is an evaluator failure.
 * `tests`: copies the task's hidden tests into the scratch copy and runs pytest there
   (`pytest_runner.py`); score = the fraction of its FAIL_TO_PASS and PASS_TO_PASS node
   ids that pass (SWE-bench style partial credit), read from pytest's JUnit XML report.
@@ -35,6 +37,7 @@ import signal
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -100,8 +103,16 @@ class Score:
     tests: tuple[TestVerdict, ...] = ()  # rule `tests`: each listed test's outcome, as listed
 
 
+Transcript = Mapping[str, Any]
+"""An execution's transcript, JSON data (`gyre.trajectory.transcript.transcript`)."""
+
+
 class ScoringRule(Protocol):
-    async def __call__(self, state_dir: Path, task: Task) -> Score: ...
+    async def __call__(
+        self, state_dir: Path, task: Task, transcript: Transcript | None = None
+    ) -> Score:
+        """Score `state_dir`; `transcript`: the execution's, where the evaluator has it (a
+        rule reads it only where the task asks, `scoring.transcript`)."""
 
 
 def scoring_env(home: Path) -> dict[str, str]:
@@ -164,7 +175,7 @@ async def run_runner(
             raise EvaluatorError(f"{what} exited {rc} without a result: {err[-500:]}") from None
 
 
-async def hidden_tests(state_dir: Path, task: Task) -> Score:
+async def hidden_tests(state_dir: Path, task: Task, transcript: Transcript | None = None) -> Score:
     """Fraction of the task's hidden test functions that pass against state_dir."""
     from gyre.tasks.check_runner import count_tests, test_files
 
@@ -193,7 +204,7 @@ async def hidden_tests(state_dir: Path, task: Task) -> Score:
     )
 
 
-async def command(state_dir: Path, task: Task) -> Score:
+async def command(state_dir: Path, task: Task, transcript: Transcript | None = None) -> Score:
     """Score printed (last stdout line) by the task's scoring command."""
     rc, out, err = await run_limited(list(task.scoring.command), state_dir, task.scoring.timeout_s)
     if rc != 0:
@@ -210,11 +221,16 @@ async def command(state_dir: Path, task: Task) -> Score:
     return Score(value=value, detail={"stdout_tail": out[-500:]})
 
 
-async def python(state_dir: Path, task: Task) -> Score:
-    """Score returned by the task's reward function `fn(workspace, data)`."""
+async def python(state_dir: Path, task: Task, transcript: Transcript | None = None) -> Score:
+    """Score returned by the task's reward function `fn(workspace, data)`, or
+    `fn(workspace, data, transcript)` where the task asks for the transcript."""
     spec = task.scoring.function
     args = ["--function", spec, "--workspace", str(state_dir)]
     inputs = {"data": json.dumps(dict(task.data))}
+    if task.scoring.transcript:
+        if transcript is None:
+            raise EvaluatorError("the task's rule reads the transcript; no transcript was passed")
+        inputs["transcript"] = json.dumps(dict(transcript))
     payload = await run_runner(PYTHON_RUNNER, args, state_dir, task, "reward runner", inputs)
     file, _, fn = spec.rpartition(":")
     name = f"{Path(file).name}:{fn}"
@@ -239,7 +255,7 @@ def returned_score(returned: Any, name: str) -> Score:
     return Score(value=float(value), detail=dict(detail or {}), critique=critique or "")
 
 
-async def tests(state_dir: Path, task: Task) -> Score:
+async def tests(state_dir: Path, task: Task, transcript: Transcript | None = None) -> Score:
     """Fraction of the task's FAIL_TO_PASS and PASS_TO_PASS pytest tests that pass."""
     cfg = task.scoring
     listed = [*cfg.fail_to_pass, *cfg.pass_to_pass]

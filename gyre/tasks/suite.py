@@ -173,6 +173,9 @@ class ScoringConfig:
     command: list[str] = field(default_factory=list)
     # python: "file.py:function" (file relative to the task's directory); fn(workspace, data)
     function: str = ""
+    # python: also pass the execution's transcript (messages, final answer; built from its
+    # trajectory tree by gyre.trajectory.transcript): fn(workspace, data, transcript)
+    transcript: bool = False
     # wall-clock limit of one scoring attempt, seconds
     timeout_s: float = 60.0
     # hidden_tests: limit for one test function; tests: for each phase of one test; seconds
@@ -198,6 +201,8 @@ class ScoringConfig:
             raise ConfigError(
                 f"function: {self.function!r} for rule 'python'; allowed: 'file.py:function'"
             )
+        if self.transcript and self.rule != "python":
+            raise ConfigError(f"transcript: only for rule 'python', not {self.rule!r}")
         for name in ("timeout_s", "per_test_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be > 0")

@@ -10,7 +10,8 @@ Per batch (see docs/training.md):
   (log pi_theta - behaviour log-prob) over the step's targets;
 * phase B — `accumulate(step, scalars)`: forward + backward of the step's loss; gradients add
   up in `flat_grads` (without the batch factor 1/E, applied once to the sum);
-* core only — `CoreOptimizer.step(grad)`: clip at `grad_clip` norm, one AdamW step.
+* core only — `CoreOptimizer.step(grad, lr=...)`: clip at `grad_clip` norm, one AdamW step at
+  the schedule's learning rate (`OptimConfig.lr_at`).
 
 Works on CPU and GPU (`device`), in the model's dtype (`train.dtype`). A float32 model's
 gradients add up in place: every parameter's `.grad` is a view of `flat_grads`. A bfloat16
@@ -226,12 +227,16 @@ class CoreOptimizer:
         """The L2 norm clipping uses (a model-parallel core's: over every shard)."""
         return float(grads.norm())
 
-    def step(self, summed_grads: torch.Tensor) -> float:
-        """Clip the batch gradient and apply one update in place; returns the pre-clip norm.
+    def step(self, summed_grads: torch.Tensor, *, lr: float | None = None) -> float:
+        """Clip the batch gradient and apply one update in place at learning rate `lr` (None:
+        the config's `lr`; a run passes its schedule's, `OptimConfig.lr_at`); returns the
+        pre-clip norm.
 
         The one mixed-precision step of both backends: `summed_grads` (the cell's float32
         `flat_grads` summed) clips and steps the main weights; a mixed cell's 16-bit
         parameters get the updated main weights, rounded to nearest, after the AdamW step."""
+        for group in self.opt.param_groups:
+            group["lr"] = self.config.lr if lr is None else lr
         grad = summed_grads.to(self._param.dtype, copy=True)
         norm = self.global_norm(grad)  # before the check: collective on a model-parallel core
         if not torch.isfinite(grad).all():

@@ -5,6 +5,9 @@
 
     train:
       lr: 1.0e-6                 # the core's AdamW (beta1, beta2, eps, weight_decay, grad_clip)
+      lr_schedule: cosine        # or constant (the default), linear_warmup
+      warmup_steps: 10           # linear warmup to lr over the first updates
+      min_lr: 1.0e-7             # cosine's floor, reached at decay_steps (null: the run's steps)
       clip_low: 0.995            # execution-level sequence clipping
       clip_high: 1.005
       token_weight_cap: 5.0      # the IS cap on token weights
@@ -21,6 +24,7 @@ Its parts (`ObjectiveConfig`, `OptimConfig`, admission, advantages, the packing 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -31,6 +35,8 @@ from gyre.train.stream import StreamConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
 """`train.dtype`'s allowed values."""
+LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
+"""`train.lr_schedule`'s allowed values."""
 
 
 @dataclass(kw_only=True)
@@ -65,7 +71,18 @@ class OptimConfig:
     """The core's optimizer (paper appendix defaults)."""
 
     lr: float = 1e-6
-    """Constant learning rate."""
+    """Peak learning rate (the whole run's with `lr_schedule: constant`)."""
+    lr_schedule: Literal["constant", "linear_warmup", "cosine"] = "constant"
+    """How the learning rate moves over the run's updates (`lr_at`): constant; linear_warmup
+    (lr * n / warmup_steps for the n-th update up to warmup_steps, then lr); cosine (the same
+    warmup, then a half cosine from lr down to min_lr, reached at update decay_steps)."""
+    warmup_steps: int = 0
+    """Updates of linear warmup (linear_warmup: >= 1; cosine: >= 0; constant: 0)."""
+    min_lr: float = 0.0
+    """cosine: the learning rate at update decay_steps and after (0 <= min_lr <= lr)."""
+    decay_steps: int | None = None
+    """cosine: the update (counted from the run's first) at which lr reaches min_lr; null:
+    the run's `steps`, so its last update uses min_lr."""
     beta1: float = 0.9
     """Adam first-moment decay."""
     beta2: float = 0.95
@@ -86,6 +103,48 @@ class OptimConfig:
                 raise ConfigError(f"{name}: {getattr(self, name)!r}; allowed 0 <= value < 1")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("weight_decay/grad_clip: must be >= 0")
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """`lr_schedule` and the keys it reads, each used only where it means something."""
+        kind = self.lr_schedule
+        if kind not in LR_SCHEDULES:
+            raise ConfigError(f"lr_schedule: {kind!r}; allowed {', '.join(LR_SCHEDULES)}")
+        low = 1 if kind == "linear_warmup" else 0
+        high = 0 if kind == "constant" else None
+        if self.warmup_steps < low or (high is not None and self.warmup_steps > high):
+            allowed = "0 (no warmup with a constant lr)" if high == 0 else f"an integer >= {low}"
+            raise ConfigError(
+                f"warmup_steps: {self.warmup_steps} with lr_schedule {kind}; allowed {allowed}"
+            )
+        if kind != "cosine" and (self.min_lr != 0 or self.decay_steps is not None):
+            raise ConfigError(
+                f"min_lr/decay_steps: {self.min_lr!r}/{self.decay_steps!r} with lr_schedule "
+                f"{kind}; allowed only with lr_schedule cosine"
+            )
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"min_lr: {self.min_lr!r}; allowed 0 <= min_lr <= lr ({self.lr!r})")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ConfigError(
+                f"decay_steps: {self.decay_steps}; allowed an integer > warmup_steps "
+                f"({self.warmup_steps}), or null (the run's steps)"
+            )
+
+    def lr_at(self, update: int, steps: int) -> float:
+        """The learning rate of update `update` (0-based: updates done before it) of a run of
+        `steps` updates — the one schedule both training backends step with, a resumed run
+        at its resumed update. Pure: no clock, no state."""
+        if update < 0:
+            raise ValueError(f"update: {update}; allowed >= 0")
+        n = update + 1  # the n-th update
+        if n <= self.warmup_steps:
+            return self.lr * n / self.warmup_steps
+        if self.lr_schedule != "cosine":
+            return self.lr
+        end = self.decay_steps if self.decay_steps is not None else steps
+        span = end - self.warmup_steps  # <= 0: a run shorter than its warmup
+        done = min(1.0, (n - self.warmup_steps) / span) if span > 0 else 1.0
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
 @dataclass(kw_only=True)

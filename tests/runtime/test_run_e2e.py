@@ -166,10 +166,13 @@ def _train_share(roles: list[dict]) -> dict[int, float]:
 
 
 def _trackers_have_the_steps(run_dir: Path, rows: list[dict]) -> None:
-    """TensorBoard, W&B (offline) and MLflow each hold grad_norm and reward_mean of steps 1-2,
-    read back with the trackers' own readers (tests/test_tracking.py)."""
+    """TensorBoard, W&B (offline) and MLflow each hold grad_norm and reward_mean of steps 1-2
+    (as train/grad_norm and rollout/reward_mean), read back with the trackers' own readers
+    (tests/test_tracking.py)."""
     from mlflow.tracking import MlflowClient
     from test_tracking import tensorboard_scalars, wandb_records
+
+    from gyre.runtime.coordinator.progress import tags
 
     want: dict[str, dict[int, float]] = {"grad_norm": {}, "reward_mean": {}}
     for row in rows:
@@ -182,10 +185,11 @@ def _trackers_have_the_steps(run_dir: Path, rows: list[dict]) -> None:
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve() / 'mlflow' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("gyre").experiment_id])
     for name, steps in want.items():
-        assert scalars[name] == pytest.approx(steps), ("tensorboard", name)
-        assert {s: history[s][name] for s in steps} == pytest.approx(steps), ("wandb", name)
-        logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
-        assert logged == pytest.approx(steps), ("mlflow", name)
+        (tag,) = tags({name: 0.0})  # train/grad_norm, rollout/reward_mean
+        assert scalars[tag] == pytest.approx(steps), ("tensorboard", tag)
+        assert {s: history[s][tag] for s in steps} == pytest.approx(steps), ("wandb", tag)
+        logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, tag)}
+        assert logged == pytest.approx(steps), ("mlflow", tag)
 
 
 def _notes_score(workspace: Path) -> float:

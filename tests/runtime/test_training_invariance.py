@@ -106,7 +106,8 @@ def _replay(run_dir: Path, batches: int, budget: int, rel: float) -> None:
         assert core["grad_norm"] == pytest.approx(norm, rel=rel), f"batch {batch}"
         if by_core_norm and core["grad_norm"] > clip > 0:  # clipped as the core clipped it
             grad.mul_(clip / (core["grad_norm"] + 1e-6))
-        optimizer.step(grad)  # clip (torch: by the replay's own norm), AdamW: the update
+        optimizer.step(grad, lr=core["lr"])  # clip (torch: by the replay's own norm), AdamW at the
+        # scheduled lr the core recorded: the update
         assert torch.allclose(replay.flat_params, core["params_after"], rtol=0, atol=1e-7)
         oversize += sum(1 for s in steps["steps"] for r in s.rows if r.length > budget)
         passes = steps["passes"]

@@ -80,18 +80,20 @@ class TrainerResidency:
     def release(self, cell: TorchCell, optimizer: CoreOptimizer | None = None) -> dict[str, int]:
         """Switch to rollout: params, grads and optimizer state to host; device memory freed.
         Returns what the switch records: the bytes parked on the host and the device's
-        allocated bytes before and after (`gyre.gpu.memory.memory_stats`; 0 on a CPU rank)."""
+        allocated bytes before and after (`gyre.gpu.memory.memory_stats`; 0 unless the
+        trainer was on a CUDA device)."""
         if self.released:
             raise TrainingError("trainer state is already released to the host")
         was_cuda = cell.flat_params.is_cuda
-        before = memory_stats(self.device)["allocated"]
+        before = memory_stats(self.device)["allocated"] if was_cuda else 0
         cell.free_scratch()
         parked = self._relocate(cell, optimizer, self.host)
         self.released = True
         if was_cuda:
             release_cached(self.device)
+        after = memory_stats(self.device)["allocated"] if was_cuda else 0
         return {"trainer_parked_bytes": parked, "device_allocated_before": before,
-                "device_allocated_after": memory_stats(self.device)["allocated"]}  # fmt: skip
+                "device_allocated_after": after}  # fmt: skip
 
     def restore(self, cell: TorchCell, optimizer: CoreOptimizer | None = None) -> None:
         """Switch to train: the same tensors back on the rank's device, one allocation each

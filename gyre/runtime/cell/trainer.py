@@ -183,13 +183,14 @@ class CellTrainer:
         before = replica.hf_flat(main.detach().clone()) if record else None
         grad_sum = replica.hf_flat(total.clone()) if record else None
         opt_before = copy.deepcopy(replica.optimizer_state()) if record else None
-        norm = replica.optimizer.step(batch_gradient(total, m.num_executions))
+        lr = self.cfg.train.lr_at(self.version, self.cfg.steps)  # update `version` of the run
+        norm = replica.optimizer.step(batch_gradient(total, m.num_executions), lr=lr)
         after = replica.hf_flat(main.detach().clone()) if record else None
         if before is not None:
             audit.record_update(self.run_dir, m.batch, {
                 "version": self.version, "params_before": before, "grad_sum": grad_sum,
                 "optimizer_before": opt_before, "backend": self.cfg.train.backend,
-                "grad_norm": norm, "params_after": after,
+                "grad_norm": norm, "lr": lr, "params_after": after,
                 "objective": dataclasses.asdict(cell.objective)})  # fmt: skip
         return norm
 

@@ -135,7 +135,7 @@ class Coordinator(CoordinatorState):
                        **self.oversampling.split(a.group, members))  # fmt: skip
         self.oversampling.admitted(a.group)
         self.batch_groups.setdefault(a.batch, []).append(g.id)
-        count = self.train.admit(g.id, g.version, a.staleness, outcomes, trees)
+        count = self.train.admit(g.id, g.version, a.staleness, outcomes, trees, task=g.task)
         for group in self.train.new_set_aside:  # too few usable outcomes (docs/training.md)
             self.rec.event("set_aside", group=group, batch=a.batch)
         self.feed(ev.MicroStepsQueued(batch=a.batch, group=a.group, count=count))
@@ -167,6 +167,7 @@ class Coordinator(CoordinatorState):
 
     def journal(self, m: msg.JournalNode) -> None:
         self.rec.journal(m.execution_id, m.node)
+        self.sampled_tokens += len(m.node.output_ids)
 
     def assessed(self, m: msg.Assessed) -> None:
         """Close the execution into the trace with its verdict, then score its group."""
@@ -218,11 +219,17 @@ class Coordinator(CoordinatorState):
         self.updates += 1
         self.profile.first_step()
         self.trained += self.batch_groups.pop(m.batch, [])
+        now, (last_t, last_sampled) = time.time(), self.last_update
+        self.last_update = (now, self.sampled_tokens)
         metrics = StepMetrics(
             **self.train.metrics(),
+            lr=self.cfg.train.lr_at(self.train.version, self.cfg.steps),  # the cells' schedule
             train_cells=float(len(self.sched.training_cells())),
-            duration_s=time.time() - self.batch_t0,
-            elapsed_s=time.time() - self.t0,
+            step_s=now - last_t,
+            rollout_tokens_per_s=(self.sampled_tokens - last_sampled) / max(now - last_t, 1e-9),
+            duration_s=now - self.batch_t0,
+            elapsed_s=now - self.t0,
+            task_rewards=self.train.task_rewards(),
         )
         self.progress.step(self.updates, metrics)
         if self.updates >= self.cfg.steps:

@@ -24,13 +24,18 @@ from gyre.runtime.shared.config import RunConfig
 from gyre.schedule import Scheduler
 from gyre.tracking import Tracker
 
+TRAIN, ROLLOUT = "train/", "rollout/"
+"""Tracker namespaces of the step metrics (held-out evaluation's: `gyre.tracking.EVAL_PREFIX`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class StepMetrics:
-    """One optimizer step's metrics: the trace's `steps` rows, `summary.json`'s `steps`.
+    """One optimizer step's metrics: the trace's `steps` rows, `summary.json`'s `steps`, the
+    trackers' `train/` and `rollout/` series (`tags`).
 
-    The batch's training metrics (`TrainingPlane.metrics()`, docs/runtime.md) and what the
-    coordinator adds: the cells that trained it and how long it took."""
+    The batch's training metrics (`TrainingPlane.metrics()`, docs/runtime.md "Step
+    metrics") and what the coordinator adds: the step's learning rate, the cells that
+    trained it, how long it took, the rollout throughput, the reward of each task."""
 
     loss: float
     objective: float
@@ -38,9 +43,13 @@ class StepMetrics:
     grad_norm: float
     reward_mean: float
     tied_groups: float  # share of the batch's groups whose rewards all tie
-    gated_executions: float
+    gated_executions: float  # the clip fraction: share of executions whose gate is 0
+    ratio_mean: float  # importance weights: the executions' sequence ratios exp(S_i)
+    ratio_max: float
     staleness_mean: float
     staleness_max: float
+    response_tokens_mean: float  # tokens the policy sampled per scored execution
+    turns_mean: float  # model calls per scored execution
     microsteps: float
     oversize_rows: float
     executions: float  # executions trained; 0: the batch had nothing to train
@@ -48,14 +57,36 @@ class StepMetrics:
     prepass_s: float
     gradient_s: float
     train_wall_s: float
+    train_tokens_per_s: float  # the batch's row tokens over its training wall time
     update_s: float
+    lr: float  # the learning rate of this update (`train.lr_schedule`)
     train_cells: float  # cells that trained the batch (> 1: satellites joined)
+    step_s: float  # since the previous update (the run's start for the first)
+    rollout_tokens_per_s: float  # policy tokens sampled over step_s, every engine together
     duration_s: float  # from the batch's join window opening to its update
     elapsed_s: float  # since the run started
+    task_rewards: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Mean valid reward of each task the batch trained (rows `reward/<task>`)."""
 
     def to_row(self) -> dict[str, float]:
-        """Metric name -> value, in field order (the keys the trace and JSON have always had)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Metric name -> value, in field order (the keys the trace and JSON have always had),
+        then `reward/<task>` per task."""
+        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "task_rewards"}  # fmt: skip
+        return row | {f"reward/{task}": v for task, v in self.task_rewards.items()}
+
+
+ROLLOUT_METRICS = frozenset({"reward_mean", "tied_groups", "staleness_mean", "staleness_max",
+                             "response_tokens_mean", "turns_mean", "executions",
+                             "set_aside_groups", "rollout_tokens_per_s"})  # fmt: skip
+"""Step metrics about what the rollouts did; the rest are about training (`tags`)."""
+
+
+def tags(row: dict[str, float]) -> dict[str, float]:
+    """A step row under the trackers' namespaces: `rollout/<name>` (and each task's
+    `rollout/reward/<task>`), else `train/<name>`."""
+    return {(ROLLOUT if k in ROLLOUT_METRICS or k.startswith("reward/") else TRAIN) + k: v
+            for k, v in row.items()}  # fmt: skip
 
 
 class Progress:
@@ -81,7 +112,7 @@ class Progress:
         self.step_rows.append(metrics)
         row = metrics.to_row()
         self.rec.step(updates, row)
-        self.tracker.log_step(updates, row)
+        self.tracker.log_step(updates, tags(row))
         self.rec.dispatch(self.sched.version, 0, 0, self.sched)
         self.stats["set_aside_groups"] += int(metrics.set_aside_groups)
         if metrics.executions == 0:

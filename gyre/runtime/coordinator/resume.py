@@ -60,7 +60,7 @@ class Resume(Handover):
                 if m.state is MemberState.OPEN and m.tree is not None and len(m.tree):
                     x.state, x.outcome = ExecutionState.TERMINATED, CloseStatus.RECOVERED
                     self.recovering[i] = m.tree
-                    to_proxy(msg.Rescore(i, m.id, cg.task, cg.instance))
+                    to_proxy(msg.Rescore(i, m.id, cg.task, cg.instance, m.tree))
                 elif m.state is MemberState.OPEN:  # no model call yet: its reward would say nothing
                     close_unrecoverable(ledger, rec, i, "the job died before it made a model call")
                 elif m.state is MemberState.UNLAUNCHED:

@@ -77,6 +77,8 @@ class CoordinatorState:
             self.sched.batches_opened = self.updates
         self.status = 0
         self.batch_t0 = self.t0 = self.progress.t0
+        self.sampled_tokens = 0  # policy tokens of every call journaled (rollout throughput)
+        self.last_update = (self.t0, 0)  # (when, sampled_tokens then) of the last update
         self.finishing = False
         self.proxy_url = ""
 

@@ -57,6 +57,9 @@ class BatchStats:
     tied_groups: int = 0  # groups whose valid rewards all tie: no learning signal
     oversize_rows: int = 0  # paths longer than token_budget, each trained alone
     rewards: list[float] = field(default_factory=list)
+    task_rewards: dict[str, list[float]] = field(default_factory=dict)  # task -> valid rewards
+    response_tokens: list[int] = field(default_factory=list)  # per execution: sampled tokens
+    turns: list[int] = field(default_factory=list)  # per execution: model calls
     staleness: list[int] = field(default_factory=list)
     prepass_s: float = 0.0
     gradient_s: float = 0.0
@@ -108,14 +111,21 @@ class TrainingPlane:
 
     def admit(
         self, group_id: str, version: int, staleness: int, outcomes: list[ExecutionOutcome],
-        trees: dict[str, Any],
+        trees: dict[str, Any], task: str = "",
     ) -> int:  # fmt: skip
-        """Take a ready group; returns how many micro-steps were queued for their prepass."""
+        """Take a ready group (of `task`); returns how many micro-steps were queued for their
+        prepass."""
         st = self.stats
         st.groups += 1
         st.staleness.append(staleness)
         valid = [o.reward for o in outcomes if o.status is Status.VALID and o.reward is not None]
         st.rewards += valid
+        st.task_rewards.setdefault(task, []).extend(valid)
+        for o in outcomes:  # what the policy did in each execution that was assessed
+            tree = trees.get(o.execution_id)
+            if o.status is Status.VALID and tree is not None:
+                st.turns.append(len(tree))
+                st.response_tokens.append(sum(len(n.output_ids) for n in tree.nodes))
         usable = [0.0 if o.status is Status.PLACEHOLDER else o.reward for o in outcomes
                   if o.status is not Status.EXCLUDED]  # fmt: skip
         if len(set(usable)) <= 1:
@@ -229,6 +239,9 @@ class TrainingPlane:
         st = self.stats
         e = max(1, st.executions)
         rewards = st.rewards or [math.nan]
+        ratios = [math.exp(s.log_ratio) for s in self.scalars.values()] or [math.nan]
+        train_wall = (self.t_done or math.nan) - (self.t_first or math.nan)
+        tokens = sum(r.length for step in self.steps.values() for r in step.rows)
         return {
             "loss": -st.objective / e / max(1, st.targets),
             "objective": st.objective / e,
@@ -237,14 +250,27 @@ class TrainingPlane:
             "reward_mean": sum(rewards) / len(rewards),
             "tied_groups": st.tied_groups / max(1, st.groups),
             "gated_executions": st.gated / e,
+            "ratio_mean": sum(ratios) / len(ratios),
+            "ratio_max": max(ratios),
             "staleness_mean": sum(st.staleness) / max(1, len(st.staleness)),
             "staleness_max": float(max(st.staleness, default=0)),
+            "response_tokens_mean": _mean(st.response_tokens),
+            "turns_mean": _mean(st.turns),
             "microsteps": float(st.microsteps),
             "oversize_rows": float(st.oversize_rows),
             "executions": float(st.executions),
             "set_aside_groups": float(len(self.buffer.batch_info().set_aside)),
             "prepass_s": st.prepass_s,
             "gradient_s": st.gradient_s,
-            "train_wall_s": (self.t_done or math.nan) - (self.t_first or math.nan),
+            "train_wall_s": train_wall,
+            "train_tokens_per_s": tokens / train_wall if train_wall > 0 else math.nan,
             "update_s": (self.t_done or math.nan) - (self.t_update or math.nan),
         }
+
+    def task_rewards(self) -> dict[str, float]:
+        """The batch's mean valid reward of each task it trained (tasks without one: NaN)."""
+        return {task: _mean(r) for task, r in sorted(self.stats.task_rewards.items())}
+
+
+def _mean(values: list[int] | list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan

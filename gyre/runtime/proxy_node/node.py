@@ -37,7 +37,10 @@ from gyre.runtime.shared.config import RunConfig
 from gyre.runtime.shared.harness import load_tasks
 from gyre.runtime.shared.layout import COORDINATOR_RANK
 from gyre.tasks import AssessmentLog, Evaluator
+from gyre.tasks.scoring import Transcript
 from gyre.tasks.suite import Task
+from gyre.trajectory.transcript import transcript
+from gyre.trajectory.tree import TrajectoryTree
 from gyre.vocabulary import Outcome
 
 
@@ -86,6 +89,7 @@ class ExecutionHost:
         )
         self.app: ProxyApp | None = None
         self.url = ""
+        self.tokenizer: Any = None  # the model's (`start`): decodes transcripts
 
     async def start(self, engines: dict[str, str], journal: Any = None) -> str:
         """Load the tokenizer, listen on a free port; returns the proxy's URL.
@@ -97,6 +101,7 @@ class ExecutionHost:
 
         loop = asyncio.get_running_loop()
         tokenizer = await loop.run_in_executor(None, load_tokenizer, self.cfg.model)
+        self.tokenizer = tokenizer
         self.app = ProxyApp(
             proxy_config(self.cfg), tokenizer=tokenizer, engines=engines,
             admin_token=secrets.token_hex(16),
@@ -132,14 +137,29 @@ class ExecutionHost:
         term = await self.runner.run(spec)
         if ended is not None:
             ended(term)
-        app.close_execution(eid, term.outcome.value)  # the router forgets it too
+        tree = app.close_execution(eid, term.outcome.value)  # the router forgets it too
+        said = self.transcript(tree, task)
         app.forget_execution(eid)
-        return term, await self._assess(term, task)
+        return term, await self._assess(term, task, said)
 
-    async def _assess(self, term: Terminated, task: Task) -> msg.VerdictRecord:
+    def transcript(self, tree: TrajectoryTree | None, task: Task) -> Transcript | None:
+        """The execution's transcript from its tree, for a task whose rule reads it
+        (`scoring.transcript`); None for any other task, or without a tree."""
+        if not task.scoring.transcript or tree is None:
+            return None
+        tok = self.tokenizer
+
+        def decode(ids: Sequence[int]) -> str:
+            return str(tok.decode(list(ids), skip_special_tokens=True))
+
+        return transcript(tree, decode)
+
+    async def _assess(
+        self, term: Terminated, task: Task, said: Transcript | None = None
+    ) -> msg.VerdictRecord:
         t0 = time.time()
         try:
-            v = await self.evaluator.assess(term, task)
+            v = await self.evaluator.assess(term, task, said)
         except Exception as e:  # an evaluator bug must not stall the group: excluded
             return msg.VerdictRecord.excluded(f"evaluator crashed: {e}", t0)
         attempts = tuple(self.evaluator.log.for_execution(term.execution_id))
@@ -147,8 +167,11 @@ class ExecutionHost:
                                  error=v.assessment.error, assessments=attempts,
                                  tests=v.tests)  # fmt: skip
 
-    async def rescore(self, eid: str, task: Task) -> msg.VerdictRecord:
-        """Score an execution's preserved workspace after the job running it died."""
+    async def rescore(
+        self, eid: str, task: Task, tree: TrajectoryTree | None = None
+    ) -> msg.VerdictRecord:
+        """Score an execution's preserved workspace after the job running it died; `tree`:
+        its journaled calls (the coordinator's), for a rule that reads the transcript."""
         workspace = Path(self.runner.config.workspace_root) / eid / "workspace"
         now = time.time()
         term = Terminated(
@@ -158,7 +181,7 @@ class ExecutionHost:
             workspace=str(workspace) if workspace.is_dir() else None,
             stdout_path=None, stderr_path=None, assessable=workspace.is_dir(),
         )  # fmt: skip
-        return await self._assess(term, task)
+        return await self._assess(term, task, self.transcript(tree, task))
 
     def stop(self) -> None:
         for eid in self.runner.running:
@@ -244,7 +267,7 @@ class ProxyNode:
     def rescore(self, m: msg.Rescore) -> None:
         async def run() -> None:
             task = self.host.suite[m.task].instantiate(m.instance)
-            verdict = await self.host.rescore(m.execution_id, task)
+            verdict = await self.host.rescore(m.execution_id, task, m.tree)
             self._up(msg.Assessed(m.execution, verdict, 0))
 
         task = asyncio.ensure_future(run())

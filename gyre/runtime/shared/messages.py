@@ -275,6 +275,7 @@ class Rescore(Message):
     execution_id: str
     task: str
     instance: int
+    tree: Any = None  # its journaled TrajectoryTree: the transcript a rule may read
 
 
 @dataclass(frozen=True)
