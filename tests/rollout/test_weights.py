@@ -16,7 +16,8 @@ from gyre.errors import EngineError
 from gyre.rollout.client import EngineClient
 from gyre.rollout.protocol import SamplingParams, release_procedure, resume_procedure
 from gyre.rollout.testing import running_engine
-from gyre.rollout.weights import serialize_named_tensors
+from gyre.rollout.buckets import FlatBucket
+from gyre.rollout.weights import serialize_bucket
 
 from .conftest import post_json as _post
 from .conftest import run
@@ -90,11 +91,14 @@ def _copy_into(model: Any, named: list[tuple[str, torch.Tensor]]) -> None:
             params[name].copy_(t)
 
 
-def test_weight_updates_need_a_session_and_a_clean_payload(own_url: str) -> None:
+def test_weight_updates_need_a_session_and_a_clean_payload(own_url: str, tiny: Any) -> None:
     """SGLang's rules, served the same way: updates only inside /begin_weight_update …
-    /end_weight_update (409 otherwise), load_format null, and a payload that is a pickle of
-    (name, tensor) pairs and nothing else (no other globals are loaded)."""
-    good = {"serialized_named_tensors": [serialize_named_tensors([])]}
+    /end_weight_update (409 otherwise), load_format null or flattened_bucket, and a payload
+    that is a pickle of tensors and nothing else (no other globals are loaded)."""
+    norm = tiny[0].get_parameter("model.norm.weight").detach()
+    bucket = FlatBucket.pack([("model.norm.weight", norm)])
+    good = {"serialized_named_tensors": [serialize_bucket(bucket, by_handle=False)],
+            "load_format": "flattened_bucket"}  # fmt: skip
     status, reply = _post(own_url + "/update_weights_from_tensor", good)
     assert status == 409 and "/begin_weight_update" in reply["message"]
     assert _post(own_url + "/end_weight_update", {})[0] == 409
