@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from gyre.errors import EngineError
+from gyre.rollout.buckets import FlatBucket
 from gyre.rollout.client import EngineClient
 from gyre.rollout.protocol import SamplingParams, release_procedure, resume_procedure
 from gyre.rollout.testing import running_engine
-from gyre.rollout.buckets import FlatBucket
 from gyre.rollout.weights import serialize_bucket
 
 from .conftest import post_json as _post
