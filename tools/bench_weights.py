@@ -110,7 +110,8 @@ def bench_model(spec: str, repeats: int) -> dict[str, Any]:
             for name, config in paths.items():
                 at = "127.0.0.2" if name == "group" else "127.0.0.1"
                 movements: dict[str, Callable[[int], None]] = {
-                    "publication": lambda v, c=config, a=at: _publish(host.url, named, v, c, a)}
+                    "publication": lambda v, c=config, a=at: _publish(host.url, named, v, c, a)
+                }
                 if name != "group":
                     movements["reload"] = lambda v, c=config: _reload(host, named, v, c)
                 out[name] = {}

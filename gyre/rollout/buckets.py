@@ -139,8 +139,10 @@ def _slot(m: Any, where: str) -> Slot:
         raise ProtocolError(f"{where}: expected a record with name, shape, dtype, start_idx, "
                             "end_idx, numel") from None  # fmt: skip
     ints = (start, end, numel, *shape)
-    if not isinstance(name, str) or not isinstance(dtype, torch.dtype) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints
+    if (
+        not isinstance(name, str)
+        or not isinstance(dtype, torch.dtype)
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints)
     ):
         raise ProtocolError(f"{where}: name a string, dtype a torch dtype, offsets and shape "
                             "non-negative integers")  # fmt: skip

@@ -216,8 +216,9 @@ class EngineClient:
         from gyre.rollout.weights import bucket_call, release_handles
 
         async def each_bucket() -> None:
-            for bucket in bucketed(named_tensors, max_bytes=bucket_bytes, device=device,
-                                   shared=by_handle):
+            for bucket in bucketed(
+                named_tensors, max_bytes=bucket_bytes, device=device, shared=by_handle
+            ):
                 await self.control(bucket_call(bucket, version, tp_size=tp_size,
                                                by_handle=by_handle))  # fmt: skip
 
