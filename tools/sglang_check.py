@@ -176,15 +176,40 @@ def _check_sampling(params: dict[str, Any]) -> list[str]:
 
 def _read_tensors(obj: Any) -> list[list[Any]]:
     """What SGLang's deserializer reads from each rank's payload: [rank, name, dtype, shape,
-    values]."""
+    values]. A flattened_bucket payload is handed to SGLang's own loader
+    (`WeightUpdater._update_weights_from_flattened_bucket`, its records converted and the
+    bucket reconstructed by SGLang's code) with a model that records what it is given."""
     from sglang.srt.utils import MultiprocessingSerializer
 
     out = []
     for rank, payload in enumerate(obj.serialized_named_tensors):
-        for tensor_name, t in MultiprocessingSerializer.deserialize(payload):
+        data = MultiprocessingSerializer.deserialize(payload)
+        named = _bucket_tensors(data) if obj.load_format == "flattened_bucket" else data
+        for tensor_name, t in named:
             values = t.double().flatten().tolist()
             out.append([rank, tensor_name, str(t.dtype), list(t.shape), values])
     return out
+
+
+def _bucket_tensors(data: Any) -> list[Any]:
+    from sglang.srt.model_executor.model_runner_components import weight_updater
+
+    loaded: list[Any] = []
+
+    class _Model:
+        def load_weights(self, named: Any) -> None:
+            loaded.extend(named)
+
+    class _Runner:  # what the loader reads of its WeightUpdater
+        def get_model(self) -> _Model:
+            return _Model()
+
+    ok, message = weight_updater.WeightUpdater._update_weights_from_flattened_bucket(
+        _Runner(), flattened_tensor_bucket_dict=data
+    )
+    if not ok:
+        raise ValueError(message)
+    return loaded
 
 
 def check_launch(argv: list[str], expect: dict[str, Any]) -> list[str]:

@@ -24,9 +24,10 @@ require), publications methods; each publication is confirmed from /model_info:
 
     await client.run(release_procedure())                 # rollout -> training
     await client.run(resume_procedure())                  # training -> rollout
-    await client.update_weights_from_tensor(named, "7", tp_size=2)   # tensors by value
+    await client.update_weights_from_tensor(named, "7", tp_size=2, by_handle=True)  # buckets
     await client.init_update_group(group, rank_offset=1)  # or through an update group:
-    await client.update_weights_from_distributed(specs, group, "8")  # while the core broadcasts
+    await client.update_session(lambda: client.update_weights_from_distributed(
+        bucket.specs(), group, "8", load_format="flattened_bucket"))  # while the core broadcasts
     await client.destroy_update_group(group)              # one group per publication
     await client.confirm_version("8")
 
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -50,6 +51,7 @@ import orjson
 from gyre.errors import EngineError, ProtocolError
 from gyre.rollout.protocol import (
     CONTINUE,
+    DEFAULT_BUCKET_MB,
     Call,
     GenerateResult,
     KVImportResult,
@@ -67,7 +69,7 @@ from gyre.rollout.protocol import (
     memory_call,
     pause_call,
     score_body,
-    weight_update_procedure,
+    update_session_procedure,
 )
 from gyre.rollout.transport import HttpTransport
 
@@ -197,16 +199,52 @@ class EngineClient:
 
     async def update_weights_from_tensor(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        named_tensors: Sequence[tuple[str, torch.Tensor]],
         version: str | None = None,
         *,
         tp_size: int = 1,
+        by_handle: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_MB << 20,
+        device: str | None = None,
     ) -> None:
-        """Publish named tensors as `version` the way SGLang takes them (generation paused,
-        inside a weight-update session: `gyre.rollout.weights.publish_procedure`)."""
-        from gyre.rollout.weights import publish_procedure
+        """Publish named tensors as `version` the way SGLang takes them: generation paused,
+        inside one weight-update session, one flattened bucket of at most `bucket_bytes` per
+        call (`gyre.rollout.weights.bucket_call`), packed only when its turn comes and kept
+        alive until the engine answered; by handle (same node) or by value; packed on
+        `device` (default: the tensors')."""
+        from gyre.rollout.buckets import bucketed
+        from gyre.rollout.weights import bucket_call, release_handles
 
-        await self.run(publish_procedure(named_tensors, version, tp_size=tp_size))
+        async def each_bucket() -> None:
+            for bucket in bucketed(
+                named_tensors, max_bytes=bucket_bytes, device=device, shared=by_handle
+            ):
+                await self.control(bucket_call(bucket, version, tp_size=tp_size,
+                                               by_handle=by_handle))  # fmt: skip
+
+        try:
+            await self.update_session(each_bucket)
+        finally:
+            if by_handle:
+                release_handles()
+
+    async def update_session(self, updates: Callable[[], Awaitable[None]]) -> None:
+        """Run `updates` (update calls) the way SGLang takes a publication
+        (`update_session_procedure`: paused, inside a weight-update session that is closed
+        and generation continued in any case)."""
+        procedure = update_session_procedure()
+        error: EngineError | None = None
+        try:
+            await self.run(Procedure(procedure.calls))
+            await updates()
+        except EngineError as e:
+            error = e
+        try:
+            await self.run(Procedure((), procedure.cleanup))
+        except EngineError as e:
+            error = error or e
+        if error is not None:
+            raise error
 
     async def init_update_group(self, group: UpdateGroup, rank_offset: int) -> None:
         """Join the core's weight-update group at `rank_offset` (/init_weights_update_group;
@@ -215,13 +253,14 @@ class EngineClient:
         await self.control(Call("/init_weights_update_group", body))
 
     async def update_weights_from_distributed(
-        self, specs: Sequence[TensorSpec], group: UpdateGroup, version: str
-    ) -> None:
-        """Receive `specs` as `version` by broadcast from group rank 0 the way SGLang takes an
-        update (`weight_update_procedure`: paused, inside a weight-update session); returns
-        when loaded."""
-        body = distributed_update_body(specs, group.group_name, version)
-        await self.run(weight_update_procedure(Call("/update_weights_from_distributed", body)))
+        self, specs: Sequence[TensorSpec], group: UpdateGroup, version: str, *,
+        load_format: str | None = None,
+    ) -> None:  # fmt: skip
+        """Receive `specs` as `version` by broadcast from group rank 0 (one call, inside a
+        weight-update session the caller opened: `update_session`; `load_format`
+        "flattened_bucket": one flat buffer for all of them); returns when loaded."""
+        body = distributed_update_body(specs, group.group_name, version, load_format=load_format)
+        await self.control(Call("/update_weights_from_distributed", body))
 
     async def destroy_update_group(self, group: UpdateGroup) -> None:
         """Leave `group` (the engine destroys its side)."""

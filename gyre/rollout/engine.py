@@ -353,7 +353,7 @@ class Engine:
         if pg is None:
             raise ProtocolError(f"group_name: {req.group_name!r}: no such update group; POST "
                                 "/init_weights_update_group first")  # fmt: skip
-        return self.update_weights(update_group.receive(pg, req.specs), req.version)
+        return self.update_weights(update_group.receive(pg, req), req.version)
 
     def release_memory(self) -> None:
         """Drop the KV caches and the weights (kept in a CPU snapshot). Like SGLang, only

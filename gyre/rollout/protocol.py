@@ -404,22 +404,35 @@ def resume_procedure(tags: Sequence[str] | None = None) -> Procedure:
     return Procedure((memory_call("/resume_memory_occupation", tags), CONTINUE))
 
 
-def weight_update_procedure(update: Call) -> Procedure:
-    """A weight publication as SGLang takes it: generation paused ("retract": running calls
+def update_session_procedure() -> Procedure:
+    """A weight update session as SGLang takes it: generation paused ("retract": running calls
     go back to the queue and are re-prefilled with the new weights; SGLang would otherwise
-    wait for every call in flight to finish), inside a weight-update session (SGLang refuses
-    updates outside one); the session is closed and generation continued in any case."""
-    return Procedure((pause_call("retract"), BEGIN_UPDATE, update), (END_UPDATE, CONTINUE))
+    wait for every call in flight to finish), a weight-update session opened (SGLang refuses
+    updates outside one); the session is closed and generation continued in any case. The
+    update calls go between `calls` and `cleanup` (`EngineClient.update_session`)."""
+    return Procedure((pause_call("retract"), BEGIN_UPDATE), (END_UPDATE, CONTINUE))
+
+
+def weight_update_procedure(update: Call) -> Procedure:
+    """One update call inside an `update_session`."""
+    session = update_session_procedure()
+    return Procedure((*session.calls, update), session.cleanup)
+
+
+DEFAULT_BUCKET_MB = 256
+"""`engine.bucket_mb`'s default (`gyre.rollout.buckets`): a 0.5B bf16 model moves in 4
+buckets, a tiny one in 1."""
 
 
 def tensor_update_call(
-    payloads: Sequence[str], version: str | None, *, flush_cache: bool = True
-) -> Call:
-    """SGLang's UpdateWeightsFromTensorReqInput: one serialized payload per TP rank
-    (`gyre.rollout.weights.serialize_named_tensors`), loaded by the model's own names."""
+    payloads: Sequence[str], version: str | None, *, load_format: str | None = None,
+    flush_cache: bool = True,
+) -> Call:  # fmt: skip
+    """SGLang's UpdateWeightsFromTensorReqInput: one serialized payload per TP rank (Gyre
+    sends `load_format` "flattened_bucket": `gyre.rollout.weights.bucket_call`)."""
     body = {
         "serialized_named_tensors": list(payloads),
-        "load_format": None,
+        "load_format": load_format,
         "flush_cache": flush_cache,
         "weight_version": version,
     }
@@ -463,10 +476,12 @@ def init_update_group_body(group: UpdateGroup, rank_offset: int) -> dict[str, An
 
 
 def distributed_update_body(
-    specs: Sequence[TensorSpec], group_name: str, version: str, *, flush_cache: bool = True
-) -> dict[str, Any]:
-    """SGLang's UpdateWeightsFromDistributedReqInput."""
-    return {
+    specs: Sequence[TensorSpec], group_name: str, version: str, *, flush_cache: bool = True,
+    load_format: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """SGLang's UpdateWeightsFromDistributedReqInput (`load_format` "flattened_bucket": the
+    tensors of `specs` arrive as one broadcast flat buffer, `gyre.rollout.buckets`)."""
+    body = {
         "names": [s.name for s in specs],
         "dtypes": [s.dtype for s in specs],
         "shapes": [list(s.shape) for s in specs],
@@ -474,6 +489,9 @@ def distributed_update_body(
         "flush_cache": flush_cache,
         "weight_version": version,
     }
+    if load_format is not None:
+        body["load_format"] = load_format
+    return body
 
 
 def destroy_update_group_body(group_name: str) -> dict[str, Any]:

@@ -236,7 +236,8 @@ class EndUpdateHandler(BaseHandler):
 
 class UpdateWeightsHandler(BaseHandler):
     async def post(self) -> None:
-        named, version, _flush = weights.decode_update(self.json_body())
+        # off the IOLoop: a bucket sent by handle is fetched from its publisher while decoded
+        named, version, _flush = await self.blocking(weights.decode_update, self.json_body())
         new = await self.blocking(self.engine.update_weights, named, version)
         self.send(
             {"success": True, "message": f"Updated {len(named)} tensors; weight version {new}."}

@@ -7,7 +7,10 @@ runner's `init_weights_update_group` / `receive_weights_from_distributed`): each
 joins a standalone process group at `rank_offset + tp_rank` (a TCP store at
 `master_address:master_port`, namespaced by `group_name`), then, inside a weight-update
 session, allocates each posted (name, dtype, shape) and receives it by broadcast from group
-rank 0, in the posted order, and loads it by name. The embedded engine is one CPU rank, so it
+rank 0, in the posted order, and loads it by name — or, with ``load_format:
+"flattened_bucket"`` (what Gyre sends), allocates one flat buffer of the posted tensors
+(`gyre.rollout.buckets.FlatBucket`, SGLang's `FlattenedTensorBucket` layout) and receives it
+in one broadcast. The embedded engine is one CPU rank, so it
 joins with gloo at `rank_offset`; `gyre.rollout.server` serves the routes and
 `Engine.join_update_group` / `update_weights_from_distributed` / `leave_update_group` run
 these functions. The publisher's side is `gyre.rollout.serving.nccl` (the same
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from gyre.errors import ProtocolError
+from gyre.rollout.buckets import FlatBucket
 from gyre.rollout.protocol import TensorSpec, UpdateGroup
 from gyre.rollout.serving.nccl import open_update_group
 
@@ -35,6 +39,7 @@ _INIT = {"master_address", "master_port", "rank_offset", "world_size", "group_na
 _UPDATE = {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
            "weight_version", "load_format", "selector", "torch_empty_cache"}  # fmt: skip
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+BUCKET = "flattened_bucket"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +49,8 @@ class DistributedUpdate:
     specs: list[TensorSpec]
     group_name: str
     version: str | None
+    bucketed: bool = False
+    # load_format "flattened_bucket": the specs' tensors arrive as one broadcast flat buffer
 
 
 def _object(body: Any, allowed: set[str]) -> dict[str, Any]:
@@ -90,14 +97,15 @@ def parse_update(body: Any) -> DistributedUpdate:
     if not len(names) == len(dtypes) == len(shapes):
         raise ProtocolError(f"names, dtypes, shapes: lengths {len(names)}, {len(dtypes)}, "
                             f"{len(shapes)}; allowed: equal")  # fmt: skip
-    if b.get("load_format") is not None:
+    if b.get("load_format") not in (None, BUCKET):
         raise ProtocolError(f"load_format: {b['load_format']!r}; allowed: null (one broadcast "
-                            "per tensor, the model's own names)")  # fmt: skip
+                            f"per tensor) or {BUCKET!r} (one flat buffer)")  # fmt: skip
     version = b.get("weight_version")
     if version is not None and not isinstance(version, str):
         raise ProtocolError(f"weight_version: {version!r}; allowed: a string or null")
     specs = [_spec(n, d, s) for n, d, s in zip(names, dtypes, shapes)]
-    return DistributedUpdate(specs=specs, group_name=_name(b), version=version)
+    return DistributedUpdate(specs=specs, group_name=_name(b), version=version,
+                             bucketed=b.get("load_format") == BUCKET)  # fmt: skip
 
 
 def _spec(name: Any, dtype: Any, shape: Any) -> TensorSpec:
@@ -136,12 +144,17 @@ def join(group: UpdateGroup, rank_offset: int) -> Any:
     return open_update_group(group, rank=rank_offset, timeout=JOIN_TIMEOUT_S)
 
 
-def receive(pg: Any, specs: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
-    """Receive each spec's tensor by broadcast from group rank 0, in order."""
+def receive(pg: Any, req: DistributedUpdate) -> list[tuple[str, torch.Tensor]]:
+    """Receive the update's tensors by broadcast from group rank 0: one flat buffer for a
+    bucket (`FlatBucket.empty`, the publisher's layout), else each spec's tensor in order."""
     import torch.distributed as dist
 
+    if req.bucketed:
+        bucket = FlatBucket.empty(req.specs)
+        dist.broadcast(bucket.flat, src=0, group=pg)
+        return bucket.named()
     named = []
-    for s in specs:
+    for s in req.specs:
         t = torch.empty(s.shape, dtype=getattr(torch, s.dtype))
         dist.broadcast(t, src=0, group=pg)
         named.append((s.name, t))

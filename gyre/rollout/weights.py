@@ -1,24 +1,29 @@
-"""Weight movement for the embedded engine: the tensor wire format, in-place loads, offload.
+"""Weight movement for the embedded engine: the tensor wire formats, in-place loads, offload.
 
 Wire format of `/update_weights_from_tensor` (SGLang's `UpdateWeightsFromTensorReqInput`):
 ``serialized_named_tensors`` holds one payload per tensor-parallel rank (the embedded
-engine has one); a payload is what SGLang's ``MultiprocessingSerializer.deserialize`` reads,
-the base64 text of a pickle of a list of ``(name, tensor)`` pairs. ``load_format`` must be
-null (SGLang: the model's own ``load_weights``; here: the model's ``state_dict`` names, tied
-weights by either name).
+engine has one), each what SGLang's ``MultiprocessingSerializer.deserialize`` reads: the
+base64 text of a pickle. Two ``load_format``s are taken:
 
-SGLang's own ``MultiprocessingSerializer.serialize`` pickles with ``ForkingPickler``, whose
-torch reductions put a CPU tensor in shared memory and pickle a handle to it: a file
-descriptor passed by `multiprocessing.resource_sharer`, which a process that is not a
-multiprocessing relative of the sender cannot open (the handshake's authkey differs:
-``AuthenticationError``), or with the "file_system" sharing strategy, a /dev/shm name (a
-process-wide setting, and every published weight staged in /dev/shm). So Gyre pickles CPU
-tensors by value (pickle's own tensor reduction; CUDA tensors are copied to the host
-first): the same envelope, which SGLang's deserializer reads (its restricted unpickler
-admits ``torch.storage._load_from_bytes``, loaded with ``weights_only=True``; checked
-against the real package by tests/gpu/test_gpu_sglang_bodies.py) and which crosses any two
-processes. `deserialize_named_tensors` is the embedded engine's reader: a restricted
-unpickler admitting exactly the globals of that format.
+* ``"flattened_bucket"`` (what Gyre sends): a pickle of ``{"flattened_tensor": uint8 vector,
+  "metadata": [records]}``, one `gyre.rollout.buckets.FlatBucket` (SGLang's
+  ``_update_weights_from_flattened_bucket``). `serialize_bucket` pickles the buffer *by
+  handle* with ``ForkingPickler`` and torch's multiprocessing reductions, as SGLang's own
+  serializer does — a CUDA IPC handle on GPU; on CPU, a shared-memory file descriptor passed
+  by `multiprocessing.resource_sharer` over a Unix socket (the body carries a few hundred
+  bytes, not the weights) — or *by value* (pickle's own tensor reduction, ``by_handle``
+  False: engines on other nodes below `engine.distributed_above_mb`).
+* ``null`` (SGLang: the model's own ``load_weights``): a pickle of ``(name, tensor)`` pairs
+  by value; read for clients that send it, no longer sent by Gyre.
+
+**Handles across unrelated processes.** The resource sharer hands a descriptor only to a
+client that passes its handshake with the sender's ``multiprocessing`` authkey; an engine
+is not a multiprocessing child of the rank that publishes, so both set their authkey from
+the run's engine key (`share_key`): a process without the key cannot fetch the memory. The
+publisher keeps the buffer (and the shared descriptor) alive until the engine has answered
+the call, then `release_handles` closes any descriptor no engine fetched (a lost engine).
+`deserialize_named_tensors` / `deserialize_bucket` are the embedded engine's readers: a
+restricted unpickler admitting exactly the globals these formats refer to.
 
 Release / resume of memory occupation (SGLang frees GPU memory for colocated training):
 `offload` swaps every parameter and buffer for a meta-device placeholder and returns a
@@ -31,42 +36,69 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
+import multiprocessing
 import pickle
-from collections.abc import Iterable
+from multiprocessing import resource_sharer
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.multiprocessing import reductions
 
 from gyre.errors import ProtocolError
-from gyre.rollout.protocol import Procedure, tensor_update_call, weight_update_procedure
+from gyre.rollout.buckets import FlatBucket
+from gyre.rollout.protocol import Call, engine_key, tensor_update_call
 
 NamedTensors = list[tuple[str, torch.Tensor]]
-LOAD_FORMATS = (None,)
+BUCKET = "flattened_bucket"
+LOAD_FORMATS = (None, BUCKET)
+_SHARE_SALT = b"gyre weight handles\0"
 
 
-def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """One `serialized_named_tensors` payload: base64 of a pickle of (name, tensor) pairs,
-    tensors by value on the host (a view is copied out of its larger storage, since pickle
-    would otherwise ship the whole storage with it)."""
-    pairs = [(str(name), _by_value(t)) for name, t in named]
+def share_key() -> None:
+    """Set this process's `multiprocessing` authkey from the run's engine key, on the
+    publishing rank and in the engine alike, so that the engine passes the handshake of the
+    publisher's resource sharer (module doc); a run without a key shares a fixed one (its
+    engines' routes are unauthenticated then too)."""
+    key = hashlib.sha256(_SHARE_SALT + (engine_key() or "").encode()).digest()
+    if multiprocessing.current_process().authkey != key:
+        resource_sharer.stop()  # a listener started under another key would refuse the engine
+        multiprocessing.current_process().authkey = key
+
+
+def release_handles() -> None:
+    """After a movement: close the descriptors no engine fetched (it died or refused the call
+    first); the sharer's thread starts again with the next handle."""
+    resource_sharer.stop()
+
+
+def serialize_bucket(bucket: FlatBucket, *, by_handle: bool) -> str:
+    """One flattened_bucket payload: base64 of a pickle of ``{"flattened_tensor",
+    "metadata"}``, the buffer by handle (`ForkingPickler`: CUDA IPC, or a CPU buffer's
+    shared-memory descriptor, `FlatBucket.pack(shared=True)`) or by value."""
+    payload = {"flattened_tensor": bucket.flat, "metadata": bucket.wire_metadata()}
     buf = io.BytesIO()
-    pickle.Pickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(pairs)
+    if by_handle:
+        share_key()
+        ForkingPickler(buf, pickle.DEFAULT_PROTOCOL).dump(payload)
+    else:
+        payload["flattened_tensor"] = _by_value(bucket.flat)
+        pickle.Pickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(payload)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def publish_procedure(
-    named: Iterable[tuple[str, torch.Tensor]], version: str | None, *, tp_size: int = 1
-) -> Procedure:
-    """The calls that publish `named` as `version` to an engine of `tp_size` TP ranks.
-
-    SGLang's TP rank r deserializes payload r only (`TpModelWorker.deserialize_own_rank`), so
-    the body holds `tp_size` payloads; each is the same by-value pickle of the whole tensors
-    (every rank shards them itself in its model's `load_weights`)."""
+def bucket_call(bucket: FlatBucket, version: str | None, *, tp_size: int, by_handle: bool) -> Call:
+    """The /update_weights_from_tensor call that loads `bucket` on an engine of `tp_size` TP
+    ranks: SGLang's TP rank r deserializes payload r only (`TpModelWorker.
+    deserialize_own_rank`), and each serialization of a CUDA tensor takes its own IPC
+    reference, so every rank gets a payload of its own (the whole tensors: each rank shards
+    them in its model's `load_weights`)."""
     assert tp_size >= 1, tp_size  # EngineConfig / ServerConfig refuse tensor_parallel < 1
-    payload = serialize_named_tensors(named)
-    return weight_update_procedure(tensor_update_call([payload] * tp_size, version))
+    payloads = [serialize_bucket(bucket, by_handle=by_handle) for _ in range(tp_size)]
+    return tensor_update_call(payloads, version, load_format=BUCKET)
 
 
 def _by_value(t: torch.Tensor) -> torch.Tensor:
@@ -76,13 +108,15 @@ def _by_value(t: torch.Tensor) -> torch.Tensor:
 
 
 def decode_update(body: Any) -> tuple[NamedTensors, str | None, bool]:
-    """Read an /update_weights_from_tensor body → (named tensors, weight_version, flush_cache)."""
+    """Read an /update_weights_from_tensor body → (named tensors, weight_version, flush_cache).
+    A flattened bucket's tensors are views into the received buffer (shared with the
+    publisher when sent by handle): load them before the reply."""
     if not isinstance(body, dict):
         raise ProtocolError("body: expected a JSON object")
-    if body.get("load_format") not in LOAD_FORMATS:
-        raise ProtocolError(
-            f"load_format: {body.get('load_format')!r}; allowed: null (the model's own names)"
-        )
+    load_format = body.get("load_format")
+    if load_format not in LOAD_FORMATS:
+        raise ProtocolError(f"load_format: {load_format!r}; allowed: null (the model's own "
+                            f"names) or {BUCKET!r}")  # fmt: skip
     payloads = body.get("serialized_named_tensors")
     if not isinstance(payloads, list) or not all(isinstance(p, str) for p in payloads):
         raise ProtocolError("serialized_named_tensors: expected a list of base64 strings")
@@ -98,19 +132,36 @@ def decode_update(body: Any) -> tuple[NamedTensors, str | None, bool]:
     flush = body.get("flush_cache", True)
     if not isinstance(flush, bool):
         raise ProtocolError(f"flush_cache: {flush!r}; allowed: true or false")
+    if load_format == BUCKET:
+        return deserialize_bucket(payloads[0]).named(), version, flush
     return deserialize_named_tensors(payloads[0]), version, flush
 
 
-def deserialize_named_tensors(payload: str) -> NamedTensors:
-    """Read one payload of `serialize_named_tensors`; ProtocolError if it is anything else."""
+def _unpickle(payload: str, what: str) -> Any:
     try:
-        raw = _TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
+        data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ProtocolError("serialized_named_tensors[0]: not base64 text") from None
-    except Exception as e:  # pickle errors, refused globals, truncated data ...
-        raise ProtocolError(
-            f"serialized_named_tensors[0]: not a pickle of (name, tensor) pairs ({e})"
-        ) from None
+    share_key()  # a handle's descriptor is fetched from the publisher during the load
+    try:
+        return _TensorUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # pickle errors, refused globals, truncated data, a dead sender ...
+        raise ProtocolError(f"serialized_named_tensors[0]: not a pickle of {what} ({e})") from None
+
+
+def deserialize_bucket(payload: str) -> FlatBucket:
+    """Read one flattened_bucket payload (by handle or by value); ProtocolError otherwise."""
+    raw = _unpickle(payload, "a flattened bucket")
+    if not isinstance(raw, dict) or set(raw) != {"flattened_tensor", "metadata"}:
+        raise ProtocolError("serialized_named_tensors[0]: expected a dict with exactly "
+                            "flattened_tensor and metadata (SGLang's flattened_bucket)")  # fmt: skip
+    return FlatBucket.from_wire(raw["flattened_tensor"], raw["metadata"],
+                               "serialized_named_tensors[0]")  # fmt: skip
+
+
+def deserialize_named_tensors(payload: str) -> NamedTensors:
+    """Read one load_format null payload; ProtocolError if it is anything else."""
+    raw = _unpickle(payload, "(name, tensor) pairs")
     if not isinstance(raw, list) or not all(
         isinstance(p, list | tuple)
         and len(p) == 2
@@ -130,16 +181,60 @@ def _load_storage(data: bytes) -> Any:
     return storage
 
 
-class _TensorUnpickler(pickle.Unpickler):
-    """Admits only the globals a pickle of CPU tensors by value refers to."""
+class _LocalDupFd(resource_sharer.DupFd):
+    """A shared descriptor's ticket, restored only if it names a Unix socket (the sender's
+    resource sharer on this node): a payload cannot make the engine dial a TCP address."""
 
-    ALLOWED: ClassVar = {("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2")}
+    def __setstate__(self, state: Any) -> None:
+        ident = state.get("_id") if isinstance(state, dict) else None
+        if not (isinstance(ident, tuple) and len(ident) == 2 and isinstance(ident[0], str)
+                and isinstance(ident[1], int)):  # fmt: skip
+            raise pickle.UnpicklingError("a shared descriptor must name a Unix socket path")
+        self._id = ident
+
+
+def _rebuild_storage_fd(cls: Any, df: Any, size: Any) -> Any:
+    if cls is not torch.UntypedStorage or not isinstance(df, _LocalDupFd):
+        raise pickle.UnpicklingError("a shared storage must be an UntypedStorage by descriptor")
+    return reductions.rebuild_storage_fd(cls, df, size)
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Admits only the globals the two payload formats refer to.
+
+    By value: tensors rebuilt from storage bytes (`_load_storage`). By handle: torch's
+    multiprocessing rebuilders of a tensor over a storage, the storage mapped from a
+    descriptor the publisher's resource sharer hands over (`_rebuild_storage_fd`, tickets
+    limited to Unix sockets: `_LocalDupFd`) or, on GPU, opened from a CUDA IPC handle
+    (`rebuild_cuda_tensor`). None of these runs code named by the payload, or reads anything
+    but memory its sender chose to share: what a payload can reach is the memory of a
+    process holding the run's engine key (the resource sharer's handshake, `share_key`), and
+    only a caller holding that key reaches the route at all (the server answers 401 without
+    it, `gyre.rollout.protocol.authorized`; the engine binds its rank's own address). The
+    metadata records are SimpleNamespaces of str, int, `torch.Size` and dtypes."""
+
+    ALLOWED: ClassVar = {
+        ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"),
+        ("types", "SimpleNamespace"), ("torch", "Size"), ("torch", "Tensor"),
+        ("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"),
+        ("torch.multiprocessing.reductions", "rebuild_tensor"),
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    }  # fmt: skip
+    REPLACED: ClassVar = {
+        ("torch.storage", "_load_from_bytes"): _load_storage,
+        ("torch.multiprocessing.reductions", "rebuild_storage_fd"): _rebuild_storage_fd,
+        ("multiprocessing.resource_sharer", "DupFd"): _LocalDupFd,
+    }
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch.storage", "_load_from_bytes"):
-            return _load_storage
+        if (module, name) in self.REPLACED:
+            return self.REPLACED[(module, name)]
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a tensor payload")
 
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from gyre.errors import ProtocolError
+from gyre.rollout.buckets import FlatBucket
 from gyre.rollout.client import EngineClient
 from gyre.rollout.protocol import (
     PAUSE_MODES,
@@ -140,7 +141,9 @@ async def _async_clients(url: str) -> None:
     await client.confirm_version("5")
     group = UpdateGroup(master_address="10.0.0.1", master_port=29500, world_size=3)
     await client.init_update_group(group, 1)
-    await client.update_weights_from_distributed(tensor_specs(NAMED), group, "6")
+    bucket = FlatBucket.pack(NAMED)  # what the core broadcasts: one flat buffer per bucket
+    await client.update_session(lambda: client.update_weights_from_distributed(
+        bucket.specs(), group, "6", load_format="flattened_bucket"))  # fmt: skip
     await client.confirm_version("6")
     await client.destroy_update_group(group)  # the core's one group per publication
 
@@ -360,5 +363,5 @@ def test_the_embedded_update_group_routes_take_sglangs_request_types(recorder, t
     with pytest.raises(ProtocolError, match="allowed gloo"):  # the engine is a CPU rank
         update_group.parse_init(body["/init_weights_update_group"])
     update = update_group.parse_update(body["/update_weights_from_distributed"])
-    assert update.specs == tensor_specs(NAMED) and update.version == "6"
+    assert update.specs == tensor_specs(NAMED) and update.version == "6" and update.bucketed
     assert update_group.parse_destroy(body["/destroy_weights_update_group"]) == group.group_name

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from gyre.errors import EngineError
+from gyre.rollout.buckets import FlatBucket
 from gyre.rollout.client import EngineClient
 from gyre.rollout.protocol import SamplingParams, release_procedure, resume_procedure
 from gyre.rollout.testing import running_engine
-from gyre.rollout.weights import serialize_named_tensors
+from gyre.rollout.weights import serialize_bucket
 
 from .conftest import post_json as _post
 from .conftest import run
@@ -90,11 +91,14 @@ def _copy_into(model: Any, named: list[tuple[str, torch.Tensor]]) -> None:
             params[name].copy_(t)
 
 
-def test_weight_updates_need_a_session_and_a_clean_payload(own_url: str) -> None:
+def test_weight_updates_need_a_session_and_a_clean_payload(own_url: str, tiny: Any) -> None:
     """SGLang's rules, served the same way: updates only inside /begin_weight_update …
-    /end_weight_update (409 otherwise), load_format null, and a payload that is a pickle of
-    (name, tensor) pairs and nothing else (no other globals are loaded)."""
-    good = {"serialized_named_tensors": [serialize_named_tensors([])]}
+    /end_weight_update (409 otherwise), load_format null or flattened_bucket, and a payload
+    that is a pickle of tensors and nothing else (no other globals are loaded)."""
+    norm = tiny[0].get_parameter("model.norm.weight").detach()
+    bucket = FlatBucket.pack([("model.norm.weight", norm)])
+    good = {"serialized_named_tensors": [serialize_bucket(bucket, by_handle=False)],
+            "load_format": "flattened_bucket"}  # fmt: skip
     status, reply = _post(own_url + "/update_weights_from_tensor", good)
     assert status == 409 and "/begin_weight_update" in reply["message"]
     assert _post(own_url + "/end_weight_update", {})[0] == 409
@@ -145,3 +149,66 @@ def test_release_needs_an_idle_engine_and_resume_restores(own_url: str, prompt: 
     assert stats["released"] and stats["paused"] and stats["running"] == 0
     assert after.output_ids == before.output_ids
     assert after.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-4)
+
+
+class _TcpTicket:
+    """Pickles as a shared storage whose descriptor ticket names a TCP address."""
+
+    def __reduce__(self) -> Any:
+        from multiprocessing import resource_sharer
+
+        from torch.multiprocessing import reductions
+
+        ticket = resource_sharer.DupFd.__new__(resource_sharer.DupFd)
+        ticket._id = (("127.0.0.1", 9), 1)
+        return (reductions.rebuild_storage_fd, (torch.UntypedStorage, ticket, 16))
+
+
+def _handle_body(payload: dict[str, Any]) -> dict[str, Any]:
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(payload)
+    return {"serialized_named_tensors": [base64.b64encode(buf.getvalue()).decode()],
+            "load_format": "flattened_bucket"}  # fmt: skip
+
+
+def test_a_bucket_by_handle_loads_only_from_this_runs_publisher(own_url: str, tiny: Any) -> None:
+    """A bucket by handle (CPU shared memory through torch's reductions) loads; a handle
+    from a process without the run's key, a ticket naming a TCP address, or records that do
+    not tile the buffer are refused with 400 and a message, and nothing is loaded."""
+    import multiprocessing
+
+    from gyre.rollout.weights import share_key
+
+    norm = tiny[0].get_parameter("model.norm.weight").detach()
+    bucket = FlatBucket.pack([("model.norm.weight", norm * 2)], shared=True)
+    meta = bucket.wire_metadata()
+    assert _post(own_url + "/begin_weight_update", {})[0] == 200
+    try:
+        good = {"serialized_named_tensors": [serialize_bucket(bucket, by_handle=True)],
+                "load_format": "flattened_bucket", "weight_version": "h1"}  # fmt: skip
+        assert len(good["serialized_named_tensors"][0]) < 2000  # a handle, not 4 KB of weights
+        status, reply = _post(own_url + "/update_weights_from_tensor", good)
+        assert status == 200, reply
+        from multiprocessing import resource_sharer
+
+        resource_sharer.stop()
+        multiprocessing.current_process().authkey = b"another run" * 3
+        try:
+            foreign = _handle_body({"flattened_tensor": bucket.flat, "metadata": meta})
+        finally:
+            share_key()
+        status, reply = _post(own_url + "/update_weights_from_tensor", foreign)
+        assert status == 400 and "not a pickle of a flattened bucket" in reply["message"], reply
+        tcp = _handle_body({"flattened_tensor": _TcpTicket(), "metadata": meta})
+        status, reply = _post(own_url + "/update_weights_from_tensor", tcp)
+        assert status == 400 and "Unix socket" in reply["message"], reply
+        meta[0].end_idx += 4  # a record past the buffer's end
+        bad = _handle_body({"flattened_tensor": bucket.flat, "metadata": meta})
+        status, reply = _post(own_url + "/update_weights_from_tensor", bad)
+        assert status == 400 and "metadata" in reply["message"], reply
+    finally:
+        assert _post(own_url + "/end_weight_update", {})[0] == 200
+    assert run(EngineClient(own_url).weight_version()) == "h1"

@@ -27,22 +27,26 @@ import logging
 import socket
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import torch
 
 from gyre.errors import ConfigError, EngineError
+from gyre.rollout.buckets import bucketed
 from gyre.rollout.client import EngineClient, blocking
 from gyre.rollout.protocol import (
-    TensorSpec,
+    DEFAULT_BUCKET_MB,
+    Procedure,
     UpdateGroup,
     release_procedure,
     resume_procedure,
-    tensor_specs,
+    update_session_procedure,
 )
 from gyre.rollout.serving.config import ServerConfig
 from gyre.rollout.serving.nccl import broadcast_tensors, open_update_group, rank_offsets
 from gyre.rollout.serving.process import EngineProcess
+from gyre.rollout.weights import BUCKET
 from gyre.runtime.shared.config import EngineConfig
 from gyre.schedule.devices import EnginePace
 
@@ -111,24 +115,66 @@ class EngineHost(EngineProcess):
         self.released = False
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """Publish weights of `version` into the engine (one payload per TP rank)."""
-        push_weights(self.url, named, version, tp_size=self.engine_config.tensor_parallel)
+        """Load weights of `version` into the engine (a reload, respawn or resume). The
+        engine is this rank's child, on its node: the weights go by handle where handles
+        reach it (`route`), in buckets."""
+        how = route(self.engine_config, self.host, self.host, nbytes=_nbytes(named))
+        push_weights(self.url, named, version, tp_size=self.engine_config.tensor_parallel,
+                     by_handle=how == "handle", bucket_bytes=self.engine_config.bucket_bytes,
+                     device=handle_device(self.engine_config))  # fmt: skip
         self.version = version
 
 
+Route = Literal["handle", "group", "value"]
+
+
+def route(config: EngineConfig, engine_host: str, host: str, *, nbytes: int) -> Route:
+    """How weights of `nbytes` reach an engine bound to `engine_host` from a rank at `host`
+    (`engine.publication`): auto sends to an engine on this node by handle, to one on another
+    node through an update group (by value below `engine.distributed_above_mb`); distributed
+    sends every engine through an update group, http every engine by value."""
+    if config.publication == "http":
+        return "value"
+    if config.publication == "distributed":
+        return "group"
+    if engine_host == host and handle_device(config) != "none":
+        return "handle"
+    return "group" if config.distributed(nbytes) else "value"
+
+
+def handle_device(config: EngineConfig) -> str | None:
+    """Where a bucket sent by handle is packed: the tensors' own device for the embedded
+    engine (CPU shared memory, or CUDA IPC); CUDA for SGLang, whose processes cannot fetch a
+    CPU descriptor (they are not started with the run's authkey, `weights.share_key`), so a
+    CPU mirror's buckets are staged on the GPU; "none" where neither reaches it."""
+    if config.backend != "sglang":
+        return None
+    return "cuda" if torch.cuda.is_available() else "none"
+
+
+def _nbytes(named: Sequence[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named)
+
+
 def push_weights(
-    url: str, named: list[tuple[str, torch.Tensor]], version: int, *, tp_size: int
-) -> None:
-    """Publish `named` as `version` on the engine at `url`, served by `tp_size` TP ranks.
+    url: str, named: list[tuple[str, torch.Tensor]], version: int, *, tp_size: int,
+    by_handle: bool = False, bucket_bytes: int = DEFAULT_BUCKET_MB << 20,
+    device: str | None = None,
+) -> None:  # fmt: skip
+    """Publish `named` as `version` on the engine at `url`, served by `tp_size` TP ranks, in
+    buckets of at most `bucket_bytes` (packed on `device`, default the tensors'), by handle
+    or by value.
 
     SGLang's TP rank r reads payload r of the body (`TpModelWorker.deserialize_own_rank`,
     sglang/srt/managers/tp_worker.py), so an engine with `--tp-size` 2 needs two payloads;
     the embedded engine (`tp_size` 1) takes exactly one."""
     blocking(
         url,
-        lambda client: client.update_weights_from_tensor(named, str(version), tp_size=tp_size),
+        lambda client: client.update_weights_from_tensor(
+            named, str(version), tp_size=tp_size, by_handle=by_handle,
+            bucket_bytes=bucket_bytes, device=None if device == "none" else device),
         timeout=600,
-    )
+    )  # fmt: skip
 
 
 def publish(
@@ -137,16 +183,22 @@ def publish(
 ) -> list[int]:  # fmt: skip
     """Push a publication to every target engine; returns the engines that missed it.
 
-    The weights go as HTTP bodies to each engine, or through one update group broadcast to
-    all (`engine.publication`, by size when auto). A refused, reset or timed-out push (the
-    engine died or is dying) is a miss, never fatal: the coordinator has it reload."""
-    tp = config.tensor_parallel
-    if config.distributed(sum(t.numel() * t.element_size() for _, t in named)):
-        return push_weights_distributed(targets, named, version, tp_size=tp, host=host)
-    missed = []
+    Each engine's weights go by `route`: by handle to the engines on this node, through one
+    update group broadcast to all the others (or by value, below the threshold). A refused,
+    reset or timed-out push (the engine died or is dying) is a miss, never fatal: the
+    coordinator has it reload."""
+    tp, nbytes = config.tensor_parallel, _nbytes(named)
+    how = {e: route(config, urlsplit(url).hostname or "", host, nbytes=nbytes)
+           for e, url in targets}  # fmt: skip
+    grouped = [(e, url) for e, url in targets if how[e] == "group"]
+    missed = push_weights_distributed(grouped, named, version, tp_size=tp, host=host,
+                                      bucket_bytes=config.bucket_bytes) if grouped else []  # fmt: skip
     for engine, url in targets:
+        if how[engine] == "group":
+            continue
         try:
-            push_weights(url, named, version, tp_size=tp)
+            push_weights(url, named, version, tp_size=tp, by_handle=how[engine] == "handle",
+                         bucket_bytes=config.bucket_bytes, device=handle_device(config))  # fmt: skip
         except EngineError:
             missed.append(engine)
     return missed
@@ -159,6 +211,7 @@ def push_weights_distributed(
     *,
     tp_size: int,
     host: str,
+    bucket_bytes: int = DEFAULT_BUCKET_MB << 20,
     timeout: float = 120.0,
 ) -> list[int]:
     """Publish `named` as `version` to every (engine, url) in `targets` through one update
@@ -166,24 +219,29 @@ def push_weights_distributed(
 
     The core (this process, group rank 0, rendezvous at `host`: the rank's own address)
     opens the group while every engine that answers /health joins at its rank offset; each
-    engine then runs the weight-update session (pause, begin, `/update_weights_from_
-    distributed`, end, continue) while the core broadcasts the tensors in the posted order,
-    and both sides destroy the group. An engine that is down, refuses, dies or times out
-    (`timeout` bounds the group's rendezvous and each broadcast; HTTP calls get 5x that) is
-    reported missed, like a failed `push_weights`; the core is never left waiting longer."""
-    return asyncio.run(_distributed(targets, named, str(version), tp_size, host, timeout))
+    engine then opens a weight-update session (pause, begin), and bucket by bucket (at most
+    `bucket_bytes` each) takes an `/update_weights_from_distributed` call with load_format
+    "flattened_bucket" while the core broadcasts the bucket's flat buffer once to all of
+    them; then the sessions close (end, continue) and both sides destroy the group. An
+    engine that is down, refuses, dies or times out (`timeout` bounds the group's rendezvous
+    and each broadcast; HTTP calls get 5x that) is reported missed, like a failed
+    `push_weights`, and so is every engine once a bucket failed anywhere (the collective
+    cannot go on); the core is never left waiting longer."""
+    return asyncio.run(_distributed(targets, named, str(version), tp_size, host, timeout,
+                                    bucket_bytes))  # fmt: skip
 
 
 async def _distributed(
     targets: Sequence[tuple[int, str]], named: list[tuple[str, torch.Tensor]], version: str,
-    tp_size: int, host: str, timeout: float,
+    tp_size: int, host: str, timeout: float, bucket_bytes: int,
 ) -> list[int]:  # fmt: skip
     engines = {e: EngineClient(url, engine_id=str(e), timeout=5 * timeout) for e, url in targets}
     try:
         up = await asyncio.gather(*(c.health() for c in engines.values()),
                                   return_exceptions=True)  # fmt: skip
         live = [c for c, ok in zip(engines.values(), up) if ok is True]
-        got = await _broadcast(live, tp_size, named, version, host, timeout) if live else set()
+        got = (await _broadcast(live, tp_size, named, version, host, timeout, bucket_bytes)
+               if live else set())  # fmt: skip
         return [e for e, c in engines.items() if c.engine_id not in got]
     finally:
         for c in engines.values():
@@ -192,7 +250,7 @@ async def _distributed(
 
 async def _broadcast(
     live: list[EngineClient], tp_size: int, named: list[tuple[str, torch.Tensor]],
-    version: str, host: str, timeout: float,
+    version: str, host: str, timeout: float, bucket_bytes: int,
 ) -> set[str]:  # fmt: skip
     """The engines of `live` (each of `tp_size` ranks) that loaded `named` through one update
     group and serve `version` (their ids)."""
@@ -210,22 +268,28 @@ async def _broadcast(
         if not isinstance(pg, BaseException):
             _destroy(pg)
         return set()
-    specs = tensor_specs(named)
-    sending = loop.run_in_executor(None, broadcast_tensors, pg, [t for _, t in named])
-    done = await asyncio.gather(*(_receive(c, specs, group, version) for c in live),
-                                return_exceptions=True)  # fmt: skip
-    await asyncio.gather(sending, *(c.destroy_update_group(group) for c in live),
+    session = update_session_procedure()
+    opened = await asyncio.gather(*(c.run(Procedure(session.calls)) for c in live),
+                                  return_exceptions=True)  # fmt: skip
+    ok = not any(isinstance(o, BaseException) for o in opened)
+    for bucket in bucketed(named, max_bytes=bucket_bytes) if ok else ():
+        sending = loop.run_in_executor(None, broadcast_tensors, pg, [bucket.flat])
+        done = await asyncio.gather(
+            *(c.update_weights_from_distributed(bucket.specs(), group, version,
+                                                load_format=BUCKET) for c in live),
+            sending, return_exceptions=True)  # fmt: skip
+        if any(isinstance(d, BaseException) for d in done):
+            ok = False
+            break
+    await asyncio.gather(*(c.run(Procedure((), session.cleanup)) for c in live),
                          return_exceptions=True)  # fmt: skip
+    await asyncio.gather(*(c.destroy_update_group(group) for c in live), return_exceptions=True)
     _destroy(pg)
-    return {c.engine_id for c, d in zip(live, done) if not isinstance(d, BaseException)}
-
-
-async def _receive(
-    client: EngineClient, specs: list[TensorSpec], group: UpdateGroup, version: str
-) -> None:
-    """One engine's side of the broadcast: the weight-update session, then the version."""
-    await client.update_weights_from_distributed(specs, group, version)
-    await client.confirm_version(version)
+    if not ok:
+        return set()
+    confirmed = await asyncio.gather(*(c.confirm_version(version) for c in live),
+                                     return_exceptions=True)  # fmt: skip
+    return {c.engine_id for c, d in zip(live, confirmed) if not isinstance(d, BaseException)}
 
 
 def _free_port(host: str) -> int:

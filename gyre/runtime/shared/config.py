@@ -26,6 +26,7 @@ import yaml
 from gyre.config import apply_overrides, load, read_mapping
 from gyre.errors import ConfigError
 from gyre.proxy.config import Config as ProxyConfig
+from gyre.rollout.protocol import DEFAULT_BUCKET_MB
 from gyre.runtime.shared.layout import TopologyConfig
 from gyre.schedule.config import POLICIES, PolicyConfig, ScheduleConfig
 from gyre.schedule.config import Config as SchedulerConfig
@@ -158,10 +159,16 @@ class EngineConfig:
     mem_fraction_static: float = 0.8
     """sglang: --mem-fraction-static, share of GPU memory for weights + KV cache."""
     publication: Literal["http", "distributed", "auto"] = "auto"
-    """How the core publishes weights: http (base64 bodies to each engine), distributed (one
-    update group per publication, tensors broadcast: gloo on CPU, NCCL on GPU), auto (by size)."""
+    """How weights reach engines (every movement: publication, reload, respawn, resume), in
+    buckets: auto (an engine on the sending rank's node by tensor handles: CUDA IPC, CPU
+    shared memory; one on another node through an update group, or by value below
+    distributed_above_mb), distributed (every engine through an update group: gloo on CPU,
+    NCCL on GPU), http (every engine by value in the JSON bodies: small models only)."""
     distributed_above_mb: float = 64.0
-    """auto: distributed when the published tensors exceed this many MB, else http."""
+    """auto: an engine on another node gets weights larger than this through an update
+    group, smaller ones by value."""
+    bucket_mb: int = DEFAULT_BUCKET_MB
+    """Most MB of weights moved in one bucket (one call or broadcast)."""
 
     def __post_init__(self) -> None:
         if self.threads < 1 or self.max_batch_size < 1 or self.prefix_cache_mb < 0:
@@ -172,6 +179,8 @@ class EngineConfig:
         if self.publication not in ("http", "distributed", "auto"):
             raise ConfigError(f"engine.publication: {self.publication!r}; allowed: http, "
                               "distributed, auto")  # fmt: skip
+        if self.bucket_mb < 1:
+            raise ConfigError(f"engine.bucket_mb: {self.bucket_mb}; allowed: >= 1")
         if not self.distributed_above_mb >= 0:
             raise ConfigError(f"engine.distributed_above_mb: {self.distributed_above_mb}; "
                               "allowed: >= 0")  # fmt: skip
@@ -183,10 +192,15 @@ class EngineConfig:
             )
 
     def distributed(self, nbytes: int) -> bool:
-        """Whether a publication of `nbytes` of tensors goes through an update group."""
+        """Whether `nbytes` of tensors go to an engine on another node through an update
+        group (`gyre.runtime.cell.engine_host.route`)."""
         if self.publication == "auto":
             return nbytes > self.distributed_above_mb * 1e6
         return self.publication == "distributed"
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.bucket_mb << 20
 
     def server(
         self, model: str, version: int, host: str = "127.0.0.1", base_gpu_id: int = 0

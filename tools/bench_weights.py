@@ -1,0 +1,156 @@
+"""Benchmark weight movements to an embedded engine: bytes on the wire and seconds, by path.
+
+    python tools/bench_weights.py [--models tiny,qwen2-0.5b] [--repeats 3] [--json FILE]
+
+What: for each model an embedded engine is launched the way a cell launches it
+(`EngineHost`), and the weights as a bf16 replica holds them (`train.params_dtype`
+bfloat16; `named_parameters()`, tied weights once) are moved to it `--repeats` times by each
+path, with the cell's own calls (`engine_host.publish` for a publication, `EngineHost.
+load_weights` for a reload — the core back to rollout, a respawn, a resume):
+
+* before — `engine.publication: http` with one bucket as large as the model: the weights by
+  value, base64 in the JSON body, as every movement was sent before buckets (the commit
+  before them also sent float32: twice these bytes for a bf16 replica);
+* handle — auto, the engine on this node: buckets of `engine.bucket_mb` by handle (CPU
+  shared memory through torch's reductions; CUDA IPC on GPU), publication and reload;
+* group — auto, the engine reached at another address (127.0.0.2, so "another node"): one
+  update group per publication, one gloo broadcast per bucket (publication only: a reload
+  is always on the cell's own node).
+
+Reported per model and path: JSON body bytes sent to the engine (counted where the client
+hands them to the transport), update-group bytes (the broadcast buffers), bytes copied into
+shared memory (handle: the buckets), wall seconds per movement (median, min, max). After each
+path the engine must serve the last version moved, or the benchmark fails.
+
+``qwen2-0.5b`` is Qwen2.5-0.5B's shape with random weights (494 M parameters, 0.99 GB in
+bf16), written as in tools/bench_shard_load.py. Prints one JSON object; the load average is
+included, since a busy machine inflates every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_shard_load import write_model
+
+from gyre.models import load_model
+from gyre.rollout import transport
+from gyre.rollout.client import blocking
+from gyre.runtime.cell import engine_host
+from gyre.runtime.cell.engine_host import EngineHost, publish
+from gyre.runtime.shared.config import EngineConfig
+
+WIRE = {"json": 0, "group": 0}
+
+
+def _counting() -> None:
+    """Count JSON body bytes and broadcast bytes at the points where they leave."""
+    send, broadcast = transport.HttpTransport.request, engine_host.broadcast_tensors
+
+    async def request(self: Any, method: str, route: str, payload: Any, timeout: Any) -> Any:
+        WIRE["json"] += len(payload or b"")
+        return await send(self, method, route, payload, timeout)
+
+    def counted(pg: Any, tensors: Any) -> None:
+        WIRE["group"] += sum(t.numel() * t.element_size() for t in tensors)
+        broadcast(pg, tensors)
+
+    transport.HttpTransport.request = request  # type: ignore[method-assign]
+    engine_host.broadcast_tensors = counted
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="tiny,qwen2-0.5b")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    _counting()
+    report: dict[str, Any] = {"repeats": args.repeats, "models": {}}
+    for spec in args.models.split(","):
+        report["models"][spec] = bench_model(spec, args.repeats)
+        print(f"[bench_weights] {spec}: {json.dumps(report['models'][spec])}", flush=True)
+    report["load_average"] = os.getloadavg()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+
+
+def bench_model(spec: str, repeats: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-weights-") as tmp:
+        path = spec
+        if spec != "tiny":
+            path = str(Path(tmp) / "model")
+            Path(path).mkdir()
+            write_model(Path(path), spec, "bfloat16")
+        model, _ = load_model(path)
+        named = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
+        del model
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        out: dict[str, Any] = {"tensors": len(named), "bf16_bytes": nbytes}
+        paths = {"before": EngineConfig(publication="http", bucket_mb=(nbytes >> 20) + 1),
+                 "handle": EngineConfig(), "group": EngineConfig(distributed_above_mb=0)}  # fmt: skip
+        host = EngineHost(path, EngineConfig(), Path(tmp) / "engine.log", version=0)
+        host.start()
+        try:
+            version = 0
+            for name, config in paths.items():
+                at = "127.0.0.2" if name == "group" else "127.0.0.1"
+                movements: dict[str, Callable[[int], None]] = {
+                    "publication": lambda v, c=config, a=at: _publish(host.url, named, v, c, a)
+                }
+                if name != "group":
+                    movements["reload"] = lambda v, c=config: _reload(host, named, v, c)
+                out[name] = {}
+                for movement, move in movements.items():
+                    runs = []
+                    for _ in range(repeats):
+                        version += 1
+                        runs.append(_measure(move, version))
+                    out[name][movement] = _summary(runs)
+                served = blocking(host.url, lambda c: c.model_info())["weight_version"]
+                if str(served) != str(version):
+                    raise RuntimeError(f"{spec} {name}: serves {served!r}, moved {version}")
+        finally:
+            host.stop()
+    return out
+
+
+def _publish(url: str, named: Any, version: int, config: EngineConfig, at: str) -> None:
+    if publish([(0, url)], named, version, config, host=at):
+        raise RuntimeError(f"publication {version} missed")
+
+
+def _reload(host: EngineHost, named: Any, version: int, config: EngineConfig) -> None:
+    host.engine_config = config
+    host.load_weights(named, version)
+
+
+def _measure(move: Callable[[int], None], version: int) -> dict[str, float]:
+    WIRE.update(json=0, group=0)
+    t0 = time.perf_counter()
+    move(version)
+    return {"s": time.perf_counter() - t0, "json_bytes": WIRE["json"], "group_bytes": WIRE["group"]}
+
+
+def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
+    secs = [r["s"] for r in runs]
+    return {"s_median": statistics.median(secs), "s_min": min(secs), "s_max": max(secs),
+            "json_bytes": runs[-1]["json_bytes"], "group_bytes": runs[-1]["group_bytes"]}  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
