@@ -63,21 +63,9 @@ def _free_port() -> int:
 
 
 def _step() -> Any:
-    import numpy as np
+    from megatron_steps import micro_step  # beside this script, on sys.path
 
-    from gyre.train.packing import MicroStep, TokenRow
-
-    gen = np.random.default_rng(0)
-    rows = []
-    for k, n in enumerate((12, 7)):
-        targets = np.arange(n) >= n // 2
-        rows.append(TokenRow(
-            execution_id=f"e{k}", group_id="g0", policy_version=0,
-            ids=gen.integers(0, 4096, n).astype(np.int64), targets=targets,
-            behaviour_logprobs=np.where(targets, -1.0, 0.0), advantage=1.0,
-            execution_targets=int(targets.sum()), weights=targets / targets.sum(),
-        ))  # fmt: skip
-    return MicroStep(index=0, rows=tuple(rows))
+    return micro_step((12, 7))
 
 
 def first_pass(hf: Any, attention: str, device: str) -> dict[str, Any]:

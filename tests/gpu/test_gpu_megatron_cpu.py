@@ -22,25 +22,17 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.train.packing import MicroStep, TokenRow
+from gyre.train.packing import MicroStep
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (extra gyre[gpu])")
 WORKER = Path(__file__).with_name("megatron_tp_worker.py")
 PROBE = Path(__file__).with_name("megatron_cuda_path_probe.py")
 
+from megatron_steps import micro_step  # noqa: E402  (tests/gpu, on sys.path)
 
-def _step(lengths: tuple[int, ...] = (12, 7, 9)) -> MicroStep:
-    gen = np.random.default_rng(0)
-    rows = []
-    for k, n in enumerate(lengths):
-        targets = np.arange(n) >= n // 2
-        rows.append(TokenRow(
-            execution_id=f"e{k}", group_id="g0", policy_version=0,
-            ids=gen.integers(0, 4096, n).astype(np.int64), targets=targets,
-            behaviour_logprobs=np.where(targets, -1.0, 0.0), advantage=1.0,
-            execution_targets=int(targets.sum()), weights=targets / targets.sum(),
-        ))  # fmt: skip
-    return MicroStep(index=0, rows=tuple(rows))
+
+def _step() -> MicroStep:
+    return micro_step()
 
 
 def _hf_reference(step: MicroStep) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
