@@ -254,18 +254,18 @@ class Checkpoint:
 
     name: str  # v<version>
     state: dict[str, Any]  # its state.json: updates, version, groups trained
-    core: dict[str, Any]  # its core.pt: version, named (HF layout) weights, AdamW state
+    core: dict[str, Any]  # its core state: version, named (HF layout) weights, AdamW state
 
 
 def newest_checkpoint(run_dir: Path) -> Checkpoint | None:
-    import torch
-
-    from gyre.runtime.shared.checkpoint import CORE, latest
+    from gyre.runtime.shared.checkpoint import latest
+    from gyre.train import core_file
 
     found = latest(run_dir)
     if found is None:
         return None
-    return Checkpoint(found[0].name, found[1], torch.load(found[0] / CORE, weights_only=True))
+    # a torch core's core.pt, or a Megatron core's per-rank shards put together
+    return Checkpoint(found[0].name, found[1], core_file.load(found[0]))
 
 
 @dataclass(frozen=True)

@@ -270,10 +270,11 @@ def test_a_megatron_core_resumes_from_its_checkpoint(megatron_chain: Chain) -> N
     every layer, with its own AdamW shard), resumed under two pipeline stages
     (`--resume RUN_DIR train.parallel.pipeline=2`) and the core cell's second rank — the
     second stage — killed mid-run, then resumed under TP = 2 (`train.parallel.pipeline=1`)
-    to the end. The checkpoint holds the gathered Hugging Face-layout weights and moments:
-    each resume's first update, one per layout, starts from exactly them on every shard (the
-    recorded update is gathered). A resume's overrides are taken and recorded in the run's
-    config.yaml."""
+    to the end. Each core rank writes its own shard of the checkpoint (main weights and
+    moments, nothing gathered), and a resume under other sizes puts them together into the
+    Hugging Face layout: each resume's first update, one per layout, starts from exactly them
+    on every shard (the recorded update is gathered). A resume's overrides are taken and
+    recorded in the run's config.yaml."""
     segments = megatron_chain.segments
     assert len(segments) == 3, f"{segments[-1].error}\n{segments[-1].output}"
     preempted, killed, finished = segments
@@ -282,6 +283,13 @@ def test_a_megatron_core_resumes_from_its_checkpoint(megatron_chain: Chain) -> N
     _completed(megatron_chain.run_dir, segments)
     assert [s.layout for s in segments] == [(2, 1), (1, 2), (2, 1)]  # (tensor, pipeline)
     assert killed.first_update is not None and finished.first_update is not None
+    from gyre.runtime.shared.checkpoint import latest
+
+    found = latest(megatron_chain.run_dir)
+    assert found is not None
+    assert not (found[0] / "core.pt").exists()  # nothing gathered to one rank
+    assert sorted(p.name for p in (found[0] / "shards").iterdir()) == [
+        "rank-00000.safetensors", "rank-00001.safetensors"]  # fmt: skip
     summary = json.loads((megatron_chain.run_dir / "summary.json").read_text())
     assert summary["train_backend"] == "megatron"
     parallel = summary["parallel"]

@@ -8,8 +8,9 @@ runs every row (the stages one after the other); each core rank steps AdamW on i
 with the whole model's gradient norm. After every change of weights (an update, a pull of
 the core's snapshot, a restore) the shards of every stage are gathered to the leader into a
 Hugging Face *mirror* of the policy, in the model's dtype: what the engines load and policies
-save; checkpoints keep the core's main weights gathered the same way
-(`gyre.train.core_file`, the same file as the torch backend's). docs/gpu.md.
+save. Checkpoints are written by every core rank in parallel, its own shard's main weights
+and AdamW moments (`gyre.train.core_file.save_shard`); a resume at other TP / PP sizes (or by
+the torch backend) reads them put together into the HF layout. docs/gpu.md.
 
     replica = MEGATRON.build(cfg.model, cfg.train, dims, core=True, device="cuda:0",
                              comms=comms, host="10.0.0.5")
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
 
     from gyre.train.comm import Communicators
     from gyre.train.config import TrainConfig
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW's elementwise state: laid out like the weights, sharded with them."""
 
 
 @dataclass(slots=True)
@@ -99,15 +104,43 @@ class MegatronReplica(TorchReplica):
         state = self.optimizer.opt.state_dict()  # its per-parameter dicts are the live ones
         if 0 in state["state"]:
             moments = dict(state["state"][0])
-            for key in ("exp_avg", "exp_avg_sq"):  # elementwise: laid out like the weights
+            for key in MOMENTS:
                 if key in moments:
                     moments[key] = self.hf_flat(moments[key])
             state["state"] = {**state["state"], 0: moments}
         return state
 
+    def save(self, folder: Path, version: int, shard: int) -> int:
+        """This rank's shard of the core's checkpoint, written by the rank itself (every
+        core rank in parallel, nothing gathered): its main weights, AdamW moments and step
+        (`gyre.train.core_file.save_shard`); bytes."""
+        import dataclasses
+
+        if self.optimizer is None:
+            raise TrainingError("megatron replica: only a core rank writes a checkpoint shard")
+        names = [[n, list(p.shape)] for n, p in self.cell.model.named_parameters()
+                 if p.requires_grad]  # fmt: skip
+        state = self.optimizer.opt.state_dict()
+        flats = {"main": self.optimizer.main.detach(), **{
+            k: v for k, v in state["state"].get(0, {}).items() if k in MOMENTS + ("step",)}}
+        meta = {"version": version, "shard": shard, "tensor": self.dims.tensor,
+                "pipeline": self.dims.pipeline, "names": names,
+                "layout": dataclasses.asdict(self.layout),
+                "param_groups": state["param_groups"]}  # fmt: skip
+        if self.mirror is not None:  # the leader: the HF order an assembled state takes
+            meta["hf_order"] = [n for n, p in self.mirror.named_parameters() if p.requires_grad]
+        return core_file.save_shard(folder, shard, flats, meta)
+
     def restore(self, folder: Path) -> int:
-        """Weights and AdamW moments from an HF-layout checkpoint (either backend's, any TP
-        and PP sizes, either dtype), split to this rank's shard of its stage."""
+        """Weights and AdamW moments from a checkpoint: at the cell's own tensor and pipeline
+        sizes this rank's shard file alone; else (other sizes, an HF-layout core file from
+        either backend, either dtype) the HF layout split to this rank's shard of its stage.
+        Collective over the cell (the leader's mirror is refreshed)."""
+        first = core_file.shard_meta(folder)
+        if first is not None and (first["tensor"], first["pipeline"]) == (
+            self.dims.tensor, self.dims.pipeline,
+        ):
+            return self._restore_own_shard(folder)
         from gyre.rollout.weights import load_named_tensors
 
         data = core_file.load(folder)
@@ -119,11 +152,28 @@ class MegatronReplica(TorchReplica):
         if self.optimizer is not None and state is not None:
             shapes = [(n, t.shape) for n, t in data["named"]]
             moments = state["state"].get(0, {})
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in MOMENTS:
                 if key in moments:
                     moments[key] = self._shard_flat(moments[key], shapes)
             self.optimizer.opt.load_state_dict(state)
         return int(data["version"])
+
+    def _restore_own_shard(self, folder: Path) -> int:
+        """This rank's shard file of a checkpoint taken at the cell's own sizes."""
+        from gyre.rollout.weights import load_named_tensors
+
+        flats, meta = core_file.read_shard(folder, self.comm.Get_rank())
+        mine = core_file.views(flats["main"], meta["names"])
+        load_named_tensors(self.cell.model, sorted(mine.items()))
+        if self.optimizer is not None:
+            self.optimizer.load_main(flats["main"])
+            moments = {k: flats[k].to(self.cell.device) for k in MOMENTS if k in flats}
+            if moments:
+                self.optimizer.opt.load_state_dict({
+                    "state": {0: {"step": flats["step"], **moments}},
+                    "param_groups": meta["param_groups"]})  # fmt: skip
+        self.refresh()  # the leader's mirror: the engines' weights
+        return int(meta["version"])
 
     def _mine(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's Megatron tensors of full HF-layout tensors."""
