@@ -394,6 +394,18 @@ class MemoryPlan:
         return f"fits with {how}" + " or ".join(options)
 
 
+def _runs(plan: MemoryPlan) -> list[tuple[int, int, RankMemory]]:
+    """Consecutive ranks with the same bytes, as (first, last, one of them)."""
+    out: list[tuple[int, int, RankMemory]] = []
+    for r in plan.ranks:
+        key = (r.parts, r.parameters, plan.device_bytes(r))
+        if out and (out[-1][2].parts, out[-1][2].parameters, plan.device_bytes(out[-1][2])) == key:
+            out[-1] = (out[-1][0], r.shard, out[-1][2])
+        else:
+            out.append((r.shard, r.shard, r))
+    return out
+
+
 def render(plan: MemoryPlan) -> list[str]:
     """The plan as the lines `gyre plan --memory` prints (GB)."""
     s, lay = plan.shape, plan.layout
@@ -404,11 +416,12 @@ def render(plan: MemoryPlan) -> list[str]:
         f"{lay.data}, {lay.dtype}, attention {lay.attention if lay.backend == 'megatron' else 'sdpa'}; "
         f"micro-step {lay.step_tokens} tokens, longest row {lay.row_tokens}",
         "per rank of the core cell, GB (1e9 bytes); peak = resident + max(micro-step, update)",
-        f"{'rank':>4} {'params':>8} " + " ".join(f"{k:>10}" for k in PART_ORDER)
+        f"{'ranks':>5} {'params':>8} " + " ".join(f"{k:>10}" for k in PART_ORDER)
         + f" {'peak':>8} {'device':>8}",
     ]  # fmt: skip
-    for r in plan.ranks:
-        lines.append(f"{r.shard:>4} {r.parameters / 1e6:>7.1f}M "
+    for first, last, r in _runs(plan):
+        ranks = str(first) if first == last else f"{first}-{last}"
+        lines.append(f"{ranks:>5} {r.parameters / 1e6:>7.1f}M "
                      + " ".join(f"{gb(r.parts.get(k, 0)):>10}" for k in PART_ORDER)
                      + f" {gb(r.peak):>8} {gb(plan.device_bytes(r)):>8}")  # fmt: skip
     mirror = mirror_bytes(s, lay)
