@@ -21,7 +21,7 @@ COMMANDS: dict[str, str] = {
     "engine": "gyre.rollout.cli",
     "proxy": "gyre.proxy.cli",
     "trace": "gyre.trajectory.cli",
-    "plan": "gyre.schedule.cli",
+    "plan": "gyre.runtime.cli",
     "sim": "gyre.sim.cli",
     "run": "gyre.runtime.cli",
     "eval": "gyre.runtime.cli",

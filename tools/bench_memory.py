@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -49,17 +48,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from peak_rss import kib as _kib  # noqa: E402 (the benches' one measurement)
+from peak_rss import reset_peak  # noqa: E402
+
 HIDDEN = 64  # hidden size of the head cases: small, so the matmuls stay affordable on CPU
 PATHS = ("logits/reference", "logits/chunked", "head/reference", "head/chunked")
 # full-size [len, vocab] float32 buffers alive at the peak, per path (for the fit check)
 FULL_BUFFERS = {"logits/reference": 5, "logits/chunked": 2, "head/reference": 5, "head/chunked": 0}
-
-
-def _kib(field: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    match = re.search(rf"{field}:\s+(\d+) kB", text)
-    assert match is not None, field
-    return int(match.group(1))
 
 
 def _reference_logprobs(logits: Any, ids: Any) -> Any:
@@ -93,7 +89,7 @@ def child(path: str, tokens: int, vocab: int) -> dict[str, Any]:
         else:
             run = lambda: _reference_logprobs(h @ w.T, ids)  # noqa: E731
     before = _kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    reset_peak()  # peak RSS := current RSS
     t0 = time.perf_counter()
     step_loss(run(), coeff).backward()
     seconds = time.perf_counter() - t0
@@ -189,7 +185,7 @@ def child_step(attention: str, tp: int, rank: int, tokens: int, port: int) -> di
                                     gate=1.0)}  # fmt: skip
     step = MicroStep(index=0, rows=(row,))
     before = _kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    reset_peak()  # peak RSS := current RSS
     t0 = time.perf_counter()
     cell.accumulate(step, scalars)
     seconds = time.perf_counter() - t0

@@ -36,13 +36,14 @@ import os
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from peak_rss import mpiexec, peak_mb  # noqa: E402 (the benches' one measurement)
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2-0.5b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
@@ -51,12 +52,6 @@ SHAPES: dict[str, dict[str, Any]] = {
                 "num_key_value_heads": 2, "intermediate_size": 2432, "vocab_size": 75968},
 }  # fmt: skip
 SHARD_BYTES = 512 * 2**20
-
-
-def mpiexec() -> str:
-    """The mpiexec of the `mpich` wheel (bin/ next to this Python), else the one on PATH."""
-    here = Path(sysconfig.get_path("scripts")) / "mpiexec"
-    return str(here) if here.exists() else "mpiexec"
 
 
 def write_model(folder: Path, shape: str, dtype: str = "float32") -> int:
@@ -123,12 +118,6 @@ def child(model: str, tp: int, out: str, refresh: bool) -> None:
     rows = world.gather(row, root=0)
     if rows is not None:
         Path(out).write_text(json.dumps(rows))
-
-
-def peak_mb() -> float:
-    """This process's peak resident memory so far (the kernel's high-water mark), MB."""
-    status = Path("/proc/self/status").read_text().splitlines()
-    return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
 
 
 def run_world(model: Path, tp: int, code: Path, refresh: bool) -> list[dict]:

@@ -1,10 +1,11 @@
-"""`gyre run`, `gyre eval` and `gyre report`: the whole job on one machine, its policy on
-held-out tasks, and its plots.
+"""`gyre run`, `gyre eval`, `gyre report` and `gyre plan`: the whole job on one machine, its
+policy on held-out tasks, its plots, and its plan (staleness, memory per rank).
 
     gyre run [CONFIG] [--steps S] [--policy elastic|async|colocate] [--run-dir D]
     gyre run [CONFIG] [KEY.PATH=VALUE ...] --print-config | --dry-run
     gyre eval RUN_DIR [--initial] [--policies all] [--instances N]
     gyre report RUN_DIR
+    gyre plan --staleness E | --memory CONFIG [KEY.PATH=VALUE ...] [--json]
 
 `gyre run` checks the config (unknown keys, topology, harness binary, tasks) before any
 process starts, then spawns `mpiexec -n W python -m gyre.runtime.main CONFIG ...` (the
@@ -112,12 +113,59 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         )
         e.add_argument("--json", action="store_true", help="one JSON line per policy")
         e.set_defaults(func=evaluate)
+    if "plan" not in subparsers.choices:
+        _register_plan(subparsers)
     if "report" not in subparsers.choices:
         r = subparsers.add_parser("report", help="plots + HTML page of a run directory")
         r.add_argument("run_dir", help="a run directory holding trace.h5")
         r.add_argument("--out", metavar="DIR", type=cliargs.directory_to_make, default=None,
                        help="where the plots and index.html go (default RUN_DIR/report)")  # fmt: skip
         r.set_defaults(func=report)
+
+
+def _register_plan(subparsers: argparse._SubParsersAction) -> None:
+    from gyre.schedule import cli as staleness
+
+    p = subparsers.add_parser(
+        "plan", help="(φ, μ) per policy for a target E[d], or a run config's memory per rank",
+    )  # fmt: skip
+    target = p.add_mutually_exclusive_group(required=True)
+    staleness.add_arguments(p, target)
+    target.add_argument("--memory", metavar="CONFIG", default=None,
+                        help="a run config: each core rank's predicted bytes (weights, main "
+                        "weights, gradients, moments, micro-step, update) and its engine's, "
+                        "against the device's memory")  # fmt: skip
+    p.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE",
+                   help="--memory: config overrides, e.g. train.parallel.tensor=8")  # fmt: skip
+    p.set_defaults(func=plan)
+
+
+def plan(args: argparse.Namespace) -> int:
+    """`gyre plan`: the staleness table (`gyre.schedule.cli`) or a run config's memory plan
+    (`gyre.runtime.shared.memory`); exit 1 when the layout does not fit."""
+    from gyre.schedule import cli as staleness
+
+    if args.memory is None:
+        if args.overrides:
+            raise ConfigError(f"{' '.join(args.overrides)}: overrides go with "
+                              "--memory CONFIG")  # fmt: skip
+        return staleness.run(args)
+    from gyre.runtime.shared.config import load_run_config
+    from gyre.runtime.shared.memory import memory_plan
+    from gyre.train.memory import render
+
+    if not Path(args.memory).is_file():
+        raise ConfigError(f"--memory: {args.memory!r} is not a file; allowed: a run config")
+    found = memory_plan(load_run_config(args.memory, args.overrides))
+    problem = found.rank_problem() or found.engine_problem()
+    if args.json:
+        print(json.dumps({"fits": problem is None, "problem": problem,
+                          "ranks": [{"shard": r.shard, "parameters": r.parameters,
+                                     "peak": r.peak, "device": found.device_bytes(r), **r.parts}
+                                    for r in found.ranks]}))  # fmt: skip
+    else:
+        print("\n".join(render(found)))
+    return 1 if problem else 0
 
 
 def find_mpiexec() -> str:

@@ -28,6 +28,9 @@ run in order (`CHECKS`):
 * the model (`gyre.models`): it loads (a directory missing here is a note on the login node,
   not checked by `render`), its vocab covers its tokenizer, the embedded engine can batch its
   KV cache, and the training backend can lay it out (what the cell ranks compute);
+* the memory plan (`gyre.runtime.shared.memory.check`): every rank of the core cell and its
+  engine fit their device (`gyre.train.memory`) — on GPUs `topology.gpu_memory_gb`, on the
+  CPU only where `topology.cpu_memory_gb` is set;
 * the experiment trackers (`gyre.tracking.check`);
 * the run directory (`gyre.runtime.shared.run_directory.check`): it can be written, and a
   run already in it can be continued with this config (`--resume`, `--run-dir` of an existing
@@ -42,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gyre.errors import ConfigError
-from gyre.runtime.shared import harness, placement, run_directory
+from gyre.runtime.shared import harness, memory, placement, run_directory
 from gyre.runtime.shared.checks import RUNS_HERE, Check, Site, Where
 from gyre.runtime.shared.checks import elsewhere as _elsewhere
 
@@ -83,6 +86,7 @@ CHECKS: tuple[Check, ...] = (
     Check("harness", harness.check),
     Check("devices here", placement.check_devices_here),
     Check("model", _check_model),
+    Check("memory", memory.check),
     Check("trackers", _check_trackers),
     Check("run directory", run_directory.check),
 )

@@ -1,10 +1,12 @@
-"""`gyre plan`: (φ, μ) per placement policy for a target mean scheduling staleness.
+"""`gyre plan --staleness`: (φ, μ) per placement policy for a target mean scheduling staleness.
 
     gyre plan --staleness 1.5          # table
     gyre plan --staleness 1 --json     # machine-readable
 
 Uses E[d] = φ + (μ-1)/2 with the paper's conventions (Async μ = 1, Colocate φ = 0);
-see gyre/schedule/plan.py for Elastic's rule.
+see gyre/schedule/plan.py for Elastic's rule. The `plan` command itself is registered by
+`gyre.runtime.cli`, which adds `--memory CONFIG` (a run config's memory per rank) beside
+these arguments.
 """
 
 from __future__ import annotations
@@ -15,20 +17,19 @@ import json
 from gyre import cliargs
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("plan", help="(φ, μ) per policy for a target mean staleness E[d]")
-    p.add_argument(
+def add_arguments(p: argparse.ArgumentParser, target: argparse._ActionsContainer) -> None:
+    """`--staleness E` into `target` (a group of `p`: one of plan's targets), and its
+    options into `p`."""
+    target.add_argument(
         "--staleness",
         type=cliargs.nonnegative_float,
-        required=True,
         metavar="E",
-        help="target E[d]",
+        help="target E[d]: (φ, μ) per policy",
     )
     p.add_argument(
         "--min-phi", type=float, default=0.5, help="Elastic's minimum extra dispatch (batches)"
     )
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,6 +40,12 @@ class TopologyConfig:
     placement: Literal["colocated", "disjoint"] = "colocated"
     """GPUs of a node (gyre.runtime.shared.placement): colocated — a cell's trainer ranks share its
     engine's GPUs and leave them on every switch to rollout; disjoint — separate GPUs."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU (1 GB = 1e9 bytes): the limit the memory plan holds every GPU rank
+    and engine to (`gyre plan --memory`, the preflight's memory check)."""
+    cpu_memory_gb: float | None = None
+    """On the CPU: the memory one cell rank may use (GB); None: the plan is printed, not
+    enforced."""
 
     def __post_init__(self) -> None:
         if self.cells < 1:
@@ -48,6 +54,10 @@ class TopologyConfig:
             raise ConfigError(f"ranks_per_cell: {self.ranks_per_cell}; allowed: an integer >= 1")
         if self.placement not in ("colocated", "disjoint"):
             raise ConfigError(f"placement: {self.placement!r}; allowed: colocated, disjoint")
+        for name in ("gpu_memory_gb", "cpu_memory_gb"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name}: {value!r}; allowed: a number of GB > 0")
         if self.standalone_engines < 0:
             raise ConfigError(f"standalone_engines: {self.standalone_engines}; allowed: >= 0")
 
