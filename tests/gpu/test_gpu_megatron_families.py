@@ -232,3 +232,13 @@ def test_a_family_matches_transformers(tmp_path, family, tp, attention):
     state = hf.state_dict()
     assert set(state) - set(weights) == ({"lm_head.weight"} if lay.tied else set())
     assert all(torch.equal(weights[k], state[k]) for k in weights)
+
+
+def test_the_aux_loss_coefficient_is_a_train_setting():
+    from gyre.config import load
+    from gyre.train.config import TrainConfig
+
+    assert load(TrainConfig, {}, "train").moe_aux_loss_coeff == 0  # RL: the objective alone
+    assert load(TrainConfig, {"moe_aux_loss_coeff": 0.01}, "train").moe_aux_loss_coeff == 0.01
+    with pytest.raises(ConfigError, match=r"train\.moe_aux_loss_coeff: -1.0; allowed a number"):
+        load(TrainConfig, {"moe_aux_loss_coeff": -1.0}, "train")
