@@ -1,7 +1,7 @@
 """Megatron-core training backend (GPU clusters; optional extra ``gyre[gpu]``).
 
-* `config` — `MegatronConfig` and the Hugging Face (Qwen2 / Llama) → `TransformerConfig`
-  mapping (torch-free);
+* `config` — `MegatronConfig` and the Hugging Face (Qwen2, Llama, Qwen3, Qwen3-MoE,
+  Qwen2-MoE) → `TransformerConfig` mapping (torch-free);
 * `weights` — name and layout conversion between Hugging Face / rollout-engine tensors and
   Megatron's fused QKV and gate-up tensors, with tensor-parallel sharding;
 * `groups` — the K−1 prefix process groups (NCCL) over a cell's parallel layout, matching

@@ -298,7 +298,7 @@ def rope_scaling_kwargs(hf: Mapping[str, Any]) -> dict[str, Any]:
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ConfigError(
-            f"hf_config.partial_rotary_factor: {partial!r}; allowed 1.0 (Qwen2 / Llama rotate "
+            f"hf_config.partial_rotary_factor: {partial!r}; allowed 1.0 (the mapped families rotate "
             "the whole head)"
         )
     if kind not in ROPE_TYPES:

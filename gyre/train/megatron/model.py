@@ -4,10 +4,10 @@
 prepares Megatron's process state for the rank's device (`init_model_parallel`), builds a
 `GPTModel` there (`build_gpt_model`: Megatron's local layer spec, plain torch modules, no
 Transformer Engine needed, with `SDPAttention` as core attention, `gyre.train.megatron.attention`)
-from a Hugging Face Qwen2 / Llama config dict, without initializing its weights, and loads
-the rank's Megatron tensors into it. `MegatronCell` is a `gyre.train.cell.TorchCell` over that
-model: the same flat parameter / gradient buffers, phase-A prepass and phase-B accumulate of
-the same micro-steps and objective, so the world protocol (`gyre.runtime.coordinator.training`,
+from a Hugging Face config dict (a family of `gyre.train.megatron.config`), without
+initializing its weights, and loads the rank's Megatron tensors into it. `MegatronCell` is a
+`gyre.train.cell.TorchCell` over that model: the same flat parameter / gradient buffers,
+phase-A prepass and phase-B accumulate of the same micro-steps and objective, so the world protocol (`gyre.runtime.coordinator.training`,
 docs/training.md) and transports work unchanged. With tensor parallelism the logits are
 vocabulary-sharded and the chunked target log-probs all-reduce each chunk's statistics over
 the tensor-parallel group (`target_logprobs(..., vocab_shard=...)`); with pipeline
