@@ -7,8 +7,9 @@ Transformer Engine needed, with `SDPAttention` as core attention, `gyre.train.me
 from a Hugging Face config dict (a family of `gyre.train.megatron.config`), without
 initializing its weights, and loads the rank's Megatron tensors into it. `MegatronCell` is a
 `gyre.train.cell.TorchCell` over that model: the same flat parameter / gradient buffers,
-phase-A prepass and phase-B accumulate of the same micro-steps and objective, so the world protocol (`gyre.runtime.coordinator.training`,
-docs/training.md) and transports work unchanged. With tensor parallelism the logits are
+phase-A prepass and phase-B accumulate of the same micro-steps and objective, so the world
+protocol (`gyre.runtime.coordinator.training`, docs/training.md) and transports work
+unchanged. With tensor parallelism the logits are
 vocabulary-sharded and the chunked target log-probs all-reduce each chunk's statistics over
 the tensor-parallel group (`target_logprobs(..., vocab_shard=...)`); with pipeline
 parallelism a micro-step runs stage by stage (`gyre.train.megatron.pipeline`) and every stage
