@@ -1,15 +1,17 @@
 """One rank of a tensor-parallel Megatron world on CPU (gloo) running a tiny random model of one
 family, for test_gpu_megatron_families.py.
 
-    python megatron_family_worker.py RANK WORLD PORT OUT_DIR FAMILY [ATTENTION]
+    python megatron_family_worker.py RANK WORLD PORT OUT_DIR FAMILY [ATTENTION [PIPELINE]]
 
 FAMILY is a key of `FAMILIES` (Qwen3 dense, Qwen3-MoE with and without renormalized top-k,
 Qwen2-MoE with its gated shared expert). The model is transformers' own, built from a config
 in code under a seed (`tiny_family`), every weight drawn at random so each one matters. The
-rank cuts its TP shard from the HF state dict (`stage_to_mcore`), builds Gyre's GPTModel
+rank (TP rank RANK % TP of pipeline stage RANK // TP, TP = WORLD / PIPELINE) cuts its shard
+from the HF state dict (`stage_to_mcore`), builds Gyre's GPTModel
 (`build_rank_model`, the backend's build; core attention ATTENTION, "sdpa" or "local"), runs OUT_DIR/step.pt's rows through `MegatronCell`
 (vocab-parallel chunked log-probs) and the cell's backward of the summed target log-probs,
-and writes to OUT_DIR/rank<R>.pt its log-probs, its vocabulary shard of the logits, its
+and writes to OUT_DIR/rank<R>.pt its log-probs, its vocabulary shard of the logits (one
+stage only), its
 shard's gradients and its loaded weights (Megatron names).
 """
 
@@ -65,7 +67,9 @@ def tiny_family(family: str) -> torch.nn.Module:
     return model.float()
 
 
-def main(rank: int, world: int, port: int, out: str, family: str, attention: str) -> None:
+def main(
+    rank: int, world: int, port: int, out: str, family: str, attention: str, pipeline: int
+) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -77,19 +81,23 @@ def main(rank: int, world: int, port: int, out: str, family: str, attention: str
 
     hf = tiny_family(family)
     hfc = hf.config.to_dict()
+    tp = world // pipeline
     shard = stage_to_mcore(dict(hf.state_dict()), WeightLayout.from_hf_config(hfc),
-                           tp_rank=rank, tp_size=world, stage=0, stages=1)  # fmt: skip
-    model = build_rank_model(hfc, shard, MegatronConfig(tensor_parallel=world, dtype="float32",
-                                                     attention=attention),  # type: ignore[arg-type]
-                             device="cpu")  # fmt: skip
+                           tp_rank=rank % tp, tp_size=tp, stage=rank // tp,
+                           stages=pipeline)  # fmt: skip
+    mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pipeline, dtype="float32",
+                          attention=attention)  # type: ignore[arg-type]  # fmt: skip
+    model = build_rank_model(hfc, shard, mcfg, device="cpu")
     loaded = {k: v.detach().clone() for k, v in tensor_state(model).items()}
     cell = MegatronCell(model, objective=ObjectiveConfig())
     step = torch.load(f"{out}/step.pt", weights_only=False)
     st = step_tensors(step)
     positions = torch.arange(st.ids.shape[1]).expand_as(st.ids)
     mask = torch.ones(st.ids.shape[1], st.ids.shape[1], dtype=torch.bool).triu(1)[None, None]
-    with torch.no_grad():  # causal (Megatron's mask convention: True = masked out)
-        logits = model(st.ids, positions, mask)
+    logits = None
+    if pipeline == 1:  # a stage's forward alone needs its neighbours: logits at PP 1 only
+        with torch.no_grad():  # causal (Megatron's mask convention: True = masked out)
+            logits = model(st.ids, positions, mask)
     logp, st = cell._logprobs(step, grad=True)
     cell._backward((logp * st.targets).sum())
     grads = {n: cell.grad_of(p).detach().clone() for n, p in model.named_parameters()}
@@ -106,4 +114,5 @@ if __name__ == "__main__":
         sys.argv[4],
         sys.argv[5],
         sys.argv[6] if len(sys.argv) > 6 else "sdpa",
+        int(sys.argv[7]) if len(sys.argv) > 7 else 1,
     )
