@@ -5,11 +5,11 @@ megatron_family_worker.py's `tiny_family`) is cut into Megatron shards, built by
 `build_rank_model` at TP 1 and TP 2 (Qwen3-MoE also at PP 2) over gloo processes, and run
 through `MegatronCell`: logits, target log-probs and the gradients of their sum within 1e-5
 relative of transformers', and the weights read back from the built model equal to the HF
-tensors bit for bit. Besides: the config mapping (per-head q/k norm → `qk_layernorm`, explicit `head_dim` →
-`kv_channels`, router / experts / top-k / renormalized top-k / shared expert and its gate /
-the aux-loss coefficient), the checkpoint's per-expert tensors read from the safetensors
-files as from transformers' stacked ones in memory, and the one-line error for a family the
-mapping does not know.
+tensors bit for bit. Besides: the config mapping (per-head q/k norm → `qk_layernorm`,
+explicit `head_dim` → `kv_channels`, router / experts / top-k / renormalized top-k / shared
+expert and its gate / the aux-loss coefficient), the checkpoint's per-expert tensors read
+from the safetensors files as from transformers' stacked ones in memory, and the one-line
+error for a family the mapping does not know.
 """
 
 from __future__ import annotations
