@@ -248,3 +248,38 @@ def test_the_aux_loss_coefficient_is_a_train_setting():
     assert load(TrainConfig, {"moe_aux_loss_coeff": 0.01}, "train").moe_aux_loss_coeff == 0.01
     with pytest.raises(ConfigError, match=r"train\.moe_aux_loss_coeff: -1.0; allowed a number"):
         load(TrainConfig, {"moe_aux_loss_coeff": -1.0}, "train")
+
+
+def test_a_positive_aux_loss_coefficient_trains_the_router_to_balance(megatron_world):
+    """`train.moe_aux_loss_coeff` > 0 (through `MegatronConfig`): the same log-probs, and the
+    load-balancing loss's gradient added in the backward (the router's and, through the
+    hidden states, the attention's gradients change); 0 adds nothing."""
+    import warnings
+
+    from gyre.train.config import ObjectiveConfig
+    from gyre.train.megatron.model import MegatronCell, build_rank_model
+
+    hf = tiny_family("qwen3_moe")
+    hfc = hf.config.to_dict()
+    lay = WeightLayout.from_hf_config(hfc)
+    step = _step(hf.config.vocab_size)
+    runs = {}
+    for coeff in (0.0, 0.1):
+        shard = stage_to_mcore(dict(hf.state_dict()), lay, tp_rank=0, tp_size=1, stage=0,
+                               stages=1)  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build_rank_model(hfc, shard, MegatronConfig(dtype="float32",
+                                                                moe_aux_loss_coeff=coeff),
+                                     device="cpu")  # fmt: skip
+        cell = MegatronCell(model, objective=ObjectiveConfig())
+        logp, st = cell._logprobs(step, grad=True)
+        cell._backward((logp * st.targets).sum())
+        runs[coeff] = logp.detach(), {n: cell.grad_of(p).clone()
+                                      for n, p in model.named_parameters()}  # fmt: skip
+    (logp0, g0), (logp1, g1) = runs[0.0], runs[0.1]
+    assert torch.equal(logp0, logp1)
+    router = "decoder.layers.1.mlp.router.weight"
+    assert _rel(g1[router], g0[router]) > 1e-4
+    embedding = "embedding.word_embeddings.weight"
+    assert not torch.equal(g1[embedding], g0[embedding])
