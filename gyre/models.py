@@ -88,6 +88,23 @@ def check_model(spec: str) -> None:
         raise ConfigError(f"model: {spec!r} has no tokenizer (one of {', '.join(TOKENIZER_FILES)})")
 
 
+def model_family(spec: str) -> str | None:
+    """The model's `model_type` (its family: qwen2, llama, qwen3, qwen3_moe, ...), read cheaply
+    (no transformers import): the tiny family's and SmolLM2's are known, a model directory's
+    is its config.json's; None where that file is missing or malformed."""
+    import json
+
+    if tiny_size(spec) is not None:
+        return "qwen2"
+    if spec == "smollm2-135m":
+        return "llama"
+    try:
+        family = json.loads((Path(spec) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return family if isinstance(family, str) else None
+
+
 def model_config(spec: str) -> Any:
     """The transformers config of `spec`, read without its weights (a model directory's
     config.json; the tiny family's own); None for smollm2-135m (known once converted)."""

@@ -63,8 +63,8 @@ CASES: list[Case] = [
     Case("gyre run", ("run", "{local}", f"model={MODELS}/mistral", "--dry-run"),
          ("model:", "engine.backend embedded", "sliding", "allowed")),
     Case("gyre run", ("run", "{tmp}/case.yaml", "--dry-run"),
-         ("train.backend megatron", "model_type: 'qwen3_moe'", "allowed"),
-         config={"model": f"{MODELS}/qwen3_moe", "train": {"backend": "megatron"}}),
+         ("train.backend megatron", "model_type: 'olmo2'", "allowed"),
+         config={"model": f"{MODELS}/olmo2", "train": {"backend": "megatron"}}),
     Case("gyre run", ("run", "{tmp}/case.yaml", "--dry-run"),
          ("train.backend megatron", "model_type: 'mistral'", "allowed"),
          config={"model": f"{MODELS}/mistral", "train": {"backend": "megatron"}}),
@@ -144,16 +144,16 @@ CASES: list[Case] = [
     Case("gyre trace show", ("trace", "show", "{tmp}"), ("trace.h5",)),
     # ---- the cluster's entry points -------------------------------------------------------
     Case("gyre render", ("render", "{tmp}/case.yaml"),
-         ("train.backend megatron", "model_type: 'qwen3_moe'"),
-         config={"model": f"{MODELS}/qwen3_moe", "train": {"backend": "megatron"}},
+         ("train.backend megatron", "model_type: 'olmo2'"),
+         config={"model": f"{MODELS}/olmo2", "train": {"backend": "megatron"}},
          no_slurm=True),
     Case("gyre render", ("render", "{local}", "harness.params.delegate=maybe"),
          ("harness.params.delegate: 'maybe'", "adapter 'reference'")),
     Case("gyre render", ("render", "{tmp}/case.yaml"), ("tracking.mlflow.tracking_uri",),
          config={"tracking": {"mlflow": {"enabled": True, "tracking_uri": "htp://mlflow:5000"}}}),
     Case("gyre render --check", ("render", "{tmp}/case.yaml", "--check"),
-         ("train.backend megatron", "model_type: 'qwen3_moe'"),
-         config={"model": f"{MODELS}/qwen3_moe", "train": {"backend": "megatron"}},
+         ("train.backend megatron", "model_type: 'olmo2'"),
+         config={"model": f"{MODELS}/olmo2", "train": {"backend": "megatron"}},
          no_slurm=True),
     Case("gyre render --check", ("render", "{tmp}/case.yaml", "--check"),
          ("slurm.log_dir: '/nonexistent-gyre-logs'", "allowed"),
@@ -167,8 +167,8 @@ CASES: list[Case] = [
     Case("gyre submit", ("submit", "{local}", "--folder", "{tmp}/s"), ("scontrol not found",),
          no_slurm=True),
     Case("in-job check", ("{tmp}/case.yaml",),
-         ("train.backend megatron", "model_type: 'qwen3_moe'"),
-         config={"model": f"{MODELS}/qwen3_moe", "train": {"backend": "megatron"}}),
+         ("train.backend megatron", "model_type: 'olmo2'"),
+         config={"model": f"{MODELS}/olmo2", "train": {"backend": "megatron"}}),
     # ---- the other commands ---------------------------------------------------------------
     Case("gyre sim", ("sim", "{local}"), ("is a run config", "templates/sim/nl2repo.yaml")),
     Case("gyre sim", ("sim", "templates/sim/nl2repo.yaml", "--sweep", "concurrency_per_cell"),
@@ -197,7 +197,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sizes = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": len(tok)}  # fmt: skip
     for name, family, extra in [
-        ("qwen3_moe", "qwen3_moe", {}),  # Megatron maps qwen2 / llama only
+        ("olmo2", "olmo2", {"pad_token_id": 0, "eos_token_id": 1}),  # not a family Megatron maps
         ("mistral", "mistral", {}),  # sliding_window 4096: not batchable by the embedded engine
         ("small_vocab", "qwen2", {"vocab_size": 1000}),  # < the tokenizer's 4096 tokens
         ("no_tokenizer", "qwen2", {}),

@@ -224,6 +224,10 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
     gyre.train.megatron.cpu)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """How a cell's ranks share its replica (tensor / pipeline sizes; docs/gpu.md)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of a mixture-of-experts model's router load-balancing loss added to the objective
+    (Megatron backend: `moe_aux_loss_coeff`; the torch backend adds none); 0: the objective
+    alone, the default for RL (docs/gpu.md "Model families")."""
     keep_policies: int = 3
     """Publications kept as Hugging Face model directories under RUN_DIR/policies (>= 1)."""
     record_batches: bool = False
@@ -248,6 +252,10 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
             raise ConfigError(f"dtype: {self.dtype!r}; allowed {', '.join(DTYPES)}")
         if self.token_budget < 1:
             raise ConfigError(f"token_budget: {self.token_budget}; allowed an integer >= 1")
+        if not self.moe_aux_loss_coeff >= 0:
+            raise ConfigError(
+                f"moe_aux_loss_coeff: {self.moe_aux_loss_coeff!r}; allowed a number >= 0"
+            )
         if self.keep_policies < 1:
             raise ConfigError(f"keep_policies: {self.keep_policies}; allowed an integer >= 1")
         if self.min_group_outcomes < 1:

@@ -1,7 +1,7 @@
 """Megatron-core forward and backward on this CPU, and its CUDA build path.
 
 Gyre's GPTModel of the tiny Qwen2 (built by `build_rank_model`, the backend's build, with
-gyre.train.megatron.cpu's four patches) against transformers' own model at TP = 2, PP = 2 and
+gyre.train.megatron.cpu's patches) against transformers' own model at TP = 2, PP = 2 and
 TP 2 x PP 2 over gloo processes, with the SDPA core attention and, at TP = 2, Megatron's
 `DotProductAttention` (vocab-parallel chunked log-probs; the stages' hidden states and input
 gradients sent stage to stage, the tied embedding's two copies summed; shards gathered back
@@ -169,7 +169,8 @@ def test_the_cuda_build_path_seeds_megatron_and_runs_its_first_forward(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("patch", ["rotary", "tied_embedding", "memory_buffer", "rng_tracker"])
+@pytest.mark.parametrize("patch",
+                         ["rotary", "tied_embedding", "router", "memory_buffer", "rng_tracker"])  # fmt: skip
 def test_each_cpu_patch_is_off_on_the_cuda_path(cuda_path: dict[str, Any], patch: str) -> None:
     """After the CUDA build path and its forward, Megatron's own object is in place: the
     rotary embedding's `get_emb`, the tied-embedding setup, the global memory buffer, and

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre.models import model_family
 from gyre.runtime.coordinator.ledger import Ledger
 from gyre.runtime.coordinator.record import RunRecorder
 from gyre.runtime.shared import wire
@@ -171,6 +172,7 @@ class Progress:
             "run_dir": str(run_dir),
             "policy": self.cfg.schedule.policy,
             "ranks_per_cell": self.cfg.topology.ranks_per_cell,
+            "model_family": model_family(self.cfg.model),
             "train_backend": self.cfg.train.backend,
             "train_dtype": self.cfg.train.params_dtype,
             "engine_backend": self.cfg.engine.backend,

@@ -65,13 +65,16 @@ class MegatronReplica(TorchReplica):
     def _gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Every rank's shard tensors → the HF-layout tensors on the leader. Each is copied
         out of its flat buffer first: a pickled view carries its whole storage (on CPU, where
-        `.cpu()` is the view itself, a cell's ~300 views pickled ~300 flat buffers)."""
-        from gyre.train.megatron.weights import stages_to_hf
+        `.cpu()` is the view itself, a cell's ~300 views pickled ~300 flat buffers). Named as
+        the mirror's modules name them (an MoE layer's experts stacked: `module_names`)."""
+        from gyre.train.megatron.weights import module_names, stages_to_hf
 
         shards = self.comm.gather({k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
                                   root=0)  # fmt: skip
-        return None if shards is None else stages_to_hf(shards, self.layout,
-                                                        tp_size=self.dims.tensor)  # fmt: skip
+        if shards is None:
+            return None
+        return module_names(stages_to_hf(shards, self.layout, tp_size=self.dims.tensor),
+                            self.layout)  # fmt: skip
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The flat buffer's slice of every trainable parameter, by Megatron name."""
@@ -214,7 +217,8 @@ def build(
     init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
     hf, tokenizer, hf_config, shard = _shard_source(model, dims, comms)
     mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
-                          dtype=train.params_dtype)  # fmt: skip
+                          dtype=train.params_dtype,
+                          moe_aux_loss_coeff=train.moe_aux_loss_coeff)  # fmt: skip
     # on its own device: Megatron's seeding there (CUDA) or the CPU patches, no random
     # init; the shard streamed in one tensor at a time
     gpt = build_rank_model(hf_config, shard, mcfg, device=device)

@@ -19,6 +19,7 @@ spec's); `MegatronCell` passes no mask to this attention, so no `len x len` tens
 boolean mask (Megatron's convention: True = masked out) is still honoured.
 
     spec = layer_spec("sdpa")        # the local spec with SDPAttention as core attention
+    spec = layer_spec("sdpa", qk_layernorm=True, num_experts=8)   # Qwen3-MoE's layer
 """
 
 from __future__ import annotations
@@ -122,12 +123,19 @@ def _check_supported(config: TransformerConfig) -> None:
             raise ValueError(f"SDPAttention: {name} {value!r}; allowed {allowed!r}")
 
 
-def layer_spec(attention: str) -> ModuleSpec:
+def layer_spec(attention: str, *, qk_layernorm: bool = False,
+               num_experts: int | None = None) -> ModuleSpec:  # fmt: skip
     """Megatron's local GPT layer spec (RMSNorm) with `attention` as its core attention:
-    "sdpa" (`SDPAttention`, linear memory) or "local" (Megatron's `DotProductAttention`)."""
+    "sdpa" (`SDPAttention`, linear memory) or "local" (Megatron's `DotProductAttention`).
+    `qk_layernorm`: each head's queries and keys RMS-normalized after the QKV projection
+    (Qwen3; the spec's `q_layernorm` / `k_layernorm`, over `kv_channels`, either attention).
+    `num_experts`: the MLP is Megatron's `MoELayer` (router, experts run one after another,
+    optional shared expert) instead of the dense MLP."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention: {attention!r}; allowed {', '.join(ATTENTIONS)}")
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")  # a fresh spec on every call
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=qk_layernorm,
+                                    normalization="RMSNorm")  # a fresh spec on every call  # fmt: skip
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec

@@ -1,10 +1,13 @@
 """Typed configuration of the Megatron-core backend and the HF config → TransformerConfig map.
 
 Torch-free, so CLI modules and config loading can import it. `transformer_kwargs(hf)` turns a
-Hugging Face Qwen2 / Llama `config.json` (a dict) into the keyword arguments of
+Hugging Face `config.json` (a dict) of one of the `SUPPORTED_MODEL_TYPES` (Qwen2, Llama, Qwen3
+and the mixture-of-experts Qwen3-MoE and Qwen2-MoE) into the keyword arguments of
 `megatron.core.transformer.TransformerConfig` plus the `GPTModel` arguments (`gpt_kwargs`,
 RoPE scaling included: `rope_scaling_kwargs` maps HF's linear and llama3 scaling and refuses
-what Megatron's `RotaryEmbedding` cannot reproduce, such as yarn or dynamic):
+what Megatron's `RotaryEmbedding` cannot reproduce, such as yarn or dynamic). The family
+decides three things besides the shapes: QKV bias (Qwen2, Qwen2-MoE), per-head q/k RMSNorm
+(Qwen3, Qwen3-MoE: Megatron's `qk_layernorm`) and routed experts (`moe_kwargs`):
 
     cfg = MegatronConfig(tensor_parallel=2, dtype="bfloat16")
     tk, gk = transformer_kwargs(hf_config, cfg), gpt_kwargs(hf_config)
@@ -18,7 +21,10 @@ from typing import Any, Literal
 
 from gyre.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+DENSE_MODEL_TYPES = ("qwen2", "llama", "qwen3")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTIONS = ("sdpa", "local")
 
@@ -39,6 +45,10 @@ class MegatronConfig:
     attention: Literal["sdpa", "local"] = "sdpa"
     """Core attention: "sdpa" (torch's fused kernels, memory linear in the row) or "local"
     (Megatron's `DotProductAttention`, scores materialised: kept for comparisons)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of a mixture-of-experts router's load-balancing loss (Megatron's
+    `moe_aux_loss_coeff`, "aux_loss" balancing per micro-batch); 0: none, the gradient is the
+    objective's alone. Ignored by dense models."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel"):
@@ -48,6 +58,9 @@ class MegatronConfig:
             raise ConfigError(f"dtype: {self.dtype!r}; allowed {', '.join(DTYPES)}")
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"attention: {self.attention!r}; allowed {', '.join(ATTENTIONS)}")
+        if not self.moe_aux_loss_coeff >= 0:
+            raise ConfigError(f"moe_aux_loss_coeff: {self.moe_aux_loss_coeff!r}; allowed a "
+                              "number >= 0")  # fmt: skip
 
     @property
     def ranks_per_cell(self) -> int:
@@ -86,8 +99,42 @@ def check_pipeline_split(model: str, pipeline: int) -> None:
 
 def _get(hf: Mapping[str, Any], key: str) -> Any:
     if key not in hf:
-        raise ConfigError(f"hf_config.{key}: missing; a Qwen2/Llama config.json has it")
+        raise ConfigError(f"hf_config.{key}: missing; a {hf.get('model_type')} config.json has it")
     return hf[key]
+
+
+def qkv_bias(hf: Mapping[str, Any]) -> bool:
+    """Whether q/k/v carry biases: Qwen2's always, Qwen2-MoE's unless `qkv_bias` is false,
+    others' where `attention_bias` says so."""
+    mt = hf.get("model_type")
+    if mt == "qwen2":
+        return True
+    if mt == "qwen2_moe":
+        return bool(hf.get("qkv_bias", True))
+    return bool(hf.get("attention_bias", False))
+
+
+def qk_norm(hf: Mapping[str, Any]) -> bool:
+    """Whether each head's queries and keys are RMS-normalized (Qwen3's `q_norm` / `k_norm`)."""
+    return hf.get("model_type") in QK_NORM_MODEL_TYPES
+
+
+def num_experts(hf: Mapping[str, Any]) -> int:
+    """Routed experts per MoE layer (`num_experts`, or transformers 5's `num_local_experts`
+    in a saved Qwen3-MoE config); 0 for a dense model."""
+    if hf.get("model_type") not in MOE_MODEL_TYPES:
+        return 0
+    n = hf.get("num_experts") or hf.get("num_local_experts")
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"hf_config.num_experts: {n!r}; allowed an integer >= 1")
+    return n
+
+
+def shared_expert_size(hf: Mapping[str, Any]) -> int:
+    """Qwen2-MoE's shared expert width (`shared_expert_intermediate_size`); 0: none."""
+    if hf.get("model_type") != "qwen2_moe":
+        return 0
+    return int(hf.get("shared_expert_intermediate_size") or 0)
 
 
 def check_hf_config(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
@@ -101,14 +148,16 @@ def check_hf_config(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
     groups = int(hf.get("num_key_value_heads") or heads)
     hidden = int(_get(hf, "hidden_size"))
     tp = cfg.tensor_parallel
-    if heads % groups or hidden % heads:
+    if heads % groups or (not hf.get("head_dim") and hidden % heads):
         raise ConfigError(
             f"hf_config: heads {heads} / kv heads {groups} / hidden {hidden} are inconsistent"
         )
+    widths = ["moe_intermediate_size"] if num_experts(hf) else ["intermediate_size"]
     for name, value in (
         ("num_attention_heads", heads),
         ("num_key_value_heads", groups),
-        ("intermediate_size", int(_get(hf, "intermediate_size"))),
+        *((w, int(_get(hf, w))) for w in widths),
+        ("shared_expert_intermediate_size", shared_expert_size(hf)),
     ):
         if value % tp:
             raise ConfigError(f"hf_config.{name}: {value} not divisible by tensor_parallel {tp}")
@@ -118,6 +167,28 @@ def check_hf_config(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
             f"hf_config.num_hidden_layers: {layers} not divisible by "
             f"pipeline_parallel {cfg.pipeline_parallel}"
         )
+    if num_experts(hf):
+        _check_moe(hf, cfg)
+
+
+def _check_moe(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
+    """Refuse MoE layouts Megatron's layer does not reproduce here: dense layers among the
+    MoE ones, and tensor parallelism (megatron-core 0.16's MoE layer trains at TP > 1 only
+    with sequence parallelism, which Gyre's local layer spec does not run)."""
+    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise ConfigError(
+            f"hf_config.decoder_sparse_step / mlp_only_layers: {step!r} / {dense!r}; allowed "
+            "1 / [] (every layer a mixture of experts)"
+        )
+    if cfg.tensor_parallel != 1:
+        raise ConfigError(
+            f"tensor_parallel: {cfg.tensor_parallel} for a {hf['model_type']} model; allowed 1 "
+            "(megatron-core 0.16's MoE layer needs sequence parallelism beside TP)"
+        )
+    top_k = int(_get(hf, "num_experts_per_tok"))
+    if not 1 <= top_k <= num_experts(hf):
+        raise ConfigError(f"hf_config.num_experts_per_tok: {top_k}; allowed 1..{num_experts(hf)}")
 
 
 def check_trainable(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
@@ -133,7 +204,6 @@ def transformer_kwargs(hf: Mapping[str, Any], cfg: MegatronConfig) -> dict[str, 
     check_hf_config(hf, cfg)
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
-    qkv_bias = hf["model_type"] == "qwen2" or bool(hf.get("attention_bias", False))
     return {
         "num_layers": int(hf["num_hidden_layers"]),
         "hidden_size": hidden,
@@ -145,13 +215,39 @@ def transformer_kwargs(hf: Mapping[str, Any], cfg: MegatronConfig) -> dict[str, 
         "layernorm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "gated_linear_unit": True,  # SwiGLU: silu(gate) * up
         "add_bias_linear": False,
-        "add_qkv_bias": qkv_bias,
+        "add_qkv_bias": qkv_bias(hf),
+        "qk_layernorm": qk_norm(hf),
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         "bias_activation_fusion": False,
         "tensor_model_parallel_size": cfg.tensor_parallel,
         "pipeline_model_parallel_size": cfg.pipeline_parallel,
         "init_method_std": float(hf.get("initializer_range", 0.02)),
+        **moe_kwargs(hf, cfg),
+    }
+
+
+def moe_kwargs(hf: Mapping[str, Any], cfg: MegatronConfig) -> dict[str, Any]:
+    """The MoE fields of `TransformerConfig` (none for a dense model). HF routes by a
+    softmax over all experts, then the top k, renormalized when `norm_topk_prob`; Megatron's
+    softmax after the top k (`moe_router_pre_softmax` off) is that renormalized top k, its
+    softmax before (on) the plain one. Tokens are dispatched by all-gather (no CUDA-only
+    kernels), experts run one after another (`SequentialMLP`, no grouped GEMM)."""
+    n = num_experts(hf)
+    if not n:
+        return {}
+    shared = shared_expert_size(hf)
+    return {
+        "num_moe_experts": n,
+        "moe_router_topk": int(hf["num_experts_per_tok"]),
+        "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+        "moe_router_pre_softmax": not bool(hf.get("norm_topk_prob", False)),
+        "moe_shared_expert_intermediate_size": shared or None,
+        "moe_shared_expert_gate": bool(shared),  # Qwen2-MoE: sigmoid(gate(x)) * shared(x)
+        "moe_router_load_balancing_type": "aux_loss" if cfg.moe_aux_loss_coeff else "none",
+        "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
     }
 
 
@@ -202,7 +298,7 @@ def rope_scaling_kwargs(hf: Mapping[str, Any]) -> dict[str, Any]:
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ConfigError(
-            f"hf_config.partial_rotary_factor: {partial!r}; allowed 1.0 (Qwen2 / Llama rotate "
+            f"hf_config.partial_rotary_factor: {partial!r}; allowed 1.0 (the mapped families rotate "
             "the whole head)"
         )
     if kind not in ROPE_TYPES:

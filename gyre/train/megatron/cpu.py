@@ -1,6 +1,6 @@
-"""Megatron-core on a CPU: the four scoped patches that let its forward and backward run.
+"""Megatron-core on a CPU: the five scoped patches that let its forward and backward run.
 
-megatron-core (0.16) assumes a CUDA device at four points even with every fusion off:
+megatron-core (0.16) assumes a CUDA device at five points even with every fusion off:
 
 * `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` at the first
   forward — here it runs with the tensor's own device instead;
@@ -14,7 +14,10 @@ megatron-core (0.16) assumes a CUDA device at four points even with every fusion
 * with pipeline stages and tied embeddings, `LanguageModule.setup_embeddings_and_output_layer`
   (run by the model's constructor) moves the stage's copy of the tied embedding with
   `.cuda()` before all-reducing it over the embedding group — here, for that call only,
-  `Tensor.cuda` leaves a tensor where it is.
+  `Tensor.cuda` leaves a tensor where it is;
+* a mixture-of-experts router (`Router.gating`) moves a weight it finds on the CPU to
+  `torch.cuda.current_device()` at every forward — here it runs with its weight's own
+  device instead (on CUDA the weight is already there, and Megatron's code runs as is).
 
 `enable()` applies them; `gyre.train.megatron.model.init_model_parallel` calls it for a
 model on the CPU only (`train.device: cpu`, whether or not the machine has a GPU), after
@@ -50,6 +53,7 @@ def enable() -> None:
     if not _rotary_patched:
         _patch_rotary()
         _patch_tied_embedding_setup()
+        _patch_router()
         _rotary_patched = True
     _host_memory_buffer()
     _rng_tracker()
@@ -103,6 +107,19 @@ def _patch_tied_embedding_setup() -> None:
     LanguageModule.setup_embeddings_and_output_layer = (  # type: ignore[method-assign]
         setup_embeddings_and_output_layer
     )
+
+
+def _patch_router() -> None:
+    from megatron.core.transformer.moe.router import Router
+
+    original: Callable[..., torch.Tensor] = Router.gating
+
+    @functools.wraps(original)
+    def gating(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with _current_device(self.weight.device):
+            return original(self, *args, **kwargs)
+
+    Router.gating = gating  # type: ignore[method-assign]
 
 
 def _host_memory_buffer() -> None:

@@ -4,11 +4,12 @@
 prepares Megatron's process state for the rank's device (`init_model_parallel`), builds a
 `GPTModel` there (`build_gpt_model`: Megatron's local layer spec, plain torch modules, no
 Transformer Engine needed, with `SDPAttention` as core attention, `gyre.train.megatron.attention`)
-from a Hugging Face Qwen2 / Llama config dict, without initializing its weights, and loads
-the rank's Megatron tensors into it. `MegatronCell` is a `gyre.train.cell.TorchCell` over that
-model: the same flat parameter / gradient buffers, phase-A prepass and phase-B accumulate of
-the same micro-steps and objective, so the world protocol (`gyre.runtime.coordinator.training`,
-docs/training.md) and transports work unchanged. With tensor parallelism the logits are
+from a Hugging Face config dict (a family of `gyre.train.megatron.config`), without
+initializing its weights, and loads the rank's Megatron tensors into it. `MegatronCell` is a
+`gyre.train.cell.TorchCell` over that model: the same flat parameter / gradient buffers,
+phase-A prepass and phase-B accumulate of the same micro-steps and objective, so the world
+protocol (`gyre.runtime.coordinator.training`, docs/training.md) and transports work
+unchanged. With tensor parallelism the logits are
 vocabulary-sharded and the chunked target log-probs all-reduce each chunk's statistics over
 the tensor-parallel group (`target_logprobs(..., vocab_shard=...)`); with pipeline
 parallelism a micro-step runs stage by stage (`gyre.train.megatron.pipeline`) and every stage
@@ -20,8 +21,8 @@ clipping matches a single-device run.
 On a CUDA device Megatron needs its model-parallel RNG seeded before the first forward (its
 core attention forks the "model-parallel-rng" CUDA state, dropout or not); on the CPU
 (`train.device: cpu`, with or without a GPU on the machine) `init_model_parallel` applies
-instead the four scoped patches of `gyre.train.megatron.cpu` (megatron-core calls
-`torch.cuda` at four points even with every fusion off).
+instead the five scoped patches of `gyre.train.megatron.cpu` (megatron-core calls
+`torch.cuda` at five points even with every fusion off).
 
     # after torch.distributed.init_process_group
     model = build_rank_model(hf_config, stage_to_mcore(...), MegatronConfig(), device="cuda:0")
@@ -30,8 +31,9 @@ instead the four scoped patches of `gyre.train.megatron.cpu` (megatron-core call
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -70,7 +72,7 @@ def init_model_parallel(cfg: MegatronConfig, device: str | torch.device) -> None
         # the tracker's "model-parallel-rng" state at every forward
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     else:
-        cpu.enable()  # Megatron's four CUDA-only points (gyre.train.megatron.cpu)
+        cpu.enable()  # Megatron's five CUDA-only points (gyre.train.megatron.cpu)
 
 
 def _on_cuda(device: str | torch.device) -> bool:
@@ -123,6 +125,7 @@ def build_gpt_model(
 
     dtype = getattr(torch, cfg.dtype)
     place = _bind(device)
+    _router_without_transformer_engine()
     tc = TransformerConfig(
         **transformer_kwargs(hf_config, cfg),
         activation_func=torch.nn.functional.silu,
@@ -135,7 +138,7 @@ def build_gpt_model(
     )
     model = GPTModel(
         tc,
-        layer_spec(cfg.attention),
+        layer_spec(cfg.attention, qk_layernorm=tc.qk_layernorm, num_experts=tc.num_moe_experts),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         **gpt_kwargs(hf_config),
@@ -143,6 +146,18 @@ def build_gpt_model(
     _mark_tensor_parallel(model)
     # what Megatron leaves to torch's default device (its local norms) follows the weights
     return model.to(device=place, dtype=dtype)
+
+
+def _router_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's MoE router GEMM (`moe_utils.RouterGatingLinearFunction`) tests
+    `te_general_gemm is not None`, but `moe_utils` defines that name only when Transformer
+    Engine imports: without TE (Gyre's local spec, on CPU and CUDA alike) every MoE forward
+    dies with a NameError. Defining it as None where the import failed gives the function's
+    own torch branch (`torch.mm` in the router dtype); with TE this changes nothing."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _mark_tensor_parallel(model: torch.nn.Module) -> None:
@@ -278,12 +293,44 @@ class MegatronCell(TorchCell):
 
         assert self._io is not None, "backward without a forward with grad"
         (received, out), self._io = self._io, None
-        with tied_gradients(self.model, self.grad_of):
+        with tied_gradients(self.model, self.grad_of), tp_summed_gradients(self.model,
+                                                                           self.grad_of):  # fmt: skip
             if self.stage.last:
                 loss.backward()
             else:
                 torch.autograd.backward(out, self.stage.receive_backward(out))
             self.stage.send_backward(received.grad if received is not None else None)
+
+
+def tp_partial(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Replicated weights whose gradient each TP rank computes from its own heads only: the
+    per-head q / k norms (Qwen3's `qk_layernorm`), which see this rank's heads and no other's.
+    Megatron's `finalize_model_grads` sums them over the tensor-parallel group."""
+    return [p for n, p in model.named_parameters()
+            if p.requires_grad and ("q_layernorm" in n or "k_layernorm" in n)]  # fmt: skip
+
+
+@contextlib.contextmanager
+def tp_summed_gradients(
+    model: torch.nn.Module, grad_of: Callable[[torch.nn.Parameter], torch.Tensor]
+) -> Iterator[None]:
+    """What the block adds to a `tp_partial` weight's gradient, summed over the
+    tensor-parallel group (so every TP rank holds the whole model's gradient of the
+    replicated weight, as for the other norms); a no-op at TP 1 or without such weights."""
+    params = tp_partial(model) if _tp_size() > 1 else []
+    before = [grad_of(p).detach().clone() for p in params]
+    yield
+    if not params:
+        return
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    added = torch.cat([(grad_of(p) - b).reshape(-1) for p, b in zip(params, before, strict=True)])
+    dist.all_reduce(added, group=parallel_state.get_tensor_model_parallel_group())
+    off = 0
+    for p, b in zip(params, before, strict=True):
+        grad_of(p).copy_(b + added[off : off + p.numel()].view_as(p))
+        off += p.numel()
 
 
 def vocab_parallel_target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,17 @@ separate tensors; Megatron fuses them:
 * ``linear_fc1`` — ``[gate; up]`` stacked on dim 0 (SwiGLU: ``silu(gate(x)) · up(x)``); a TP
   rank holds ``[gate_shard; up_shard]``.
 * ``linear_proj`` / ``linear_fc2`` are split on dim 1; embeddings / output layer on dim 0
-  (vocabulary); norms are replicated.
+  (vocabulary); norms are replicated, Qwen3's per-head ``q_norm`` / ``k_norm`` included
+  (Megatron's ``q_layernorm`` / ``k_layernorm``, ``head_dim`` wide).
+* Mixture of experts (Qwen3-MoE, Qwen2-MoE): the router ``mlp.gate`` is ``mlp.router``
+  (replicated); routed expert j's ``gate_proj`` / ``up_proj`` / ``down_proj`` (the checkpoint's
+  names, ``mlp.experts.{j}.*``) are ``mlp.experts.local_experts.{j}.linear_fc1`` (``[gate;
+  up]``) / ``linear_fc2``, split over TP like the dense MLP; Qwen2-MoE's ``shared_expert`` is
+  ``mlp.shared_experts`` (the same fusion) and its ``shared_expert_gate`` is
+  ``mlp.shared_experts.gate_weight``. transformers 5 holds a layer's experts in memory as two
+  stacked tensors (``mlp.experts.gate_up_proj`` ``[E, 2F, H]``, ``mlp.experts.down_proj``
+  ``[E, H, F]``): `InMemory` reads expert j's tensors out of them, and `module_names` stacks
+  them back for such a model (the mirror, the embedded engine).
 
 Names follow Megatron's *local* layer spec (``input_layernorm``, ``pre_mlp_layernorm``) or,
 with ``fused_norms=True``, the Transformer-Engine spec (``linear_qkv.layer_norm_weight``,
@@ -32,6 +42,7 @@ files (`gyre.train.megatron.shard_files`), the same bytes either way.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -39,6 +50,7 @@ from typing import Any, Protocol
 import torch
 
 from gyre.errors import TrainingError
+from gyre.train.megatron.config import num_experts, qk_norm, qkv_bias, shared_expert_size
 
 Tensors = dict[str, torch.Tensor]
 
@@ -70,8 +82,54 @@ class InMemory:
 
     def _take(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
-            raise TrainingError(f"hf weights: {name!r} missing")
+            stacked = _from_stacked_experts(self.tensors, name)
+            if stacked is None:
+                raise TrainingError(f"hf weights: {name!r} missing")
+            return stacked
         return self.tensors[name]
+
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def _from_stacked_experts(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """Checkpoint tensor `name` of routed expert j (``...mlp.experts.{j}.gate_proj.weight``)
+    read out of transformers 5's stacked ``gate_up_proj`` (gate rows first) or ``down_proj``;
+    None where `name` is no such tensor."""
+    m = _EXPERT.fullmatch(name)
+    if m is None:
+        return None
+    base, j, proj = m.group(1), int(m.group(2)), m.group(3)
+    stacked = tensors.get(f"{base}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+    if stacked is None or j >= stacked.shape[0]:
+        return None
+    if proj == "down_proj":
+        return stacked[j]
+    return stacked[j].chunk(2, dim=0)[proj == "up_proj"]
+
+
+def module_names(hf: Mapping[str, torch.Tensor], layout: WeightLayout) -> Tensors:
+    """Checkpoint-named tensors (`mcore_to_hf`'s) renamed as transformers 5's MoE modules hold
+    them: each layer's routed experts stacked into ``mlp.experts.gate_up_proj`` and
+    ``mlp.experts.down_proj``; a dense model's tensors unchanged."""
+    if not layout.experts:
+        return dict(hf)
+    out: Tensors = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in hf.items():
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            out[name] = t
+        else:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+    for base, by_j in experts.items():
+        if sorted(by_j) != list(range(layout.experts)):
+            raise TrainingError(f"{base}: experts {sorted(by_j)}; expected 0..{layout.experts - 1}")
+        js = range(layout.experts)
+        out[f"{base}.gate_up_proj"] = torch.stack(
+            [torch.cat([by_j[j]["gate_proj"], by_j[j]["up_proj"]]) for j in js])  # fmt: skip
+        out[f"{base}.down_proj"] = torch.stack([by_j[j]["down_proj"] for j in js])
+    return out
 
 
 Source = Mapping[str, torch.Tensor] | TensorSource
@@ -94,6 +152,12 @@ class WeightLayout:
     qkv_bias: bool
     tied: bool
     fused_norms: bool = False
+    qk_norm: bool = False
+    """Per-head q/k RMSNorm weights (Qwen3)."""
+    experts: int = 0
+    """Routed experts per layer (0: a dense MLP)."""
+    shared_expert: bool = False
+    """A gated shared expert beside the routed ones (Qwen2-MoE)."""
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], *, fused_norms: bool = False) -> WeightLayout:
@@ -103,9 +167,12 @@ class WeightLayout:
             heads=heads,
             groups=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-            qkv_bias=hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias", False)),
+            qkv_bias=qkv_bias(hf),
             tied=bool(hf.get("tie_word_embeddings", False)),
             fused_norms=fused_norms,
+            qk_norm=qk_norm(hf),
+            experts=num_experts(hf),
+            shared_expert=shared_expert_size(hf) > 0,
         )
 
 
@@ -149,11 +216,12 @@ def stages_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: WeightLay
 
 def _norm_names(layout: WeightLayout, i: int) -> tuple[str, str]:
     d = f"decoder.layers.{i}"
-    if layout.fused_norms:
+    if layout.fused_norms:  # the TE spec keeps an MoE layer's pre-MLP norm apart
         return (
             f"{d}.self_attention.linear_qkv.layer_norm_weight",
-            f"{d}.mlp.linear_fc1.layer_norm_weight",
-        )
+            f"{d}.pre_mlp_layernorm.weight" if layout.experts
+            else f"{d}.mlp.linear_fc1.layer_norm_weight",
+        )  # fmt: skip
     return f"{d}.input_layernorm.weight", f"{d}.pre_mlp_layernorm.weight"
 
 
@@ -202,12 +270,33 @@ def _layer_to_mcore(hf: TensorSource, layout: WeightLayout, i: int, local: int, 
         q, k, v = (_split(hf, f"{h}.self_attn.{p}_proj.{kind}", 0, rank, size) for p in "qkv")
         yield f"{d}.self_attention.linear_qkv.{kind}", fuse_qkv(q, k, v, layout,
                                                                 layout.groups // size)  # fmt: skip
+    if layout.qk_norm:
+        for p in "qk":
+            yield f"{d}.self_attention.{p}_layernorm.weight", hf.chunk(
+                f"{h}.self_attn.{p}_norm.weight", 0, 0, 1)  # fmt: skip
     yield f"{d}.self_attention.linear_proj.weight", _split(hf, f"{h}.self_attn.o_proj.weight",
                                                            1, rank, size)  # fmt: skip
-    gate = _split(hf, f"{h}.mlp.gate_proj.weight", 0, rank, size)
-    up = _split(hf, f"{h}.mlp.up_proj.weight", 0, rank, size)
-    yield f"{d}.mlp.linear_fc1.weight", torch.cat([gate, up], dim=0)
-    yield f"{d}.mlp.linear_fc2.weight", _split(hf, f"{h}.mlp.down_proj.weight", 1, rank, size)
+    if not layout.experts:
+        yield from _mlp_to_mcore(hf, f"{h}.mlp", f"{d}.mlp", rank, size)
+        return
+    yield f"{d}.mlp.router.weight", hf.chunk(f"{h}.mlp.gate.weight", 0, 0, 1)
+    for j in range(layout.experts):
+        yield from _mlp_to_mcore(hf, f"{h}.mlp.experts.{j}", f"{d}.mlp.experts.local_experts.{j}",
+                                 rank, size)  # fmt: skip
+    if layout.shared_expert:
+        yield from _mlp_to_mcore(hf, f"{h}.mlp.shared_expert", f"{d}.mlp.shared_experts", rank,
+                                 size)  # fmt: skip
+        yield f"{d}.mlp.shared_experts.gate_weight", hf.chunk(
+            f"{h}.mlp.shared_expert_gate.weight", 0, 0, 1)  # fmt: skip
+
+
+def _mlp_to_mcore(hf: TensorSource, h: str, d: str, rank: int,
+                  size: int) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """A SwiGLU MLP (HF prefix `h`, Megatron prefix `d`): ``[gate; up]`` and down."""
+    gate = _split(hf, f"{h}.gate_proj.weight", 0, rank, size)
+    up = _split(hf, f"{h}.up_proj.weight", 0, rank, size)
+    yield f"{d}.linear_fc1.weight", torch.cat([gate, up], dim=0)
+    yield f"{d}.linear_fc2.weight", _split(hf, f"{h}.down_proj.weight", 1, rank, size)
 
 
 def hf_to_mcore(
@@ -266,11 +355,40 @@ def _layer_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: WeightLay
                  for s in shards]  # fmt: skip
         for j, p in enumerate("qkv"):
             yield f"{h}.self_attn.{p}_proj.{kind}", torch.cat([x[j] for x in parts], dim=0)
+    if layout.qk_norm:
+        for p in "qk":
+            yield (
+                f"{h}.self_attn.{p}_norm.weight",
+                _one(shards, f"{d}.self_attention.{p}_layernorm.weight"),
+            )
     yield f"{h}.self_attn.o_proj.weight", _cat(shards, f"{d}.self_attention.linear_proj.weight", 1)
-    halves = [s[f"{d}.mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
-    yield f"{h}.mlp.gate_proj.weight", torch.cat([x[0] for x in halves], dim=0)
-    yield f"{h}.mlp.up_proj.weight", torch.cat([x[1] for x in halves], dim=0)
-    yield f"{h}.mlp.down_proj.weight", _cat(shards, f"{d}.mlp.linear_fc2.weight", 1)
+    if not layout.experts:
+        yield from _mlp_to_hf(shards, f"{h}.mlp", f"{d}.mlp")
+        return
+    yield f"{h}.mlp.gate.weight", _one(shards, f"{d}.mlp.router.weight")
+    for j in range(layout.experts):
+        yield from _mlp_to_hf(shards, f"{h}.mlp.experts.{j}", f"{d}.mlp.experts.local_experts.{j}")
+    if layout.shared_expert:
+        yield from _mlp_to_hf(shards, f"{h}.mlp.shared_expert", f"{d}.mlp.shared_experts")
+        yield (
+            f"{h}.mlp.shared_expert_gate.weight",
+            _one(shards, f"{d}.mlp.shared_experts.gate_weight"),
+        )
+
+
+def _one(shards: Sequence[Mapping[str, torch.Tensor]], name: str) -> torch.Tensor:
+    """A tensor replicated over the TP ranks: TP rank 0's."""
+    if name not in shards[0]:
+        raise TrainingError(f"megatron weights: {name!r} missing in a TP shard")
+    return shards[0][name]
+
+
+def _mlp_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], h: str,
+               d: str) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    halves = [s[f"{d}.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
+    yield f"{h}.gate_proj.weight", torch.cat([x[0] for x in halves], dim=0)
+    yield f"{h}.up_proj.weight", torch.cat([x[1] for x in halves], dim=0)
+    yield f"{h}.down_proj.weight", _cat(shards, f"{d}.linear_fc2.weight", 1)
 
 
 def mcore_to_hf(

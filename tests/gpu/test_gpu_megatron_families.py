@@ -1,0 +1,285 @@
+"""Model families through the one HF ↔ Megatron mapping: Qwen3 dense, Qwen3-MoE, Qwen2-MoE.
+
+Each family's tiny random model (transformers' own class, built from a config in code:
+megatron_family_worker.py's `tiny_family`) is cut into Megatron shards, built by the backend's
+`build_rank_model` at TP 1 and TP 2 (Qwen3-MoE also at PP 2) over gloo processes, and run
+through `MegatronCell`: logits, target log-probs and the gradients of their sum within 1e-5
+relative of transformers', and the weights read back from the built model equal to the HF
+tensors bit for bit. Besides: the config mapping (per-head q/k norm → `qk_layernorm`,
+explicit `head_dim` → `kv_channels`, router / experts / top-k / renormalized top-k / shared
+expert and its gate / the aux-loss coefficient), the checkpoint's per-expert tensors read
+from the safetensors files as from transformers' stacked ones in memory, and the one-line
+error for a family the mapping does not know.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gyre.errors import ConfigError
+from gyre.train.megatron.config import (
+    SUPPORTED_MODEL_TYPES,
+    MegatronConfig,
+    check_trainable,
+    transformer_kwargs,
+)
+from gyre.train.megatron.weights import (
+    WeightLayout,
+    hf_to_mcore,
+    mcore_to_hf,
+    module_names,
+    stage_to_mcore,
+    stages_to_hf,
+)
+from gyre.train.packing import MicroStep, TokenRow
+
+WORKER = Path(__file__).with_name("megatron_family_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+from megatron_family_worker import tiny_family  # noqa: E402
+
+QWEN3_8B = {
+    "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "num_hidden_layers": 36, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000, "attention_bias": False, "tie_word_embeddings": False,
+}  # fmt: skip
+QWEN3_30B_A3B = {
+    **QWEN3_8B, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 48,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+}  # fmt: skip
+QWEN2_57B_A14B = {
+    "model_type": "qwen2_moe", "hidden_size": 3584, "intermediate_size": 18944,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28,
+    "vocab_size": 151936, "moe_intermediate_size": 2560, "shared_expert_intermediate_size": 20480,
+    "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
+    "decoder_sparse_step": 1, "mlp_only_layers": [],
+}  # fmt: skip
+
+
+# --- the config mapping -----------------------------------------------------------------------
+
+
+def test_qwen3_maps_qk_norm_head_dim_and_no_bias():
+    tk = transformer_kwargs(QWEN3_8B, MegatronConfig(tensor_parallel=2))
+    assert tk["qk_layernorm"] and not tk["add_qkv_bias"]
+    assert tk["kv_channels"] == 128 and tk["num_query_groups"] == 8
+    assert "num_moe_experts" not in tk
+    # head_dim need not be hidden / heads (Qwen3-0.6B: 1024 / 16 = 64, head_dim 128)
+    small = {**QWEN3_8B, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 3072}
+    assert transformer_kwargs(small, MegatronConfig())["kv_channels"] == 128
+    lay = WeightLayout.from_hf_config(QWEN3_8B)
+    assert lay.qk_norm and not lay.qkv_bias and lay.head_dim == 128 and not lay.experts
+
+
+def test_moe_families_map_router_experts_and_shared_expert():
+    tk = transformer_kwargs(QWEN3_30B_A3B, MegatronConfig())
+    assert tk["num_moe_experts"] == 128 and tk["moe_router_topk"] == 8
+    assert tk["moe_ffn_hidden_size"] == 768 and tk["qk_layernorm"]
+    # HF: softmax over all experts, top k, renormalized → Megatron's softmax over the top k
+    assert tk["moe_router_pre_softmax"] is False
+    assert tk["moe_shared_expert_intermediate_size"] is None
+    assert tk["moe_aux_loss_coeff"] == 0 and tk["moe_router_load_balancing_type"] == "none"
+    assert tk["moe_token_dispatcher_type"] == "allgather" and not tk["moe_grouped_gemm"]
+    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts
+    saved = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"}
+    assert transformer_kwargs({**saved, "num_local_experts": 128}, MegatronConfig())[
+        "num_moe_experts"] == 128  # fmt: skip
+    tk = transformer_kwargs(QWEN2_57B_A14B, MegatronConfig(moe_aux_loss_coeff=1e-3))
+    assert tk["moe_router_pre_softmax"] is True  # plain top-k softmax probabilities
+    assert tk["moe_shared_expert_intermediate_size"] == 20480 and tk["moe_shared_expert_gate"]
+    assert tk["add_qkv_bias"] and not tk["qk_layernorm"]
+    assert tk["moe_aux_loss_coeff"] == 1e-3 and tk["moe_router_load_balancing_type"] == "aux_loss"
+    lay = WeightLayout.from_hf_config(QWEN2_57B_A14B)
+    assert lay.experts == 64 and lay.shared_expert and lay.qkv_bias and not lay.qk_norm
+
+
+def test_an_unknown_family_is_one_line_naming_the_supported_ones():
+    with pytest.raises(ConfigError) as e:
+        check_trainable({**QWEN3_8B, "model_type": "deepseek_v3"}, MegatronConfig())
+    msg = str(e.value)
+    assert "\n" not in msg and "model_type: 'deepseek_v3'" in msg
+    assert all(family in msg for family in SUPPORTED_MODEL_TYPES)
+    assert set(SUPPORTED_MODEL_TYPES) >= {"qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe"}
+
+
+def test_moe_layouts_megatron_cannot_run_here_are_named():
+    with pytest.raises(ConfigError, match="tensor_parallel: 2 for a qwen3_moe model; allowed 1"):
+        check_trainable(QWEN3_30B_A3B, MegatronConfig(tensor_parallel=2))
+    with pytest.raises(ConfigError, match="mlp_only_layers"):
+        check_trainable({**QWEN3_30B_A3B, "mlp_only_layers": [0]}, MegatronConfig())
+    with pytest.raises(ConfigError, match="moe_intermediate_size: 770 not divisible"):
+        check_trainable({**QWEN3_30B_A3B, "moe_intermediate_size": 770},
+                        MegatronConfig(tensor_parallel=4))  # fmt: skip
+    with pytest.raises(ConfigError, match="moe_aux_loss_coeff"):
+        MegatronConfig(moe_aux_loss_coeff=-1.0)
+
+
+# --- weights: checkpoint files and transformers' modules ---------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen2_moe"])
+def test_the_files_and_the_model_in_memory_give_the_same_shards(tmp_path, family):
+    """`save_pretrained` writes a routed expert's tensors one by one
+    (``mlp.experts.{j}.gate_proj.weight``, the checkpoints' and SGLang's names) while
+    transformers 5 holds them stacked: each TP rank's shard is the same bytes from either, the
+    shards gather back to the files' tensors exactly, and `module_names` stacks them back into
+    the model's own state dict."""
+    from safetensors.torch import load_file
+
+    from gyre.train.megatron.shard_files import SafetensorsFiles
+
+    model = tiny_family(family)
+    model.save_pretrained(tmp_path)
+    on_disk, in_memory = load_file(tmp_path / "model.safetensors"), model.state_dict()
+    lay = WeightLayout.from_hf_config(model.config.to_dict())
+    for tp in (1, 2):
+        shards = [hf_to_mcore(in_memory, lay, tp_rank=r, tp_size=tp) for r in range(tp)]
+        for r, shard in enumerate(shards):
+            files = stage_to_mcore(SafetensorsFiles(tmp_path), lay, tp_rank=r, tp_size=tp,
+                                   stage=0, stages=1)  # fmt: skip
+            assert list(files) == list(shard)
+            assert all(torch.equal(files[k], shard[k]) for k in shard)
+        back = mcore_to_hf(shards, lay)
+        assert set(back) == set(on_disk)
+        assert all(torch.equal(back[k], on_disk[k]) for k in back)
+        mine = module_names(back, lay)
+        assert set(mine) == set(in_memory)
+        assert all(torch.equal(mine[k], in_memory[k]) for k in mine)
+
+
+# --- against transformers, through Megatron's GPTModel --------------------------------------
+
+
+def _step(vocab: int) -> MicroStep:
+    gen = np.random.default_rng(0)
+    rows = []
+    for k, n in enumerate((12, 7, 9)):
+        targets = np.arange(n) >= n // 2
+        rows.append(TokenRow(
+            execution_id=f"e{k}", group_id="g0", policy_version=0,
+            ids=gen.integers(0, vocab, n).astype(np.int64), targets=targets,
+            behaviour_logprobs=np.where(targets, -1.0, 0.0), advantage=1.0,
+            execution_targets=int(targets.sum()), weights=targets / targets.sum(),
+        ))  # fmt: skip
+    return MicroStep(index=0, rows=tuple(rows))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_world(
+    tmp_path: Path, step: MicroStep, family: str, tp: int, attention: str, pp: int
+) -> list:
+    torch.save(step, tmp_path / "step.pt")
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(tp * pp), str(port),
+                               str(tmp_path), family, attention, str(pp)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(tp * pp)]  # fmt: skip
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(tp * pp)]
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,tp,attention,pp", [
+    ("qwen3", 1, "sdpa", 1), ("qwen3", 2, "sdpa", 1), ("qwen3", 2, "local", 1),
+    ("qwen3_tied", 2, "sdpa", 1), ("qwen3_moe", 1, "sdpa", 1),
+    ("qwen3_moe_plain_topk", 1, "local", 1), ("qwen2_moe", 1, "sdpa", 1),
+    ("qwen3_moe", 1, "sdpa", 2),
+])  # fmt: skip
+def test_a_family_matches_transformers(tmp_path, family, tp, attention, pp):
+    """Gyre's Megatron model of the family, TP ranks (and pipeline stages) over gloo, against
+    transformers' model of the same weights: logits (PP 1: gathered over the vocabulary
+    shards), target log-probs on every rank and every parameter's gradient (gathered back to
+    HF names) within 1e-5 relative; the weights the ranks loaded gather back to
+    transformers' state dict bit for bit."""
+    from gyre.train.objective import step_tensors, target_logprobs
+
+    hf = tiny_family(family)
+    step = _step(hf.config.vocab_size)
+    ranks = _run_world(tmp_path, step, family, tp, attention, pp)
+    hf.train()
+    st = step_tensors(step)
+    logits = hf(input_ids=st.ids, attention_mask=st.attention).logits
+    logp = target_logprobs(logits, st.ids)
+    (logp * st.targets).sum().backward()
+    real = st.attention.bool()
+    if pp == 1:
+        got_logits = torch.cat([r["logits"] for r in ranks], dim=-1)
+        assert _rel(got_logits[real], logits.detach()[real]) < 1e-5
+    for r in ranks:
+        assert _rel(r["logp"][st.targets], logp.detach()[st.targets]) < 1e-5
+    lay = WeightLayout.from_hf_config(hf.config.to_dict())
+    grads = module_names(stages_to_hf([r["grads"] for r in ranks], lay, tp_size=tp), lay)
+    want = {n: p.grad for n, p in hf.named_parameters()}
+    assert set(grads) == set(want)
+    for name, g in grads.items():
+        assert _rel(g, want[name]) < 1e-5, name
+    weights = module_names(stages_to_hf([r["weights"] for r in ranks], lay, tp_size=tp), lay)
+    state = hf.state_dict()
+    assert set(state) - set(weights) == ({"lm_head.weight"} if lay.tied else set())
+    assert all(torch.equal(weights[k], state[k]) for k in weights)
+
+
+def test_the_aux_loss_coefficient_is_a_train_setting():
+    from gyre.config import load
+    from gyre.train.config import TrainConfig
+
+    assert load(TrainConfig, {}, "train").moe_aux_loss_coeff == 0  # RL: the objective alone
+    assert load(TrainConfig, {"moe_aux_loss_coeff": 0.01}, "train").moe_aux_loss_coeff == 0.01
+    with pytest.raises(ConfigError, match=r"train\.moe_aux_loss_coeff: -1.0; allowed a number"):
+        load(TrainConfig, {"moe_aux_loss_coeff": -1.0}, "train")
+
+
+def test_a_positive_aux_loss_coefficient_trains_the_router_to_balance(megatron_world):
+    """`train.moe_aux_loss_coeff` > 0 (through `MegatronConfig`): the same log-probs, and the
+    load-balancing loss's gradient added in the backward (the router's and, through the
+    hidden states, the attention's gradients change); 0 adds nothing."""
+    import warnings
+
+    from gyre.train.config import ObjectiveConfig
+    from gyre.train.megatron.model import MegatronCell, build_rank_model
+
+    hf = tiny_family("qwen3_moe")
+    hfc = hf.config.to_dict()
+    lay = WeightLayout.from_hf_config(hfc)
+    step = _step(hf.config.vocab_size)
+    runs = {}
+    for coeff in (0.0, 0.1):
+        shard = stage_to_mcore(dict(hf.state_dict()), lay, tp_rank=0, tp_size=1, stage=0,
+                               stages=1)  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build_rank_model(hfc, shard, MegatronConfig(dtype="float32",
+                                                                moe_aux_loss_coeff=coeff),
+                                     device="cpu")  # fmt: skip
+        cell = MegatronCell(model, objective=ObjectiveConfig())
+        logp, st = cell._logprobs(step, grad=True)
+        cell._backward((logp * st.targets).sum())
+        runs[coeff] = logp.detach(), {n: cell.grad_of(p).clone()
+                                      for n, p in model.named_parameters()}  # fmt: skip
+    (logp0, g0), (logp1, g1) = runs[0.0], runs[0.1]
+    assert torch.equal(logp0, logp1)
+    router = "decoder.layers.1.mlp.router.weight"
+    assert _rel(g1[router], g0[router]) > 1e-4
+    embedding = "embedding.word_embeddings.weight"
+    assert not torch.equal(g1[embedding], g0[embedding])
