@@ -28,6 +28,8 @@ run in order (`CHECKS`):
 * the model (`gyre.models`): it loads (a directory missing here is a note on the login node,
   not checked by `render`), its vocab covers its tokenizer, the embedded engine can batch its
   KV cache, and the training backend can lay it out (what the cell ranks compute);
+* the held-out set of validation while training (`eval.every_steps`): it loads, and a training
+  task it would reuse has held-out seeds (`gyre.runtime.shared.heldout.heldout`);
 * the experiment trackers (`gyre.tracking.check`);
 * the run directory (`gyre.runtime.shared.run_directory.check`): it can be written, and a
   run already in it can be continued with this config (`--resume`, `--run-dir` of an existing
@@ -78,9 +80,26 @@ def _check_trackers(cfg: RunConfig, site: Site) -> list[str]:
     return []
 
 
+def _check_heldout(cfg: RunConfig, site: Site) -> list[str]:
+    """Validation while training (`eval.every_steps`): the held-out set it runs loads
+    (`gyre.runtime.shared.heldout.heldout`), where the job runs."""
+    if not cfg.eval.every_steps or site.where not in RUNS_HERE:
+        return []
+    from gyre.runtime.shared.heldout import heldout
+
+    try:
+        heldout(cfg, None)
+    except ConfigError as e:
+        raise ConfigError(
+            f"eval.every_steps: {cfg.eval.every_steps} needs a held-out set: {e}"
+        ) from None
+    return []
+
+
 CHECKS: tuple[Check, ...] = (
     Check("ranks here", placement.check_ranks_here),
     Check("harness", harness.check),
+    Check("held-out set", _check_heldout),
     Check("devices here", placement.check_devices_here),
     Check("model", _check_model),
     Check("trackers", _check_trackers),
