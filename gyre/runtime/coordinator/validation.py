@@ -66,7 +66,8 @@ def finish(c: CoordinatorState) -> None:
     """After the last update: the evaluation in flight, then the final step's (when due),
     both served by the core's engine holding the final weights. Bounded: an evaluation
     that does not come back in time is a warning, never a failed run."""
-    v, version = c.validation, c.sched.version
+    v, version = c.validation, c.updates  # the final policy's version (the scheduler's
+    # counts the batches it closed: the last one it never hears of)
     final_due = c.status == 0 and v.every > 0 and version >= v.next_due
     if v.in_flight is None and not final_due:
         return

@@ -94,6 +94,7 @@ async def run_heldout(
 
     await asyncio.gather(*(one(t, k, eid) for t, k, eid in ids))
     out.verdicts = {eid: out.verdicts[eid] for _, _, eid in ids}  # in id order
+    out.transcripts = {eid: out.transcripts[eid] for _, _, eid in ids if eid in out.transcripts}
     return out
 
 
