@@ -41,7 +41,7 @@ from gyre.runtime.shared.heldout import EVAL_ID, heldout, is_evaluation, run_hel
 from gyre.runtime.shared.layout import COORDINATOR_RANK
 from gyre.tasks import AssessmentLog, Evaluator
 from gyre.tasks.scoring import Transcript
-from gyre.tasks.suite import Task
+from gyre.tasks.suite import Task, TaskSuite
 from gyre.trajectory.transcript import transcript
 from gyre.trajectory.tree import TrajectoryTree
 from gyre.vocabulary import Outcome
@@ -210,7 +210,7 @@ class ProxyNode:
         self.cfg, self.link = cfg, link
         self.host = ExecutionHost(cfg, run_dir)
         self.tasks: set[asyncio.Task[None]] = set()
-        self.heldout: tuple[dict[str, Task], list[str]] | None = None  # eval suite, tasks
+        self.heldout: tuple[TaskSuite, list[str]] | None = None  # eval suite, its tasks
         if cfg.eval.every_steps:  # validation while training: the held-out set, loaded once
             eval_cfg, names = heldout(cfg, None)
             self.heldout = (load_tasks(eval_cfg)[0], names)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ from gyre.tasks.suite import heldout_seed
 if TYPE_CHECKING:
     from gyre.runtime.shared.config import RunConfig
     from gyre.runtime.shared.messages import VerdictRecord
-    from gyre.tasks.suite import Task
+    from gyre.tasks.suite import TaskSuite
 
 EVAL_ID = "eval-"
 """Every evaluation execution's id starts with this; training executions' ids never do."""
@@ -58,7 +58,7 @@ class HeldoutRun:
 
 
 async def run_heldout(
-    host: Any, suite: Mapping[str, Task], tasks: list[str], *, instances: int,
+    host: Any, suite: TaskSuite, tasks: list[str], *, instances: int,
     concurrency: int, prefix: str, engine: str | None = None, keep: int = 0,
     done: Callable[[str, VerdictRecord], None] | None = None,
 ) -> HeldoutRun:  # fmt: skip
