@@ -23,7 +23,8 @@ an enabled tracker whose package is missing, an MLflow tracking URI MLflow has n
 
     tracker = open_tracker(cfg.tracking, run_dir, run_config=to_dict(cfg))
     tracker.log_step(step, {"loss": 0.4, "reward_mean": 0.3})
-    tracker.log_eval(version, {"reward_mean": 0.6})      # gyre eval: eval/reward_mean
+    tracker.log_eval(version, {"reward_mean": 0.6})      # gyre eval, eval.every_steps
+    tracker.log_samples(step, {"eval-s10-notes-0": transcript})  # eval.log_samples
     tracker.log_summary(summary)
     tracker.close()
 
@@ -171,6 +172,8 @@ class _Backend(Protocol):
 
     def log_eval(self, version: int, metrics: dict[str, float]) -> None: ...
 
+    def log_samples(self, step: int, samples: dict[str, dict[str, Any]]) -> None: ...
+
     def log_summary(self, summary: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
@@ -197,6 +200,11 @@ class Tracker:
         that produced it), so they line up with the training curves."""
         values = {f"{EVAL_PREFIX}{k}": float(v) for k, v in metrics.items()}
         self._each("log_eval", version, values)
+
+    def log_samples(self, step: int, samples: Mapping[str, Mapping[str, Any]]) -> None:
+        """Transcripts of an in-run evaluation at `step` (execution id -> `transcript`):
+        TensorBoard text, a W&B table, an MLflow text artifact, under `eval/samples`."""
+        self._each("log_samples", step, {k: dict(v) for k, v in samples.items()})
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         """The run's final summary: numbers as metrics, everything else as text."""
@@ -284,6 +292,21 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+SAMPLES = f"{EVAL_PREFIX}samples"  # the samples' tag, table and artifact folder
+
+
+def samples_markdown(step: int, samples: Mapping[str, Mapping[str, Any]]) -> str:
+    """Evaluation transcripts as markdown: per execution, each message, then the final answer."""
+    out = [f"## Held-out samples at step {step}"]
+    for eid, said in samples.items():
+        out.append(f"### {eid} ({said.get('calls', 0)} calls)")
+        for m in said.get("messages", []):
+            text = str(m.get("content", "")).replace("\n", "\n    ")
+            out.append(f"**{m.get('role', '?')}**:\n\n    {text}\n")
+        out.append(f"**final answer**: `{said.get('final_answer', '')}`")
+    return "\n\n".join(out)
+
+
 def _numbers(flat: dict[str, Any]) -> dict[str, float]:
     return {
         k: float(v)
@@ -317,6 +340,10 @@ class _TensorBoard:
     def log_eval(self, version: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=version)
+        self.writer.flush()
+
+    def log_samples(self, step: int, samples: dict[str, dict[str, Any]]) -> None:
+        self.writer.add_text(SAMPLES, samples_markdown(step, samples), global_step=step)
         self.writer.flush()
 
     def log_summary(self, summary: dict[str, Any]) -> None:
@@ -361,6 +388,14 @@ class _Wandb:
         # summary values, not history: W&B history steps only grow, an evaluation of
         # version 0 comes after the run's last step, and an offline resume counts from 0
         self.run.summary.update({f"{k}/v{version}": v for k, v in metrics.items()})
+
+    def log_samples(self, step: int, samples: dict[str, dict[str, Any]]) -> None:
+        import wandb
+
+        rows = [[step, eid, json.dumps(s.get("messages", [])), s.get("final_answer", "")]
+                for eid, s in samples.items()]  # fmt: skip
+        table = wandb.Table(columns=["step", "execution", "messages", "final_answer"], data=rows)
+        self.run.log({f"{SAMPLES}/step{step}": table}, commit=False)  # into the current row
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         self.run.summary.update(summary)
@@ -426,6 +461,10 @@ class _Mlflow:
 
     def log_eval(self, version: int, metrics: dict[str, float]) -> None:
         self._metrics(metrics, version)
+
+    def log_samples(self, step: int, samples: dict[str, dict[str, Any]]) -> None:
+        text = samples_markdown(step, samples)
+        self.client.log_text(self.run_id, text, f"{SAMPLES}/step{step:06d}.md")
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         self._metrics({f"summary.{k}": v for k, v in _numbers(summary).items()}, self.last_step)

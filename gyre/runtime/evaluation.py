@@ -40,8 +40,8 @@ from gyre.models import check_model
 from gyre.rollout.protocol import ensure_engine_key
 from gyre.runtime.shared import policies
 from gyre.runtime.shared.config import DEFAULT_CONFIG, RunConfig, load_run_config
+from gyre.runtime.shared.heldout import heldout, run_heldout
 from gyre.runtime.shared.run_directory import config_inputs
-from gyre.tasks.suite import heldout_seed
 
 if TYPE_CHECKING:
     from gyre.runtime.shared.messages import VerdictRecord
@@ -146,26 +146,20 @@ async def _run_all(
 
     host = ExecutionHost(cfg, work_dir, hide)
     await host.start({"e0": url})
-    gate = asyncio.Semaphore(concurrency)
     total, finished = len(tasks) * instances, [0]
 
-    async def one(task_name: str, k: int) -> tuple[str, VerdictRecord]:
-        task = host.suite[task_name].instantiate(heldout_seed(k))
-        eid = f"eval-{task_name}-{k}"
-        async with gate:
-            _, verdict = await host.execute(eid, task, "e0")
-        reward = verdict.reward if verdict.usable else None
+    def done(eid: str, verdict: VerdictRecord) -> None:
         finished[0] += 1
-        shown = "excluded" if reward is None else f"reward {reward:.3f}"
+        shown = "excluded" if not verdict.usable else f"reward {verdict.reward:.3f}"
         print(f"gyre eval: {work_dir.name} {finished[0]}/{total} {eid} {shown}",
               file=sys.stderr, flush=True)  # fmt: skip
-        return eid, verdict
 
     try:
-        done = await asyncio.gather(*(one(t, k) for t in tasks for k in range(instances)))
+        ran = await run_heldout(host, host.suite, tasks, instances=instances,
+                                concurrency=concurrency, prefix="eval", engine="e0", done=done)  # fmt: skip
     finally:
         host.stop()
-    return dict(done)
+    return ran.verdicts
 
 
 def run_eval(
@@ -241,40 +235,6 @@ def run_inputs(run_dir: Path) -> dict[str, Path]:
     return {"the run's config": run_dir / "config.yaml", "the run's trace": run_dir / "trace.h5",
             "the run's policies": run_dir / policies.POLICIES,
             "the run's checkpoints": run_dir / CHECKPOINTS}  # fmt: skip
-
-
-def heldout(cfg: RunConfig, tasks: list[str] | None) -> tuple[RunConfig, list[str]]:
-    """The config an evaluation runs (the held-out suite and tasks) and the task names.
-
-    `eval.suite` when the run has one (its `eval.tasks`, else all of it); otherwise the
-    training suite's tasks (`harness.tasks`), each on held-out seeds, which only a task with
-    variables has: a task without is a single instance training runs, so it is refused
-    rather than scored as held-out. `tasks` (`--tasks`) replaces the task list."""
-    from gyre.runtime.shared.harness import check_adapter, check_sandbox, load_tasks
-
-    own = cfg.eval.suite is not None
-    suite = cfg.eval.suite if own else cfg.harness.suite
-    chosen = list(tasks or (cfg.eval.tasks if own else cfg.harness.tasks))
-    run_cfg = dataclasses.replace(
-        cfg,
-        harness=dataclasses.replace(cfg.harness, suite=suite, tasks=chosen),  # type: ignore[arg-type]
-    )
-    check_adapter(run_cfg, program=True)
-    check_sandbox(run_cfg.harness.sandbox, run_cfg.harness.apptainer_image)
-    try:
-        loaded, names = load_tasks(run_cfg)
-    except ConfigError as e:
-        key = "--tasks" if tasks else ("eval.tasks" if own else "harness.tasks")
-        raise ConfigError(f"{key}: {e}".replace("harness.tasks: ", "", 1)) from None
-    fixed = [n for n in names if not own and not loaded[n].variables]
-    if fixed:
-        raise ConfigError(
-            f"harness.suite {suite!r}: task(s) {', '.join(fixed)} have no variables, so their one "
-            "instance is a training row and held-out seeds would re-run it; allowed: "
-            "eval.suite=<a held-out suite> (e.g. eval.suite=builtin to score them anyway), or "
-            "--tasks with tasks that have variables"
-        )
-    return run_cfg, names
 
 
 def _track(cfg: RunConfig, run_dir: Path, results: list[EvalResult]) -> None:

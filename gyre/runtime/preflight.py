@@ -19,6 +19,8 @@ run in order (`CHECKS`):
   others); the adapter's program is installed (an error where the job runs, `HERE` and `JOB`;
   a note on the login node, not checked by `render`); the sandbox works (`HERE`; on a cluster
   the proxy node checks it as it starts);
+* the held-out set of validation while training (`eval.every_steps`): it loads, and a training
+  task it would reuse has held-out seeds (`gyre.runtime.shared.heldout.heldout`);
 * this machine's backends and devices (`gyre.runtime.shared.placement.check_devices_here`,
   `gyre run` only): what this machine can run (`RunConfig.check_machine`) and the plan on its
   own CUDA devices; on a cluster, every cell node and standalone node places its ranks and
@@ -81,9 +83,26 @@ def _check_trackers(cfg: RunConfig, site: Site) -> list[str]:
     return []
 
 
+def _check_heldout(cfg: RunConfig, site: Site) -> list[str]:
+    """Validation while training (`eval.every_steps`): the held-out set it runs loads
+    (`gyre.runtime.shared.heldout.heldout`), where the job runs."""
+    if not cfg.eval.every_steps or site.where not in RUNS_HERE:
+        return []
+    from gyre.runtime.shared.heldout import heldout
+
+    try:
+        heldout(cfg, None)
+    except ConfigError as e:
+        raise ConfigError(
+            f"eval.every_steps: {cfg.eval.every_steps} needs a held-out set: {e}"
+        ) from None
+    return []
+
+
 CHECKS: tuple[Check, ...] = (
     Check("ranks here", placement.check_ranks_here),
     Check("harness", harness.check),
+    Check("held-out set", _check_heldout),
     Check("devices here", placement.check_devices_here),
     Check("model", _check_model),
     Check("memory", memory.check),

@@ -29,6 +29,7 @@ from gyre.errors import StoreError
 
 COLORS = {"rollout": "#4c9be8", "to_train": "#f2b134", "train": "#e8574c",
           "to_rollout": "#9b59b6"}  # fmt: skip
+EVAL_COLOR = "#2ca02c"  # in-run held-out evaluations (the timeline's eval row and bands)
 
 
 def load_run(run_dir: Path) -> dict[str, Any]:
@@ -42,12 +43,15 @@ def load_run(run_dir: Path) -> dict[str, Any]:
 
     with TraceReader(path) as r:
         execs = [(i.execution_id, i.status, i.t_open, i.t_close) for i in r.executions()]
+        events = r.rows("events")
         return {
+            "meta": dict(r.run_meta),
             "roles": r.rows("roles"),
             "steps": r.rows("steps"),
-            "events": r.rows("events"),
+            "events": events,
             "executions": execs,
             "evals": load_results(run_dir),
+            "in_run": [json.loads(e["detail"]) for e in events if e["kind"] == "eval"],
         }
 
 
@@ -73,11 +77,12 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
         _timeline(data, t0, out / "timeline.png")
         shares = _train_share(data, out / "train_share.png")
         _steps(data, out / "steps.png")
+        _metrics(data, out / "metrics.png")
         _durations(data, out / "durations.png")
         extra = [p.name for p in plot_stats(stats, out)]
         summary["train_share"] = {f"cell {c}": round(s, 3) for c, s in shares.items()}
         page = out / "index.html"
-        page.write_text(_html(run_dir, summary, data["evals"], extra))
+        page.write_text(_html(run_dir, summary, data, extra))
     return page
 
 
@@ -90,11 +95,20 @@ def _timeline(data: dict[str, Any], t0: float, path: Path) -> None:
                 color=COLORS.get(r["role"], "grey"), edgecolor="none")  # fmt: skip
     for t in sorted({s["t"] for s in data["steps"]}):
         ax.axvline(t - t0, color="black", lw=0.8, ls="--")
+    cells = _cells(data)
+    for e in data["in_run"]:  # held-out evaluations, on the rollout engines that served them
+        ax.barh(cells, e["t_end"] - e["t_start"], left=e["t_start"] - t0, color=EVAL_COLOR)
+        for engine in e["engines"]:
+            ax.barh(int(engine.lstrip("e")), e["t_end"] - e["t_start"], left=e["t_start"] - t0,
+                    height=0.25, color=EVAL_COLOR)  # fmt: skip
     ax.set_xlabel("seconds since start (dashed: optimizer steps)")
     ax.set_ylabel("cell")
-    ax.set_yticks(range(_cells(data)))
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, list(COLORS), loc="upper left", bbox_to_anchor=(1, 1))
+    ax.set_yticks(range(cells + (1 if data["in_run"] else 0)))
+    if data["in_run"]:
+        ax.set_yticklabels([*map(str, range(cells)), "eval"])
+    names = [*COLORS, *(["held-out eval"] if data["in_run"] else [])]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in [*COLORS.values(), EVAL_COLOR]]
+    ax.legend(handles[: len(names)], names, loc="upper left", bbox_to_anchor=(1, 1))
     ax.set_title("Role timeline per cell")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -146,6 +160,7 @@ def _steps(data: dict[str, Any], path: Path) -> None:
         hi = [e["mean"] + e["std"] for e in evals]
         axes[0].fill_between(x, lo, hi, color="#e8574c", alpha=0.2, label="held-out ± std")
         axes[0].plot(x, mean, "s-", color="#e8574c", label="held-out eval")
+    _heldout_curve(axes[0], series)
     axes[0].set_ylim(-0.05, 1.05)
     axes[0].legend(loc="lower right", fontsize=8)
     _plot(axes[1], series, "grad_norm", "grad norm (0: no signal)")
@@ -154,8 +169,81 @@ def _steps(data: dict[str, Any], path: Path) -> None:
     axes[2].set_ylim(-0.05, 1.05)
     axes[2].legend(loc="upper right", fontsize=8)
     _plot(axes[3], series, "staleness_mean", "mean staleness")
+    last = max([0, *(s for v in series.values() for s in v), *(e["version"] for e in evals)])
     for ax in axes:
-        ax.set_xlabel("step (policy version)")
+        _step_axis(ax, last)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _heldout_curve(ax: Any, series: dict[str, dict[int, float]]) -> None:
+    """The in-run held-out curve (`eval.every_steps`): mean reward per evaluation, ± std."""
+    points = sorted(series.get("eval/reward_mean", {}).items())
+    if not points:
+        return
+    std = series.get("eval/reward_std", {})
+    x, mean = [p[0] for p in points], [p[1] for p in points]
+    ax.fill_between(x, [m - std.get(s, 0.0) for s, m in points],
+                    [m + std.get(s, 0.0) for s, m in points], color=EVAL_COLOR, alpha=0.15)  # fmt: skip
+    ax.plot(x, mean, "D-", color=EVAL_COLOR, label="held-out (in run)", clip_on=False, zorder=5)
+    ax.annotate(f"{mean[-1]:.2f}", (x[-1], mean[-1]), textcoords="offset points",
+                xytext=(-4, 6), ha="right", fontsize=8, color=EVAL_COLOR)  # fmt: skip
+
+
+def _step_axis(ax: Any, last: int) -> None:
+    """Integer step ticks, from 0 to a margin past the last step (its points visible)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(-0.5, last + max(0.5, 0.03 * last))
+    ax.set_xlabel("step (policy version)")
+
+
+METRIC_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("objective", (("loss", "loss"), ("objective", "objective"))),
+    ("gradient norm", (("grad_norm", "grad norm"),)),
+    ("clip fraction", (("gated_executions", "clipped executions"),)),
+    ("importance weights", (("ratio_mean", "ratio mean"), ("ratio_max", "ratio max"))),
+    ("tokens / s", (("rollout_tokens_per_s", "rollout"), ("train_tokens_per_s", "training"))),
+    ("step time (s)", (("step_s", "step"), ("train_wall_s", "training"))),
+    ("response tokens / execution", (("response_tokens_mean", "mean"),)),
+    ("turns / execution", (("turns_mean", "mean"),)),
+    ("staleness", (("staleness_mean", "mean"), ("staleness_max", "max"))),
+    ("learning rate", (("lr", "lr"),)),
+)
+"""`metrics.png`: (panel title, ((step metric, legend label), ...)); then reward per task."""
+
+
+def _metrics(data: dict[str, Any], path: Path) -> None:
+    """The numbers a researcher watches per step (docs/runtime.md "Step metrics"): one
+    panel each, integer step ticks; the last panel is the reward of each task."""
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[int, float]] = {}
+    for r in data["steps"]:
+        series.setdefault(r["name"], {})[r["step"]] = r["value"]
+    last = max([0, *(s for v in series.values() for s in v)])
+    fig, axes = plt.subplots(3, 4, figsize=(16, 9))
+    flat = list(axes.flat)
+    for ax, (title, lines) in zip(flat, METRIC_PANELS, strict=False):
+        for name, label in lines:
+            _plot(ax, series, name, label)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("")
+        if len(lines) > 1:
+            ax.legend(fontsize=8)
+    ax = flat[len(METRIC_PANELS)]
+    for name in sorted(n for n in series if n.startswith("reward/")):
+        _plot(ax, series, name, name.split("/", 1)[1])
+    ax.set_title("reward per task", fontsize=10)
+    ax.set_ylabel("")
+    if any(n.startswith("reward/") for n in series):
+        ax.legend(fontsize=8)
+    for ax in flat[len(METRIC_PANELS) + 1 :]:
+        ax.axis("off")
+    for ax in flat[: len(METRIC_PANELS) + 1]:
+        _step_axis(ax, last)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -192,6 +280,8 @@ table.inner th, table.inner td { border: none; padding: 0 0.8em 0 0; font-weight
 thead th { border-bottom: 2px solid #bbb; }
 img { max-width: 100%; border: 1px solid #eee; }
 .note { color: #666; font-size: 0.9em; }
+pre { white-space: pre-wrap; background: #f7f7f7; padding: 0.4em; margin: 0.2em 0; }
+details { margin: 0.4em 0; } summary { cursor: pointer; }
 """
 
 
@@ -228,8 +318,65 @@ def _evals_table(evals: list[dict[str, Any]]) -> str:
     return f"<table class='evals'><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
 
 
-def _html(run_dir: Path, summary: dict[str, Any], evals: list[dict[str, Any]],
+def _header(meta: dict[str, Any]) -> str:
+    """What ran: the model, the learning rate and its schedule, the code's git commit, the
+    Gyre version, and the whole config (folded) — from the trace's run metadata."""
+    import yaml
+
+    text = str(meta.get("config", ""))
+    cfg = yaml.safe_load(text) if text else {}
+    train = (cfg or {}).get("train", {}) or {}
+    lr = f"{train.get('lr')} ({train.get('lr_schedule', 'constant')}"
+    if train.get("lr_schedule", "constant") != "constant":
+        lr += f", warmup_steps {train.get('warmup_steps')}"
+        if train.get("lr_schedule") == "cosine":
+            lr += f", min_lr {train.get('min_lr')}, decay_steps {train.get('decay_steps')}"
+    lr += ")"
+    rows = (("model", meta.get("model", (cfg or {}).get("model"))), ("lr", lr),
+            ("commit", meta.get("git_commit") or "not from a git checkout"),
+            ("gyre", meta.get("gyre_version")), ("steps", (cfg or {}).get("steps")),
+            ("policy", ((cfg or {}).get("schedule") or {}).get("policy")))  # fmt: skip
+    body = "".join(f"<tr><th>{k}</th><td class='{k}'>{_cell(v)}</td></tr>" for k, v in rows)
+    return (f"<table class='header'>{body}</table><details class='config'><summary>config"
+            f"</summary><pre>{html.escape(text)}</pre></details>")  # fmt: skip
+
+
+def _in_run_table(points: list[dict[str, Any]]) -> str:
+    """The in-run held-out evaluations (`eval.every_steps`), one row per step."""
+    heads = ("step", "mean reward", "std", "scored", "excluded", "policy versions", "engines",
+             "seconds")  # fmt: skip
+    keys = ("step", "reward_mean", "reward_std", "scored", "excluded", "versions", "engines",
+            "seconds")  # fmt: skip
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{_cell(p.get(k))}</td>" for k in keys) + "</tr>" for p in points
+    )
+    head = "".join(f"<th>{h}</th>" for h in heads)
+    return f"<table class='in-run'><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+
+
+def _samples(points: list[dict[str, Any]]) -> str:
+    """`eval.log_samples` transcripts of each in-run evaluation, folded per execution."""
+    out = []
+    for p in points:
+        for eid, said in (p.get("samples") or {}).items():
+            reward = (p.get("rewards") or {}).get(eid)
+            msgs = "".join(
+                f"<div class='msg {html.escape(str(m.get('role')))}'><b>"
+                f"{html.escape(str(m.get('role')))}</b><pre>{html.escape(str(m.get('content')))}"
+                "</pre></div>"
+                for m in said.get("messages", [])
+            )
+            out.append(f"<details class='sample'><summary>step {p['step']} · "
+                       f"{html.escape(eid)} · reward {_cell(reward)} · {said.get('calls', 0)} "
+                       f"calls</summary>{msgs}<p><b>final answer</b></p><pre>"
+                       f"{html.escape(str(said.get('final_answer', '')))}</pre></details>")  # fmt: skip
+    return "".join(out)
+
+
+def _html(run_dir: Path, summary: dict[str, Any], data: dict[str, Any],
           extra: list[str]) -> str:  # fmt: skip
+    evals, points = data["evals"], data["in_run"]
+    summary = {k: v for k, v in summary.items() if k != "evals"}  # its own table below
     rows = "".join(
         f"<tr><th>{html.escape(str(k))}</th><td>{_cell(v)}</td></tr>" for k, v in summary.items()
     )
@@ -239,10 +386,12 @@ def _html(run_dir: Path, summary: dict[str, Any], evals: list[dict[str, Any]],
             ("timeline.png", "Role timeline"),
             ("train_share.png", "Training time share per cell"),
             ("steps.png", "Learning: reward (training, held-out), signal and staleness per step"),
+            ("metrics.png", "Step metrics: objective, gradient, clipping, importance weights, "
+             "throughput, step time, lengths, turns, staleness, lr, reward per task"),
             ("durations.png", "Execution durations"),
             *((name, "Run statistics: " + name[6:-4]) for name in extra),
         )
-    )
+    )  # fmt: skip
     name = html.escape(run_dir.name)
     paced = ""
     if isinstance(summary.get("pace"), dict):
@@ -259,7 +408,11 @@ def _html(run_dir: Path, summary: dict[str, Any], evals: list[dict[str, Any]],
                  f"<b>{html.escape(str(summary.get('engine_backend')))}</b></p>")  # fmt: skip
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>Gyre run {name}</title>"
-        f"<style>{STYLE}</style></head><body><h1>Gyre run {name}</h1>{cells}{paced}"
-        f"<h2>Held-out evaluations</h2>{_evals_table(evals)}"
-        f"<h2>Summary</h2><table class='summary'>{rows}</table>{imgs}</body></html>"
+        f"<style>{STYLE}</style></head><body><h1>Gyre run {name}</h1>"
+        f"{_header(data['meta'])}{cells}{paced}"
+        + (f"<h2>Held-out during training</h2>{_in_run_table(points)}" if points else "")
+        + f"<h2>Held-out evaluations</h2>{_evals_table(evals)}"
+        f"<h2>Summary</h2><table class='summary'>{rows}</table>{imgs}"
+        + (f"<h2>Held-out samples</h2>{_samples(points)}" if _samples(points) else "")
+        + "</body></html>"
     )

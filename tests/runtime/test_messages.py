@@ -370,6 +370,26 @@ def test_published_moves_the_served_version_and_reloads_missed_engines(
     assert world.take(msg.Reload, world.ranks[1]) == [msg.Reload()]
 
 
+@delivers(msg.Evaluated)
+def test_a_due_publication_starts_an_evaluation_and_its_point_is_recorded(
+    world: CoordinatorWorld,
+) -> None:
+    from gyre.runtime.coordinator.progress import Validation
+
+    world.c.validation = Validation(every=1, next_due=1)  # eval.every_steps: 1, step 0's done
+    _, publish = world.play(msg.Publish)
+    world.handle(msg.Published(publish.version, 0.2, missed=[]))
+    assert world.take(msg.Evaluate, PROXY_RANK) == [msg.Evaluate(publish.version, None)]
+    said = {"messages": [{"role": "user", "content": "hi"}], "final_answer": "x", "calls": 1}
+    world.handle(msg.Evaluated(publish.version, {"eval-s1-notes-0": 0.5, "eval-s1-notes-1": None},
+                               (1, 2), ("e1",), 10.0, 13.0, {"eval-s1-notes-0": said}))  # fmt: skip
+    (point,) = world.c.summary()["evals"]
+    assert point["step"] == publish.version and point["reward_mean"] == 0.5
+    assert (point["scored"], point["excluded"], point["versions"]) == (1, 1, [1, 2])
+    assert point["seconds"] == 3.0 and world.c.validation.in_flight is None
+    assert world.take(msg.Evaluate, PROXY_RANK) == []  # the next is due at the next step
+
+
 @delivers(msg.PolicySaved)
 def test_policy_saved_is_listed_in_the_summary(world: CoordinatorWorld) -> None:
     world.handle(msg.PolicySaved(3, "/runs/x/policies/final"))
@@ -682,10 +702,11 @@ def test_respawn_restarts_the_engine_in_the_cells_role(rig: CellRig) -> None:
 class ProxyNodeRig:
     """A real proxy node serving on its own thread; `coordinator` is the other end."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, cfg: RunConfig | None = None) -> None:
         a, b = socket.socketpair()
         self.coordinator = wire.Link(COORDINATOR_RANK, {PROXY_RANK: a})
-        self.node = ProxyNode(_config(), wire.Link(PROXY_RANK, {COORDINATOR_RANK: b}), run_dir)
+        link = wire.Link(PROXY_RANK, {COORDINATOR_RANK: b})
+        self.node = ProxyNode(cfg or _config(), link, run_dir)
         self.status: list[int] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -753,6 +774,26 @@ def test_start_execution_runs_the_harness_and_reports_it_in_order(
     assert ended.execution == assessed.execution == 4 and ended.outcome is Outcome.COMPLETED
     assert assessed.verdict.status is VerdictStatus.SCORED
     assert assessed.verdict.reward is not None and 0.0 <= assessed.verdict.reward <= 1.0
+
+
+@delivers(msg.Evaluate)
+def test_evaluate_runs_the_held_out_set_unjournaled_and_answers_evaluated(
+    tmp_path: Path, engine: EngineHost
+) -> None:
+    cfg = load_run_config(DEFAULT_CONFIG, ["eval.every_steps=2", "eval.instances=2",
+                                           "eval.concurrency=2", "eval.log_samples=1"])  # fmt: skip
+    rig = ProxyNodeRig(tmp_path, cfg)
+    try:
+        rig.send(msg.SetEngines({"e0": engine.url}))
+        rig.send(msg.Evaluate(2, None))  # no route: the router picks the live engine
+        m = rig.coordinator.recv(timeout=120)
+    finally:
+        rig.stop()
+    assert isinstance(m, msg.Evaluated), m  # first and only: no JournalNode of its calls
+    assert m.step == 2 and set(m.rewards) == {"eval-s2-notes-0", "eval-s2-notes-1"}
+    assert all(r is not None and 0.0 <= r <= 1.0 for r in m.rewards.values())
+    assert m.engines == ("e0",) and m.versions == (engine.version,) and m.t_end > m.t_start
+    assert list(m.samples) == ["eval-s2-notes-0"] and m.samples["eval-s2-notes-0"]["calls"] >= 1
 
 
 @delivers(msg.Cancel)

@@ -7,7 +7,8 @@ final policy, every rank stopped, the summary.
     finish           -> after `steps` updates: checkpoint the last update (checkpoints on),
                         cancel the running harnesses and record every execution (scored, or
                         not launched), let a restarting engine come up, save
-                        `policies/final`, then `stop`
+                        `policies/final`, the last held-out point (validation.py), then
+                        `stop`
     preempted        -> SIGUSR1 (Slurm's warning before the time limit): record it,
                         checkpoint now, `finish` with EXIT_CHECKPOINTED (the job is requeued
                         and resumes)
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gyre.runtime.coordinator import resume
+from gyre.runtime.coordinator import resume, validation
 from gyre.runtime.coordinator.inbox import CLOSING, REPORTS
 from gyre.runtime.coordinator.state import CoordinatorState
 from gyre.runtime.shared import checkpoint
@@ -89,6 +90,7 @@ def finish(c: CoordinatorState) -> dict[str, Any]:
         saved = len(c.progress.policies)
         c.inbox.drain_until(lambda: len(c.progress.policies) > saved, REPORTS, timeouts.drain_s,
                       awaited=msg.PolicySaved)  # fmt: skip
+    validation.finish(c)  # the last held-out point, on the final policy (eval.every_steps)
     for i in c.ledger.queued():
         resume.close_not_launched(c.ledger, c.rec, i)
     return stop(c)
@@ -118,4 +120,6 @@ def summary(c: CoordinatorState) -> dict[str, Any]:
     if pace is not None:
         result["pace"] = pace
     result["startup"] = c.profile.summary()
+    if c.validation.points:  # eval.every_steps: the held-out curve
+        result["evals"] = c.validation.points
     return result

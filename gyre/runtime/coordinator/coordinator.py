@@ -17,6 +17,8 @@ the loop `gyre.sim.Simulator` runs with simulated durations) —
     admit     -> the packing buffer takes the ready group's N members; cells claim passes
     train     -> the training prefix reduces at the core, which updates once
     publish   -> the core pushes weights to every rollout engine and keeps the policy
+    evaluate  -> at step 0 and every eval.every_steps publications, the held-out set runs on
+                 the rollout engines beside training; its points are recorded (validation.py)
 
 Around the loop: its start (opening.py: every rank ready, a resumed run's take-over) and its
 end after `steps` updates (closing.py: checkpoints, every execution closed, the final policy,
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gyre.runtime.coordinator import closing, engines, opening
+from gyre.runtime.coordinator import closing, engines, opening, validation
 from gyre.runtime.coordinator.inbox import Inbox
 from gyre.runtime.coordinator.ledger import Execution, ExecutionState, GroupRecord
 from gyre.runtime.coordinator.progress import StepMetrics
@@ -65,6 +67,7 @@ class Coordinator(CoordinatorState):
         """Start, loop until `steps` updates, finish; returns the summary."""
         self.startup()
         self.feed(ev.Start(carried=opening.take_over(self)))
+        validation.start(self, self.sched.published)  # step 0's held-out point (eval.every_steps)
         deadline = self.t0 + self.cfg.timeouts.run_s
         while self.updates < self.cfg.steps:
             if checkpoint.PREEMPT.is_set():
@@ -245,6 +248,7 @@ class Coordinator(CoordinatorState):
         self.feed(ev.WeightsPublished(m.version))
         for engine in m.missed:  # died around the publication, or restarted before it
             self.to_rank(self.ranks.engines[engine], msg.Reload())
+        validation.start(self, m.version)  # a held-out point, when one is due
 
     def policy_saved(self, m: msg.PolicySaved) -> None:
         self.progress.policies.append(m.path)
@@ -296,4 +300,5 @@ MESSAGES: dict[type, Callable[[Coordinator, Any], None]] = {
     msg.EngineReady: engines.engine_ready,
     msg.Checkpointed: closing.checkpointed,
     msg.StartupTimes: Coordinator.startup_times,
+    msg.Evaluated: validation.evaluated,
 }

@@ -1,4 +1,5 @@
-"""What a run reports as it goes and at its end: step rows, progress lines, the summary.
+"""What a run reports as it goes and at its end: step rows, held-out points, progress lines,
+the summary.
 
 The coordinator counts (`stats`), and after every optimizer update hands `step` the batch's
 `StepMetrics`: its row goes into the trace, the tracker and `summary.json`'s `steps`; a
@@ -11,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gyre.models import model_family
 from gyre.runtime.coordinator.ledger import Ledger
 from gyre.runtime.coordinator.record import RunRecorder
+from gyre.runtime.shared import messages as msg
 from gyre.runtime.shared import wire
 from gyre.runtime.shared.checkpoint import CheckpointState
 from gyre.runtime.shared.config import RunConfig
@@ -88,6 +91,38 @@ def tags(row: dict[str, float]) -> dict[str, float]:
     `rollout/reward/<task>`), else `train/<name>`."""
     return {(ROLLOUT if k in ROLLOUT_METRICS or k.startswith("reward/") else TRAIN) + k: v
             for k, v in row.items()}  # fmt: skip
+
+
+@dataclass(slots=True)
+class Validation:
+    """When the next evaluation is due, the one in flight, and the points recorded."""
+
+    every: int  # eval.every_steps; 0: off
+    next_due: int = 0  # the step from which the next evaluation starts
+    in_flight: int | None = None  # its step
+    points: list[dict[str, Any]] = field(default_factory=list)  # summary.json `evals`
+
+    @classmethod
+    def of(cls, every: int, resumed_version: int | None) -> Validation:
+        """A new run starts with step 0's; a resumed one with the first due after its step."""
+        first = (
+            0 if resumed_version is None or not every else (resumed_version // every + 1) * every
+        )
+        return cls(every=every, next_due=first)
+
+    def due(self, version: int) -> bool:
+        return self.every > 0 and self.in_flight is None and version >= self.next_due
+
+
+def point(m: msg.Evaluated) -> dict[str, Any]:
+    """An evaluation's curve point: mean and spread of its valid rewards, and what ran it."""
+    got = [r for r in m.rewards.values() if r is not None]
+    mean = sum(got) / len(got) if got else math.nan
+    std = math.sqrt(sum((r - mean) ** 2 for r in got) / (len(got) - 1)) if len(got) > 1 else 0.0
+    return {"step": m.step, "reward_mean": mean, "reward_std": std, "scored": len(got),
+            "excluded": len(m.rewards) - len(got), "versions": list(m.versions),
+            "engines": list(m.engines), "t_start": m.t_start, "t_end": m.t_end,
+            "seconds": m.t_end - m.t_start}  # fmt: skip
 
 
 class Progress:

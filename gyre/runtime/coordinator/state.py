@@ -21,7 +21,7 @@ from gyre.runtime.coordinator.fleet import Fleet
 from gyre.runtime.coordinator.inbox import Inbox
 from gyre.runtime.coordinator.ledger import Ledger
 from gyre.runtime.coordinator.oversampling import Oversampling
-from gyre.runtime.coordinator.progress import Progress
+from gyre.runtime.coordinator.progress import Progress, Validation
 from gyre.runtime.coordinator.record import RunRecorder
 from gyre.runtime.coordinator.training import TrainingPlane
 from gyre.runtime.shared import checkpoint, wire
@@ -81,6 +81,8 @@ class CoordinatorState:
         self.last_update = (self.t0, 0)  # (when, sampled_tokens then) of the last update
         self.finishing = False
         self.proxy_url = ""
+        resumed = self.resume.state.version if self.resume.state is not None else None
+        self.validation = Validation.of(cfg.eval.every_steps, resumed)  # eval.every_steps
 
     def to_proxy(self, m: msg.Message) -> None:
         self.link.send(m, PROXY_RANK)

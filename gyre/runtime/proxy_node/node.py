@@ -6,7 +6,9 @@ workspace) and the `Evaluator` (scores each preserved workspace after its execut
 `gyre eval` runs the same host without training. A thread receives the
 coordinator's messages (`gyre.runtime.shared.wire`) and hands them to the loop (one handler per type):
 `SetEngines`, `Drain`, `Undrain`, `StartExecution` (register the execution's key, route it,
-run its harness on its task instance), `Cancel`, `Stop`.
+run its harness on its task instance), `Cancel`, `Evaluate` (validation while training: the
+held-out set on the live rollout engines, its calls journaled nowhere, answered with
+`Evaluated`), `Stop`.
 
 For each execution the node reports, in this order, `HarnessEnded` (outcome, timings) and
 `Assessed` (the closed trajectory tree, the verdict and every assessment). A switch's
@@ -35,10 +37,11 @@ from gyre.runtime.shared import messages as msg
 from gyre.runtime.shared import wire
 from gyre.runtime.shared.config import RunConfig
 from gyre.runtime.shared.harness import load_tasks
+from gyre.runtime.shared.heldout import EVAL_ID, heldout, is_evaluation, run_heldout
 from gyre.runtime.shared.layout import COORDINATOR_RANK
 from gyre.tasks import AssessmentLog, Evaluator
 from gyre.tasks.scoring import Transcript
-from gyre.tasks.suite import Task
+from gyre.tasks.suite import Task, TaskSuite
 from gyre.trajectory.transcript import transcript
 from gyre.trajectory.tree import TrajectoryTree
 from gyre.vocabulary import Outcome
@@ -117,19 +120,22 @@ class ExecutionHost:
         return self.app
 
     async def execute(
-        self, eid: str, task: Task, engine_id: str,
+        self, eid: str, task: Task, engine_id: str | None,
         ended: Callable[[Terminated], None] | None = None,
+        closed: Callable[[TrajectoryTree | None], None] | None = None,
     ) -> tuple[Terminated, msg.VerdictRecord]:  # fmt: skip
         """One execution: key, route, harness, close, score -> (ended, verdict).
 
-        `ended` is called as soon as the harness ends, before the tree is closed and scored.
-        The closed tree is dropped from the proxy: a run's proxy node sent each of its nodes
-        to the coordinator as it was recorded (`_Journal`), and the coordinator writes the
-        trace.
+        `engine_id`: its route (None: the router picks a live engine for each call).
+        `ended` is called as soon as the harness ends, before the tree is closed and scored;
+        `closed` with the closed tree. The closed tree is dropped from the proxy: a run's
+        proxy node sent each of its nodes to the coordinator as it was recorded
+        (`_Journal`), and the coordinator writes the trace.
         """
         app = self.proxy
         key = app.register_execution(eid, role="main", meta={"task": task.instance_id})
-        app.set_route(eid, engine_id)
+        if engine_id is not None:
+            app.set_route(eid, engine_id)
         spec = ExecutionSpec(
             execution_id=eid, task=task, adapter=self.adapter, proxy_url=self.url,
             api_key=key, model=self.cfg.model_name, params=self.cfg.harness.adapter_params,
@@ -138,6 +144,8 @@ class ExecutionHost:
         if ended is not None:
             ended(term)
         tree = app.close_execution(eid, term.outcome.value)  # the router forgets it too
+        if closed is not None:
+            closed(tree)
         said = self.transcript(tree, task)
         app.forget_execution(eid)
         return term, await self._assess(term, task, said)
@@ -147,6 +155,11 @@ class ExecutionHost:
         (`scoring.transcript`); None for any other task, or without a tree."""
         if not task.scoring.transcript or tree is None:
             return None
+        return self.read_transcript(tree)
+
+    def read_transcript(self, tree: TrajectoryTree) -> Transcript:
+        """The execution's transcript (`gyre.trajectory.transcript`), decoded with the model's
+        tokenizer: what a rule reads, and an in-run evaluation's sample."""
         tok = self.tokenizer
 
         def decode(ids: Sequence[int]) -> str:
@@ -197,6 +210,10 @@ class ProxyNode:
         self.cfg, self.link = cfg, link
         self.host = ExecutionHost(cfg, run_dir)
         self.tasks: set[asyncio.Task[None]] = set()
+        self.heldout: tuple[TaskSuite, list[str]] | None = None  # eval suite, its tasks
+        if cfg.eval.every_steps:  # validation while training: the held-out set, loaded once
+            eval_cfg, names = heldout(cfg, None)
+            self.heldout = (load_tasks(eval_cfg)[0], names)
 
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
@@ -208,7 +225,7 @@ class ProxyNode:
         handlers: dict[type, Any] = {
             msg.SetEngines: self.set_engines, msg.Drain: self.drain, msg.Undrain: self.undrain,
             msg.StartExecution: self.start_execution, msg.Cancel: self.cancel,
-            msg.Rescore: self.rescore,
+            msg.Rescore: self.rescore, msg.Evaluate: self.evaluate,
         }  # fmt: skip
         while True:
             m = await inbox.get()
@@ -274,6 +291,26 @@ class ProxyNode:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    def evaluate(self, m: msg.Evaluate) -> None:
+        """Validation while training: the held-out set on the rollout engines (`run_heldout`,
+        as `gyre eval` runs it), then `Evaluated`."""
+        assert self.heldout is not None, "Evaluate without eval.every_steps"
+        suite, names = self.heldout
+        e = self.cfg.eval
+
+        async def run() -> None:
+            t0 = time.time()
+            ran = await run_heldout(self.host, suite, names, instances=e.instances,
+                                    concurrency=e.concurrency, prefix=f"{EVAL_ID}s{m.step}",
+                                    engine=m.engine, keep=e.log_samples)  # fmt: skip
+            self._up(msg.Evaluated(m.step, ran.rewards, tuple(sorted(ran.versions)),
+                                   tuple(sorted(ran.engines)), t0, time.time(),
+                                   dict(ran.transcripts)))  # fmt: skip
+
+        task = asyncio.ensure_future(run())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
     async def _execute(self, m: msg.StartExecution) -> None:
         """Run one execution; reports `HarnessEnded`, then `Assessed`."""
         task = self.host.suite[m.task].instantiate(m.instance)
@@ -302,6 +339,8 @@ class _Journal:
         return None
 
     def record_node(self, execution_id: str, node: Any) -> None:
+        if is_evaluation(execution_id):  # held-out: never in the trace, never trained
+            return
         self.up(msg.JournalNode(execution_id, node))
 
     def close_execution(self, execution_id: str, tree: Any, *, status: str, meta: Any) -> None:

@@ -305,6 +305,33 @@ class EvalConfig:
     has only its one instance, which training runs, so it needs an eval suite."""
     tasks: list[str] = field(default_factory=list)
     """Task names of the eval suite to score; empty: every task of it."""
+    every_steps: int = 0
+    """Validation while training: every this many steps (and at step 0, before any update)
+    the held-out set runs on the policy the rollout engines serve, on rollout capacity,
+    never blocking a training step (docs/runtime.md "Validation while training"); 0: off."""
+    instances: int = 16
+    """Held-out instances per task of each in-run evaluation (the same seeds every time)."""
+    concurrency: int = 4
+    """In-run evaluation executions running at once (beside the training executions)."""
+    log_samples: int = 0
+    """Transcripts written per in-run evaluation (trackers' text, the HTML report); at most
+    `instances`."""
+
+    def __post_init__(self) -> None:
+        for key in ("every_steps", "log_samples"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}: {getattr(self, key)}; allowed: an integer >= 0")
+        for key in ("instances", "concurrency"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}: {getattr(self, key)}; allowed: an integer >= 1")
+        if self.log_samples > self.instances:
+            raise ConfigError(f"log_samples: {self.log_samples}; allowed: at most "
+                              f"eval.instances ({self.instances})")  # fmt: skip
+        if self.log_samples and not self.every_steps:
+            raise ConfigError(
+                f"log_samples: {self.log_samples} with every_steps 0; allowed: "
+                "0, or eval.every_steps >= 1 (samples come from in-run evaluations)"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -117,6 +117,20 @@ class Assessed(Message):
 
 
 @dataclass(frozen=True)
+class Evaluated(Message):
+    """An in-run evaluation's held-out executions are scored: rewards, who served, samples."""
+
+    up, route = True, (PROXY, COORDINATOR)
+    step: int  # the step it was due at (the policy version published when it began)
+    rewards: dict[str, float | None]  # execution id -> reward (None: excluded)
+    versions: tuple[int, ...]  # policy versions that served its calls
+    engines: tuple[str, ...]  # engines that served them
+    t_start: float
+    t_end: float
+    samples: dict[str, Any] = field(default_factory=dict)  # execution id -> transcript
+
+
+@dataclass(frozen=True)
 class StartupTimes(Message):
     """A rank's start-up: seconds per phase from `gyre run`'s start until the rank served."""
 
@@ -276,6 +290,15 @@ class Rescore(Message):
     task: str
     instance: int
     tree: Any = None  # its journaled TrajectoryTree: the transcript a rule may read
+
+
+@dataclass(frozen=True)
+class Evaluate(Message):
+    """Run the held-out set (`eval:`) on the rollout engines, as evaluation executions."""
+
+    up, route = False, (COORDINATOR, PROXY)
+    step: int
+    engine: str | None = None  # route every call here; None: any live engine
 
 
 @dataclass(frozen=True)
