@@ -410,7 +410,7 @@ def render(plan: MemoryPlan) -> list[str]:
     """The plan as the lines `gyre plan --memory` prints (GB)."""
     s, lay = plan.shape, plan.layout
     lines = [
-        f"model: {s.parameters / 1e9:.2f} B parameters ({s.layers} layers, hidden {s.hidden}, "
+        f"model: {_count(s.parameters)} parameters ({s.layers} layers, hidden {s.hidden}, "
         f"ffn {s.ffn}, heads {s.heads}/{s.kv_heads} KV, vocab {s.vocab})",
         f"train: backend {lay.backend}, tensor {lay.tensor} x pipeline {lay.pipeline} x data "
         f"{lay.data}, {lay.dtype}, attention {lay.attention if lay.backend == 'megatron' else 'sdpa'}; "
@@ -438,3 +438,8 @@ def render(plan: MemoryPlan) -> list[str]:
     lines.append(f"limit per {where}: {limit}; " + (f"DOES NOT FIT: {problem}" if problem
                                                    else "fits"))  # fmt: skip
     return lines
+
+
+def _count(n: int) -> str:
+    """A parameter count as people write it: 0.336 M, 494 M, 7.62 B."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.3g} M"
