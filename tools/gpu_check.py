@@ -649,7 +649,8 @@ def section_run(args: argparse.Namespace) -> dict[str, Any]:
                                            "device_allocated_after")} for d in parks]  # fmt: skip
     out["memory_falls_on_every_park"] = (
         all(d["device_allocated_after"] < d["device_allocated_before"] for d in parks)
-        if on_gpu and parks and all("device_allocated_after" in d for d in parks) else None
+        if on_gpu and parks and all("device_allocated_after" in d for d in parks)
+        else None
     )  # None: not measurable here (a CPU trainer does not park)
     out["pass"] = (summary.get("steps_done") == 2 and summary.get("train_dtype") == "bfloat16"
                    and not gyre_blocked and bool(parks)

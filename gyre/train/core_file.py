@@ -135,5 +135,8 @@ def _assemble(folder: Path) -> dict[str, Any]:
                    for k, t in (("exp_avg", hf("exp_avg")), ("exp_avg_sq", hf("exp_avg_sq")))}  # fmt: skip
         optimizer = {"state": {0: {"step": ranks[0][0]["step"], **moments}},
                      "param_groups": first["param_groups"]}  # fmt: skip
-    return {"version": first["version"], "named": [(n, main[n]) for n in order],
-            "optimizer": optimizer}
+    return {
+        "version": first["version"],
+        "named": [(n, main[n]) for n in order],
+        "optimizer": optimizer,
+    }

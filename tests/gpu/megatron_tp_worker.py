@@ -21,7 +21,12 @@ import torch.distributed as dist
 
 
 def main(
-    rank: int, world: int, port: int, out: str, pipeline: int = 1, dtype: str = "float32",
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    pipeline: int = 1,
+    dtype: str = "float32",
     attention: str = "sdpa",
 ) -> None:
     warnings.simplefilter("ignore")
@@ -57,5 +62,12 @@ if __name__ == "__main__":
     pipeline = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     dtype = sys.argv[6] if len(sys.argv) > 6 else "float32"
     attention = sys.argv[7] if len(sys.argv) > 7 else "sdpa"
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], pipeline, dtype,
-         attention)
+    main(
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+        pipeline,
+        dtype,
+        attention,
+    )

@@ -418,10 +418,10 @@ def test_an_embedded_engine_on_cuda_launches_on_its_cells_gpu_and_places_the_run
     local = ROOT / "templates" / "local.yaml"
     assert load_run_config(local, ["engine.device=cuda"]).uses_gpus
     assert not load_run_config(local).uses_gpus
-    with pytest.raises(ConfigError, match="engine.device: 'tpu'.*allowed: device cpu | cuda"):
+    with pytest.raises(ConfigError, match=r"engine\.device: 'tpu'.*allowed: device cpu \| cuda"):
         EngineConfig(device="tpu")  # type: ignore[arg-type]
     import torch
 
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="engine.device: cuda, but this machine has no"):
+        with pytest.raises(ConfigError, match=r"engine\.device: cuda, but this machine has no"):
             EngineConfig(device="cuda").check_machine("tiny")

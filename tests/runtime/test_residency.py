@@ -306,4 +306,6 @@ def test_the_switch_to_rollout_reports_what_the_trainer_parked(leaders: Any) -> 
     switched = [m for m in leader.cell.link if isinstance(m, msg.Switched)][-1]
     assert switched.role.value == "rollout"
     assert switched.detail["trainer_parked_bytes"] == nbytes > 0
-    assert switched.detail["device_allocated_before"] == switched.detail["device_allocated_after"] == 0
+    assert (
+        switched.detail["device_allocated_before"] == switched.detail["device_allocated_after"] == 0
+    )

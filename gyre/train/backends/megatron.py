@@ -124,8 +124,10 @@ class MegatronReplica(TorchReplica):
         names = [[n, list(p.shape)] for n, p in self.cell.model.named_parameters()
                  if p.requires_grad]  # fmt: skip
         state = self.optimizer.opt.state_dict()
-        flats = {"main": self.optimizer.main.detach(), **{
-            k: v for k, v in state["state"].get(0, {}).items() if k in MOMENTS + ("step",)}}
+        flats = {
+            "main": self.optimizer.main.detach(),
+            **{k: v for k, v in state["state"].get(0, {}).items() if k in (*MOMENTS, "step")},
+        }
         meta = {"version": version, "shard": shard, "tensor": self.dims.tensor,
                 "pipeline": self.dims.pipeline, "names": names,
                 "layout": dataclasses.asdict(self.layout),
@@ -141,7 +143,8 @@ class MegatronReplica(TorchReplica):
         Collective over the cell (the leader's mirror is refreshed)."""
         first = core_file.shard_meta(folder)
         if first is not None and (first["tensor"], first["pipeline"]) == (
-            self.dims.tensor, self.dims.pipeline,
+            self.dims.tensor,
+            self.dims.pipeline,
         ):
             return self._restore_own_shard(folder)
         from gyre.rollout.weights import load_named_tensors
