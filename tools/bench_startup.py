@@ -37,6 +37,21 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+class RunFailed(Exception):
+    """A run that did not finish (its command, exit status and stderr tail)."""
+
+
+def run_again(overrides: list[str], run_dir: Path, tries: int = 3) -> dict:
+    """`one_run`, tried again after a failure (on a shared machine a run is sometimes
+    killed from outside: signal 9, no error of its own); each failure is printed."""
+    for attempt in range(1, tries + 1):
+        try:
+            return one_run(overrides, run_dir.with_name(f"{run_dir.name}-try{attempt}"))
+        except RunFailed as e:
+            print(f"bench_startup: run failed (try {attempt} of {tries}): {e}", file=sys.stderr)
+    raise SystemExit(f"bench_startup: {tries} failed tries in a row")
+
+
 def one_run(overrides: list[str], run_dir: Path) -> dict:
     """One `gyre run --steps 1`: its summary, wall seconds and CPU seconds (all processes)."""
     cmd = [sys.executable, "-m", "gyre", "run", *overrides, "--steps", "1", "--quiet",
@@ -45,7 +60,7 @@ def one_run(overrides: list[str], run_dir: Path) -> dict:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     wall, cpu = time.monotonic() - t0, _children_cpu() - cpu
     if out.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)}: exit {out.returncode}\n{out.stderr[-3000:]}")
+        raise RunFailed(f"{' '.join(cmd)}: exit {out.returncode}\n{out.stderr[-3000:]}")
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     return {"startup": summary["startup"], "wall_s": wall, "cpu_s": cpu}
 
@@ -63,7 +78,7 @@ def main() -> int:
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="gyre-bench-startup-") as tmp:
         for name in args.configs:
-            results[name] = [one_run(CONFIGS[name], Path(tmp) / f"{name}-{i}")
+            results[name] = [run_again(CONFIGS[name], Path(tmp) / f"{name}-{i}")
                              for i in range(args.runs)]  # fmt: skip
     if args.json:
         print(json.dumps(results, indent=2))

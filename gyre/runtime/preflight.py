@@ -29,7 +29,9 @@ run in order (`CHECKS`):
   layer (`gyre.launch.spec.load_launch`), which owns the Slurm section;
 * the model (`gyre.models`): it loads (a directory missing here is a note on the login node,
   not checked by `render`), its vocab covers its tokenizer, the embedded engine can batch its
-  KV cache, and the training backend can lay it out (what the cell ranks compute);
+  KV cache, and the training backend can lay it out (what the cell ranks compute); a
+  shipped tiny model's layout check is remembered once passed (`passed_before`), since its
+  config comes from Gyre's own code;
 * the memory plan (`gyre.runtime.shared.memory.check`): every rank of the core cell and its
   engine fit their device (`gyre.train.memory`) — on GPUs `topology.gpu_memory_gb`, on the
   CPU only where `topology.cpu_memory_gb` is set;
@@ -43,6 +45,9 @@ Returns the notes to print (the config's warnings, what could not be checked whe
 
 from __future__ import annotations
 
+import hashlib
+import os
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -131,6 +136,9 @@ def _model(cfg: RunConfig, where: Where) -> list[str]:
     trains = cfg.train_backend.check_model  # None: the backend trains any model that loads
     if shipped and trains is None:
         return []
+    stamp = _stamp(cfg) if tiny_size(model) is not None else None
+    if stamp is not None and stamp.is_file():
+        return []
     config = model_config(model)
     if config is None:
         return []
@@ -144,4 +152,41 @@ def _model(cfg: RunConfig, where: Where) -> list[str]:
                               f"{e}") from None  # fmt: skip
     if not shipped and cfg.engine.backend == "embedded":
         check_batchable(model, config)
+    if stamp is not None:
+        _remember(stamp)
     return []
+
+
+def passed_dir() -> Path:
+    """Where passed model checks are remembered: `$GYRE_CACHE_DIR/checks` (default
+    `~/.cache/gyre/checks`)."""
+    return Path(os.environ.get("GYRE_CACHE_DIR", Path.home() / ".cache" / "gyre")) / "checks"
+
+
+def _stamp(cfg: RunConfig) -> Path:
+    """The file that says a tiny model's layout check passed (`_model`): named by everything
+    its result depends on — the model, the backend and its parallel layout, the versions of
+    transformers and megatron-core, and every source file of Gyre — so it cannot outlive a
+    change that could change the answer. Building the tiny config imports transformers and
+    torch (~2 CPU-s, before any rank starts); a run that passed once skips it."""
+    h = hashlib.sha256()
+    h.update(repr((cfg.model, cfg.train.backend, cfg.dims)).encode())
+    for dist in ("transformers", "megatron-core", "torch"):
+        try:
+            h.update(f"{dist}={metadata.version(dist)};".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{dist}=none;".encode())
+    root = Path(__file__).resolve().parents[1]  # the gyre package
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return passed_dir() / f"model-{h.hexdigest()[:32]}"
+
+
+def _remember(stamp: Path) -> None:
+    """Leave the stamp of a passed check; a cache that cannot be written is only not kept."""
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+    except OSError:
+        pass

@@ -30,7 +30,7 @@ would not fit (docs/training.md, "Memory per token (measured)").
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,16 +41,12 @@ from torch.autograd.function import once_differentiable
 from gyre.errors import TrainingError
 from gyre.train.config import ObjectiveConfig
 from gyre.train.packing import MicroStep
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutionScalar:
-    """What phase B needs per execution: advantage, target count, sequence ratio and gate."""
-
-    advantage: float
-    num_targets: int  # L_i
-    log_ratio: float  # S_i
-    gate: float  # g_i in {0, 1}
+from gyre.train.scalars import (  # torch-free (the coordinator's), re-exported here
+    ExecutionScalar as ExecutionScalar,
+)
+from gyre.train.scalars import execution_gate as execution_gate
+from gyre.train.scalars import execution_scalars as execution_scalars
+from gyre.train.scalars import merge_sums as merge_sums
 
 
 @dataclass(slots=True)
@@ -320,45 +316,6 @@ def ratio_sums(logp: torch.Tensor, st: StepTensors) -> dict[str, float]:
     out: dict[str, float] = {}
     for eid, v in zip(st.executions, per_row):
         out[eid] = out.get(eid, 0.0) + v
-    return out
-
-
-def merge_sums(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Per-execution totals of several micro-steps' `ratio_sums` (summed in sorted key order)."""
-    out: dict[str, float] = {}
-    for part in parts:
-        for eid in sorted(part):
-            out[eid] = out.get(eid, 0.0) + part[eid]
-    return out
-
-
-def execution_gate(advantage: float, log_ratio: float, cfg: ObjectiveConfig) -> float:
-    """GSPO's min/clip on the sequence ratio, as a 0/1 gradient gate."""
-    s = math.exp(log_ratio) if log_ratio < 700 else math.inf
-    if advantage > 0 and s > cfg.clip_high:
-        return 0.0
-    if advantage < 0 and s < cfg.clip_low:
-        return 0.0
-    return 1.0
-
-
-def execution_scalars(
-    sums: Mapping[str, float],
-    info: Mapping[str, tuple[float, int]],
-    cfg: ObjectiveConfig,
-) -> dict[str, ExecutionScalar]:
-    """Scalars per execution from the batch's summed log-ratios and (advantage, L_i)."""
-    missing = sorted(set(info) - set(sums))
-    if missing:
-        raise TrainingError(f"prepass: no log-ratio sums for executions {missing}")
-    out: dict[str, ExecutionScalar] = {}
-    for eid, (adv, n) in info.items():
-        s = sums[eid] / n
-        if not math.isfinite(s):
-            raise TrainingError(f"execution {eid!r}: sequence log-ratio is not finite")
-        out[eid] = ExecutionScalar(
-            advantage=adv, num_targets=n, log_ratio=s, gate=execution_gate(adv, s, cfg)
-        )
     return out
 
 

@@ -237,6 +237,7 @@ def test_unknown_task_and_unknown_key_via_cli(tmp_path: Path) -> None:
     assert out.returncode == 2 and "colour" in out.stderr
 
 
+@pytest.mark.mpi
 def test_world_of_wrong_size_aborts_with_a_message(tmp_path: Path) -> None:
     from gyre.runtime.cli import find_mpiexec
 

@@ -35,9 +35,9 @@ from gyre.runtime.shared import audit
 from gyre.runtime.shared import messages as msg
 from gyre.schedule.events import Work
 from gyre.train.config import TrainConfig
-from gyre.train.objective import ExecutionScalar, execution_scalars
 from gyre.train.packing import MicroStep, oversize
 from gyre.train.rewards import ExecutionOutcome, Status
+from gyre.train.scalars import ExecutionScalar, execution_scalars
 from gyre.train.stream import ReadyGroup, StreamPackingBuffer
 
 SendToCell = Callable[[int, msg.Message], None]

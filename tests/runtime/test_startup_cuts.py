@@ -1,0 +1,68 @@
+"""Start-up cuts (docs/runtime.md "Start-up"), each still doing what it replaced.
+
+* The ranks that move no tensors never import torch: on a machine with few cores every
+  rank's imports compete with the cells' model build, the start's critical path (torch is
+  ~1.1 CPU-s a process). The coordinator (it computes the execution gates,
+  `gyre.train.scalars`) and the proxy node build their roles without it.
+* `gyre run`'s model check of a shipped tiny model under Megatron (transformers and torch
+  imported before any rank starts) is remembered once passed, keyed by all it depends on;
+  a refusal is never remembered.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gyre.errors import ConfigError
+from gyre.runtime import preflight
+from gyre.runtime.shared.checks import Where
+from gyre.runtime.shared.config import DEFAULT_CONFIG, load_run_config
+
+
+@pytest.mark.parametrize("module", ["gyre.runtime.coordinator.coordinator",
+                                    "gyre.runtime.proxy_node.node"])  # fmt: skip
+def test_a_rank_that_moves_no_tensors_does_not_import_torch(module: str) -> None:
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"{module} imports torch: {out.stdout}"
+
+
+def test_the_objective_still_offers_the_execution_scalars() -> None:
+    from gyre.train import objective, scalars
+
+    assert objective.execution_scalars is scalars.execution_scalars
+    assert objective.ExecutionScalar is scalars.ExecutionScalar
+
+
+def _megatron(ranks: int):  # type: ignore[no-untyped-def]
+    return load_run_config(DEFAULT_CONFIG, ["train.backend=megatron",
+                                            f"topology.ranks_per_cell={ranks}"])  # fmt: skip
+
+
+def test_a_passed_tiny_model_check_is_remembered_per_layout(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (gyre[gpu])")
+    monkeypatch.setenv("GYRE_CACHE_DIR", str(tmp_path))
+    calls: list[str] = []
+    import gyre.models
+
+    real = gyre.models.model_config
+    monkeypatch.setattr(gyre.models, "model_config", lambda m: calls.append(m) or real(m))
+    two = _megatron(2)
+    assert preflight._model(two, Where.HERE) == [] and calls == ["tiny"]
+    assert preflight._model(two, Where.HERE) == [] and calls == ["tiny"]  # remembered
+    assert len(list((tmp_path / "checks").iterdir())) == 1
+    assert preflight._model(_megatron(1), Where.HERE) == []  # another layout: checked
+    assert calls == ["tiny", "tiny"]
+
+
+def test_a_refused_model_check_is_refused_every_time(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (gyre[gpu])")
+    monkeypatch.setenv("GYRE_CACHE_DIR", str(tmp_path))
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="not divisible by tensor_parallel 4"):
+            preflight._model(_megatron(4), Where.HERE)
+    assert not (tmp_path / "checks").exists()
