@@ -442,9 +442,10 @@ def megatron_world(base: Path) -> Chain:
     cfg = small_config(base, steps=CHAIN_STEPS)
     cfg["topology"].update({"cells": 2, "ranks_per_cell": 2})  # core + one satellite
     cfg["harness"]["params"].update({"max_turns": "2", "max_tokens": "96"})
-    # token_budget 512: ~16 micro-steps a batch, so the satellite joins before the core has
-    # taken them all (at 1024 the SDPA core's faster micro-steps often left it none)
-    cfg["train"].update({"record_batches": True, "token_budget": 512})
+    # token_budget 256: ~30 micro-steps a batch, so the satellite joins before the core has
+    # taken them all (at 1024 the SDPA core's faster micro-steps often left it none, at 512
+    # it still did on a loaded machine)
+    cfg["train"].update({"record_batches": True, "token_budget": 256})
     cfg["checkpoint"] = {"every_steps": 1, "keep": 2}
     config = write_config(base, cfg)
     run_dir = base / "run"

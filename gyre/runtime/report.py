@@ -325,13 +325,20 @@ def _header(meta: dict[str, Any]) -> str:
 
     text = str(meta.get("config", ""))
     cfg = yaml.safe_load(text) if text else {}
+    from gyre.train.config import OptimConfig
+
     train = (cfg or {}).get("train", {}) or {}
-    lr = f"{train.get('lr')} ({train.get('lr_schedule', 'constant')}"
-    if train.get("lr_schedule", "constant") != "constant":
-        lr += f", warmup_steps {train.get('warmup_steps')}"
-        if train.get("lr_schedule") == "cosine":
-            lr += f", min_lr {train.get('min_lr')}, decay_steps {train.get('decay_steps')}"
-    lr += ")"
+    optim = OptimConfig()  # what a key the config leaves out is
+    lr: str | None = None  # a trace without its config: not known
+    if text:
+        schedule = train.get("lr_schedule", optim.lr_schedule)
+        lr = f"{train.get('lr', optim.lr)} ({schedule}"
+        if schedule != "constant":
+            lr += f", warmup_steps {train.get('warmup_steps', optim.warmup_steps)}"
+            if schedule == "cosine":
+                lr += (f", min_lr {train.get('min_lr', optim.min_lr)}, decay_steps "
+                       f"{train.get('decay_steps', optim.decay_steps)}")  # fmt: skip
+        lr += ")"
     rows = (("model", meta.get("model", (cfg or {}).get("model"))), ("lr", lr),
             ("commit", meta.get("git_commit") or "not from a git checkout"),
             ("gyre", meta.get("gyre_version")), ("steps", (cfg or {}).get("steps")),

@@ -67,7 +67,7 @@ async def run_heldout(
     Ids are `{prefix}-{task}-{k}` (`prefix` starts with `EVAL_ID`); `engine`: route every
     call there (None: the router picks a live engine); `keep`: decode the transcripts of the
     first `keep` executions (in id order); `done(id, verdict)` as each one is scored."""
-    assert is_evaluation(prefix), prefix
+    assert is_evaluation(f"{prefix}-"), prefix  # ids `{prefix}-...` are evaluations
     gate = asyncio.Semaphore(concurrency)
     out = HeldoutRun()
     ids = [(t, k, f"{prefix}-{t}-{k}") for t in tasks for k in range(instances)]
