@@ -29,6 +29,7 @@ or read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,7 @@ def read_shard(folder: Path, shard: int) -> tuple[dict[str, Any], dict[str, Any]
     return load_file(str(_shard_path(folder, shard))), meta
 
 
-def views(flat: Any, names: list[list[Any]]) -> dict[str, Any]:
+def views(flat: Any, names: Sequence[Sequence[Any]]) -> dict[str, Any]:
     """A flat buffer's slice of each (name, shape) of `names`, in order, by name."""
     import math
 

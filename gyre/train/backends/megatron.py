@@ -194,13 +194,7 @@ class MegatronReplica(TorchReplica):
 
     def _shard_flat(self, flat: torch.Tensor, shapes: list[tuple[str, Any]]) -> torch.Tensor:
         """An HF flat buffer (parameters in `shapes` order) → this rank's flat buffer."""
-        import torch
-
-        hf, off = {}, 0
-        for name, shape in shapes:
-            n = int(torch.Size(shape).numel())
-            hf[name] = flat[off : off + n].view(shape)
-            off += n
+        hf = core_file.views(flat, [[n, list(shape)] for n, shape in shapes])
         return self._flat(self._mine(hf)).to(self.cell.device)
 
 
