@@ -1,7 +1,7 @@
 """The memory plan against real training on CPU: predicted vs measured peak per rank.
 
     python tools/bench_memory_plan.py [--json] [--cases NAME,...]
-    python tools/bench_memory_plan.py --write-doc-models DIR   # the docs' 7B / 70B config.json
+    python tools/bench_memory_plan.py --write-doc-models DIR   # the docs' model shapes (config.json)
 
 What: for three model shapes, each case runs the runtime's own training code on CPU in a
 fresh `mpiexec` world of the cell's ranks — the backend's `build` (torch: the whole model
@@ -62,9 +62,21 @@ DOC_MODELS: dict[str, dict[str, Any]] = {
                   "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 80,
                   "vocab_size": 128256, "max_position_embeddings": 131072,
                   "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "rope_theta": 500000.0},
+    "qwen3-8b": {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "num_hidden_layers": 36, "vocab_size": 151936, "max_position_embeddings": 40960,
+                 "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0},
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "num_hidden_layers": 48, "vocab_size": 151936,
+                      "max_position_embeddings": 40960, "tie_word_embeddings": False,
+                      "rms_norm_eps": 1e-6, "rope_theta": 1000000.0},
 }  # fmt: skip
-"""Qwen2.5-7B's and Llama-3.1-70B's shapes as config.json dicts (no download): the plans in
-docs/gpu.md are `gyre plan --memory` over a directory holding one of these."""
+"""Qwen2.5-7B's, Llama-3.1-70B's, Qwen3-8B's and Qwen3-30B-A3B's shapes as config.json dicts
+(no download): the plans in docs/gpu.md and docs/slurm.md are `gyre plan --memory` over a
+directory holding one of these."""
 
 
 def _step(tokens: int, row: int, seed: int = 0) -> tuple[Any, dict[str, Any]]:

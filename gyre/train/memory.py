@@ -62,7 +62,9 @@ def dtype_bytes(dtype: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """The shapes a Qwen2 / Llama model's memory depends on (its config.json)."""
+    """The shapes a model's memory depends on (its config.json): a Qwen2 / Llama / Qwen3
+    dense decoder, or a Qwen3-MoE / Qwen2-MoE one (`experts` routed experts of width
+    `moe_ffn`, `top_k` per token, Qwen2-MoE's gated shared expert of width `shared_ffn`)."""
 
     layers: int
     hidden: int
@@ -73,26 +75,43 @@ class ModelShape:
     vocab: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False
+    """Qwen3's per-head RMSNorm of queries and keys (`q_norm`, `k_norm`)."""
+    experts: int = 0
+    top_k: int = 0
+    moe_ffn: int = 0
+    shared_ffn: int = 0
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> ModelShape:
         """From a Hugging Face config dict (`config.json`, `PretrainedConfig.to_dict()`)."""
+        from gyre.train.megatron import config as families  # torch-free
+
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
+        experts = families.num_experts(hf)
         return cls(
             layers=int(hf["num_hidden_layers"]), hidden=hidden,
-            ffn=int(hf["intermediate_size"]), heads=heads,
+            ffn=0 if experts else int(hf["intermediate_size"]), heads=heads,
             kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hidden // heads), vocab=int(hf["vocab_size"]),
-            tied=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias", False)),
+            tied=bool(hf.get("tie_word_embeddings", False)), qkv_bias=families.qkv_bias(hf),
+            qk_norm=families.qk_norm(hf), experts=experts,
+            top_k=int(hf["num_experts_per_tok"]) if experts else 0,
+            moe_ffn=int(hf["moe_intermediate_size"]) if experts else 0,
+            shared_ffn=families.shared_expert_size(hf),
         )  # fmt: skip
 
     def layer_parameters(self, tp: int = 1) -> int:
-        """One decoder layer's parameters on a TP rank (the two norms replicated)."""
+        """One decoder layer's parameters on a TP rank: the projections and experts split
+        over TP; the two norms, the q/k norms, the router and the shared expert's gate
+        replicated."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         qkv = (q + 2 * kv) * (self.hidden + self.qkv_bias)
-        return (qkv + q * self.hidden + 3 * self.ffn * self.hidden) // tp + 2 * self.hidden
+        mlp = 3 * (self.ffn + self.experts * self.moe_ffn + self.shared_ffn) * self.hidden
+        replicated = 2 * self.hidden + 2 * self.head_dim * self.qk_norm
+        replicated += (self.experts + bool(self.shared_ffn)) * self.hidden
+        return (qkv + q * self.hidden + mlp) // tp + replicated
 
     @property
     def parameters(self) -> int:
@@ -164,13 +183,34 @@ def layer_activation_bytes(shape: ModelShape, layout: TrainLayout, tokens: int) 
     """What autograd saves in one decoder layer for `tokens` tokens (linear terms: the
     per-token coefficients counted in a real forward; `local`'s quadratic part apart)."""
     b, tp = dtype_bytes(layout.dtype), layout.tensor
-    h, f = shape.hidden, shape.ffn
+    h = shape.hidden
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    if layout.backend == "torch":  # Hugging Face's Qwen2 / Llama layer (its RMSNorm upcasts)
-        per = b * (6 * h + 4 * f + 2 * q + 2 * kv) + (4 * h if b == 2 else 0)
+    if layout.backend == "torch":  # Hugging Face's layer (its RMSNorm upcasts)
+        per = b * (6 * h + 2 * q + 2 * kv) + (4 * h if b == 2 else 0)
+        per += (q + kv) * (b + 4) * shape.qk_norm
     else:  # Megatron's local spec: norms replicated, the rest split over TP
-        per = b * 7 * h + b * (5 * f + 3 * q + 3 * kv) // tp + (8 * h if b == 2 else 0)
+        per = b * 6 * h + b * (4 * q + 3 * kv) // tp + (8 * h if b == 2 else 0)
+        per += (q + kv) * 8 * shape.qk_norm
+    per += _mlp_activation_bytes(shape, layout)
     return tokens * (per + 4 * shape.heads // tp + 8)
+
+
+def _mlp_activation_bytes(shape: ModelShape, layout: TrainLayout) -> int:
+    """Per token: the dense MLP's, or the MoE layer's — each of its `top_k` expert rows (the
+    token dispatched, the expert's MLP, its weighted output), the router's float32 scores
+    over the experts, and the shared expert beside them."""
+    b, tp, h = dtype_bytes(layout.dtype), layout.tensor, shape.hidden
+    torch_ = layout.backend == "torch"
+    mlp = (4 if torch_ else 5) * b * (shape.ffn + shape.shared_ffn) // (1 if torch_ else tp)
+    if not shape.experts:
+        return mlp
+    if torch_:  # transformers' loop over the hit experts (the rows' indices kept, int64)
+        rows = 4 * b * shape.moe_ffn + 2 * b * h + 60
+        shared = b * h if shape.shared_ffn else 0
+    else:  # Megatron's all-gather dispatcher and SequentialMLP
+        rows = 6 * b * shape.moe_ffn // tp + b * h + 48
+        shared = 0
+    return mlp + shape.top_k * rows + 4 * shape.experts + shared
 
 
 def outer_activation_bytes(shape: ModelShape, layout: TrainLayout, tokens: int) -> int:
@@ -308,7 +348,8 @@ def layouts_that_fit(shape: ModelShape, layout: TrainLayout, limit: int,
 
 def _shards(shape: ModelShape, tp: int) -> bool:
     """Whether Megatron splits this model over `tp` (heads, KV heads, MLP, vocabulary)."""
-    return not any(x % tp for x in (shape.heads, shape.kv_heads, shape.ffn, shape.vocab))
+    widths = (shape.heads, shape.kv_heads, shape.ffn, shape.moe_ffn, shape.shared_ffn, shape.vocab)
+    return not any(x % tp for x in widths)
 
 
 def largest_budget(shape: ModelShape, layout: TrainLayout, limit: int) -> int | None:
@@ -411,7 +452,7 @@ def render(plan: MemoryPlan) -> list[str]:
     s, lay = plan.shape, plan.layout
     lines = [
         f"model: {_count(s.parameters)} parameters ({s.layers} layers, hidden {s.hidden}, "
-        f"ffn {s.ffn}, heads {s.heads}/{s.kv_heads} KV, vocab {s.vocab})",
+        f"{_mlp(s)}, heads {s.heads}/{s.kv_heads} KV, vocab {s.vocab})",
         f"train: backend {lay.backend}, tensor {lay.tensor} x pipeline {lay.pipeline} x data "
         f"{lay.data}, {lay.dtype}, attention {lay.attention if lay.backend == 'megatron' else 'sdpa'}; "
         f"micro-step {lay.step_tokens} tokens, longest row {lay.row_tokens}",
@@ -438,6 +479,13 @@ def render(plan: MemoryPlan) -> list[str]:
     lines.append(f"limit per {where}: {limit}; " + (f"DOES NOT FIT: {problem}" if problem
                                                    else "fits"))  # fmt: skip
     return lines
+
+
+def _mlp(s: ModelShape) -> str:
+    if not s.experts:
+        return f"ffn {s.ffn}"
+    shared = f" + shared {s.shared_ffn}" if s.shared_ffn else ""
+    return f"{s.experts} experts of ffn {s.moe_ffn}, top {s.top_k}{shared}"
 
 
 def _count(n: int) -> str:

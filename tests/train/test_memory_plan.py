@@ -59,6 +59,13 @@ def hf(**over: object) -> dict[str, object]:
 QWEN2_7B = hf(hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
               num_key_value_heads=4, head_dim=128, num_hidden_layers=28, vocab_size=152064,
               tie_word_embeddings=False)  # fmt: skip
+QWEN3 = hf(model_type="qwen3")
+QWEN3_MOE = hf(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=48, norm_topk_prob=True)  # fmt: skip
+QWEN2_MOE = hf(model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=48, shared_expert_intermediate_size=80)  # fmt: skip
+FAMILIES = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE}
+"""Beside Qwen2 / Llama: q/k norms, routed experts, and a gated shared expert."""
 LLAMA_70B = hf(model_type="llama", hidden_size=8192, intermediate_size=28672,
                num_attention_heads=64, num_key_value_heads=8, head_dim=128,
                num_hidden_layers=80, vocab_size=128256, tie_word_embeddings=False)  # fmt: skip
@@ -75,7 +82,8 @@ def _meta_state(config: dict[str, object]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(("config", "tp", "pp"), [
     (config, tp, pp)
-    for config in (hf(), hf(tie_word_embeddings=False), hf(model_type="llama", num_key_value_heads=4))
+    for config in (hf(), hf(tie_word_embeddings=False), hf(model_type="llama", num_key_value_heads=4),
+                   *FAMILIES.values())
     for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2), (4, 4))
     if int(config["num_key_value_heads"]) % tp == 0  # type: ignore[call-overload]
 ])  # fmt: skip
@@ -123,7 +131,12 @@ def _predicted_saved(config: dict, layout: TrainLayout, tokens: int) -> int:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("change", [{}, {"intermediate_size": 384}, {"hidden_size": 128},
                                     {"num_key_value_heads": 4}, {"num_attention_heads": 8},
-                                    {"num_hidden_layers": 2}])  # fmt: skip
+                                    {"num_hidden_layers": 2}, {"head_dim": 32}, QWEN3, QWEN3_MOE,
+                                    {**QWEN3_MOE, "num_experts_per_tok": 4},
+                                    {**QWEN3_MOE, "moe_intermediate_size": 96}, QWEN2_MOE,
+                                    {**QWEN2_MOE, "shared_expert_intermediate_size": 160}],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()
+                                                if hf().get(k) != v) or "qwen2")  # fmt: skip
 def test_torch_backend_activations_are_what_autograd_saves(dtype: str, change: dict) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -168,8 +181,11 @@ def test_megatron_activations_are_what_autograd_saves() -> None:
     import socket
 
     cases = [(hf(**c), d, a, 128) for c in ({}, {"intermediate_size": 384},
-                                            {"hidden_size": 128}, {"num_attention_heads": 8})
+                                            {"hidden_size": 128}, {"num_attention_heads": 8},
+                                            {"head_dim": 32}, *FAMILIES.values())
              for d in ("float32", "bfloat16") for a in ("sdpa", "local")]  # fmt: skip
+    cases += [({**QWEN3_MOE, **c}, d, "sdpa", 128) for d in ("float32", "bfloat16")
+              for c in ({"num_experts_per_tok": 4}, {"moe_intermediate_size": 96})]  # fmt: skip
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any
 from gyre.errors import ConfigError
 from gyre.runtime.shared.checks import Site, Where
 from gyre.runtime.shared.checks import elsewhere as _elsewhere
+from gyre.train.megatron.config import SUPPORTED_MODEL_TYPES
 from gyre.train.memory import GB, MemoryPlan, ModelShape, TrainLayout, plan_engine
 
 if TYPE_CHECKING:
     from gyre.runtime.shared.config import RunConfig
 
-PLANNED = ("qwen2", "llama")
+PLANNED = SUPPORTED_MODEL_TYPES
 """Model families the plan's shapes describe (the Megatron backend's)."""
 
 
@@ -44,7 +45,7 @@ def hf_config(model: str) -> dict[str, Any]:
     data: dict[str, Any] = config.get_text_config().to_dict()
     if data.get("model_type") not in PLANNED:
         raise ConfigError(f"model: {model!r}: model_type {data.get('model_type')!r} is not "
-                          f"planned; allowed: {', '.join(PLANNED)} (dense decoders)")  # fmt: skip
+                          f"planned; allowed: {', '.join(PLANNED)}")  # fmt: skip
     return data
 
 
