@@ -51,6 +51,9 @@ class Launch:
     """The run config's own warnings (`RunConfig.warnings`)."""
     backends: str = ""
     """The cells' training and engine backends and parallel sizes, in words (`gyre render`)."""
+    engine_gpus: int = 0
+    """GPUs a cell's engine serves on (`engine.tensor_parallel` for SGLang, 1 for a CUDA
+    embedded engine, 0 on the CPU): a cell's other GPUs idle while it serves."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -134,7 +137,23 @@ class JobSpec:
                 f"the proxy node, which has {proxy.cpus_per_task} CPUs "
                 "(slurm.proxy.cpus_per_task); harness tools will queue for CPU"
             )
+        lines += self._idle_during_rollout()
         return lines + [f"warning: {w}" for w in self.launch.warnings]
+
+    def _idle_during_rollout(self) -> list[str]:
+        """A warning where a cell has more GPUs than its engine serves on: a cell serves
+        from one engine, so the rest wait out every rollout phase."""
+        serving = self.launch.engine_gpus
+        cells = [c for c in self.components if c.role == "cell" and c.gpus_per_node]
+        held = {c.nodes * c.gpus_per_node for c in cells}
+        if not serving or not held or max(held) <= serving:
+            return []
+        gpus = max(held)
+        return [
+            f"warning: each cell's {gpus} GPUs serve rollout from one engine on {serving} "
+            f"(engine.tensor_parallel): {gpus - serving} ({100 * (gpus - serving) // gpus}%) "
+            "idle while it serves"
+        ]
 
     @property
     def het_groups(self) -> str:
@@ -173,7 +192,14 @@ def load_launch(
     return Launch(path=p, name=run.name, runs_dir=run.runs_dir, topology=run.topology, slurm=slurm,
                   harness_concurrency=run.schedule.concurrency_per_cell * engines,
                   suite=run.harness.suite, warnings=tuple(notes),
-                  backends=backends(run))  # fmt: skip
+                  backends=backends(run), engine_gpus=engine_gpus(run))  # fmt: skip
+
+
+def engine_gpus(run: Any) -> int:
+    """GPUs one engine of `run` serves on (0: it serves on the CPU)."""
+    if run.engine.backend == "sglang":
+        return int(run.engine.tensor_parallel)
+    return 1 if run.engine.device == "cuda" else 0
 
 
 def backends(run: Any) -> str:

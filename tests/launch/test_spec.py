@@ -68,10 +68,15 @@ def test_render_states_the_footprint_and_warns_on_an_overloaded_proxy(tmp_path: 
     assert lines[1].startswith("cells: train torch (tensor 1 x pipeline 1 x data ")
     # 4 cells x 96 harnesses on a proxy of 96 CPUs
     assert "up to 384 harnesses run at once on the proxy node, which has 96 CPUs" in lines[2]
+    # a cell of 48 nodes serves from one TP-8 engine: the rest of its GPUs wait out rollout
+    assert lines[3] == ("warning: each cell's 384 GPUs serve rollout from one engine on 8 "
+                        "(engine.tensor_parallel): 376 (97%) idle while it serves")  # fmt: skip
     # 256k-token contexts, a 16k micro-step budget: the longest paths train alone
-    assert "proxy.max_context_tokens 262144 > train.token_budget 16384" in lines[3]
+    assert "proxy.max_context_tokens 262144 > train.token_budget 16384" in lines[4]
     roomy = variant(tmp_path, "nl2repo-192.yaml", slurm__proxy={"cpus_per_task": 384},
-                    slurm__time_limit="12:00:00", train__token_budget=262144)  # fmt: skip
+                    slurm__time_limit="12:00:00", train__token_budget=262144,
+                    slurm__nodes_per_cell=1, topology__ranks_per_cell=8,
+                    topology__cells=192, schedule__concurrency_per_cell=2)  # fmt: skip
     lines = job_spec(load_launch(roomy)).footprint()
     assert lines[0] == ("194 nodes, 1536 GPUs, 1538 ranks; 18432 GPU-hours and 2328 node-hours "
                         "at the time limit 12:00:00")  # fmt: skip
