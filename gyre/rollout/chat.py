@@ -104,9 +104,7 @@ def _schema(raw: Any) -> str | None:
         if not isinstance(schema, dict):
             raise ProtocolError("response_format.json_schema.schema: expected a JSON object")
         return json.dumps({"x-guidance": COMPACT, **schema})
-    raise ProtocolError(
-        f"response_format.type: {kind!r}; allowed: text, json_object, json_schema"
-    )
+    raise ProtocolError(f"response_format.type: {kind!r}; allowed: text, json_object, json_schema")
 
 
 def completion_body(result: dict[str, Any], model: str) -> dict[str, Any]:

@@ -43,8 +43,8 @@ import tornado.web
 
 from gyre.errors import ConfigError, ProtocolError
 from gyre.lifetime import until_signal
-from gyre.rollout import engine as engine_mod
 from gyre.rollout import chat, kvstore, update_group, weights
+from gyre.rollout import engine as engine_mod
 from gyre.rollout.protocol import (
     authorized,
     parse_generate,
