@@ -12,7 +12,6 @@ import asyncio
 import json
 import shutil
 import socket
-import threading
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,12 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tornado.httpserver
-import tornado.ioloop
-import tornado.netutil
-import tornado.web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai_stub import openai_stub
 
 from gyre.errors import ConfigError
 from gyre.tasks import Evaluator, Validity
@@ -206,43 +202,17 @@ def test_the_rubric_and_key_file_are_hidden_from_the_harness(tmp_path: Path) -> 
 
 @contextmanager
 def stub_judge(answers: list[str], seen: list[dict[str, Any]]) -> Iterator[str]:
-    """An OpenAI-compatible /v1/chat/completions on loopback answering `answers` in turn
-    (the last one repeated); every request body and Authorization header lands in `seen`."""
+    """A judge endpoint on loopback answering `answers` in turn (the last one repeated);
+    every request body and Authorization header lands in `seen`."""
 
-    class Handler(tornado.web.RequestHandler):
-        def post(self) -> None:
-            body = json.loads(self.request.body)
-            seen.append({"body": body, "auth": self.request.headers.get("Authorization")})
-            text = answers[min(len(seen) - 1, len(answers) - 1)]
-            self.finish({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
-                         "choices": [{"index": 0, "finish_reason": "stop",
-                                      "message": {"role": "assistant", "content": text}}]})  # fmt: skip
+    def reply(body: dict[str, Any], n: int) -> dict[str, Any]:
+        return {"role": "assistant", "content": answers[min(n, len(answers) - 1)]}
 
-    ready = threading.Event()
-    state: dict[str, Any] = {}
-
-    def serve() -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        sockets = tornado.netutil.bind_sockets(0, "127.0.0.1")
-        server = tornado.httpserver.HTTPServer(
-            tornado.web.Application([(r"/v1/chat/completions", Handler)])
-        )
-        server.add_sockets(sockets)
-        state.update(port=sockets[0].getsockname()[1], loop=loop, server=server)
-        ready.set()
-        loop.run_forever()
-        server.stop()
-        loop.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    ready.wait(10)
-    try:
-        yield f"http://127.0.0.1:{state['port']}/v1"
-    finally:
-        state["loop"].call_soon_threadsafe(state["loop"].stop)
-        thread.join(10)
+    with openai_stub(reply) as (url, calls):
+        try:
+            yield url
+        finally:
+            seen.extend(calls)
 
 
 def test_a_planted_instruction_stays_data_and_does_not_change_the_parse(
