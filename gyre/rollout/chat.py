@@ -2,7 +2,7 @@
 
 SGLang serves OpenAI's chat-completions API beside its native routes, with `response_format`
 turned into its grammar backend's `json_schema` constraint; the embedded engine serves the
-same subset over `Engine`, so a judge engine in a job (`topology.judge_engines`) or any
+same subset over `Engine`, so a judge engine (`gyre.tasks.judge`) or any
 OpenAI-compatible endpoint is addressed by one client, the `openai` SDK:
 
     POST /v1/chat/completions

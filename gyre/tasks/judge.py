@@ -5,7 +5,7 @@
       rubric: hidden/rubric.md          # outside the workspace; the harness never sees it
       transcript: true                  # also show the execution's transcript
       judge: {endpoint: https://llm.example/v1, model: qwen-judge, key_file: ~/.judge-key}
-      # no `judge.endpoint`: the job's judge engines (topology.judge_engines) answer
+      # no `judge.endpoint`: the evaluator's judge engines (`Judge(engines)`) answer
 
 The judge is asked through the `openai` SDK (`/v1/chat/completions`, which SGLang and the
 embedded engine serve, as does any OpenAI-compatible API) with its answer constrained to
@@ -31,7 +31,7 @@ import math
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from gyre.tasks.scores import EvaluatorError, Score, Transcript
 from gyre.tasks.suite import JudgeConfig, Task
@@ -167,7 +167,7 @@ class AgentJudge(Protocol):
 
 
 class Judge:
-    """The `judge` rule. `engines`: the job's judge engines' URLs (topology.judge_engines),
+    """The `judge` rule. `engines`: judge engines' URLs (OpenAI routes at `URL/v1`),
     asked in turn by a task that names no `judge.endpoint`; `api_key`: their engine key;
     `agent`: what runs an agentic judge (a harness lives a floor above the tasks)."""
 
@@ -186,8 +186,8 @@ class Judge:
             return cfg.endpoint.rstrip("/"), cfg.model, read_key(cfg)
         if not self.engines:
             raise EvaluatorError(
-                "the task's judge names no judge.endpoint and the job serves no judge engine "
-                "(topology.judge_engines)"
+                "the task's judge names no judge.endpoint and this evaluator has no judge engine "
+                "(Judge(engines=...))"
             )
         url = self.engines[self._next % len(self.engines)]
         self._next += 1
@@ -224,7 +224,7 @@ async def ask(
     evaluator retries the whole attempt within its budget)."""
     import openai
 
-    fmt = {"type": "json_schema",
+    fmt: Any = {"type": "json_schema",
            "json_schema": {"name": "verdict", "schema": VERDICT_SCHEMA, "strict": True}}  # fmt: skip
     where = f"judge {model!r} at {base_url}"
     client = openai.AsyncOpenAI(
@@ -232,9 +232,9 @@ async def ask(
     )
     try:
         reply = await client.chat.completions.create(
-            model=model, messages=messages,  # type: ignore[arg-type]
+            model=model, messages=cast(Any, messages),
             max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-            response_format=fmt,  # type: ignore[arg-type]
+            response_format=fmt,
         )  # fmt: skip
     except openai.APITimeoutError:
         raise EvaluatorError(f"{where} did not answer within {timeout_s:g}s") from None

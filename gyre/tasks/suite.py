@@ -160,8 +160,8 @@ RULE_NAMES = ("hidden_tests", "command", "python", "tests", "judge")
 class JudgeConfig:
     """Where the `judge` rule's model is served and how it is asked (`gyre.tasks.judge`)."""
 
-    # an OpenAI-compatible base URL ("https://host/v1"); "" asks the job's judge engines
-    # (topology.judge_engines)
+    # an OpenAI-compatible base URL ("https://host/v1"); "" asks the evaluator's judge
+    # engines (`gyre.tasks.judge.Judge(engines)`)
     endpoint: str = ""
     # the model name the endpoint serves (required with endpoint)
     model: str = ""
@@ -183,14 +183,13 @@ class JudgeConfig:
         if self.endpoint and not self.endpoint.startswith(("http://", "https://")):
             raise ConfigError(
                 f"judge.endpoint: {self.endpoint!r}; allowed: an http:// or https:// base URL "
-                "of an OpenAI-compatible API, or '' for the job's judge engines"
+                "of an OpenAI-compatible API, or '' for the evaluator's judge engines"
             )
         if self.endpoint and not self.model:
             raise ConfigError("judge.model: required with judge.endpoint")
         if self.key_file and not self.endpoint:
             raise ConfigError(
-                "judge.key_file: only with judge.endpoint (the job's judge engines take the "
-                "run's engine key)"
+                "judge.key_file: only with judge.endpoint (judge engines take the run's engine key)"
             )
         for name in ("max_tokens", "max_input_chars"):
             if not getattr(self, name) > 0:
@@ -223,7 +222,7 @@ class ScoringConfig:
     # judge: the rubric the judge scores against (a file outside the workspace, hidden from
     # the harness; relative to the task's directory)
     rubric: str = ""
-    # judge: where its model is served and how it is asked (default: the job's judge engines)
+    # judge: where its model is served and how it is asked (default: the evaluator's judge engines)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     # judge: run a harness as the judge, in its own sandbox, on a copy of the work and the
     # hidden `tests` (if any); its verdict.json is the verdict

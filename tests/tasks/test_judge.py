@@ -285,7 +285,7 @@ def test_a_judge_with_no_endpoint_and_no_judge_engines_is_an_evaluator_failure(
     tmp_path: Path,
 ) -> None:
     task = judge_suite(tmp_path, {})
-    with pytest.raises(EvaluatorError, match="serves no judge engine"):
+    with pytest.raises(EvaluatorError, match="has no judge engine"):
         asyncio.run(Judge()(task.workspace, task))
     with pytest.raises(EvaluatorError, match="runs no harness as a judge"):
         agentic = judge_suite(tmp_path / "b", {}, agentic=True)
