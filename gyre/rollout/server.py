@@ -3,6 +3,8 @@
 Routes (SGLang 0.5.21's names, request bodies and preconditions; see docs/engine.md):
 
     POST /generate                  POST /abort_request          POST /pause_generation
+    POST /v1/chat/completions       (OpenAI's chat completions, the subset `gyre.rollout.chat`
+                                    serves: a judge's constrained verdicts)
     POST /continue_generation       GET|POST /flush_cache        GET /health
     GET  /model_info (weight_version; /get_model_info: SGLang's deprecated alias)
     POST /begin_weight_update       POST /update_weights_from_tensor  POST /end_weight_update
@@ -41,8 +43,8 @@ import tornado.web
 
 from gyre.errors import ConfigError, ProtocolError
 from gyre.lifetime import until_signal
+from gyre.rollout import chat, kvstore, update_group, weights
 from gyre.rollout import engine as engine_mod
-from gyre.rollout import kvstore, update_group, weights
 from gyre.rollout.protocol import (
     authorized,
     parse_generate,
@@ -159,6 +161,29 @@ class GenerateHandler(BaseHandler):
             tornado.ioloop.IOLoop.current().run_in_executor(
                 None, self.engine.abort, self.rid, "client disconnected"
             )
+
+
+class ChatCompletionsHandler(GenerateHandler):
+    """OpenAI's chat completions over the same queue as /generate (`gyre.rollout.chat`)."""
+
+    async def post(self) -> None:
+        body = self.json_body()
+        req = await self.blocking(chat.parse_chat, body, self.engine.tokenizer)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[dict[str, Any]] = loop.create_future()
+
+        def deliver(result: dict[str, Any]) -> None:
+            loop.call_soon_threadsafe(_resolve, future, result)
+
+        self.rid = req.rid
+        await self.blocking(self.engine.submit, req, deliver)
+        result = await future
+        self.done = True
+        model = body.get("model") if isinstance(body.get("model"), str) else ""
+        try:
+            self.send(chat.completion_body(result, model or self.engine.config.model))
+        except tornado.iostream.StreamClosedError:
+            log.info("client of %s left before the answer", req.rid)
 
 
 def _resolve(future: asyncio.Future[dict[str, Any]], body: dict[str, Any]) -> None:
@@ -347,6 +372,7 @@ class KVSegmentHandler(BaseHandler):
 
 ROUTES: list[tuple[str, type[BaseHandler]]] = [
     ("/generate", GenerateHandler),
+    ("/v1/chat/completions", ChatCompletionsHandler),
     ("/abort_request", AbortHandler),
     ("/pause_generation", PauseHandler),
     ("/continue_generation", ContinueHandler),

@@ -23,6 +23,10 @@ Rules (name -> class in `RULES`):
   is reported (the work broke every test: a valid zero); pytest's own crash (exit 3, 4, no
   report) is an evaluator failure. Each listed test's outcome travels with the score as a
   `TestVerdict` (`Score.tests`; empty for every other rule).
+* `judge`: a model scores the work (and the transcript, `transcript: true`) against the
+  task's hidden rubric; its answer is constrained to {score, critique} and parsed strictly;
+  an unparsable answer, a timeout or an unreachable endpoint is an evaluator failure
+  (`gyre.tasks.judge`; `agentic: true` runs a harness as the judge).
 """
 
 from __future__ import annotations
@@ -37,82 +41,26 @@ import signal
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from gyre import fsafe
-from gyre.errors import GyreError
 from gyre.lifetime import die_with_parent
+from gyre.tasks.judge import Judge
 from gyre.tasks.pytest_runner import NO_PYTEST
+from gyre.tasks.scores import TEST_OUTCOMES as TEST_OUTCOMES
+from gyre.tasks.scores import EvaluatorError as EvaluatorError
+from gyre.tasks.scores import Score as Score
+from gyre.tasks.scores import ScoringRule as ScoringRule
+from gyre.tasks.scores import TestKind as TestKind
+from gyre.tasks.scores import TestOutcome as TestOutcome
+from gyre.tasks.scores import TestVerdict as TestVerdict
+from gyre.tasks.scores import Transcript as Transcript
 from gyre.tasks.suite import RULE_NAMES, Task
 
 CHECK_RUNNER = Path(__file__).with_name("check_runner.py")
 PYTHON_RUNNER = Path(__file__).with_name("python_runner.py")
 PYTEST_RUNNER = Path(__file__).with_name("pytest_runner.py")
-
-
-class EvaluatorError(GyreError):
-    """The evaluator could not produce a score for this state (the assessment is unresolved)."""
-
-
-TestKind = Literal["fail_to_pass", "pass_to_pass"]
-TestOutcome = Literal["passed", "failed", "error", "skipped", "not_reported"]
-TEST_OUTCOMES: tuple[TestOutcome, ...] = ("passed", "failed", "error", "skipped", "not_reported")
-
-
-@dataclass(frozen=True, slots=True)
-class TestVerdict:
-    """The outcome of one listed test of the `tests` rule (a repository task's scoring).
-
-    Persisted as `to_dict()`: `{"test": node id, "kind": "fail_to_pass" | "pass_to_pass",
-    "outcome": "passed" | "failed" | "error" | "skipped" | "not_reported"}` (`not_reported`:
-    pytest did not report it, e.g. its file no longer imports).
-    """
-
-    __test__ = False  # not a test class, whatever pytest sees
-
-    test: str  # pytest node id, as the task lists it
-    kind: TestKind  # the task's list that names it
-    outcome: TestOutcome
-
-    @property
-    def passed(self) -> bool:
-        return self.outcome == "passed"
-
-    def to_dict(self) -> dict[str, str]:
-        return {"test": self.test, "kind": self.kind, "outcome": self.outcome}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TestVerdict:
-        """The verdict `to_dict()` wrote (a trace's meta, an export's JSON, eval.json)."""
-        kind, outcome = d.get("kind"), d.get("outcome")
-        if kind not in ("fail_to_pass", "pass_to_pass") or outcome not in TEST_OUTCOMES:
-            raise ValueError(f"not a test verdict: {d!r}")
-        return cls(test=str(d["test"]), kind=kind, outcome=outcome)
-
-
-@dataclass(frozen=True, slots=True)
-class Score:
-    """A valid score of one state, with details and evaluator-authored feedback."""
-
-    value: float
-    detail: dict[str, Any] = field(default_factory=dict)
-    critique: str = ""  # evaluator-authored text; EVALUATOR provenance if a policy call sees it
-    tests: tuple[TestVerdict, ...] = ()  # rule `tests`: each listed test's outcome, as listed
-
-
-Transcript = Mapping[str, Any]
-"""An execution's transcript, JSON data (`gyre.trajectory.transcript.transcript`)."""
-
-
-class ScoringRule(Protocol):
-    async def __call__(
-        self, state_dir: Path, task: Task, transcript: Transcript | None = None
-    ) -> Score:
-        """Score `state_dir`; `transcript`: the execution's, where the evaluator has it (a
-        rule reads it only where the task asks, `scoring.transcript`)."""
 
 
 def scoring_env(home: Path) -> dict[str, str]:
@@ -425,5 +373,6 @@ RULES: dict[str, ScoringRule] = {
     "command": command,
     "python": python,
     "tests": tests,
+    "judge": Judge(),  # a task's own judge.endpoint; a job puts Judge(its engines) in place
 }
 assert tuple(RULES) == RULE_NAMES, "every rule a task may name has exactly one implementation"

@@ -152,15 +152,57 @@ class ToolLatency:
         return dataclasses.asdict(self)
 
 
-RULE_NAMES = ("hidden_tests", "command", "python", "tests")
+RULE_NAMES = ("hidden_tests", "command", "python", "tests", "judge")
 """The scoring rules a task may name; `gyre.tasks.scoring.RULES` implements each one."""
+
+
+@dataclass(kw_only=True, slots=True)
+class JudgeConfig:
+    """Where the `judge` rule's model is served and how it is asked (`gyre.tasks.judge`)."""
+
+    # an OpenAI-compatible base URL ("https://host/v1"); "" asks the evaluator's judge
+    # engines (`gyre.tasks.judge.Judge(engines)`)
+    endpoint: str = ""
+    # the model name the endpoint serves (required with endpoint)
+    model: str = ""
+    # a file holding the endpoint's API key, read at each call (never in the config or a log);
+    # relative to the task's directory; "" sends none
+    key_file: str = ""
+    # most tokens of one verdict (a verdict cut short is an evaluator failure)
+    max_tokens: int = 512
+    # the judge's sampling temperature (0: greedy)
+    temperature: float = 0.0
+    # most characters of the work shown to the judge (files, then the transcript), the rest cut
+    max_input_chars: int = 60000
+    # agentic: the harness adapter that runs as the judge (gyre/harness/adapters.yaml)
+    adapter: str = "reference"
+    # agentic: the adapter's parameter overrides (e.g. {max_turns: "6"})
+    params: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.endpoint and not self.endpoint.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"judge.endpoint: {self.endpoint!r}; allowed: an http:// or https:// base URL "
+                "of an OpenAI-compatible API, or '' for the evaluator's judge engines"
+            )
+        if self.endpoint and not self.model:
+            raise ConfigError("judge.model: required with judge.endpoint")
+        if self.key_file and not self.endpoint:
+            raise ConfigError(
+                "judge.key_file: only with judge.endpoint (judge engines take the run's engine key)"
+            )
+        for name in ("max_tokens", "max_input_chars"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"judge.{name}: {getattr(self, name)!r}; allowed: > 0")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"judge.temperature: {self.temperature!r}; allowed: >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
 class ScoringConfig:
     """How the preserved workspace of an execution is scored."""
 
-    # rule name, one of RULE_NAMES (hidden_tests, command, python, tests)
+    # rule name, one of RULE_NAMES (hidden_tests, command, python, tests, judge)
     rule: str = "hidden_tests"
     # hidden_tests: test file or directory of test_*.py; tests: file or directory copied
     # into the scratch copy before pytest runs; relative to the task's directory
@@ -174,8 +216,17 @@ class ScoringConfig:
     # python: "file.py:function" (file relative to the task's directory); fn(workspace, data)
     function: str = ""
     # python: also pass the execution's transcript (messages, final answer; built from its
-    # trajectory tree by gyre.trajectory.transcript): fn(workspace, data, transcript)
+    # trajectory tree by gyre.trajectory.transcript): fn(workspace, data, transcript);
+    # judge: show the transcript to the judge beside the workspace
     transcript: bool = False
+    # judge: the rubric the judge scores against (a file outside the workspace, hidden from
+    # the harness; relative to the task's directory)
+    rubric: str = ""
+    # judge: where its model is served and how it is asked (default: the evaluator's judge engines)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    # judge: run a harness as the judge, in its own sandbox, on a copy of the work and the
+    # hidden `tests` (if any); its verdict.json is the verdict
+    agentic: bool = False
     # wall-clock limit of one scoring attempt, seconds
     timeout_s: float = 60.0
     # hidden_tests: limit for one test function; tests: for each phase of one test; seconds
@@ -189,6 +240,7 @@ class ScoringConfig:
             )
         if self.rule in ("hidden_tests", "tests") and not self.tests:
             raise ConfigError(f"tests: required for rule {self.rule!r}")
+        self._check_judge()
         if self.rule == "tests":
             _check_node_ids(self.fail_to_pass, self.pass_to_pass)
         elif self.fail_to_pass or self.pass_to_pass:
@@ -201,11 +253,32 @@ class ScoringConfig:
             raise ConfigError(
                 f"function: {self.function!r} for rule 'python'; allowed: 'file.py:function'"
             )
-        if self.transcript and self.rule != "python":
-            raise ConfigError(f"transcript: only for rule 'python', not {self.rule!r}")
+        if self.transcript and self.rule not in ("python", "judge"):
+            raise ConfigError(f"transcript: only for rules 'python' and 'judge', not {self.rule!r}")
         for name in ("timeout_s", "per_test_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be > 0")
+
+    def _check_judge(self) -> None:
+        """Rule `judge` has a rubric; its keys belong to it alone."""
+        if self.rule != "judge":
+            key = next((k for k in ("rubric", "agentic") if getattr(self, k)), None)
+            if key is None and self.judge != JudgeConfig():
+                key = "judge"
+            if key is not None:
+                raise ConfigError(f"{key}: only for rule 'judge', not {self.rule!r}")
+            return
+        if not self.rubric:
+            raise ConfigError("rubric: required for rule 'judge'; allowed: a file of the task")
+        if self.tests and not self.agentic:
+            raise ConfigError(
+                "tests: for rule 'judge' only with agentic: true (the judge agent runs them)"
+            )
+        if self.agentic and self.judge.endpoint and not self.judge.endpoint.endswith("/v1"):
+            raise ConfigError(
+                f"judge.endpoint: {self.judge.endpoint!r} for an agentic judge; allowed: a base "
+                "URL ending in /v1 (the harness is given the root above it)"
+            )
 
 
 def _check_node_ids(fail_to_pass: list[str], pass_to_pass: list[str]) -> None:
@@ -345,14 +418,14 @@ class Task:
     @property
     def own_hidden_paths(self) -> tuple[Path, ...]:
         """The task's own secrets: its `hidden/` directory, hidden tests, the reward
-        function's file, a data row's data file and every data file beside it (another
+        function's file, a judge's rubric and key file, a data row's data file and every data file beside it (another
         format of the same rows would hold the same answers), a repository task's source
         repository (its later commits may hold the fix)."""
         folder = self.directory / "hidden" if self.directory is not None else None
         out = [folder] if folder is not None and folder.is_dir() else []
         files = [
             self.scoring.tests, self.scoring.function.rpartition(":")[0], self.source,
-            self.repository,
+            self.repository, self.scoring.rubric, self.scoring.judge.key_file,
         ]  # fmt: skip
         if self.source is not None:
             files += sorted(f for f in self.source.parent.iterdir() if is_data_source(f))
@@ -603,6 +676,18 @@ def _resolve_scoring(
         if not reward.is_file():
             raise ConfigError(f"{where}.function: {str(reward)!r} is not a file")
         scoring = dataclasses.replace(scoring, function=f"{reward}:{name}")
+    if scoring.rubric:
+        rubric = _hidden_file(base / scoring.rubric, workspace, f"{where}.rubric")
+        if not rubric.is_file():
+            raise ConfigError(f"{where}.rubric: {str(rubric)!r} is not a file")
+        scoring = dataclasses.replace(scoring, rubric=str(rubric))
+    if scoring.judge.key_file:
+        key_file = base / Path(scoring.judge.key_file).expanduser()
+        key = _hidden_file(key_file, workspace, f"{where}.judge.key_file")
+        if not key.is_file():  # checked, never read here: the key is read at each call
+            raise ConfigError(f"{where}.judge.key_file: {str(key)!r} is not a file")
+        judge = dataclasses.replace(scoring.judge, key_file=str(key))
+        scoring = dataclasses.replace(scoring, judge=judge)
     return scoring
 
 

@@ -85,8 +85,10 @@ def test_the_transcript_is_the_final_main_calls_path_one_message_per_author_run(
                                                           "calls": 0}  # fmt: skip
 
 
-def test_only_the_python_rule_takes_a_transcript() -> None:
-    with pytest.raises(ConfigError, match="transcript: only for rule 'python', not 'command'"):
+def test_only_the_python_and_judge_rules_take_a_transcript() -> None:
+    with pytest.raises(
+        ConfigError, match="transcript: only for rules 'python' and 'judge', not 'command'"
+    ):
         ScoringConfig(rule="command", command=["true"], transcript=True)
 
 

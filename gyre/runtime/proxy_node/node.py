@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.harness import ExecutionSpec, HarnessRunner, Terminated
+from gyre.harness.judge import HarnessJudge
 from gyre.proxy.app import ProxyApp
 from gyre.proxy.config import Config as ProxyConfig
 from gyre.runtime.shared import messages as msg
@@ -40,7 +41,8 @@ from gyre.runtime.shared.harness import load_tasks
 from gyre.runtime.shared.heldout import EVAL_ID, heldout, is_evaluation, run_heldout
 from gyre.runtime.shared.layout import COORDINATOR_RANK
 from gyre.tasks import AssessmentLog, Evaluator
-from gyre.tasks.scoring import Transcript
+from gyre.tasks.judge import Judge
+from gyre.tasks.scoring import RULES, Transcript
 from gyre.tasks.suite import Task, TaskSuite
 from gyre.trajectory.transcript import transcript
 from gyre.trajectory.tree import TrajectoryTree
@@ -87,9 +89,15 @@ class ExecutionHost:
                 hide=[str(d) for d in (run_dir, run_dir.resolve().parent, *hide)],
             )
         )
+        agent = HarnessJudge(
+            "bwrap" if h.sandbox == "auto" else h.sandbox, apptainer_image=h.apptainer_image,
+            keep_env=["OMP_NUM_THREADS", "HF_HUB_OFFLINE"],
+            hide=[str(d) for d in (run_dir, run_dir.resolve().parent, *hide)],
+        )  # fmt: skip
         self.evaluator = Evaluator(
-            Evaluator.Config(max_attempts=h.eval_attempts), log=AssessmentLog()
-        )
+            Evaluator.Config(max_attempts=h.eval_attempts), log=AssessmentLog(),
+            rules={**RULES, "judge": Judge(agent=agent)},
+        )  # fmt: skip
         self.app: ProxyApp | None = None
         self.url = ""
         self.tokenizer: Any = None  # the model's (`start`): decodes transcripts
