@@ -365,3 +365,38 @@ def test_the_embedded_update_group_routes_take_sglangs_request_types(recorder, t
     update = update_group.parse_update(body["/update_weights_from_distributed"])
     assert update.specs == tensor_specs(NAMED) and update.version == "6" and update.bucketed
     assert update_group.parse_destroy(body["/destroy_weights_update_group"]) == group.group_name
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_a_moe_publication_reaches_sglang_by_checkpoint_names(recorder, tmp_path, family) -> None:
+    """SGLang's `load_weights` maps a checkpoint's names, each routed expert's projections a
+    tensor of their own (``mlp.experts.{j}.gate_proj.weight``); transformers 5 holds them
+    stacked (``mlp.experts.gate_up_proj``). A publication to SGLang carries exactly what
+    `save_pretrained` writes, name for name and value for value; the embedded engine gets the
+    model's own names."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gyre.runtime.cell.engine_host import engine_names
+
+    config = AutoConfig.for_model(
+        model_type=family, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, num_hidden_layers=2, vocab_size=64, tie_word_embeddings=False,
+        shared_expert_intermediate_size=24)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "m")
+    written = load_file(str(tmp_path / "m" / "model.safetensors"))
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in named)
+    url, seen = recorder
+    host = EngineHost("/models/moe", EngineConfig(backend="sglang"), tmp_path / "e.log", version=0)
+    host.url = url
+    host.load_weights(named, 3)
+    [update] = [r for r in seen if r["route"] == "/update_weights_from_tensor"]
+    sent = dict(decode_update(update["body"])[0])
+    assert sorted(sent) == sorted(written)
+    for name, tensor in written.items():
+        assert torch.equal(sent[name], tensor), name
+    assert engine_names(EngineConfig(backend="embedded"), named) is named

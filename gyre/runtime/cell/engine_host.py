@@ -119,6 +119,7 @@ class EngineHost(EngineProcess):
         engine is this rank's child, on its node: the weights go by handle where handles
         reach it (`route`), in buckets."""
         how = route(self.engine_config, self.host, self.host, nbytes=_nbytes(named))
+        named = engine_names(self.engine_config, named)
         push_weights(self.url, named, version, tp_size=self.engine_config.tensor_parallel,
                      by_handle=how == "handle", bucket_bytes=self.engine_config.bucket_bytes,
                      device=handle_device(self.engine_config))  # fmt: skip
@@ -126,6 +127,19 @@ class EngineHost(EngineProcess):
 
 
 Route = Literal["handle", "group", "value"]
+
+
+def engine_names(
+    config: EngineConfig, named: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
+    """The policy's tensors named as `config`'s engine loads them: SGLang maps a checkpoint's
+    names (a mixture-of-experts model's experts one tensor each: `checkpoint_names`), the
+    embedded engine loads the transformers model's own (stacked experts)."""
+    if config.backend != "sglang":
+        return named
+    from gyre.train.megatron.weights import checkpoint_names
+
+    return checkpoint_names(named)
 
 
 def route(config: EngineConfig, engine_host: str, host: str, *, nbytes: int) -> Route:
@@ -188,6 +202,7 @@ def publish(
     reset or timed-out push (the engine died or is dying) is a miss, never fatal: the
     coordinator has it reload."""
     tp, nbytes = config.tensor_parallel, _nbytes(named)
+    named = engine_names(config, named)
     how = {e: route(config, urlsplit(url).hostname or "", host, nbytes=nbytes)
            for e, url in targets}  # fmt: skip
     grouped = [(e, url) for e, url in targets if how[e] == "group"]
