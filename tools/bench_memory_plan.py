@@ -1,7 +1,6 @@
 """The memory plan against real training on CPU: predicted vs measured peak per rank.
 
     python tools/bench_memory_plan.py [--json] [--cases NAME,...]
-    python tools/bench_memory_plan.py --write-doc-models DIR   # the docs' model shapes (config.json)
 
 What: for three model shapes, each case runs the runtime's own training code on CPU in a
 fresh `mpiexec` world of the cell's ranks — the backend's `build` (torch: the whole model
@@ -52,31 +51,6 @@ CASES: dict[str, tuple[str, str, int, str, int, int]] = {
     "128x2/megatron-tp1-local": ("tiny:128x2", "megatron", 1, "local", 4096, 4096),
 }
 """Three shapes, each on the torch backend and Megatron at TP 1 and 2 (one local case)."""
-
-DOC_MODELS: dict[str, dict[str, Any]] = {
-    "qwen2-7b": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
-                 "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28,
-                 "vocab_size": 152064, "max_position_embeddings": 32768,
-                 "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0},
-    "llama-70b": {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
-                  "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 80,
-                  "vocab_size": 128256, "max_position_embeddings": 131072,
-                  "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "rope_theta": 500000.0},
-    "qwen3-8b": {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
-                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                 "num_hidden_layers": 36, "vocab_size": 151936, "max_position_embeddings": 40960,
-                 "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0},
-    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
-                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-                      "num_hidden_layers": 48, "vocab_size": 151936,
-                      "max_position_embeddings": 40960, "tie_word_embeddings": False,
-                      "rms_norm_eps": 1e-6, "rope_theta": 1000000.0},
-}  # fmt: skip
-"""Qwen2.5-7B's, Llama-3.1-70B's, Qwen3-8B's and Qwen3-30B-A3B's shapes as config.json dicts
-(no download): the plans in docs/gpu.md and docs/slurm.md are `gyre plan --memory` over a
-directory holding one of these."""
 
 
 def _step(tokens: int, row: int, seed: int = 0) -> tuple[Any, dict[str, Any]]:
@@ -206,20 +180,11 @@ def measure(case: str, default_malloc: bool = False) -> list[dict[str, Any]]:
         return list(json.loads(out.read_text()))
 
 
-def write_doc_models(folder: Path) -> None:
-    """`DOC_MODELS` as model directories (config.json only) under `folder`."""
-    for name, config in DOC_MODELS.items():
-        (folder / name).mkdir(parents=True, exist_ok=True)
-        (folder / name / "config.json").write_text(json.dumps(config, indent=1))
-        print(folder / name)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     ap.add_argument("--phases", action="store_true", help="each phase's measured peak")
-    ap.add_argument("--write-doc-models", type=Path, metavar="DIR", default=None)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -233,9 +198,6 @@ def main() -> int:
             traceback.print_exc()
             sys.stderr.flush()
             MPI.COMM_WORLD.Abort(1)
-        return 0
-    if args.write_doc_models:
-        write_doc_models(args.write_doc_models)
         return 0
     rows = []
     print("MB = 2**20 bytes; error = (predicted - measured) / measured; glibc: the default "

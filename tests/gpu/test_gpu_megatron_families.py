@@ -14,6 +14,7 @@ error for a family the mapping does not know.
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -44,19 +45,9 @@ WORKER = Path(__file__).with_name("megatron_family_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 from megatron_family_worker import tiny_family  # noqa: E402
 
-QWEN3_8B = {
-    "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "num_hidden_layers": 36, "vocab_size": 151936, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000, "attention_bias": False, "tie_word_embeddings": False,
-}  # fmt: skip
-QWEN3_30B_A3B = {
-    **QWEN3_8B, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 48,
-    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "router_aux_loss_coef": 0.001,
-}  # fmt: skip
+SHAPES = Path(__file__).resolve().parents[2] / "templates" / "shapes"
+QWEN3_8B = json.loads((SHAPES / "qwen3-8b" / "config.json").read_text())
+QWEN3_30B_A3B = json.loads((SHAPES / "qwen3-30b-a3b" / "config.json").read_text())
 QWEN2_57B_A14B = {
     "model_type": "qwen2_moe", "hidden_size": 3584, "intermediate_size": 18944,
     "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28,
@@ -122,6 +113,10 @@ def test_moe_layouts_megatron_cannot_run_here_are_named():
                         MegatronConfig(tensor_parallel=4))  # fmt: skip
     with pytest.raises(ConfigError, match="moe_aux_loss_coeff"):
         MegatronConfig(moe_aux_loss_coeff=-1.0)
+    top1 = {**QWEN3_30B_A3B, "num_experts_per_tok": 1}
+    with pytest.raises(ConfigError, match="num_experts_per_tok: 1 with norm_topk_prob true"):
+        check_trainable(top1, MegatronConfig())
+    check_trainable({**top1, "norm_topk_prob": False}, MegatronConfig())
 
 
 # --- weights: checkpoint files and transformers' modules ---------------------------------------

@@ -189,6 +189,12 @@ def _check_moe(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
     top_k = int(_get(hf, "num_experts_per_tok"))
     if not 1 <= top_k <= num_experts(hf):
         raise ConfigError(f"hf_config.num_experts_per_tok: {top_k}; allowed 1..{num_experts(hf)}")
+    if top_k == 1 and hf.get("norm_topk_prob"):  # TransformerConfig.__post_init__ refuses it
+        raise ConfigError(
+            "hf_config.num_experts_per_tok: 1 with norm_topk_prob true; allowed: top-k >= 2, "
+            "or norm_topk_prob false (megatron-core refuses a top-1 router that takes its "
+            "softmax after the top k)"
+        )
 
 
 def check_trainable(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
