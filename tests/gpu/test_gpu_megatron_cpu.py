@@ -178,11 +178,13 @@ def test_the_cuda_build_path_seeds_megatron_and_runs_its_first_forward(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("patch",
-                         ["rotary", "tied_embedding", "router", "memory_buffer", "rng_tracker"])  # fmt: skip
+                         ["rotary", "tied_embedding", "router", "sequence_parallel",
+                          "memory_buffer", "rng_tracker"])  # fmt: skip
 def test_each_cpu_patch_is_off_on_the_cuda_path(cuda_path: dict[str, Any], patch: str) -> None:
     """After the CUDA build path and its forward, Megatron's own object is in place: the
-    rotary embedding's `get_emb`, the tied-embedding setup, the global memory buffer, and
-    the model-parallel RNG tracker (its training tracker, seeded)."""
+    rotary embedding's `get_emb`, the tied-embedding setup, the router's gating, the
+    sequence-parallel collectives, the global memory buffer, and the model-parallel RNG
+    tracker (its training tracker, seeded)."""
     assert cuda_path["patches"]["active"] is False
     assert cuda_path["patches"][patch] is True, f"cpu.py's {patch} patch is on the CUDA path"
 

@@ -156,6 +156,7 @@ def _patch_sequence_parallel() -> None:
         with _current_device(grad_output.device):
             return original(ctx, grad_output)
 
+    backward.gyre_cpu_patch = True  # type: ignore[attr-defined]  # Megatron's has __wrapped__
     linear.backward = staticmethod(backward)  # type: ignore[method-assign,assignment]
 
 
