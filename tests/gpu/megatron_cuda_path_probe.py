@@ -108,15 +108,16 @@ def patches() -> dict[str, Any]:
 
     tracker = random.get_cuda_rng_tracker()
     tied = LanguageModule.setup_embeddings_and_output_layer
+    linear = layers.LinearWithGradAccumulationAndAsyncCommunication
     return {
         "active": cpu.active(),
         "rotary": not hasattr(RotaryEmbedding.get_emb, "__wrapped__"),
         "tied_embedding": not hasattr(tied, "__wrapped__"),
         "router": not hasattr(Router.gating, "__wrapped__"),
-        "sequence_parallel": not any(hasattr(getattr(mappings, name), "__wrapped__")
-                                     for name in cpu.SEQUENCE_COLLECTIVES)
-        and not hasattr(layers.LinearWithGradAccumulationAndAsyncCommunication.backward,
-                        "gyre_cpu_patch"),  # fmt: skip
+        "sequence_parallel": not any(
+            hasattr(getattr(mappings, name), "__wrapped__") for name in cpu.SEQUENCE_COLLECTIVES
+        )
+        and not hasattr(linear.backward, "gyre_cpu_patch"),
         "memory_buffer": type(parallel_state.get_global_memory_buffer()) is GlobalMemoryBuffer,
         # Megatron's training tracker, seeded (cpu.py's is its stateless inference tracker)
         "rng_tracker": type(tracker) is random.CudaRNGStatesTracker

@@ -69,7 +69,13 @@ def tiny_family(family: str) -> torch.nn.Module:
 
 
 def main(
-    rank: int, world: int, port: int, out: str, family: str, attention: str, pipeline: int,
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    family: str,
+    attention: str,
+    pipeline: int,
     sequence: str = "auto",
 ) -> None:
     warnings.simplefilter("ignore")

@@ -57,7 +57,12 @@ def _free_port() -> int:
 
 
 def _run_world(
-    tmp_path: Path, step: MicroStep, tp: int, pp: int, dtype: str, attention: str = "sdpa",
+    tmp_path: Path,
+    step: MicroStep,
+    tp: int,
+    pp: int,
+    dtype: str,
+    attention: str = "sdpa",
     sequence: str = "auto",
 ) -> list[dict]:
     """Every rank's results of one micro-step through a TP x PP world of gloo processes."""

@@ -115,8 +115,11 @@ def test_an_unknown_family_is_one_line_naming_the_supported_ones():
 
 def test_moe_layouts_megatron_cannot_run_here_are_named():
     check_trainable(QWEN3_30B_A3B, MegatronConfig(tensor_parallel=2))  # sequence parallel
-    with pytest.raises(ConfigError, match=r"sequence_parallel: false at tensor_parallel 2 for a "
-                       r"qwen3_moe model; allowed: sequence parallelism on \(true or null\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"sequence_parallel: false at tensor_parallel 2 for a "
+        r"qwen3_moe model; allowed: sequence parallelism on \(true or null\)",
+    ):
         check_trainable(QWEN3_30B_A3B, MegatronConfig(tensor_parallel=2, sequence_parallel=False))
     with pytest.raises(ConfigError, match="mlp_only_layers"):
         check_trainable({**QWEN3_30B_A3B, "mlp_only_layers": [0]}, MegatronConfig())
@@ -184,7 +187,12 @@ def _free_port() -> int:
 
 
 def _run_world(
-    tmp_path: Path, step: MicroStep, family: str, tp: int, attention: str, pp: int,
+    tmp_path: Path,
+    step: MicroStep,
+    family: str,
+    tp: int,
+    attention: str,
+    pp: int,
     sequence: str = "auto",
 ) -> list:
     torch.save(step, tmp_path / "step.pt")

@@ -260,7 +260,7 @@ class MegatronCell(TorchCell):
     def _logprobs(self, step: MicroStep, *, grad: bool) -> tuple[torch.Tensor, Any]:
         st = step_tensors(step, self.device)
         n, width = st.ids.shape
-        dtype, stage, config = self.flat_params.dtype, self.stage, self.model.config
+        dtype, stage, config = self.flat_params.dtype, self.stage, self._config
         # Under sequence parallelism the rows are cut into TP slices along the sequence: the
         # width is padded to a multiple of TP, on the right, where (causal attention) no
         # real position sees it; its log-probs are dropped, so it adds no gradient.
@@ -286,10 +286,15 @@ class MegatronCell(TorchCell):
         check_finite(logp, st, f"micro-step {step.index}")
         return logp, st
 
+    @property
+    def _config(self) -> Any:
+        """The model's `TransformerConfig`."""
+        return self.model.config
+
     def _hidden_shape(self, rows: int, width: int) -> tuple[int, int, int]:
         """The hidden states a stage sends the next: `[seq, rows, hidden]`, this TP rank's
         slice of the sequence under sequence parallelism."""
-        config = self.model.config
+        config = self._config
         seq = width // _tp_size() if config.sequence_parallel else width
         return seq, rows, int(config.hidden_size)
 
