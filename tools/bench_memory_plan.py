@@ -151,8 +151,10 @@ def predict(case: str) -> list[int]:
 
     spec, name, tp, attention, row, budget = CASES[case]
     shape = ModelShape.from_hf(model_config(spec).to_dict())
+    # sequence parallel at TP > 1: the backend's default (`measure` runs it)
     layout = TrainLayout(backend=name, tensor=tp, dtype="float32", attention=attention,  # type: ignore[arg-type]
-                         row_tokens=row, token_budget=budget)  # fmt: skip
+                         row_tokens=row, token_budget=budget,
+                         sequence=name == "megatron" and tp > 1)  # fmt: skip
     plan = MemoryPlan(shape=shape, layout=layout, gpu=False, limit=None)
     return [plan.device_bytes(r) for r in plan.ranks]
 

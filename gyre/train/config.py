@@ -162,12 +162,24 @@ class ParallelConfig:
     """Tensor-parallel size of a cell (megatron; null: ranks_per_cell / pipeline)."""
     pipeline: int = 1
     """Pipeline-parallel size of a cell (megatron; divides the model's layers)."""
+    sequence: bool | None = None
+    """Megatron's sequence parallelism beside tensor parallelism: the activations outside the
+    tensor-parallel layers (norms, residuals, dropout) split over the TP ranks along the
+    sequence, so they take 1/tensor of the memory, for the same traffic (an all-gather and a
+    reduce-scatter where TP alone all-reduces); required by mixture-of-experts models at
+    tensor > 1. Null: on when tensor > 1 (megatron; true with tensor 1 is an error)."""
 
     def __post_init__(self) -> None:
         if self.tensor is not None and self.tensor < 1:
             raise ConfigError(f"tensor: {self.tensor}; allowed an integer >= 1 or null")
         if self.pipeline < 1:
             raise ConfigError(f"pipeline: {self.pipeline}; allowed an integer >= 1")
+        if self.sequence and self.tensor == 1:
+            raise ConfigError(SEQUENCE_NEEDS_TP)
+
+
+SEQUENCE_NEEDS_TP = ("sequence: true with tensor 1; allowed: true with tensor > 1, or false / "
+                     "null (sequence parallelism splits the sequence over the TP ranks)")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +189,12 @@ class ParallelDims:
     tensor: int
     pipeline: int
     data: int
+    sequence: bool = False
+    """Sequence parallelism beside tensor parallelism (`ParallelConfig.sequence`, resolved)."""
+
+    def __post_init__(self) -> None:
+        if self.sequence and self.tensor == 1:
+            raise ConfigError(f"parallel.{SEQUENCE_NEEDS_TP}")
 
     @property
     def ranks(self) -> int:

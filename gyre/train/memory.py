@@ -31,7 +31,11 @@ float32, 2 for bfloat16):
 
 A rank's peak is its resident state plus the larger of the micro-step and the update. The
 micro-step holds `max(token_budget, row)` tokens (a row longer than the budget trains alone)
-and its attention `tokens x row` query-key pairs per head.
+and its attention `tokens x row` query-key pairs per head. Under Megatron's sequence
+parallelism (`TrainLayout.sequence`, on by default at TP > 1) what lies outside the
+tensor-parallel layers — the norms' inputs, outputs and float32 upcasts, the residual
+stream, the input a column-parallel layer saves, the embedding's output, the hidden states
+between stages — is this rank's slice of the sequence: those terms are divided by TP.
 """
 
 from __future__ import annotations
@@ -136,6 +140,9 @@ class TrainLayout:
     """The longest row: `proxy.max_context_tokens`, or the model's own context if shorter."""
     token_budget: int = 16384
     """`train.token_budget`: padded tokens of a micro-step (a longer row trains alone)."""
+    sequence: bool = False
+    """Megatron's sequence parallelism (`train.parallel.sequence`, resolved: `ParallelDims`):
+    the activations outside the tensor-parallel layers split over the TP ranks."""
 
     @property
     def ranks(self) -> int:
@@ -145,6 +152,12 @@ class TrainLayout:
     def step_tokens(self) -> int:
         """Tokens of the largest micro-step."""
         return max(self.token_budget, self.row_tokens)
+
+    @property
+    def sequence_split(self) -> int:
+        """What divides the activations outside the tensor-parallel layers: TP under sequence
+        parallelism, else 1 (replicated on every TP rank)."""
+        return self.tensor if self.sequence and self.backend == "megatron" else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,9 +201,11 @@ def layer_activation_bytes(shape: ModelShape, layout: TrainLayout, tokens: int) 
     if layout.backend == "torch":  # Hugging Face's layer (its RMSNorm upcasts)
         per = b * (6 * h + 2 * q + 2 * kv) + (4 * h if b == 2 else 0)
         per += (q + kv) * (b + 4) * shape.qk_norm
-    else:  # Megatron's local spec: norms replicated, the rest split over TP
-        per = b * 6 * h + b * (4 * q + 3 * kv) // tp + (8 * h if b == 2 else 0)
-        per += (q + kv) * 8 * shape.qk_norm
+    else:  # Megatron's local spec: norms replicated (split along the sequence under sequence
+        # parallelism), the rest split over TP (the q/k norms see their rank's heads)
+        rep = b * 6 * h + (8 * h if b == 2 else 0)
+        per = rep // layout.sequence_split + b * (4 * q + 3 * kv) // tp
+        per += (q + kv) * 8 * shape.qk_norm // tp
     per += _mlp_activation_bytes(shape, layout)
     return tokens * (per + 4 * shape.heads // tp + 8)
 
@@ -210,14 +225,15 @@ def _mlp_activation_bytes(shape: ModelShape, layout: TrainLayout) -> int:
     else:  # Megatron's all-gather dispatcher and SequentialMLP
         rows = 6 * b * shape.moe_ffn // tp + b * h + 48
         shared = 0
-    return mlp + shape.top_k * rows + 4 * shape.experts + shared
+    return mlp + shape.top_k * rows + 4 * shape.experts // layout.sequence_split + shared
 
 
 def outer_activation_bytes(shape: ModelShape, layout: TrainLayout, tokens: int) -> int:
     """What autograd saves outside the layers: the embedding's output (or the hidden states
-    a stage receives) and the final norm (its float32 upcast under bfloat16)."""
+    a stage receives) and the final norm (its float32 upcast under bfloat16); this rank's
+    slice of the sequence under sequence parallelism."""
     b = dtype_bytes(layout.dtype)
-    return tokens * shape.hidden * (3 * b + (4 if b == 2 else 0))
+    return tokens * shape.hidden * (3 * b + (4 if b == 2 else 0)) // layout.sequence_split
 
 
 def attention_scores_bytes(shape: ModelShape, layout: TrainLayout) -> tuple[int, int]:
@@ -246,7 +262,7 @@ def micro_step_bytes(shape: ModelShape, layout: TrainLayout, stage: int = 0) -> 
     acts = layers * (layer_activation_bytes(shape, layout, tokens) + saved_scores)
     acts += outer_activation_bytes(shape, layout, tokens)
     if stage != pp - 1:  # a middle stage: its output and the gradient it receives
-        return acts + max(scratch, 2 * tokens * b * shape.hidden)
+        return acts + max(scratch, 2 * tokens * b * shape.hidden // layout.sequence_split)
     logits = tokens * (shape.vocab // tp) * b
     chunk = min(CHUNK_ELEMENTS, tokens * (shape.vocab // tp)) * 4
     head_grad = (shape.vocab // tp) * shape.hidden * b + tokens * shape.hidden * b
@@ -330,15 +346,17 @@ def describe(rank: RankMemory) -> str:
 
 def layouts_that_fit(shape: ModelShape, layout: TrainLayout, limit: int,
                      most_ranks: int = 64) -> list[TrainLayout]:  # fmt: skip
-    """Megatron layouts (TP up to 8, one node's GPUs; PP dividing the layers) of the fewest
-    ranks whose every rank fits in `limit` bytes, TP preferred; the same dtype, attention and
-    micro-step."""
+    """Megatron layouts (TP up to 8, one node's GPUs; PP dividing the layers; sequence
+    parallel at TP > 1, the default) of the fewest ranks whose every rank fits in `limit`
+    bytes, TP preferred; the same dtype, attention and micro-step."""
     found: list[TrainLayout] = []
     for ranks in range(1, most_ranks + 1):
         for tp in (8, 4, 2, 1):
             if ranks % tp or not _shards(shape, tp) or shape.layers % (ranks // tp):
                 continue
-            cand = replace(layout, backend="megatron", tensor=tp, pipeline=ranks // tp, data=1)
+            cand = replace(
+                layout, backend="megatron", tensor=tp, pipeline=ranks // tp, data=1, sequence=tp > 1
+            )  # train.parallel.sequence's default
             if max(r.peak for r in plan_ranks(shape, cand)) <= limit:
                 found.append(cand)
         if found:

@@ -12,7 +12,7 @@ memory, so every tensor Megatron puts on it is a CPU tensor. Nothing of megatron
 1. the CUDA build path, `build_rank_model(..., device="cuda:0")` as the Megatron backend
    calls it, for the tiny Qwen2 with each core attention ("sdpa", "local"), and the first
    forward + backward through `MegatronCell`: its log-probs against transformers', or the
-   error it raised; and the state of each of `cpu.py`'s five patches afterwards;
+   error it raised; and the state of each of `cpu.py`'s six patches afterwards;
 2. the CPU path on this "GPU machine" (`train.device: cpu` on a GPU node): the same build
    with `device="cpu"` — the patches are on and the forward runs.
 
@@ -96,11 +96,11 @@ def first_pass(hf: Any, attention: str, device: str) -> dict[str, Any]:
 
 
 def patches() -> dict[str, Any]:
-    """Each of cpu.py's five patches: whether Megatron's own object is in place."""
+    """Each of cpu.py's six patches: whether Megatron's own object is in place."""
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.common.language_module.language_module import LanguageModule
-    from megatron.core.tensor_parallel import random
+    from megatron.core.tensor_parallel import layers, mappings, random
     from megatron.core.transformer.moe.router import Router
     from megatron.core.utils import GlobalMemoryBuffer
 
@@ -108,11 +108,16 @@ def patches() -> dict[str, Any]:
 
     tracker = random.get_cuda_rng_tracker()
     tied = LanguageModule.setup_embeddings_and_output_layer
+    linear = layers.LinearWithGradAccumulationAndAsyncCommunication
     return {
         "active": cpu.active(),
         "rotary": not hasattr(RotaryEmbedding.get_emb, "__wrapped__"),
         "tied_embedding": not hasattr(tied, "__wrapped__"),
         "router": not hasattr(Router.gating, "__wrapped__"),
+        "sequence_parallel": not any(
+            hasattr(getattr(mappings, name), "__wrapped__") for name in cpu.SEQUENCE_COLLECTIVES
+        )
+        and not hasattr(linear.backward, "gyre_cpu_patch"),
         "memory_buffer": type(parallel_state.get_global_memory_buffer()) is GlobalMemoryBuffer,
         # Megatron's training tracker, seeded (cpu.py's is its stateless inference tracker)
         "rng_tracker": type(tracker) is random.CudaRNGStatesTracker

@@ -1,14 +1,15 @@
 """One rank of a tensor-parallel Megatron world on CPU (gloo) running a tiny random model of one
 family, for test_gpu_megatron_families.py.
 
-    python megatron_family_worker.py RANK WORLD PORT OUT_DIR FAMILY [ATTENTION [PIPELINE]]
+    python megatron_family_worker.py RANK WORLD PORT OUT_DIR FAMILY [ATTENTION [PIPELINE [SEQUENCE]]]
 
 FAMILY is a key of `FAMILIES` (Qwen3 dense, Qwen3-MoE with and without renormalized top-k,
 Qwen2-MoE with its gated shared expert). The model is transformers' own, built from a config
 in code under a seed (`tiny_family`), every weight drawn at random so each one matters. The
 rank (TP rank RANK % TP of pipeline stage RANK // TP, TP = WORLD / PIPELINE) cuts its shard
 from the HF state dict (`stage_to_mcore`), builds Gyre's GPTModel
-(`build_rank_model`, the backend's build; core attention ATTENTION, "sdpa" or "local"), runs OUT_DIR/step.pt's rows through `MegatronCell`
+(`build_rank_model`, the backend's build; core attention ATTENTION, "sdpa" or "local";
+sequence parallelism SEQUENCE, "on", "off" or "auto": on at TP > 1), runs OUT_DIR/step.pt's rows through `MegatronCell`
 (vocab-parallel chunked log-probs) and the cell's backward of the summed target log-probs,
 and writes to OUT_DIR/rank<R>.pt its log-probs, its vocabulary shard of the logits (one
 stage only), its
@@ -68,14 +69,21 @@ def tiny_family(family: str) -> torch.nn.Module:
 
 
 def main(
-    rank: int, world: int, port: int, out: str, family: str, attention: str, pipeline: int
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    family: str,
+    attention: str,
+    pipeline: int,
+    sequence: str = "auto",
 ) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)  # fmt: skip
     from gyre.train.megatron.config import MegatronConfig
-    from gyre.train.megatron.model import MegatronCell, build_rank_model
+    from gyre.train.megatron.model import MegatronCell, build_rank_model, pad_to_multiple
     from gyre.train.megatron.weights import WeightLayout, stage_to_mcore, tensor_state
     from gyre.train.objective import ObjectiveConfig, step_tensors
 
@@ -86,23 +94,26 @@ def main(
                            tp_rank=rank % tp, tp_size=tp, stage=rank // tp,
                            stages=pipeline)  # fmt: skip
     mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pipeline, dtype="float32",
-                          attention=attention)  # type: ignore[arg-type]  # fmt: skip
+                          attention=attention,  # type: ignore[arg-type]
+                          sequence_parallel={"auto": None, "on": True, "off": False}[sequence])  # fmt: skip
     model = build_rank_model(hfc, shard, mcfg, device="cpu")
     loaded = {k: v.detach().clone() for k, v in tensor_state(model).items()}
     cell = MegatronCell(model, objective=ObjectiveConfig())
     step = torch.load(f"{out}/step.pt", weights_only=False)
     st = step_tensors(step)
-    positions = torch.arange(st.ids.shape[1]).expand_as(st.ids)
-    mask = torch.ones(st.ids.shape[1], st.ids.shape[1], dtype=torch.bool).triu(1)[None, None]
+    width = st.ids.shape[1]  # sequence parallel: padded to a multiple of TP, as the cell does
+    ids = pad_to_multiple(st.ids, tp if mcfg.sequence else 1)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)[None, None]
     logits = None
     if pipeline == 1:  # a stage's forward alone needs its neighbours: logits at PP 1 only
         with torch.no_grad():  # causal (Megatron's mask convention: True = masked out)
-            logits = model(st.ids, positions, mask)
+            logits = model(ids, positions, mask)[:, :width]
     logp, st = cell._logprobs(step, grad=True)
     cell._backward((logp * st.targets).sum())
     grads = {n: cell.grad_of(p).detach().clone() for n, p in model.named_parameters()}
-    torch.save({"logp": logp.detach(), "logits": logits, "grads": grads, "weights": loaded},
-               f"{out}/rank{rank}.pt")  # fmt: skip
+    torch.save({"logp": logp.detach(), "logits": logits, "grads": grads, "weights": loaded,
+                "sequence_parallel": model.config.sequence_parallel}, f"{out}/rank{rank}.pt")  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -115,4 +126,5 @@ if __name__ == "__main__":
         sys.argv[5],
         sys.argv[6] if len(sys.argv) > 6 else "sdpa",
         int(sys.argv[7]) if len(sys.argv) > 7 else 1,
+        sys.argv[8] if len(sys.argv) > 8 else "auto",
     )

@@ -1,7 +1,7 @@
 """One rank of a tensor- and pipeline-parallel Megatron world on CPU (gloo), for
 test_gpu_megatron_cpu.py.
 
-    python megatron_tp_worker.py RANK WORLD PORT OUT_DIR [PIPELINE [DTYPE [ATTENTION]]]
+    python megatron_tp_worker.py RANK WORLD PORT OUT_DIR [PIPELINE [DTYPE [ATTENTION [SEQUENCE]]]]
 
 Builds Gyre's GPTModel of the tiny Qwen2 (`stage_to_mcore` + `build_rank_model`: this rank's
 TP shard of its pipeline stage; TP = WORLD / PIPELINE) in DTYPE (float32, or bfloat16 with the
@@ -28,6 +28,7 @@ def main(
     pipeline: int = 1,
     dtype: str = "float32",
     attention: str = "sdpa",
+    sequence: str = "auto",
 ) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -42,7 +43,8 @@ def main(
 
     tp = world // pipeline
     mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pipeline, dtype=dtype,  # type: ignore[arg-type]
-                          attention=attention)  # type: ignore[arg-type]  # fmt: skip
+                          attention=attention,  # type: ignore[arg-type]
+                          sequence_parallel={"auto": None, "on": True, "off": False}[sequence])  # fmt: skip
     hf, _ = load_model("tiny")
     hfc = hf.config.to_dict()
     shard = stage_to_mcore(dict(hf.state_dict()), WeightLayout.from_hf_config(hfc), tp_rank=rank % tp,
@@ -53,8 +55,8 @@ def main(
     logp, st = cell._logprobs(step, grad=True)
     cell._backward((logp * st.targets).sum())  # the last stage's loss; the others' gradients
     grads = {n: cell.grad_of(p).detach().clone() for n, p in model.named_parameters()}
-    torch.save({"logp": logp.detach(), "grads": grads, "patched": cpu.active()},
-               f"{out}/rank{rank}.pt")  # fmt: skip
+    torch.save({"logp": logp.detach(), "grads": grads, "patched": cpu.active(),
+                "sequence_parallel": model.config.sequence_parallel}, f"{out}/rank{rank}.pt")  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -62,6 +64,7 @@ if __name__ == "__main__":
     pipeline = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     dtype = sys.argv[6] if len(sys.argv) > 6 else "float32"
     attention = sys.argv[7] if len(sys.argv) > 7 else "sdpa"
+    sequence = sys.argv[8] if len(sys.argv) > 8 else "auto"
     main(
         int(sys.argv[1]),
         int(sys.argv[2]),
@@ -70,4 +73,5 @@ if __name__ == "__main__":
         pipeline,
         dtype,
         attention,
+        sequence,
     )

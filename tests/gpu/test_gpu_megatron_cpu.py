@@ -3,7 +3,9 @@
 Gyre's GPTModel of the tiny Qwen2 (built by `build_rank_model`, the backend's build, with
 gyre.train.megatron.cpu's patches) against transformers' own model at TP = 2, PP = 2 and
 TP 2 x PP 2 over gloo processes, with the SDPA core attention and, at TP = 2, Megatron's
-`DotProductAttention` (vocab-parallel chunked log-probs; the stages' hidden states and input
+`DotProductAttention`, sequence parallel (the default at TP > 1: rows of odd width padded to
+a multiple of TP, the norms' gradients summed over the TP ranks) and not
+(vocab-parallel chunked log-probs; the stages' hidden states and input
 gradients sent stage to stage, the tied embedding's two copies summed; shards gathered back
 to the Hugging Face layout). And the CUDA build path run here with only the CUDA device
 stood in (megatron_cuda_path_probe.py): Megatron seeded, its first forward runs, each CPU
@@ -32,7 +34,7 @@ from megatron_steps import micro_step  # noqa: E402  (tests/gpu, on sys.path)
 
 
 def _step() -> MicroStep:
-    return micro_step()
+    return micro_step((13, 7, 9))  # an odd width: sequence parallelism pads it
 
 
 def _hf_reference(step: MicroStep) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -55,13 +57,20 @@ def _free_port() -> int:
 
 
 def _run_world(
-    tmp_path: Path, step: MicroStep, tp: int, pp: int, dtype: str, attention: str = "sdpa"
+    tmp_path: Path,
+    step: MicroStep,
+    tp: int,
+    pp: int,
+    dtype: str,
+    attention: str = "sdpa",
+    sequence: str = "auto",
 ) -> list[dict]:
     """Every rank's results of one micro-step through a TP x PP world of gloo processes."""
     torch.save(step, tmp_path / "step.pt")
     port, world = _free_port(), tp * pp
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port),
-                               str(tmp_path), str(pp), dtype, attention], stdout=subprocess.PIPE,
+                               str(tmp_path), str(pp), dtype, attention, sequence],
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for r in range(world)]  # fmt: skip
     for p in procs:
@@ -91,13 +100,17 @@ def _hf_grads(ranks: list[dict], tp: int) -> dict[str, torch.Tensor]:
 
 # TP = 1, PP = 1: test_gpu_megatron_weights.py, in-process
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,attention",
-                         [(2, 1, "sdpa"), (1, 2, "sdpa"), (2, 2, "sdpa"), (2, 1, "local")])  # fmt: skip
+@pytest.mark.parametrize("tp,pp,attention,sequence",
+                         [(2, 1, "sdpa", "auto"), (2, 1, "sdpa", "off"), (1, 2, "sdpa", "auto"),
+                          (2, 2, "sdpa", "auto"), (2, 1, "local", "auto")])  # fmt: skip
 def test_megatron_tp_matches_transformers_on_cpu(
-    tmp_path: Path, tp: int, pp: int, attention: str
+    tmp_path: Path, tp: int, pp: int, attention: str, sequence: str
 ) -> None:
+    """Log-probs and gradients of one micro-step within 2e-5 / 1e-4 relative of transformers';
+    sequence parallelism ("auto": on at TP 2) pads the 13-token rows to 14."""
     step = _step()
-    ranks = _run_world(tmp_path, step, tp, pp, "float32", attention)
+    ranks = _run_world(tmp_path, step, tp, pp, "float32", attention, sequence)
+    assert {r["sequence_parallel"] for r in ranks} == {tp > 1 and sequence != "off"}
     want_logp, want_grads = _hf_reference(step)
     targets = _targets(step, tuple(want_logp.shape))
     for r in ranks:  # every rank has the whole rows' log-probs (vocab-parallel CE, broadcast)
@@ -170,11 +183,13 @@ def test_the_cuda_build_path_seeds_megatron_and_runs_its_first_forward(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("patch",
-                         ["rotary", "tied_embedding", "router", "memory_buffer", "rng_tracker"])  # fmt: skip
+                         ["rotary", "tied_embedding", "router", "sequence_parallel",
+                          "memory_buffer", "rng_tracker"])  # fmt: skip
 def test_each_cpu_patch_is_off_on_the_cuda_path(cuda_path: dict[str, Any], patch: str) -> None:
     """After the CUDA build path and its forward, Megatron's own object is in place: the
-    rotary embedding's `get_emb`, the tied-embedding setup, the global memory buffer, and
-    the model-parallel RNG tracker (its training tracker, seeded)."""
+    rotary embedding's `get_emb`, the tied-embedding setup, the router's gating, the
+    sequence-parallel collectives, the global memory buffer, and the model-parallel RNG
+    tracker (its training tracker, seeded)."""
     assert cuda_path["patches"]["active"] is False
     assert cuda_path["patches"][patch] is True, f"cpu.py's {patch} patch is on the CUDA path"
 

@@ -2,7 +2,8 @@
 
 Each family's tiny random model (transformers' own class, built from a config in code:
 megatron_family_worker.py's `tiny_family`) is cut into Megatron shards, built by the backend's
-`build_rank_model` at TP 1 and TP 2 (Qwen3-MoE also at PP 2) over gloo processes, and run
+`build_rank_model` at TP 1 and TP 2 (sequence parallel, the default, and for Qwen3 also not;
+Qwen3-MoE also at PP 2) over gloo processes, and run
 through `MegatronCell`: logits, target log-probs and the gradients of their sum within 1e-5
 relative of transformers', and the weights read back from the built model equal to the HF
 tensors bit for bit. Besides: the config mapping (per-head q/k norm → `qk_layernorm`,
@@ -104,8 +105,13 @@ def test_an_unknown_family_is_one_line_naming_the_supported_ones():
 
 
 def test_moe_layouts_megatron_cannot_run_here_are_named():
-    with pytest.raises(ConfigError, match="tensor_parallel: 2 for a qwen3_moe model; allowed 1"):
-        check_trainable(QWEN3_30B_A3B, MegatronConfig(tensor_parallel=2))
+    check_trainable(QWEN3_30B_A3B, MegatronConfig(tensor_parallel=2))  # sequence parallel
+    with pytest.raises(
+        ConfigError,
+        match=r"sequence_parallel: false at tensor_parallel 2 for a "
+        r"qwen3_moe model; allowed: sequence parallelism on \(true or null\)",
+    ):
+        check_trainable(QWEN3_30B_A3B, MegatronConfig(tensor_parallel=2, sequence_parallel=False))
     with pytest.raises(ConfigError, match="mlp_only_layers"):
         check_trainable({**QWEN3_30B_A3B, "mlp_only_layers": [0]}, MegatronConfig())
     with pytest.raises(ConfigError, match="moe_intermediate_size: 770 not divisible"):
@@ -158,7 +164,7 @@ def test_the_files_and_the_model_in_memory_give_the_same_shards(tmp_path, family
 def _step(vocab: int) -> MicroStep:
     gen = np.random.default_rng(0)
     rows = []
-    for k, n in enumerate((12, 7, 9)):
+    for k, n in enumerate((13, 7, 9)):  # an odd width: sequence parallelism pads it
         targets = np.arange(n) >= n // 2
         rows.append(TokenRow(
             execution_id=f"e{k}", group_id="g0", policy_version=0,
@@ -176,12 +182,18 @@ def _free_port() -> int:
 
 
 def _run_world(
-    tmp_path: Path, step: MicroStep, family: str, tp: int, attention: str, pp: int
+    tmp_path: Path,
+    step: MicroStep,
+    family: str,
+    tp: int,
+    attention: str,
+    pp: int,
+    sequence: str = "auto",
 ) -> list:
     torch.save(step, tmp_path / "step.pt")
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(tp * pp), str(port),
-                               str(tmp_path), family, attention, str(pp)],
+                               str(tmp_path), family, attention, str(pp), sequence],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(tp * pp)]  # fmt: skip
     for p in procs:
@@ -195,23 +207,28 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,tp,attention,pp", [
-    ("qwen3", 1, "sdpa", 1), ("qwen3", 2, "sdpa", 1), ("qwen3", 2, "local", 1),
-    ("qwen3_tied", 2, "sdpa", 1), ("qwen3_moe", 1, "sdpa", 1),
-    ("qwen3_moe_plain_topk", 1, "local", 1), ("qwen2_moe", 1, "sdpa", 1),
-    ("qwen3_moe", 1, "sdpa", 2),
+@pytest.mark.parametrize("family,tp,attention,pp,sequence", [
+    ("qwen3", 1, "sdpa", 1, "auto"), ("qwen3", 2, "sdpa", 1, "auto"),
+    ("qwen3", 2, "sdpa", 1, "off"), ("qwen3", 2, "local", 1, "auto"),
+    ("qwen3_tied", 2, "sdpa", 1, "auto"), ("qwen3_moe", 1, "sdpa", 1, "auto"),
+    ("qwen3_moe_plain_topk", 1, "local", 1, "auto"), ("qwen2_moe", 1, "sdpa", 1, "auto"),
+    ("qwen3_moe", 1, "sdpa", 2, "auto"), ("qwen3_moe", 2, "sdpa", 1, "auto"),
+    ("qwen3_moe_plain_topk", 2, "local", 1, "auto"), ("qwen2_moe", 2, "sdpa", 1, "auto"),
 ])  # fmt: skip
-def test_a_family_matches_transformers(tmp_path, family, tp, attention, pp):
+def test_a_family_matches_transformers(tmp_path, family, tp, attention, pp, sequence):
     """Gyre's Megatron model of the family, TP ranks (and pipeline stages) over gloo, against
     transformers' model of the same weights: logits (PP 1: gathered over the vocabulary
     shards), target log-probs on every rank and every parameter's gradient (gathered back to
     HF names) within 1e-5 relative; the weights the ranks loaded gather back to
-    transformers' state dict bit for bit."""
+    transformers' state dict bit for bit. At TP 2 sequence parallelism is on ("auto") unless
+    "off" (mixture-of-experts models: on only): the 13-token rows padded to 14, the
+    norms', routers' and shared-expert gates' gradients summed over the TP ranks."""
     from gyre.train.objective import step_tensors, target_logprobs
 
     hf = tiny_family(family)
     step = _step(hf.config.vocab_size)
-    ranks = _run_world(tmp_path, step, family, tp, attention, pp)
+    ranks = _run_world(tmp_path, step, family, tp, attention, pp, sequence)
+    assert {r["sequence_parallel"] for r in ranks} == {tp > 1 and sequence != "off"}
     hf.train()
     st = step_tensors(step)
     logits = hf(input_ids=st.ids, attention_mask=st.attention).logits

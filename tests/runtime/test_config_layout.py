@@ -325,19 +325,23 @@ LOCAL = ROOT / "templates" / "local.yaml"
 @pytest.mark.parametrize(
     "overrides,dims",
     [
-        (["topology.ranks_per_cell=2"], (1, 1, 2)),  # torch: data parallel inside the cell
-        (["topology.ranks_per_cell=2", "train.backend=megatron"], (2, 1, 1)),
+        (["topology.ranks_per_cell=2"], (1, 1, 2, False)),  # torch: data parallel in the cell
+        (["topology.ranks_per_cell=2", "train.backend=megatron"], (2, 1, 1, True)),
+        (["topology.ranks_per_cell=2", "train.backend=megatron", "train.parallel.sequence=false"],
+         (2, 1, 1, False)),
         (["topology.ranks_per_cell=4", "train.backend=megatron", "train.parallel.tensor=4"],
-         (4, 1, 1)),
+         (4, 1, 1, True)),
         (["topology.ranks_per_cell=2", "train.backend=megatron", "train.parallel.pipeline=2"],
-         (1, 2, 1)),  # one layer of the tiny model per stage
+         (1, 2, 1, False)),  # one layer of the tiny model per stage
         (["topology.ranks_per_cell=4", "train.backend=megatron", "train.parallel.pipeline=2"],
-         (2, 2, 1)),
+         (2, 2, 1, True)),
     ],
 )  # fmt: skip
 def test_a_cells_parallel_sizes_follow_its_backend(overrides: list[str], dims: tuple) -> None:
+    """Sizes, and sequence parallelism: on by default wherever Megatron's TP > 1."""
     d = load_run_config(LOCAL, overrides).dims
-    assert (d.tensor, d.pipeline, d.data) == dims and d.ranks == d.tensor * d.pipeline * d.data
+    assert (d.tensor, d.pipeline, d.data, d.sequence) == dims
+    assert d.ranks == d.tensor * d.pipeline * d.data
 
 
 @pytest.mark.parametrize(
@@ -354,6 +358,13 @@ def test_a_cells_parallel_sizes_follow_its_backend(overrides: list[str], dims: t
         (["topology.ranks_per_cell=3", "train.backend=megatron", "train.parallel.pipeline=2"],
          "train.parallel: tensor 1 x pipeline 2 != topology.ranks_per_cell 3"),
         (["train.parallel.tensor=0"], "tensor: 0; allowed an integer >= 1"),
+        (["train.backend=megatron", "train.parallel.tensor=1", "train.parallel.sequence=true"],
+         "sequence: true with tensor 1; allowed: true with tensor > 1"),
+        (["topology.ranks_per_cell=2", "train.backend=megatron", "train.parallel.pipeline=2",
+          "train.parallel.sequence=true"],
+         "train.parallel.sequence: true with tensor 1; allowed: true with tensor > 1"),
+        (["topology.ranks_per_cell=2", "train.parallel.sequence=true"],
+         "sequence True with backend torch; allowed"),
     ],
 )  # fmt: skip
 def test_a_parallel_layout_the_cells_cannot_hold_is_refused(overrides: list[str], says: str):

@@ -266,6 +266,31 @@ def test_bf16_halves_weights_and_adds_main_weights_on_stepping_ranks(
 
 @settings(max_examples=100, deadline=None)
 @given(shapes, layouts)
+def test_sequence_parallelism_divides_the_replicated_activations_by_tp(
+    shape: ModelShape, layout: TrainLayout
+) -> None:
+    """Under sequence parallelism a layer's `h` terms (norms, residual, the input a
+    column-parallel layer saves) and the embedding's output are this rank's slice of the
+    sequence: what the two layouts differ by is the replicated part's (TP - 1) / TP; no
+    change at TP 1, and the weights do not move."""
+    layout = replace(layout, backend="megatron")
+    off, on = replace(layout, sequence=False), replace(layout, sequence=True)
+    tokens, tp, b = layout.step_tokens, layout.tensor, memory.dtype_bytes(layout.dtype)
+    h = shape.hidden
+    rep = tokens * (7 * b * h + (8 * h if b == 2 else 0))
+    saved = memory.layer_activation_bytes(shape, off, tokens)
+    assert saved - memory.layer_activation_bytes(shape, on, tokens) == pytest.approx(
+        rep - rep / tp, abs=tokens)  # fmt: skip
+    outer = memory.outer_activation_bytes(shape, off, tokens)
+    assert memory.outer_activation_bytes(shape, on, tokens) == outer // tp
+    for a, c in zip(plan_ranks(shape, off), plan_ranks(shape, on), strict=True):
+        assert c.resident == a.resident
+        assert c.parts["micro-step"] <= a.parts["micro-step"]
+        assert (c.parts["micro-step"] == a.parts["micro-step"]) == (tp == 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(shapes, layouts)
 def test_local_attention_is_never_below_sdpa_and_grows_with_the_square(
     shape: ModelShape, layout: TrainLayout
 ) -> None:

@@ -64,7 +64,7 @@ def train_layout(cfg: RunConfig, hf: dict[str, Any]) -> TrainLayout:
         backend="megatron" if cfg.train.backend == "megatron" else "torch",
         tensor=dims.tensor, pipeline=dims.pipeline, data=dims.data,
         dtype=cfg.train.params_dtype, attention=MegatronConfig().attention,
-        row_tokens=row, token_budget=cfg.train.token_budget,
+        row_tokens=row, token_budget=cfg.train.token_budget, sequence=dims.sequence,
     )  # fmt: skip
 
 

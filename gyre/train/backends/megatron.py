@@ -214,7 +214,7 @@ def build(
     init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
     hf, tokenizer, hf_config, shard = _shard_source(model, dims, comms)
     mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
-                          dtype=train.params_dtype,
+                          sequence_parallel=dims.sequence, dtype=train.params_dtype,
                           moe_aux_loss_coeff=train.moe_aux_loss_coeff)  # fmt: skip
     # on its own device: Megatron's seeding there (CUDA) or the CPU patches, no random
     # init; the shard streamed in one tensor at a time
@@ -367,7 +367,8 @@ def _scattered(
 
 
 def model_parallel(parallel: ParallelConfig, ranks_per_cell: int) -> ParallelDims:
-    """Tensor x pipeline over all of a cell's ranks (data parallelism runs across cells)."""
+    """Tensor x pipeline over all of a cell's ranks (data parallelism runs across cells),
+    sequence parallelism on by default beside tensor parallelism."""
     pipeline = parallel.pipeline
     tensor = parallel.tensor if parallel.tensor is not None else ranks_per_cell // pipeline
     if tensor * pipeline != ranks_per_cell:
@@ -376,7 +377,8 @@ def model_parallel(parallel: ParallelConfig, ranks_per_cell: int) -> ParallelDim
             f"topology.ranks_per_cell {ranks_per_cell}; allowed: tensor x pipeline = "
             "ranks_per_cell (the Megatron backend shards a cell's model over all its ranks)"
         )
-    return ParallelDims(tensor=tensor, pipeline=pipeline, data=1)
+    sequence = parallel.sequence if parallel.sequence is not None else tensor > 1
+    return ParallelDims(tensor=tensor, pipeline=pipeline, data=1, sequence=sequence)
 
 
 def check_installed() -> None:
@@ -397,7 +399,8 @@ def check_model(hf_config: Mapping[str, Any], dims: ParallelDims) -> None:
 
     try:
         check_trainable(hf_config, MegatronConfig(tensor_parallel=dims.tensor,
-                                                  pipeline_parallel=dims.pipeline))  # fmt: skip
+                                                  pipeline_parallel=dims.pipeline,
+                                                  sequence_parallel=dims.sequence))  # fmt: skip
     except ConfigError as e:
         raise ConfigError(f"{e} (or train.backend=torch)") from None
 

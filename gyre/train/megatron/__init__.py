@@ -12,7 +12,7 @@
 * `attention` — `SDPAttention`, the layer spec's core attention on torch's fused
   scaled-dot-product kernels (memory linear in the row);
 * `pipeline` — a micro-step's forward and backward stage by stage (pipeline parallelism);
-* `cpu` — the five scoped patches that let megatron-core's forward and backward run on the
+* `cpu` — the six scoped patches that let megatron-core's forward and backward run on the
   CPU (applied for a model on the CPU only, never on the CUDA path).
 
 `gyre run` uses it through `train.backend: megatron` (`gyre.train.backends.megatron`).

@@ -20,6 +20,10 @@ boolean mask (Megatron's convention: True = masked out) is still honoured.
 
     spec = layer_spec("sdpa")        # the local spec with SDPAttention as core attention
     spec = layer_spec("sdpa", qk_layernorm=True, num_experts=8)   # Qwen3-MoE's layer
+    block = block_spec(spec, config)  # this stage's layers and the final norm, for GPTModel
+
+Every norm of the spec (the layers', the q / k norms and the final one) is Gyre's `RMSNorm`
+(`gyre.train.megatron.norm`: torch's, allowed under sequence parallelism).
 """
 
 from __future__ import annotations
@@ -33,9 +37,14 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from gyre.train.megatron.config import ATTENTIONS
+from gyre.train.megatron.norm import RMSNorm
 
 
 class SDPAttention(MegatronModule):  # type: ignore[misc]
@@ -136,6 +145,19 @@ def layer_spec(attention: str, *, qk_layernorm: bool = False,
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=qk_layernorm,
                                     normalization="RMSNorm")  # a fresh spec on every call  # fmt: skip
+    layer, attn = spec.submodules, spec.submodules.self_attention.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = RMSNorm
     if attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        attn.core_attention = SDPAttention
     return spec
+
+
+def block_spec(layer: ModuleSpec, config: TransformerConfig) -> TransformerBlockSubmodules:
+    """This pipeline stage's layers of `layer` and the final norm (Gyre's `RMSNorm`, where
+    GPTModel given a layer spec alone would take megatron-core's default norm, which refuses
+    sequence parallelism without Transformer Engine or Apex)."""
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm
+    )

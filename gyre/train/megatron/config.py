@@ -37,6 +37,10 @@ class MegatronConfig:
     """Tensor-parallel size inside a cell (divides heads, query groups and the MLP width)."""
     pipeline_parallel: int = 1
     """Pipeline-parallel size inside a cell."""
+    sequence_parallel: bool | None = None
+    """Megatron's sequence parallelism (`TransformerConfig.sequence_parallel`): the hidden
+    states between the tensor-parallel layers split over the TP ranks along the sequence;
+    null: on when tensor_parallel > 1 (`sequence`)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Parameter and compute dtype."""
     seed: int = 1234
@@ -61,6 +65,17 @@ class MegatronConfig:
         if not self.moe_aux_loss_coeff >= 0:
             raise ConfigError(f"moe_aux_loss_coeff: {self.moe_aux_loss_coeff!r}; allowed a "
                               "number >= 0")  # fmt: skip
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ConfigError("sequence_parallel: true with tensor_parallel 1; allowed with "
+                              "tensor_parallel > 1")  # fmt: skip
+
+    @property
+    def sequence(self) -> bool:
+        """Whether the model runs sequence parallel: `sequence_parallel`, null resolved to
+        tensor_parallel > 1 (the default a GPU run wants: activation memory / TP)."""
+        if self.sequence_parallel is None:
+            return self.tensor_parallel > 1
+        return self.sequence_parallel
 
     @property
     def ranks_per_cell(self) -> int:
@@ -173,18 +188,20 @@ def check_hf_config(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
 
 def _check_moe(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
     """Refuse MoE layouts Megatron's layer does not reproduce here: dense layers among the
-    MoE ones, and tensor parallelism (megatron-core 0.16's MoE layer trains at TP > 1 only
-    with sequence parallelism, which Gyre's local layer spec does not run)."""
+    MoE ones, and tensor parallelism without sequence parallelism (megatron-core 0.16's MoE
+    layer refuses to train at TP > 1 without it, `MoELayer.forward`)."""
     step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
     if step != 1 or dense:
         raise ConfigError(
             f"hf_config.decoder_sparse_step / mlp_only_layers: {step!r} / {dense!r}; allowed "
             "1 / [] (every layer a mixture of experts)"
         )
-    if cfg.tensor_parallel != 1:
+    if cfg.tensor_parallel != 1 and not cfg.sequence:
         raise ConfigError(
-            f"tensor_parallel: {cfg.tensor_parallel} for a {hf['model_type']} model; allowed 1 "
-            "(megatron-core 0.16's MoE layer needs sequence parallelism beside TP)"
+            f"sequence_parallel: false at tensor_parallel {cfg.tensor_parallel} for a "
+            f"{hf['model_type']} model; allowed: sequence parallelism on (true or null) at "
+            "tensor_parallel > 1, or tensor_parallel 1 (megatron-core 0.16's MoE layer trains "
+            "at TP > 1 only sequence parallel)"
         )
     top_k = int(_get(hf, "num_experts_per_tok"))
     if not 1 <= top_k <= num_experts(hf):
@@ -227,6 +244,7 @@ def transformer_kwargs(hf: Mapping[str, Any], cfg: MegatronConfig) -> dict[str, 
         "attention_dropout": 0.0,
         "bias_activation_fusion": False,
         "tensor_model_parallel_size": cfg.tensor_parallel,
+        "sequence_parallel": cfg.sequence,
         "pipeline_model_parallel_size": cfg.pipeline_parallel,
         "init_method_std": float(hf.get("initializer_range", 0.02)),
         **moe_kwargs(hf, cfg),

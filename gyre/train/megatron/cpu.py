@@ -1,6 +1,6 @@
-"""Megatron-core on a CPU: the five scoped patches that let its forward and backward run.
+"""Megatron-core on a CPU: the six scoped patches that let its forward and backward run.
 
-megatron-core (0.16) assumes a CUDA device at five points even with every fusion off:
+megatron-core (0.16) assumes a CUDA device at six points even with every fusion off:
 
 * `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` at the first
   forward — here it runs with the tensor's own device instead;
@@ -17,7 +17,11 @@ megatron-core (0.16) assumes a CUDA device at five points even with every fusion
   `Tensor.cuda` leaves a tensor where it is;
 * a mixture-of-experts router (`Router.gating`) moves a weight it finds on the CPU to
   `torch.cuda.current_device()` at every forward — here it runs with its weight's own
-  device instead (on CUDA the weight is already there, and Megatron's code runs as is).
+  device instead (on CUDA the weight is already there, and Megatron's code runs as is);
+* sequence parallelism's collectives (`tensor_parallel.mappings`' gathers and
+  reduce-scatters along the sequence and `LinearWithGradAccumulationAndAsyncCommunication`'s
+  backward, which reduce-scatters the input gradient) allocate their outputs on
+  `torch.cuda.current_device()` — here they run with their input's own device.
 
 `enable()` applies them; `gyre.train.megatron.model.init_model_parallel` calls it for a
 model on the CPU only (`train.device: cpu`, whether or not the machine has a GPU), after
@@ -54,6 +58,7 @@ def enable() -> None:
         _patch_rotary()
         _patch_tied_embedding_setup()
         _patch_router()
+        _patch_sequence_parallel()
         _rotary_patched = True
     _host_memory_buffer()
     _rng_tracker()
@@ -120,6 +125,39 @@ def _patch_router() -> None:
             return original(self, *args, **kwargs)
 
     Router.gating = gating  # type: ignore[method-assign]
+
+
+SEQUENCE_COLLECTIVES = (
+    "_gather_along_first_dim", "_gather_along_last_dim", "_reduce_scatter_along_first_dim",
+)  # fmt: skip
+"""`megatron.core.tensor_parallel.mappings`' functions patched (the autograd functions of the
+sequence-parallel regions call them by these module-level names)."""
+
+
+def _on_input_device(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(original)
+    def run(input_: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with _current_device(input_.device):
+            return original(input_, *args, **kwargs)
+
+    return run
+
+
+def _patch_sequence_parallel() -> None:
+    from megatron.core.tensor_parallel import layers, mappings
+
+    for name in SEQUENCE_COLLECTIVES:
+        setattr(mappings, name, _on_input_device(getattr(mappings, name)))
+    linear = layers.LinearWithGradAccumulationAndAsyncCommunication
+    original: Callable[..., Any] = linear.backward
+
+    @functools.wraps(original)
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+        with _current_device(grad_output.device):
+            return original(ctx, grad_output)
+
+    backward.gyre_cpu_patch = True  # type: ignore[attr-defined]  # Megatron's has __wrapped__
+    linear.backward = staticmethod(backward)  # type: ignore[method-assign,assignment]
 
 
 def _host_memory_buffer() -> None:

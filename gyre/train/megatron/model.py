@@ -21,8 +21,8 @@ clipping matches a single-device run.
 On a CUDA device Megatron needs its model-parallel RNG seeded before the first forward (its
 core attention forks the "model-parallel-rng" CUDA state, dropout or not); on the CPU
 (`train.device: cpu`, with or without a GPU on the machine) `init_model_parallel` applies
-instead the five scoped patches of `gyre.train.megatron.cpu` (megatron-core calls
-`torch.cuda` at five points even with every fusion off).
+instead the six scoped patches of `gyre.train.megatron.cpu` (megatron-core calls
+`torch.cuda` at six points even with every fusion off).
 
     # after torch.distributed.init_process_group
     model = build_rank_model(hf_config, stage_to_mcore(...), MegatronConfig(), device="cuda:0")
@@ -72,7 +72,7 @@ def init_model_parallel(cfg: MegatronConfig, device: str | torch.device) -> None
         # the tracker's "model-parallel-rng" state at every forward
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     else:
-        cpu.enable()  # Megatron's five CUDA-only points (gyre.train.megatron.cpu)
+        cpu.enable()  # Megatron's six CUDA-only points (gyre.train.megatron.cpu)
 
 
 def _on_cuda(device: str | torch.device) -> bool:
@@ -121,7 +121,7 @@ def build_gpt_model(
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from gyre.train.megatron.attention import layer_spec
+    from gyre.train.megatron.attention import block_spec, layer_spec
 
     dtype = getattr(torch, cfg.dtype)
     place = _bind(device)
@@ -136,9 +136,10 @@ def build_gpt_model(
         use_cpu_initialization=not _on_cuda(device),  # else on torch.cuda.current_device()
         perform_initialization=False,  # weights are loaded right after: no random init
     )
+    layer = layer_spec(cfg.attention, qk_layernorm=tc.qk_layernorm, num_experts=tc.num_moe_experts)
     model = GPTModel(
         tc,
-        layer_spec(cfg.attention, qk_layernorm=tc.qk_layernorm, num_experts=tc.num_moe_experts),
+        block_spec(layer, tc),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         **gpt_kwargs(hf_config),
@@ -259,26 +260,43 @@ class MegatronCell(TorchCell):
     def _logprobs(self, step: MicroStep, *, grad: bool) -> tuple[torch.Tensor, Any]:
         st = step_tensors(step, self.device)
         n, width = st.ids.shape
-        dtype, stage = self.flat_params.dtype, self.stage
-        positions = torch.arange(width, device=self.device).expand(n, width)
+        dtype, stage, config = self.flat_params.dtype, self.stage, self._config
+        # Under sequence parallelism the rows are cut into TP slices along the sequence: the
+        # width is padded to a multiple of TP, on the right, where (causal attention) no
+        # real position sees it; its log-probs are dropped, so it adds no gradient.
+        ids = pad_to_multiple(st.ids, _tp_size() if config.sequence_parallel else 1)
+        padded = ids.shape[1]
+        positions = torch.arange(padded, device=self.device).expand(n, padded)
         # Causal; right padding is never a target's context, so no padding mask is needed.
         # Megatron's mask convention: True = masked out.
         mask = None
         if self._explicit_mask:
-            mask = torch.ones(width, width, dtype=torch.bool, device=self.device).triu(1)
-        hidden = (width, n, int(self.model.config.hidden_size))  # type: ignore[union-attr,arg-type]
-        received = stage.receive_forward(hidden, dtype, self.device)
+            mask = torch.ones(padded, padded, dtype=torch.bool, device=self.device).triu(1)
+        received = stage.receive_forward(self._hidden_shape(n, padded), dtype, self.device)
         if received is not None:
             received.requires_grad_(grad)
             self.model.set_input_tensor(received)  # type: ignore[operator]
         with torch.set_grad_enabled(grad):
-            out = self.model(st.ids, positions, None if mask is None else mask[None, None])
-            logp = self._target_logprobs(out, st.ids) if stage.last else None
+            out = self.model(ids, positions, None if mask is None else mask[None, None])
+            logp = self._target_logprobs(out, ids) if stage.last else None
         stage.send_forward(out)
         self._io = (received, out) if grad else None
-        logp = stage.broadcast_from_last(logp, (n, width), main_dtype(dtype), self.device)
+        logp = stage.broadcast_from_last(logp, (n, padded), main_dtype(dtype), self.device)
+        logp = logp[:, :width]
         check_finite(logp, st, f"micro-step {step.index}")
         return logp, st
+
+    @property
+    def _config(self) -> Any:
+        """The model's `TransformerConfig`."""
+        return self.model.config
+
+    def _hidden_shape(self, rows: int, width: int) -> tuple[int, int, int]:
+        """The hidden states a stage sends the next: `[seq, rows, hidden]`, this TP rank's
+        slice of the sequence under sequence parallelism."""
+        config = self._config
+        seq = width // _tp_size() if config.sequence_parallel else width
+        return seq, rows, int(config.hidden_size)
 
     @staticmethod
     def _target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -302,12 +320,22 @@ class MegatronCell(TorchCell):
             self.stage.send_backward(received.grad if received is not None else None)
 
 
+def pad_to_multiple(ids: torch.Tensor, multiple: int) -> torch.Tensor:
+    """`ids` [rows, width] right-padded with token 0 to a width divisible by `multiple`."""
+    extra = -ids.shape[1] % multiple
+    return torch.nn.functional.pad(ids, (0, extra)) if extra else ids
+
+
 def tp_partial(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Replicated weights whose gradient each TP rank computes from its own heads only: the
-    per-head q / k norms (Qwen3's `qk_layernorm`), which see this rank's heads and no other's.
-    Megatron's `finalize_model_grads` sums them over the tensor-parallel group."""
+    """Replicated weights whose gradient each TP rank computes from part of the micro-step
+    only, as Megatron's `finalize_model_grads` picks them to sum over the tensor-parallel
+    group: the per-head q / k norms (Qwen3's `qk_layernorm`: this rank's heads), and under
+    sequence parallelism every weight marked `sequence_parallel` (this rank's slice of the
+    sequence: the norms, `gyre.train.megatron.norm`; a MoE router; a shared expert's gate)."""
+    sequence = bool(getattr(getattr(model, "config", None), "sequence_parallel", False))
     return [p for n, p in model.named_parameters()
-            if p.requires_grad and ("q_layernorm" in n or "k_layernorm" in n)]  # fmt: skip
+            if p.requires_grad and ("q_layernorm" in n or "k_layernorm" in n
+                                    or (sequence and getattr(p, "sequence_parallel", False)))]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -316,7 +344,8 @@ def tp_summed_gradients(
 ) -> Iterator[None]:
     """What the block adds to a `tp_partial` weight's gradient, summed over the
     tensor-parallel group (so every TP rank holds the whole model's gradient of the
-    replicated weight, as for the other norms); a no-op at TP 1 or without such weights."""
+    replicated weight, in one all-reduce per backward); a no-op at TP 1 or without such
+    weights."""
     params = tp_partial(model) if _tp_size() > 1 else []
     before = [grad_of(p).detach().clone() for p in params]
     yield
