@@ -117,8 +117,12 @@ def _as_format_1_1(path: Path) -> None:
         cols = [c for c in old.attrs["columns"].split(",") if not c.startswith("critique:")]
         names = [c.split(":")[0] for c in cols]
         del f["tables/assessments"]
-        ds = f.create_dataset("tables/assessments", data=rows[names].astype(
-            np.dtype([(n, rows.dtype[n]) for n in names])), maxshape=(None,), chunks=(64,))
+        ds = f.create_dataset(
+            "tables/assessments",
+            data=rows[names].astype(np.dtype([(n, rows.dtype[n]) for n in names])),
+            maxshape=(None,),
+            chunks=(64,),
+        )
         ds.attrs["columns"] = ",".join(cols)
         f.attrs["format_version"] = "1.1"
 
