@@ -268,23 +268,22 @@ def _check_divides(nodes_key: str, nodes: int, ranks: int, ranks_key: str) -> No
 
 
 def _check_standalone(s: SlurmConfig, t: TopologyConfig) -> None:
-    if t.standalone_engines and not s.standalone_nodes:
+    """The engine pool's nodes (`slurm.standalone_nodes`) hold its standalone and judge
+    engines, spread evenly."""
+    engines = (f"topology.standalone_engines + topology.judge_engines ({t.standalone_engines} "
+               f"+ {t.judge_engines})")  # fmt: skip
+    if t.pool and not s.standalone_nodes:
         raise ConfigError(
-            f"slurm.standalone_nodes: 0 but topology.standalone_engines is "
-            f"{t.standalone_engines}; allowed: 1..{t.standalone_engines} nodes for the pool"
+            f"slurm.standalone_nodes: 0 but {engines} is {t.pool}; allowed: 1..{t.pool} nodes "
+            "for the engine pool"
         )
-    if s.standalone_nodes and not t.standalone_engines:
+    if s.standalone_nodes and not t.pool:
         raise ConfigError(
-            f"slurm.standalone_nodes: {s.standalone_nodes} but topology.standalone_engines is "
-            "0; allowed: 0 nodes, or add standalone engines"
+            f"slurm.standalone_nodes: {s.standalone_nodes} but {engines} is 0; allowed: 0 "
+            "nodes, or add standalone or judge engines"
         )
-    if t.standalone_engines:
-        _check_divides(
-            "slurm.standalone_nodes",
-            s.standalone_nodes,
-            t.standalone_engines,
-            "topology.standalone_engines",
-        )
+    if t.pool:
+        _check_divides("slurm.standalone_nodes", s.standalone_nodes, t.pool, engines)
 
 
 def _divisors(n: int) -> list[int]:

@@ -10,6 +10,8 @@ serves until the run ends:
     cell         EngineRole        the leader: its engine and its replica's shard 0
                  FollowerRole      the other ranks: their shards, stepped by the leader
     standalone   EngineRole        an engine that stays in rollout
+    judge        JudgeRole         an engine that serves the judge rule (never trained,
+                                   never published to, outside the rollout fleet)
 
 A cell leader spawns its engine first and builds its replica while the engine loads —
 unless the cell's trainers share their GPUs with the engine (`Wiring.parks_first`: a CUDA
@@ -203,6 +205,37 @@ class FollowerRole:
         return CellFollower(trainer).serve(link)
 
 
+class JudgeRole:
+    """A judge engine: the run's model at its initial weights, serving the `judge` scoring
+    rule at the proxy node's evaluator (`SetJudges`). No replica, no snapshot, no publish:
+    the coordinator knows it only by its URL and tells it to stop."""
+
+    flat = None
+
+    def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
+        import gyre.runtime.cell.engine_host  # noqa: F401  (torch)
+
+        self.cfg, self.wiring, self.me = cfg, wiring, me
+        wiring.clock.mark("role imports")
+        self.engine = _start_engine(cfg, me, run_dir, wiring.address, wiring.placed)
+        wiring.clock.mark("engine spawn")
+
+    def serve(self, link: Any, transport: Any) -> int:
+        from gyre.runtime.shared import messages as msg
+
+        url = self.engine.wait_ready(self.cfg.timeouts.startup_s)
+        self.wiring.clock.mark("engine ready")
+        self.wiring.report_startup(self.me)
+        link.send(msg.JudgeReady(self.me.index, url), COORDINATOR_RANK)
+        try:
+            while not isinstance(m := link.recv(timeout=60.0), msg.Stop):
+                if m is not None:  # nothing else is ever sent to a judge engine
+                    raise AssertionError(f"judge engine {self.me.index}: got {m!r:.200}")
+        finally:
+            self.engine.stop()
+        return m.status
+
+
 def _role(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> RankRole:
     """A cell rank: the leader hosts the engine, the others follow it."""
     if me.kind == "cell" and me.shard > 0:
@@ -212,6 +245,7 @@ def _role(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> RankR
 
 ROLES: dict[str, Callable[[RunConfig, Wiring, Component, Path], RankRole]] = {
     "coordinator": CoordinatorRole, "proxy": ProxyRole, "cell": _role, "standalone": EngineRole,
+    "judge": JudgeRole,
 }  # fmt: skip
 """Each component kind's role, built from the run config and the rank's wiring."""
 
@@ -294,8 +328,10 @@ def _start_engine(
     GPUs its placement gives it."""
     from gyre.runtime.cell.engine_host import EngineHost
 
-    name = f"engine-cell{me.index}" if me.kind == "cell" else f"engine-standalone{me.index}"
-    index = me.index if me.kind == "cell" else cfg.topology.cells + me.index
+    name = f"engine-{me.kind}{me.index}"
+    t = cfg.topology
+    index = {"cell": 0, "standalone": t.cells, "judge": t.cells + t.standalone_engines}[me.kind]
+    index += me.index  # judge engines count on after the rollout engines
     labels = {"GYRE_RUN_DIR": str(run_dir.resolve()), "GYRE_ENGINE_INDEX": str(index)}
     pace = cfg.pace.engine(cfg.schedule.concurrency_per_cell) if cfg.pace.enabled else None
     engine = EngineHost(cfg.model, cfg.engine, run_dir / "logs" / f"{name}.log", version=0,

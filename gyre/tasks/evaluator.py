@@ -103,6 +103,7 @@ class Assessment:
             "score": float("nan") if self.score is None else self.score,
             "attempt": self.attempt,
             "error": self.error,
+            "critique": self.critique,
             "t_start": self.t_start,
             "t_end": self.t_end,
         }

@@ -175,10 +175,15 @@ class Judge:
         self, engines: Sequence[str] = (), api_key: str | None = None,
         agent: AgentJudge | None = None,
     ) -> None:  # fmt: skip
-        self.engines = [u.rstrip("/") for u in engines]
+        self.engines: list[str] = []
+        self.use_engines(engines)
         self.api_key = api_key
         self.agent = agent
         self._next = 0
+
+    def use_engines(self, engines: Sequence[str]) -> None:
+        """Ask these judge engines from now on (a run's proxy node learns them at start)."""
+        self.engines = [u.rstrip("/") for u in engines]
 
     def endpoint(self, cfg: JudgeConfig) -> tuple[str, str, str | None]:
         """(base URL, model, key) of the next call of a task with judge config `cfg`."""

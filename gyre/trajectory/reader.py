@@ -319,6 +319,9 @@ class TraceReader:
                 out[col] = np.array([self._strings[i] for i in raw[col]], dtype=object)
             else:
                 out[col] = raw[col].astype(bool) if kind == "bool" else raw[col]
+        for col, kind in S.missing_columns(spec):  # an older trace: the column reads as empty
+            empty = np.full(len(raw), S.EMPTY[kind], dtype=object if kind == "str" else None)
+            out[col] = empty.astype(bool) if kind == "bool" else empty
         return out
 
     def rows(self, name: str) -> list[dict[str, Any]]:

@@ -24,7 +24,8 @@ from gyre.errors import StoreError
 from gyre.trajectory.tree import Provenance
 
 FORMAT_NAME = "gyre-trace"
-FORMAT_VERSION = "1.1"  # major.minor; readers refuse another major (1.1: provenance enum type)
+FORMAT_VERSION = "1.2"  # major.minor; readers refuse another major (1.1: provenance enum
+# type; 1.2: assessments.critique)
 KEY_BYTES = 32
 
 STRINGS_DATA = "strings/data"  # uint8: UTF-8 bytes of every pooled string, back to back
@@ -127,6 +128,7 @@ DEFAULT_TABLES: tuple[Table, ...] = (
         "evaluator:str",
         "detail:str",
         "t:float",
+        "critique:str",
     ),
     # the reward an execution finally contributes, and whether it is valid
     _t("rewards", "execution_id:str", "group_id:str", "reward:float", "valid:bool", "t:float"),
@@ -223,6 +225,21 @@ def check_version(f: h5py.File, path: str) -> str:
 def table_from_attrs(name: str, spec: str) -> Table:
     """Rebuild a declared table from the `columns` attribute stored on its dataset."""
     return Table(name, tuple(tuple(c.split(":")) for c in spec.split(",")))  # type: ignore[misc]
+
+
+def missing_columns(stored: Table) -> tuple[tuple[str, str], ...]:
+    """The default table's columns a stored table lacks: a trace written by an older minor
+    version (1.1 has no `assessments.critique`). Readers show them empty (`EMPTY`); a writer
+    continuing such a trace leaves them out of its rows."""
+    declared = {t.name: t for t in DEFAULT_TABLES}.get(stored.name)
+    if declared is None:
+        return ()
+    have = {c for c, _ in stored.columns}
+    return tuple((c, k) for c, k in declared.columns if c not in have)
+
+
+EMPTY = {"int": 0, "float": float("nan"), "bool": False, "str": ""}
+"""What a column missing from an older trace reads as, by kind."""
 
 
 # --- continuing a trace after its writer died ----------------------------------------------

@@ -367,6 +367,9 @@ class TraceWriter:
         if isinstance(rows, Mapping | str | bytes):
             raise TraceInputError(f"table {table}: rows must be a list of dicts")
         rows = list(rows)
+        if missing := {c for c, _ in S.missing_columns(spec)}:  # continuing an older trace
+            rows = [{k: v for k, v in r.items() if k not in missing} if isinstance(r, Mapping) else r
+                    for r in rows]  # fmt: skip
         for i, row in enumerate(rows):
             _check_table_row(spec, i, row)
         if not rows:

@@ -46,7 +46,7 @@ from gyre.runtime.proxy_node.node import ProxyNode
 from gyre.runtime.shared import checkpoint, policies, wire
 from gyre.runtime.shared import messages as msg
 from gyre.runtime.shared.config import DEFAULT_CONFIG, RunConfig, load_run_config
-from gyre.runtime.shared.layout import COORDINATOR_RANK, PROXY_RANK
+from gyre.runtime.shared.layout import COORDINATOR_RANK, PROXY_RANK, Ranks
 from gyre.schedule import events as ev
 from gyre.train.backends import Replica
 from gyre.train.comm import Communicators
@@ -136,13 +136,15 @@ def test_every_message_survives_the_wire_unchanged(cls: type[msg.Message]) -> No
 class CoordinatorWorld:
     """A started coordinator (proxy node rank 1, cells on ranks 2..4); the test plays the rest."""
 
-    def __init__(self, run_dir: Path, policy: str | None = None) -> None:
+    def __init__(self, run_dir: Path, policy: str | None = None, judges: int = 0) -> None:
         cfg = _config(policy)
         self.ranks = [2, 3, 4]
-        socks = {r: socket.socketpair() for r in [PROXY_RANK, *self.ranks]}
+        self.judges = [5 + j for j in range(judges)]  # judge engines' ranks, after the cells
+        socks = {r: socket.socketpair() for r in [PROXY_RANK, *self.ranks, *self.judges]}
         link = wire.Link(COORDINATOR_RANK, {r: s[0] for r, s in socks.items()})
         self.peers = {r: wire.Link(r, {COORDINATOR_RANK: s[1]}) for r, s in socks.items()}
-        self.c = Coordinator(cfg, link, run_dir, self.ranks, {"name": "messages"})
+        ranks = Ranks(tuple(self.ranks), tuple((r,) for r in self.ranks), tuple(self.judges))
+        self.c = Coordinator(cfg, link, run_dir, ranks, {"name": "messages"})
         self.backlog: list[tuple[int, msg.Message]] = []
         self.urls = [f"http://engine{i}" for i in range(len(self.ranks))]
         # as the ranks do: their start-up phases, then their readiness
@@ -153,6 +155,8 @@ class CoordinatorWorld:
             self.peers[r].send(msg.StartupTimes(r, f"cell{i}", {"imports": 1.0, "model build": 2.0}),
                                COORDINATOR_RANK)  # fmt: skip
             self.peers[r].send(msg.EngineReady(i, self.urls[i], 0), COORDINATOR_RANK)
+        for j, r in enumerate(self.judges):
+            self.peers[r].send(msg.JudgeReady(j, f"http://judge{j}"), COORDINATOR_RANK)
         self.c.startup()
         self.c.feed(ev.Start(carried=()))
 
@@ -231,6 +235,16 @@ def test_startup_reports_give_the_proxy_every_engine(world: CoordinatorWorld) ->
     assert world.take(msg.SetEngines, PROXY_RANK) == [msg.SetEngines(urls)]
     started = world.take(msg.StartExecution, PROXY_RANK)  # the first groups launched
     assert {m.engine for m in started} == set(urls)
+
+
+@delivers(msg.JudgeReady)
+def test_judge_engines_reach_the_proxy_and_never_the_fleet(tmp_path: Path) -> None:
+    world = CoordinatorWorld(tmp_path, judges=2)
+    assert world.take(msg.SetJudges, PROXY_RANK) == [
+        msg.SetJudges(["http://judge0", "http://judge1"])
+    ]
+    assert "http://judge0" not in world.c.fleet.urls().values()  # never a publication target
+    assert world.c.summary()["judge_engines"] == ["http://judge0", "http://judge1"]
 
 
 @delivers(msg.HarnessEnded)
@@ -733,6 +747,13 @@ def proxy_node(tmp_path: Path) -> Iterator[ProxyNodeRig]:
     rig = ProxyNodeRig(tmp_path)
     yield rig
     rig.stop()
+
+
+@delivers(msg.SetJudges)
+def test_set_judges_gives_the_judge_rule_its_engines(proxy_node: ProxyNodeRig) -> None:
+    proxy_node.send(msg.SetJudges(["http://127.0.0.1:9/", "http://127.0.0.1:10"]))
+    judge = proxy_node.node.host.judge
+    _wait(lambda: judge.engines == ["http://127.0.0.1:9", "http://127.0.0.1:10"], "judges set")
 
 
 @delivers(msg.SetEngines, msg.Undrain)

@@ -71,7 +71,7 @@ def write_trace(path: Path) -> None:
                                   "valid": reward is not None, "t": 0.0}])  # fmt: skip
         w.append("assessments", [
             {"execution_id": "g0-e1", "attempt": a, "score": 0.5, "valid": a == 2, "state_ref": "",
-             "evaluator": "final", "detail": "", "t": 0.0} for a in (1, 2)])  # fmt: skip
+             "evaluator": "final", "detail": "", "t": 0.0, "critique": ""} for a in (1, 2)])  # fmt: skip
         w.append("events", [{"t": 0.0, "kind": k, "detail": json.dumps(d)} for k, d in EVENTS])
         w.append("events", [{"t": 0.0, "kind": "note", "detail": "not json"}])
         w.append("roles", [{"cell": 0, "role": "rollout", "t_start": 0.0, "t_end": 10.0},

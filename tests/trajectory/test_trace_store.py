@@ -95,16 +95,53 @@ def test_declared_tables_and_run_meta(tmp_path: Path) -> None:
     with TraceWriter(tmp_path / "r.h5", run_meta={"config": "a: [1]\n"}, tables=[extra]) as w:
         w.append("probes", [{"name": "p", "ok": True, "n": 3}, {"name": "q", "ok": False, "n": 0}])
         w.append("assessments", [dict(execution_id="e", attempt=1, score=0.0, valid=True,
-                                      state_ref="ws/e", evaluator="pytest", detail="", t=1.0)])  # fmt: skip
+                                      state_ref="ws/e", evaluator="pytest", detail="", t=1.0,
+                                      critique="meets the rubric")])  # fmt: skip
     with TraceReader(tmp_path / "r.h5") as r:
         cols = r.table("probes")
         assert cols["ok"].dtype == bool and cols["ok"].tolist() == [True, False]
         assert cols["name"].tolist() == ["p", "q"]
         a = r.rows("assessments")[0]
         assert a["valid"] is True and a["score"] == 0.0  # a valid zero is a real score
+        assert a["critique"] == "meets the rubric"
         assert r.table_sizes()["probes"] == 2 and r.writer_closed
         with pytest.raises(StoreError, match="not in this file"):
             r.table("nope")
+
+
+def _as_format_1_1(path: Path) -> None:
+    """Rewrite a trace's `assessments` table as format 1.1 stored it: no `critique` column."""
+    with h5py.File(path, "r+") as f:
+        old = f["tables/assessments"]
+        rows = old[:]
+        cols = [c for c in old.attrs["columns"].split(",") if not c.startswith("critique:")]
+        names = [c.split(":")[0] for c in cols]
+        del f["tables/assessments"]
+        ds = f.create_dataset(
+            "tables/assessments",
+            data=rows[names].astype(np.dtype([(n, rows.dtype[n]) for n in names])),
+            maxshape=(None,),
+            chunks=(64,),
+        )
+        ds.attrs["columns"] = ",".join(cols)
+        f.attrs["format_version"] = "1.1"
+
+
+def test_a_1_1_trace_reads_critiques_as_empty_and_continues(tmp_path: Path) -> None:
+    row = dict(execution_id="e", attempt=1, score=0.5, valid=True, state_ref="", evaluator="final",
+               detail="", t=1.0, critique="dropped by 1.1")  # fmt: skip
+    path = tmp_path / "old.h5"
+    with TraceWriter(path, run_meta={}) as w:
+        w.append("assessments", [row])
+    _as_format_1_1(path)
+    with TraceReader(path) as r:
+        assert r.format_version == "1.1"
+        assert [a["critique"] for a in r.rows("assessments")] == [""]
+        assert r.rows("assessments")[0]["score"] == 0.5
+    with TraceWriter.reopen(path) as w:  # a resumed run keeps appending its rows
+        w.append("assessments", [row | {"attempt": 2}])
+    with TraceReader(path) as r:
+        assert [(a["attempt"], a["critique"]) for a in r.rows("assessments")] == [(1, ""), (2, "")]
 
 
 # -- crash survival ----------------------------------------------------------------------------
@@ -411,7 +448,7 @@ def test_existing_file_and_unknown_format_are_refused(tmp_path: Path) -> None:
         TraceWriter(path, run_meta={})
     TraceWriter(path, run_meta={"n": 2}, config=TraceWriter.Config(overwrite=True)).close()
     with TraceReader(path) as r:
-        assert r.format_version == "1.1" and r.run_meta == {"n": 2}
+        assert r.format_version == "1.2" and r.run_meta == {"n": 2}
     with h5py.File(path, "r") as f:  # provenance codes are named in the file itself
         names = h5py.check_enum_dtype(f["tokens/provenance"].dtype)
     assert names == {p.name.lower(): int(p) for p in Provenance}

@@ -120,6 +120,8 @@ def summary(c: CoordinatorState) -> dict[str, Any]:
     if pace is not None:
         result["pace"] = pace
     result["startup"] = c.profile.summary()
+    if c.judges:  # topology.judge_engines: where the judge was served (never published to)
+        result["judge_engines"] = list(c.judges)
     if c.validation.points:  # eval.every_steps: the held-out curve
         result["evals"] = c.validation.points
     return result

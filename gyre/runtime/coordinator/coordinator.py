@@ -151,6 +151,7 @@ class Coordinator(CoordinatorState):
 
     def publish(self, a: ev.Publish) -> None:
         targets = [(e, self.fleet[e].url) for e in a.engines]
+        self.published_to[a.version] = [url for _, url in targets]
         self.to_rank(self.ranks.core, msg.Publish(version=a.version, targets=targets))
 
     # ------------------------------------------------------------------ messages
@@ -244,7 +245,8 @@ class Coordinator(CoordinatorState):
 
     def published(self, m: msg.Published) -> None:
         self.stats["publications"] += 1
-        self.rec.event("publish", version=m.version, seconds=m.seconds, missed=m.missed)
+        self.rec.event("publish", version=m.version, seconds=m.seconds, missed=m.missed,
+                       urls=self.published_to.pop(m.version, []))  # fmt: skip
         self.feed(ev.WeightsPublished(m.version))
         for engine in m.missed:  # died around the publication, or restarted before it
             self.to_rank(self.ranks.engines[engine], msg.Reload())

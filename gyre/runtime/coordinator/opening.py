@@ -26,8 +26,11 @@ from gyre.vocabulary import EngineId, Role
 
 
 def startup(c: CoordinatorState) -> None:
-    """Wait for the proxy and every engine, tell the proxy the engines."""
+    """Wait for the proxy, every engine and every judge engine; tell the proxy the engines
+    and the judges."""
     needed = {"proxy"} | {f"engine{e}" for e in range(len(c.ranks.engines))}
+    needed |= {f"judge{j}" for j in range(len(c.ranks.judges))}
+    judges: dict[int, str] = {}
     while needed:
         m = c.inbox.next(c.cfg.timeouts.startup_s)
         if isinstance(m, msg.StartupTimes):
@@ -39,9 +42,16 @@ def startup(c: CoordinatorState) -> None:
         elif isinstance(m, msg.EngineReady):
             needed.discard(f"engine{m.engine}")
             c.fleet.ready(m.engine, m.url)
+        elif isinstance(m, msg.JudgeReady):  # never in the fleet: never published to
+            needed.discard(f"judge{m.judge}")
+            judges[m.judge] = m.url
+            c.rec.event("judge_ready", judge=m.judge, url=m.url)
         else:
             raise wire.RuntimeFailure(f"unexpected message at startup: {m!r:.200}")
     c.to_proxy(msg.SetEngines(c.fleet.urls()))
+    c.judges = [judges[j] for j in sorted(judges)]
+    if c.judges:
+        c.to_proxy(msg.SetJudges(c.judges))
     for cell, role in enumerate(c.sched.roles):  # Async: cells fixed in training
         if role is Role.TRAIN:
             c.fleet.fix_in_training(cell)  # not a scheduler switch: no SwitchDone

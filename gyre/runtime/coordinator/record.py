@@ -153,4 +153,5 @@ def _assessment_row(a: Assessment) -> dict[str, Any]:
         "evaluator": a.kind,
         "detail": json.dumps({"validity": a.validity.value, "error": a.error, "seq": a.seq}),
         "t": float(a.t_end),
+        "critique": a.critique,
     }

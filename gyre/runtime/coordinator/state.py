@@ -81,6 +81,8 @@ class CoordinatorState:
         self.last_update = (self.t0, 0)  # (when, sampled_tokens then) of the last update
         self.finishing = False
         self.proxy_url = ""
+        self.judges: list[str] = []  # the judge engines' URLs (never published to)
+        self.published_to: dict[int, list[str]] = {}  # version -> the URLs it was sent to
         resumed = self.resume.state.version if self.resume.state is not None else None
         self.validation = Validation.of(cfg.eval.every_steps, resumed)  # eval.every_steps
 

@@ -92,6 +92,7 @@ def _serve_final(c: CoordinatorState, version: int) -> None:
     core = 0
     if c.sched.roles[core] is Role.ROLLOUT:
         url = c.fleet[core].url
+        c.published_to[version] = [url]
         c.to_rank(c.ranks.core, msg.Publish(version=version, targets=[(core, url)]))
         _await(c, lambda m: isinstance(m, msg.Published) and m.version == version)
         return

@@ -5,7 +5,7 @@ TITO recording, routes), a `HarnessRunner` (one subprocess per execution, in its
 workspace) and the `Evaluator` (scores each preserved workspace after its execution ends);
 `gyre eval` runs the same host without training. A thread receives the
 coordinator's messages (`gyre.runtime.shared.wire`) and hands them to the loop (one handler per type):
-`SetEngines`, `Drain`, `Undrain`, `StartExecution` (register the execution's key, route it,
+`SetEngines`, `SetJudges` (the judge engines the judge rule asks), `Drain`, `Undrain`, `StartExecution` (register the execution's key, route it,
 run its harness on its task instance), `Cancel`, `Evaluate` (validation while training: the
 held-out set on the live rollout engines, its calls journaled nowhere, answered with
 `Evaluated`), `Stop`.
@@ -34,6 +34,7 @@ from gyre.harness import ExecutionSpec, HarnessRunner, Terminated
 from gyre.harness.judge import HarnessJudge
 from gyre.proxy.app import ProxyApp
 from gyre.proxy.config import Config as ProxyConfig
+from gyre.rollout.protocol import engine_key
 from gyre.runtime.shared import messages as msg
 from gyre.runtime.shared import wire
 from gyre.runtime.shared.config import RunConfig
@@ -94,9 +95,11 @@ class ExecutionHost:
             keep_env=["OMP_NUM_THREADS", "HF_HUB_OFFLINE"],
             hide=[str(d) for d in (run_dir, run_dir.resolve().parent, *hide)],
         )  # fmt: skip
+        # the judge rule: a task's own endpoint, else the run's judge engines (`SetJudges`)
+        self.judge = Judge(api_key=engine_key(), agent=agent)
         self.evaluator = Evaluator(
             Evaluator.Config(max_attempts=h.eval_attempts), log=AssessmentLog(),
-            rules={**RULES, "judge": Judge(agent=agent)},
+            rules={**RULES, "judge": self.judge},
         )  # fmt: skip
         self.app: ProxyApp | None = None
         self.url = ""
@@ -234,6 +237,7 @@ class ProxyNode:
             msg.SetEngines: self.set_engines, msg.Drain: self.drain, msg.Undrain: self.undrain,
             msg.StartExecution: self.start_execution, msg.Cancel: self.cancel,
             msg.Rescore: self.rescore, msg.Evaluate: self.evaluate,
+            msg.SetJudges: self.set_judges,
         }  # fmt: skip
         while True:
             m = await inbox.get()
@@ -268,6 +272,11 @@ class ProxyNode:
     def set_engines(self, m: msg.SetEngines) -> None:
         for engine_id, url in m.urls.items():
             self.host.proxy.add_engine(engine_id, url)
+
+    def set_judges(self, m: msg.SetJudges) -> None:
+        """The judge engines (`topology.judge_engines`): the judge rule asks them when a
+        task names no `judge.endpoint`."""
+        self.host.judge.use_engines(m.urls)
 
     def drain(self, m: msg.Drain) -> None:
         """No new call at the engine; set the reserved routes; ack (a switch waits for it)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gyre.errors import ConfigError
@@ -19,6 +20,7 @@ from gyre.runtime.shared.checks import RUNS_HERE, Site, Where, elsewhere
 if TYPE_CHECKING:
     from gyre.runtime.shared.config import RunConfig
     from gyre.tasks import TaskSuite
+    from gyre.tasks.suite import Task
 
 
 def load_tasks(cfg: RunConfig) -> tuple[TaskSuite, list[str]]:
@@ -103,9 +105,10 @@ def _program(cfg: RunConfig, where: Where) -> list[str]:
 
 
 def _suite(cfg: RunConfig, where: Where) -> list[str]:
-    """The suite loads and holds every task of `harness.tasks`."""
+    """The suite loads and holds every task of `harness.tasks`; a task scored by a judge has
+    one to ask (`judge_served`)."""
     try:
-        load_tasks(cfg)
+        suite, names = load_tasks(cfg)
     except ConfigError as e:
         if where is Where.ANYWHERE and elsewhere(cfg.harness.suite):
             return [f"not checked here: harness.suite {cfg.harness.suite} (not on this "
@@ -115,4 +118,19 @@ def _suite(cfg: RunConfig, where: Where) -> list[str]:
             raise
         raise ConfigError(f"harness.suite: {e}; point it at your task suite (docs/tasks.md), "
                           "e.g. harness.suite=/path/to/suite") from None  # fmt: skip
+    judge_served(cfg, [suite[n] for n in names])
     return []
+
+
+def judge_served(cfg: RunConfig, tasks: Sequence[Task]) -> None:
+    """Refuse a run whose tasks are scored by the judge rule with no judge to ask: a task
+    names no `scoring.judge.endpoint` and the job has no judge engine."""
+    if cfg.topology.judge_engines:
+        return
+    unserved = [t.name for t in tasks if t.scoring.rule == "judge" and not t.scoring.judge.endpoint]
+    if unserved:
+        raise ConfigError(
+            f"topology.judge_engines: 0, but task {unserved[0]!r} is scored by a judge with no "
+            "scoring.judge.endpoint; allowed: topology.judge_engines >= 1 (engines in the job "
+            "serve the judge) or a scoring.judge.endpoint in the task"
+        )

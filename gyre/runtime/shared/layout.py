@@ -3,7 +3,9 @@ and the launcher both use it).
 
 World layout (docs/runtime.md): rank 0 the coordinator, rank 1 the proxy node (with the
 harness pool), ranks 2 .. 2+K*R-1 the cells (cell c holds ranks 2+c*R .. 2+c*R+R-1, R ranks
-per cell), then the standalone rollout engines, one rank each.
+per cell), then the engine pool: the standalone rollout engines, then the judge engines
+(`judge_engines`: they serve the judge rule's model and are never trained nor published to),
+one rank each.
 
     Layout(cfg.topology).components[3]  ->  Component(kind="cell", index=1, shard=0)
     Layout(cfg.topology).groups[3]      ->  RankGroup(kind="cell", index=1, first=3, size=1)
@@ -37,6 +39,11 @@ class TopologyConfig:
     """R: MPI ranks of one cell (on a GPU cluster: one per GPU of the cell)."""
     standalone_engines: int = 0
     """Rollout engines that never switch (one rank each)."""
+    judge_engines: int = 0
+    """Engines that serve the `judge` scoring rule (one rank each, placed and sized like a
+    standalone engine): the run's model at its initial weights, never trained, never
+    published to, never in the rollout fleet; a task whose `scoring.judge` names no
+    endpoint is scored by them."""
     placement: Literal["colocated", "disjoint"] = "colocated"
     """GPUs of a node (gyre.runtime.shared.placement): colocated — a cell's trainer ranks share its
     engine's GPUs and leave them on every switch to rollout; disjoint — separate GPUs."""
@@ -58,20 +65,26 @@ class TopologyConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name}: {value!r}; allowed: a number of GB > 0")
-        if self.standalone_engines < 0:
-            raise ConfigError(f"standalone_engines: {self.standalone_engines}; allowed: >= 0")
+        for name in ("standalone_engines", "judge_engines"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: {getattr(self, name)}; allowed: >= 0")
 
     @property
     def world_size(self) -> int:
-        """1 coordinator + 1 proxy node + K*R cell ranks + the standalone engines."""
-        return 2 + self.cells * self.ranks_per_cell + self.standalone_engines
+        """1 coordinator + 1 proxy node + K*R cell ranks + the engine pool."""
+        return 2 + self.cells * self.ranks_per_cell + self.pool
+
+    @property
+    def pool(self) -> int:
+        """Ranks of the engine pool: the standalone engines, then the judge engines."""
+        return self.standalone_engines + self.judge_engines
 
 
 @dataclass(frozen=True, slots=True)
 class Component:
     """What one rank runs: its kind, the cell / engine index and its shard within a cell."""
 
-    kind: Literal["coordinator", "proxy", "cell", "standalone"]
+    kind: Literal["coordinator", "proxy", "cell", "standalone", "judge"]
     index: int = 0
     shard: int = 0
 
@@ -79,19 +92,27 @@ class Component:
 @dataclass(frozen=True, slots=True)
 class RankGroup:
     """Consecutive world ranks that run one kind of component: one component of the
-    heterogeneous Slurm job (the coordinator, the proxy node, one cell, the standalone
-    pool)."""
+    heterogeneous Slurm job (the coordinator, the proxy node, one cell, the engine pool).
+
+    The engine pool ("standalone") holds the standalone engines, then its last `judges`
+    ranks the judge engines: a judge engine is placed and sized like a standalone engine,
+    so it shares the pool's nodes (`slurm.standalone_nodes`) rather than asking for a
+    Slurm component of its own."""
 
     kind: Literal["coordinator", "proxy", "cell", "standalone"]
     index: int  # the cell id of a cell; 0 otherwise
     first: int  # its first world rank
     size: int  # its ranks
+    judges: int = 0  # the engine pool: its last ranks serving the judge
 
     def component(self, rank_in_group: int) -> Component:
         """What the group's `rank_in_group`-th rank runs."""
         if not 0 <= rank_in_group < self.size:
             raise ConfigError(f"{self.kind} group: rank {rank_in_group}; it has {self.size}")
         if self.kind == "standalone":
+            rollout = self.size - self.judges
+            if rank_in_group >= rollout:
+                return Component("judge", rank_in_group - rollout)
             return Component("standalone", rank_in_group)
         return Component(self.kind, self.index, rank_in_group)
 
@@ -111,15 +132,14 @@ class Layout:
     @property
     def groups(self) -> list[RankGroup]:
         """The world's groups in rank order: coordinator, proxy, cells 0..K-1, then (if any)
-        the standalone pool."""
+        the engine pool (standalone engines, then judge engines)."""
         t = self.topology
         out = [RankGroup("coordinator", 0, 0, 1), RankGroup("proxy", 0, 1, 1)]
         out += [RankGroup("cell", c, 2 + c * t.ranks_per_cell, t.ranks_per_cell)
                 for c in range(t.cells)]  # fmt: skip
-        if t.standalone_engines:
-            out.append(
-                RankGroup("standalone", 0, 2 + t.cells * t.ranks_per_cell, t.standalone_engines)
-            )
+        if t.pool:
+            first = 2 + t.cells * t.ranks_per_cell
+            out.append(RankGroup("standalone", 0, first, t.pool, judges=t.judge_engines))
         return out
 
     @property
@@ -134,7 +154,7 @@ class Layout:
             raise ConfigError(
                 f"world size {world_size} does not match the topology: 1 coordinator + 1 proxy + "
                 f"{t.cells} cells x {t.ranks_per_cell} ranks + {t.standalone_engines} standalone "
-                f"engines = {self.world_size} ranks; start {self.world_size} ranks (mpiexec -n "
+                f"+ {t.judge_engines} judge engines = {self.world_size} ranks; start {self.world_size} ranks (mpiexec -n "
                 f"{self.world_size}) or change `topology`"
             )
         return self.components
@@ -155,15 +175,19 @@ class Layout:
 @dataclass(frozen=True, slots=True)
 class Ranks:
     """The world ranks the coordinator talks to, by what they run: the rank speaking for each
-    engine id (the cells' leaders, then the standalone engines) and every rank of each cell
-    (the leader first: training and role messages go to all of them, the leader answers)."""
+    engine id (the cells' leaders, then the standalone engines), every rank of each cell
+    (the leader first: training and role messages go to all of them, the leader answers)
+    and the judge engines' ranks (outside the rollout fleet: only told to stop)."""
 
     engines: tuple[int, ...]
     cells: tuple[tuple[int, ...], ...]
+    judges: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, components: list[Component]) -> Ranks:
-        return cls(tuple(engine_ranks(components)), tuple(map(tuple, cell_members(components))))
+        judges = tuple(r for r, c in enumerate(components) if c.kind == "judge")
+        return cls(tuple(engine_ranks(components)), tuple(map(tuple, cell_members(components))),
+                   judges)  # fmt: skip
 
     @classmethod
     def one_per_cell(cls, engines: list[int], cells: int) -> Ranks:
@@ -182,9 +206,9 @@ class Ranks:
 
     @property
     def cells_and_engines(self) -> list[int]:
-        """Every rank but the coordinator and the proxy node: the engines', then the
-        followers (the ranks told to stop at the end of a run)."""
-        return [*self.engines, *self.followers]
+        """Every rank but the coordinator and the proxy node: the engines', the followers,
+        then the judge engines (the ranks told to stop at the end of a run)."""
+        return [*self.engines, *self.followers, *self.judges]
 
     def by_cell(self, per_rank: list[str]) -> list[list[str]]:
         """A per-rank list (e.g. hosts) regrouped as each cell's ranks are."""

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from gyre.tasks.evaluator import Assessment
     from gyre.tasks.scoring import TestVerdict
 
-PROXY, CELL, COORDINATOR = "proxy node", "cell", "coordinator"
+PROXY, CELL, COORDINATOR, JUDGE = "proxy node", "cell", "coordinator", "judge engine"
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +154,15 @@ class EngineReady(Message):
 
 
 @dataclass(frozen=True)
+class JudgeReady(Message):
+    """Judge engine `judge` serves the run's initial model at `url` (never published to)."""
+
+    up, route = True, (JUDGE, COORDINATOR)
+    judge: int
+    url: str
+
+
+@dataclass(frozen=True)
 class EngineLost(Message):
     """Engine `engine`'s process exited (`returncode`, negative: killed by that signal)."""
 
@@ -248,6 +257,14 @@ class SetEngines(Message):
 
     up, route = False, (COORDINATOR, PROXY)
     urls: dict[str, str]
+
+
+@dataclass(frozen=True)
+class SetJudges(Message):
+    """The judge engines' URLs: the judge rule asks them when a task names no endpoint."""
+
+    up, route = False, (COORDINATOR, PROXY)
+    urls: list[str]
 
 
 @dataclass(frozen=True)

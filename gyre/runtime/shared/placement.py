@@ -139,9 +139,10 @@ def plan_node(
 
 
 def _groups(ranks: Sequence[Component]) -> list[_Group]:
-    """Cells (by id, trainers by shard) then standalone engines (by index)."""
+    """Cells (by id, trainers by shard) then the pool's engines: standalone, then judge
+    engines (by index)."""
     cells: dict[int, _Group] = {}
-    standalone: dict[int, _Group] = {}
+    standalone: dict[tuple[bool, int], _Group] = {}
     for i in sorted(range(len(ranks)), key=lambda i: (ranks[i].index, ranks[i].shard)):
         c = ranks[i]
         if c.kind == "cell":
@@ -149,10 +150,11 @@ def _groups(ranks: Sequence[Component]) -> list[_Group]:
             g.trainers.append(i)
             if c.shard == 0:
                 g.engine = i
-        elif c.kind == "standalone":
-            if c.index in standalone:
-                raise ConfigError(f"standalone engine {c.index}: on two local ranks")
-            standalone[c.index] = _Group(engine=i)
+        elif c.kind in ("standalone", "judge"):
+            key = (c.kind == "judge", c.index)
+            if key in standalone:
+                raise ConfigError(f"{c.kind} engine {c.index}: on two local ranks")
+            standalone[key] = _Group(engine=i)
     return [cells[k] for k in sorted(cells)] + [standalone[k] for k in sorted(standalone)]
 
 
@@ -246,11 +248,10 @@ def check_gpus(cfg: RunConfig, gpus: int, nodes_per_cell: int, standalone_nodes:
     per_node = t.ranks_per_cell // nodes_per_cell
     nodes = [[Component("cell", 0, shard) for shard in range(k * per_node, (k + 1) * per_node)]
              for k in range(nodes_per_cell)]  # fmt: skip
-    if t.standalone_engines and (standalone_nodes < 1 or t.standalone_engines % standalone_nodes):
+    if t.pool and (standalone_nodes < 1 or t.pool % standalone_nodes):
         return  # the layout's own check names it (gyre.launch.spec.job_spec)
-    if t.standalone_engines:
-        each = t.standalone_engines // standalone_nodes
-        nodes.append([Component("standalone", i) for i in range(each)])
+    if t.pool:  # the engine pool's busiest node: standalone and judge engines alike
+        nodes.append([Component("standalone", i) for i in range(t.pool // standalone_nodes)])
     for ranks in nodes:
         try:
             plan_node(gpus, ranks, tensor_parallel=cfg.engine.tensor_parallel,
@@ -267,7 +268,8 @@ def check_ranks_here(cfg: RunConfig, site: Site) -> list[str]:
         return []
     raise ConfigError(
         f"topology: {t.world_size} ranks (1 coordinator + 1 proxy + {t.cells} cells x "
-        f"{t.ranks_per_cell} ranks + {t.standalone_engines} standalone engines); gyre run "
+        f"{t.ranks_per_cell} ranks + {t.standalone_engines} standalone + {t.judge_engines} judge "
+        f"engines); gyre run "
         f"starts them all on this machine, which has {cpus} CPUs; allowed: at most "
         f"{RANKS_PER_CPU * cpus} ranks here. Run a cluster config with `gyre submit "
         "CONFIG` or `gyre render CONFIG -o job.sbatch && sbatch job.sbatch`, or shrink it "

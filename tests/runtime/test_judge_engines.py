@@ -1,0 +1,74 @@
+"""A run whose reward comes from a judge served by an engine in the job (issue 52 item 1):
+`topology.judge_engines: 1`, a task scored by `rule: judge` with no endpoint, the tiny model as
+the judge (its answer constrained to the verdict schema, so it parses). Checked: every
+assessment in the trace carries the judge's critique and score, the judge engine's URL is in
+the summary and never among a publication's targets, and a run with no judge to ask is
+refused at preflight."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre.errors import ConfigError
+from gyre.runtime.preflight import preflight
+from gyre.runtime.shared.checks import Where
+from gyre.runtime.shared.config import load_run_config
+from gyre.tasks.suite import LEARN_DIR
+from gyre.trajectory.store import TraceReader
+from runtime.conftest import small_config, write_config
+
+
+def _judged_config(tmp_path: Path, judges: int) -> Path:
+    notes = LEARN_DIR / "notes"
+    rubric = tmp_path / "hidden" / "rubric.md"
+    rubric.parent.mkdir()
+    rubric.write_text("1 if the directory holds one markdown bullet file per note, else 0.\n")
+    suite = {"name": "judged", "tasks": [{
+        "name": "notes", "instruction": "Take notes on bugs: one file per note.",
+        "workspace": str(notes / "workspace"),
+        "scoring": {"rule": "judge", "rubric": str(rubric), "timeout_s": 30,
+                    "judge": {"max_tokens": 200, "temperature": 1.0, "max_input_chars": 2000}},
+    }]}  # fmt: skip
+    (tmp_path / "suite.yaml").write_text(json.dumps(suite))
+    cfg = small_config(tmp_path, topology={"cells": 1, "judge_engines": judges})
+    cfg["harness"].update(suite=str(tmp_path / "suite.yaml"), tasks=["notes"])
+    cfg["harness"]["params"].update({"max_turns": "1", "max_tokens": "16"})
+    cfg["schedule"].update(group_size=2, batch_groups=1, concurrency_per_cell=2)
+    return write_config(tmp_path, cfg)
+
+
+def test_a_judge_without_endpoint_or_engine_is_refused(tmp_path: Path) -> None:
+    cfg = load_run_config(_judged_config(tmp_path, judges=0))
+    with pytest.raises(ConfigError, match=r"topology\.judge_engines.*scoring\.judge\.endpoint"):
+        preflight(cfg, Where.ANYWHERE)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_judge_engine_scores_the_run_and_is_never_published_to(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "gyre", "run", str(_judged_config(tmp_path, judges=1)),
+         "--run-dir", str(run_dir), "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (judge_url,) = summary["judge_engines"]
+    with TraceReader(run_dir / "trace.h5") as r:
+        assessments = r.rows("assessments")
+        events = [(e["kind"], json.loads(e["detail"])) for e in r.rows("events")]
+    valid = [a for a in assessments if a["valid"]]
+    assert valid, assessments
+    for a in valid:  # the verdict, parsed: a score in [0, 1] and the judge's critique
+        assert 0.0 <= a["score"] <= 1.0 and isinstance(a["critique"], str), a
+        assert json.loads(a["detail"])["validity"] == "valid"
+    assert ("judge_ready", {"judge": 0, "url": judge_url}) in events
+    published = [d for k, d in events if k == "publish"]
+    assert published and all(judge_url not in d["urls"] for d in published), published
+    assert (run_dir / "logs" / "engine-judge0.log").exists()
