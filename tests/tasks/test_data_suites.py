@@ -229,7 +229,7 @@ def python_rule(function: str, **keys):
         (
             [row(), row("b", scoring=python_rule("reward.py:exact", timeout=3))],
             SIDECAR,
-            r"quiz.jsonl:2.scoring: unknown key 'timeout'; allowed keys: command, fail_to_pass, function",
+            r"quiz.jsonl:2.scoring: unknown key 'timeout'; allowed keys: agentic, command, fail_to_pass, function, judge",
         ),
         (
             [row(workspace="gone")],

@@ -192,6 +192,7 @@ def write(run: Run, path: Path) -> None:
                         "evaluator": "final",
                         "detail": "",
                         "t": 0.0,
+                        "critique": "",
                     }
                     for a, ok in enumerate(x.assessments)
                 ],
