@@ -45,6 +45,26 @@ def test_paper_templates_shape(name: str, cells: int, nodes_per_cell: int, total
     assert spec.world_size == 2 + cells * nodes_per_cell * 8
 
 
+@pytest.mark.parametrize(
+    ("name", "nodes_per_cell", "idle"), [("qwen3-8b", 1, False), ("qwen3-30b-a3b", 2, True)]
+)
+def test_qwen3_templates_fit_their_memory_plan(name: str, nodes_per_cell: int, idle: bool) -> None:
+    """The Qwen3 templates train with Megatron in a layout the memory plan accepts on 80 GB
+    GPUs, for the model's own shape (`templates/shapes/`), every rank and the engine; `gyre
+    render` warns where a cell holds GPUs its one engine leaves idle during rollout."""
+    from gyre.runtime.shared.config import load_run_config
+    from gyre.runtime.shared.memory import memory_plan
+
+    shape = ROOT / "templates" / "shapes" / name
+    plan = memory_plan(load_run_config(CLUSTER / f"{name}.yaml", [f"model={shape}"]))
+    assert plan.gpu and plan.limit == 80e9 and plan.layout.backend == "megatron"
+    assert plan.layout.sequence and plan.layout.dtype == "bfloat16"
+    assert plan.rank_problem() is None and plan.engine_problem() is None
+    spec = job_spec(load_launch(CLUSTER / f"{name}.yaml"))
+    assert {c.nodes for c in spec.components if c.role == "cell"} == {nodes_per_cell}
+    assert any("idle while it serves" in line for line in spec.footprint()) is idle
+
+
 def test_local_template_is_five_single_task_components() -> None:
     spec = job_spec(load_launch(ROOT / "templates" / "local.yaml"))
     assert [(c.role, c.nodes, c.ntasks) for c in spec.components] == [
