@@ -8,6 +8,14 @@ output). The `e2e_run` fixture (tests/conftest.py) hands it to
 the end-to-end assertions, the trace export and the trace stats tests; tests that use it are
 put on one pytest-xdist worker, so the world runs once per test session.
 
+`learning_world(base)` is the default job (templates/local.yaml, 40 steps) with validation
+while training on (`eval.every_steps=20`: held-out points at steps 0, 20 and 40, 2 instances
+each, one sample logged, TensorBoard on), then `gyre eval --initial --instances 48` on its run
+directory. The `learning_run` fixture hands it to the learning test (tests/runtime/
+test_learning.py: the held-out reward rises) and the validation tests (tests/runtime/
+test_validation.py: the held-out points never train, the report shows them), on one
+pytest-xdist worker.
+
 `megatron_world(base)` is a chain of `gyre run`s over one run directory with Megatron cells
 (train.backend megatron, 2-rank cells, batches recorded, the invariance tests' objective
 overrides): preempted under tensor parallelism (TP 2 x PP 1; SIGUSR1: checkpoint, exit 75),
@@ -28,6 +36,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +124,39 @@ def e2e_world(base: Path) -> World:
             proc.kill()
             proc.wait()
     return World(run_dir, proc.returncode, out, killed, kill_t, tuple(live))
+
+
+LEARNING_STEPS, EVAL_EVERY = 40, 20
+VALIDATION = {"eval.every_steps": EVAL_EVERY, "eval.instances": 2, "eval.concurrency": 2,
+              "eval.log_samples": 1, "tracking.tensorboard.enabled": "true"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Learned:
+    run_dir: Path
+    run: subprocess.CompletedProcess[str]  # `gyre run templates/local.yaml ...`
+    eval: subprocess.CompletedProcess[str] | None  # `gyre eval RUN --initial`; None: no run
+    tensorboard: Path  # a copy of the run's TensorBoard logs as the run left them (`gyre eval`
+    # then sends its initial and final held-out rewards to the same eval/* tags, steps 0 and 40)
+
+
+@functools.cache
+def learning_world(base: Path) -> Learned:
+    run_dir = base / "run"
+
+    def gyre(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gyre", *args], capture_output=True,
+                              text=True, timeout=timeout, cwd=ROOT)  # fmt: skip
+
+    overrides = [f"{k}={v}" for k, v in VALIDATION.items()]
+    run = gyre("run", "templates/local.yaml", "--steps", str(LEARNING_STEPS), *overrides,
+               "--run-dir", str(run_dir), "--quiet", timeout=1500)  # fmt: skip
+    tensorboard = base / "tensorboard-of-the-run"
+    if run.returncode != 0:
+        return Learned(run_dir, run, None, tensorboard)
+    shutil.copytree(run_dir / "tensorboard", tensorboard)
+    ev = gyre("eval", str(run_dir), "--initial", "--instances", "48", "--json", timeout=600)
+    return Learned(run_dir, run, ev, tensorboard)
 
 
 # --------------------------------------------------------------------------- chains of runs
