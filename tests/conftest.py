@@ -44,6 +44,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("e2e"))  # one shared world, run once
         elif "learning_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("learning"))  # the same
+        elif "torch_chain" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("torch_chain"))  # the same
         elif "megatron_chain" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("megatron_chain"))  # the same
         elif "smollm2_policy" in getattr(item, "fixturenames", ()):
@@ -112,6 +114,15 @@ def learning_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-u
     from worlds import learning_world
 
     return learning_world(tmp_path_factory.mktemp("learning"))
+
+
+@pytest.fixture(scope="session")
+def torch_chain(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The shared chain of torch runs over one run directory (tests/worlds.py: preempted, then
+    killed once per fatal kind and phase, resumed to the end, continued a step), run once."""
+    from worlds import torch_world
+
+    return torch_world(tmp_path_factory.mktemp("torch-chain"))
 
 
 @pytest.fixture(scope="session")
