@@ -42,12 +42,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif "e2e_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("e2e"))  # one shared world, run once
+        elif "learning_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("learning"))  # the same
+        elif "torch_chain" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("torch_chain"))  # the same
         elif "megatron_chain" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("megatron_chain"))  # the same
         elif "smollm2_policy" in getattr(item, "fixturenames", ()):
             # one conversion of the GGUF file (~30 CPU-s) and one engine for them all
             item.add_marker(pytest.mark.xdist_group("smollm2"))
 
+    # pytest-xdist then hands out scopes (a group, or a test alone) in this order, except that
+    # by default (--loadscope-reorder) it first puts the scopes with more tests ahead: the
+    # shared-world groups start before the tests alone, whatever this key says of them
     def key(item: pytest.Item) -> int:
         marks = {m.name for m in item.iter_markers()}
         if "slurm" in marks:  # one serial group of mostly waiting: start it at once
@@ -98,6 +105,24 @@ def e2e_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
     from worlds import e2e_world
 
     return e2e_world(tmp_path_factory.mktemp("e2e"))
+
+
+@pytest.fixture(scope="session")
+def learning_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The default job with validation while training, then `gyre eval --initial` on it
+    (tests/worlds.py `learning_world`), run once for the session."""
+    from worlds import learning_world
+
+    return learning_world(tmp_path_factory.mktemp("learning"))
+
+
+@pytest.fixture(scope="session")
+def torch_chain(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The shared chain of torch runs over one run directory (tests/worlds.py: preempted, then
+    killed once per fatal kind and phase, resumed to the end, continued a step), run once."""
+    from worlds import torch_world
+
+    return torch_world(tmp_path_factory.mktemp("torch-chain"))
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,14 @@ output). The `e2e_run` fixture (tests/conftest.py) hands it to
 the end-to-end assertions, the trace export and the trace stats tests; tests that use it are
 put on one pytest-xdist worker, so the world runs once per test session.
 
+`learning_world(base)` is the default job (templates/local.yaml, 40 steps) with validation
+while training on (`eval.every_steps=20`: held-out points at steps 0, 20 and 40, 2 instances
+each, one sample logged, TensorBoard on), then `gyre eval --initial --instances 48` on its run
+directory. The `learning_run` fixture hands it to the learning test (tests/runtime/
+test_learning.py: the held-out reward rises) and the validation tests (tests/runtime/
+test_validation.py: the held-out points never train, the report shows them), on one
+pytest-xdist worker.
+
 `megatron_world(base)` is a chain of `gyre run`s over one run directory with Megatron cells
 (train.backend megatron, 2-rank cells, batches recorded, the invariance tests' objective
 overrides): preempted under tensor parallelism (TP 2 x PP 1; SIGUSR1: checkpoint, exit 75),
@@ -17,8 +25,14 @@ of its own, then resumed under TP 2 again (`train.parallel.pipeline=1`) to the e
 segment is a `Segment` record: the checkpoint it started from, what it closed before and
 after its signal or kill, its first update, the batch records it left. The `megatron_chain`
 fixture hands it to the kill matrix (tests/runtime/test_kill_matrix.py) and the invariance
-test (tests/runtime/test_training_invariance.py), on one pytest-xdist worker. The chain's
-pieces (`preempt`, `kill_during`, `resume`) also drive the kill matrix's torch chain.
+test (tests/runtime/test_training_invariance.py), on one pytest-xdist worker.
+
+`torch_world(base)` is the kill matrix's chain of torch runs, built from the same pieces
+(`preempt`, `kill_during`, `resume`): two 2-rank cells, batches recorded under the same
+objective overrides, preempted, then killed once per fatal kind and phase (`FATAL_KILLS`),
+resumed to the end and continued one step further. The `torch_chain` fixture hands it to the
+kill matrix's fatal-kill test and to the invariance test, which replays every update of the
+chain against the one-process reference.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +130,39 @@ def e2e_world(base: Path) -> World:
             proc.kill()
             proc.wait()
     return World(run_dir, proc.returncode, out, killed, kill_t, tuple(live))
+
+
+LEARNING_STEPS, EVAL_EVERY = 40, 20
+VALIDATION = {"eval.every_steps": EVAL_EVERY, "eval.instances": 2, "eval.concurrency": 2,
+              "eval.log_samples": 1, "tracking.tensorboard.enabled": "true"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Learned:
+    run_dir: Path
+    run: subprocess.CompletedProcess[str]  # `gyre run templates/local.yaml ...`
+    eval: subprocess.CompletedProcess[str] | None  # `gyre eval RUN --initial`; None: no run
+    tensorboard: Path  # a copy of the run's TensorBoard logs as the run left them (`gyre eval`
+    # then sends its initial and final held-out rewards to the same eval/* tags, steps 0 and 40)
+
+
+@functools.cache
+def learning_world(base: Path) -> Learned:
+    run_dir = base / "run"
+
+    def gyre(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gyre", *args], capture_output=True,
+                              text=True, timeout=timeout, cwd=ROOT)  # fmt: skip
+
+    overrides = [f"{k}={v}" for k, v in VALIDATION.items()]
+    run = gyre("run", "templates/local.yaml", "--steps", str(LEARNING_STEPS), *overrides,
+               "--run-dir", str(run_dir), "--quiet", timeout=1500)  # fmt: skip
+    tensorboard = base / "tensorboard-of-the-run"
+    if run.returncode != 0:
+        return Learned(run_dir, run, None, tensorboard)
+    shutil.copytree(run_dir / "tensorboard", tensorboard)
+    ev = gyre("eval", str(run_dir), "--initial", "--instances", "48", "--json", timeout=600)
+    return Learned(run_dir, run, ev, tensorboard)
 
 
 # --------------------------------------------------------------------------- chains of runs
@@ -286,6 +334,7 @@ class Segment:
     first_update: dict[str, Any] | None  # the core record of its first batch, if it made one
     batches: dict[str, int]  # RUN_DIR/batches files -> mtime_ns when it ended
     config: dict[str, Any]  # RUN_DIR/config.yaml when it ended
+    summary: dict[str, Any]  # RUN_DIR/summary.json when it ended ({}: none)
 
     @property
     def first_batch(self) -> int:
@@ -339,7 +388,7 @@ def _segment(run_dir: Path, args: list[str], act: Act | None, timeout: float) ->
         checkpoint=newest_checkpoint(run_dir), closed_before=before, closed_after=closed,
         killed=tuple(killed), outlived=outlived,
         first_update=_update_since(run_dir, resumed_from, t0), batches=_batch_files(run_dir),
-        config=_run_config(run_dir),
+        config=_run_config(run_dir), summary=_run_summary(run_dir),
     )  # fmt: skip
 
 
@@ -362,6 +411,11 @@ def _update_since(run_dir: Path, resumed_from: Checkpoint | None, t0: int) -> di
 def _run_config(run_dir: Path) -> dict[str, Any]:
     own = run_dir / "config.yaml"
     return yaml.safe_load(own.read_text()) if own.is_file() else {}
+
+
+def _run_summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _batch_files(run_dir: Path) -> dict[str, int]:
@@ -435,6 +489,52 @@ class Chain:
 def _second_rank(procs: list[Proc]) -> list[Proc]:
     """The core cell's second rank: the other half of every layer (TP), or the second stage."""
     return [p for p in procs if p.kind == "rank" and p.index == SECOND_RANK]
+
+
+FATAL: dict[str, Callable[[list[Proc]], list[Proc]]] = {
+    # kind -> which processes to kill, by world rank in a world of 2-rank cells:
+    # coordinator 0, proxy 1, core cell 2 (leader, hosts the engine) + 3, satellite 4 + 5
+    "coordinator": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 0],
+    "proxy node": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 1],
+    "core cell's leader": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 2],
+    "satellite cell's second rank": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 5],
+    "everything": lambda ps: list(ps),
+}
+# start-up kills (each a world start of its own, ~35 s here): the rank that hosts an engine,
+# and every process at once; any one rank's death ends the world the same way (MPI aborts it)
+STARTUP_KILLS = ("core cell's leader", "everything")
+FATAL_KILLS = tuple((kind, phase) for kind in FATAL for phase in ("startup", "midrun")
+                    if phase == "midrun" or kind in STARTUP_KILLS)  # fmt: skip
+"""(kind, phase) of the torch chain's killed segments, in the order they run."""
+TORCH_BUDGET = 256
+"""The torch chain's token budget: ~30 micro-steps a batch, so the satellite joins batches
+(as in the Megatron chain) and some rows are over it (the invariance test's oversize rows)."""
+
+
+@functools.cache
+def torch_world(base: Path) -> Chain:
+    """The kill matrix's chain of torch runs over one run directory (two 2-rank cells, batches
+    recorded, checkpoint every step, the invariance tests' objective overrides): preempted
+    (SIGUSR1), then resumed and SIGKILLed once per `FATAL_KILLS` entry, then resumed to the
+    end, then continued for one more step (`--resume RUN_DIR --steps CHAIN_STEPS+1`)."""
+    cfg = small_config(base, steps=CHAIN_STEPS)
+    cfg["topology"].update({"cells": 2, "ranks_per_cell": 2})  # core + one satellite
+    cfg["harness"]["params"].update({"max_turns": "2", "max_tokens": "96"})
+    cfg["train"].update({"record_batches": True, "token_budget": TORCH_BUDGET})
+    cfg["checkpoint"] = {"every_steps": 1, "keep": 2}
+    config = write_config(base, cfg)
+    run_dir = base / "run"
+    objective = [f"train.{k}={v}" for k, v in OBJECTIVE.items()]
+    segments = [preempt(run_dir, [str(config), *objective, "--run-dir", str(run_dir)])]
+    for kind, phase in FATAL_KILLS:
+        if segments[-1].error:
+            break
+        segments.append(kill_during(run_dir, [], FATAL[kind], phase))
+    if not segments[-1].error:
+        segments.append(resume(run_dir, []))
+    if not segments[-1].error:
+        segments.append(resume(run_dir, ["--steps", str(CHAIN_STEPS + 1)]))
+    return Chain(run_dir, tuple(segments))
 
 
 @functools.cache

@@ -17,14 +17,16 @@ then kills one kind per segment (every kind mid-run; the core cell's leader and 
 once also during start-up), then a last resume completes the run. Before and after
 every kill the closed executions are read from the trace — status, a digest of the tree,
 reward rows — and each one must survive unchanged into every later read; every resumed
-segment's first update starts from exactly the checkpoint it resumed.
+segment's first update starts from exactly the checkpoint it resumed. The torch chain is the
+session's shared `torch_chain` (tests/worlds.py `torch_world`), whose recorded updates
+test_training_invariance.py also replays against the one-process reference.
 
 The Megatron core's chain is the session's shared `megatron_chain` (tests/worlds.py, also
 replayed by test_training_invariance.py): preempted under tensor parallelism (TP 2), resumed
 under two pipeline stages (`--resume RUN_DIR train.parallel.pipeline=2`) with the core cell's
 second rank killed mid-run, resumed under TP 2 again to the end — its checkpoints hold the
-Hugging Face layout, so a run continues under another layout. The chain's pieces (`preempt`,
-`kill_during`, `resume`, each a `Segment` record) drive the torch chain here too.
+Hugging Face layout, so a run continues under another layout. Both chains are built from the
+same pieces (`preempt`, `kill_during`, `resume`, each a `Segment` record).
 """
 
 from __future__ import annotations
@@ -39,17 +41,16 @@ import yaml
 from processes import Proc, gone, wait_for
 from worlds import (
     CHAIN_STEPS,
+    FATAL,
+    FATAL_KILLS,
     Chain,
     Closed,
     Segment,
     finish,
     job_errors,
     kill,
-    kill_during,
     lost,
     mid_run,
-    preempt,
-    resume,
     start_run,
 )
 
@@ -146,20 +147,6 @@ def test_engine_harness_and_scorer_kills_are_absorbed(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- fatal kills
 
-FATAL = {  # kind -> which processes to kill, by world rank in a world of 2-rank cells:
-    # coordinator 0, proxy 1, core cell 2 (leader, hosts the engine) + 3, satellite 4 + 5
-    "coordinator": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 0],
-    "proxy node": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 1],
-    "core cell's leader": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 2],
-    "satellite cell's second rank": lambda ps: [p for p in ps if p.kind == "rank" and p.index == 5],
-    "everything": lambda ps: list(ps),
-}
-
-
-# start-up kills (each a world start of its own, ~35 s here): the rank that hosts an engine,
-# and every process at once; any one rank's death ends the world the same way (MPI aborts it)
-STARTUP_KILLS = ("core cell's leader", "everything")
-
 
 def _preempted(seg: Segment) -> None:
     """Segment 0, SIGUSR1 after the first optimizer step: checkpoint of that update, exit 75,
@@ -205,8 +192,7 @@ def _completed(run_dir: Path, segments: Sequence[Segment]) -> None:
     record)."""
     last = segments[-1]
     assert not last.error and last.returncode == 0, f"{last.error}\n{last.output}"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps_done"] == STEPS
+    assert last.summary["steps_done"] == STEPS
     earlier = segments[-2].closed_after
     assert earlier and not lost(earlier, last.closed_after)
     with TraceReader(run_dir / "trace.h5") as r:
@@ -226,38 +212,33 @@ def _completed(run_dir: Path, segments: Sequence[Segment]) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_fatal_kills_resume_and_lose_nothing_closed(tmp_path: Path) -> None:
-    """One run: first preempted (SIGUSR1 -> checkpoint, exit 75), then resumed after each fatal
-    kill of every kind, during start-up and mid-run. Before every kill the closed executions
-    (status, tree digest, reward rows) are read from the live trace; after it, and at the end,
-    every one of them is still there, unchanged. Finished, it continues for one more step
-    from its last update."""
-    run_dir = tmp_path / "run"
-    args = [str(_config(tmp_path, record_batches=True, ranks_per_cell=2)), "--run-dir",
-            str(run_dir)]  # fmt: skip
-    segments = [preempt(run_dir, args)]
+def test_fatal_kills_resume_and_lose_nothing_closed(torch_chain: Chain) -> None:
+    """One run (the session's `torch_chain`, tests/worlds.py): first preempted (SIGUSR1 ->
+    checkpoint, exit 75), then resumed after each fatal kill of every kind, during start-up
+    and mid-run (`FATAL_KILLS`). Before every kill the closed executions (status, tree
+    digest, reward rows) are read from the live trace; after it, and at the end, every one of
+    them is still there, unchanged. Finished, it continues for one more step from its last
+    update."""
+    segments = torch_chain.segments
+    assert len(segments) == 1 + len(FATAL_KILLS) + 2, f"{segments[-1].error}\n{segments[-1].output}"
     _preempted(segments[0])
-    kills = [(kind, phase) for kind in FATAL for phase in ("startup", "midrun")
-             if phase == "midrun" or kind in STARTUP_KILLS]  # fmt: skip
-    for kind, phase in kills:
-        segments.append(kill_during(run_dir, [], FATAL[kind], phase))
-        _killed(segments[-1], kind, phase, segments[-2].closed_after)
-    segments.append(resume(run_dir, []))
-    _completed(run_dir, segments)
-    with TraceReader(run_dir / "trace.h5") as r:
+    for (kind, phase), seg, before in zip(FATAL_KILLS, segments[1:], segments, strict=False):
+        _killed(seg, kind, phase, before.closed_after)
+    *chain, more = segments
+    _completed(torch_chain.run_dir, chain)
+    with TraceReader(torch_chain.run_dir / "trace.h5") as r:
         resumed = [e for e in r.rows("events") if e["kind"] == "resumed"]
     # every mid-run segment continued a previous one (start-up kills may precede the takeover)
     assert len(resumed) >= len(FATAL)
 
     # the finished run ends with a checkpoint of its last update, and `--resume RUN --steps
     # MORE` continues from exactly that: its first update starts from the final parameters
-    last = latest(run_dir)
-    assert last is not None and last[1]["updates"] == STEPS and last[0].name == f"v{STEPS:05d}"
-    more = resume(run_dir, ["--steps", str(STEPS + 1)])
+    last = chain[-1].checkpoint
+    assert last is not None and last.state["updates"] == STEPS and last.name == f"v{STEPS:05d}"
+    assert more.resumed_from is not None and more.resumed_from.name == last.name
     assert not more.error and more.returncode == 0, f"{more.error}\n{more.output}"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["resumed_from"] == {"version": STEPS, "updates": STEPS}
-    assert summary["steps_done"] == STEPS + 1
+    assert more.summary["resumed_from"] == {"version": STEPS, "updates": STEPS}
+    assert more.summary["steps_done"] == STEPS + 1
     assert more.first_batch == STEPS
     _started_from_checkpoint(more)
 
@@ -283,8 +264,6 @@ def test_a_megatron_core_resumes_from_its_checkpoint(megatron_chain: Chain) -> N
     _completed(megatron_chain.run_dir, segments)
     assert [s.layout for s in segments] == [(2, 1), (1, 2), (2, 1)]  # (tensor, pipeline)
     assert killed.first_update is not None and finished.first_update is not None
-    from gyre.runtime.shared.checkpoint import latest
-
     found = latest(megatron_chain.run_dir)
     assert found is not None
     assert not (found[0] / "core.pt").exists()  # nothing gathered to one rank

@@ -14,21 +14,21 @@ losses split evenly), and the training reward of the last 10 steps must exceed t
 p < 0.01 in ~40% of 16-instance evaluations (a CI failure: 11 up, 3 down, p = 0.029) and in
 ~95% of 48-instance ones (binomial arithmetic in `test_sign_test_against_known_values`); the
 32 extra executions per policy cost ~25 s.
+
+The run is the session's shared `learning_run` (tests/worlds.py `learning_world`): the
+template as it is, plus validation while training (`eval.every_steps=20`, 2 held-out
+instances a point), which tests/runtime/test_validation.py checks on the same run.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from worlds import LEARNING_STEPS, Learned
 
 from gyre.trajectory.reader import TraceReader
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def sign_test_p(wins: int, losses: int) -> float:
@@ -52,23 +52,16 @@ def test_sign_test_against_known_values() -> None:
     assert 0.55 < miss(14) < 0.65 and miss(42) < 0.06  # 16 vs 48 instances (7/8 differ)
 
 
-def _gyre(*args: str, timeout: float) -> str:
-    proc = subprocess.run([sys.executable, "-m", "gyre", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_the_default_job_raises_the_held_out_reward(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    _gyre("run", "templates/local.yaml", "--steps", "40", "--run-dir", str(run_dir), "--quiet",
-          timeout=1500)  # fmt: skip
-    out = _gyre("eval", str(run_dir), "--initial", "--instances", "48", "--json", timeout=600)
+def test_the_default_job_raises_the_held_out_reward(learning_run: Learned) -> None:
+    run, ev, run_dir = learning_run.run, learning_run.eval, learning_run.run_dir
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert ev is not None and ev.returncode == 0, ev and ev.stdout[-3000:] + ev.stderr[-3000:]
+    out = ev.stdout
     before, after = (json.loads(line) for line in out.strip().splitlines()[-2:])
     assert (before["name"], after["name"]) == ("initial", "final")
-    assert before["version"] == 0 and after["version"] == 40
+    assert before["version"] == 0 and after["version"] == LEARNING_STEPS
     assert after["n"] == before["n"] == 48
     pairs = [(before["rewards"][k], after["rewards"][k]) for k in before["rewards"]]
     wins = sum(1 for b, a in pairs if a is not None and b is not None and a > b)

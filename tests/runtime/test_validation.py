@@ -1,9 +1,10 @@
 """Validation while training (`eval.every_steps`, issue 52 item 3) and the report it feeds.
 
-One short real run (4 steps, an evaluation every 2 of 2 held-out instances, one sample each,
-TensorBoard on) checks what a researcher relies on:
+The session's shared `learning_run` (tests/worlds.py `learning_world`: the default job, 40
+steps, an evaluation every 20 of 2 held-out instances, one sample each, TensorBoard on; the
+run tests/runtime/test_learning.py checks learns) checks what a researcher relies on:
 
-* held-out points at steps 0, 2 and 4 — in `summary.json` `evals`, the trace's `eval/*`
+* held-out points at steps 0, 20 and 40 — in `summary.json` `evals`, the trace's `eval/*`
   step rows and `eval` events, TensorBoard's `eval/reward_mean` — each on the policy of its
   step (the last one on the final policy), its sample transcript recorded;
 * no evaluation execution is in the trace's executions, groups or rewards, nor admitted to a
@@ -23,35 +24,28 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from worlds import EVAL_EVERY, LEARNING_STEPS, Learned
 
 from gyre.errors import ConfigError
 from gyre.runtime.shared.config import load_run_config
 from gyre.trajectory.store import TraceReader
 
-from .conftest import ROOT, small_config, write_config
+from .conftest import ROOT
 
-STEPS, EVERY = 4, 2
-DUE = [0, 2, 4]
+STEPS, EVERY = LEARNING_STEPS, EVAL_EVERY
+DUE = list(range(0, STEPS + 1, EVERY))  # 0, 20, 40
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("validation")
-    cfg = small_config(base, steps=STEPS)
-    cfg["eval"] = {"every_steps": EVERY, "instances": 2, "concurrency": 2, "log_samples": 1}
-    cfg["tracking"] = {"tensorboard": {"enabled": True}}
-    run_dir = base / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "gyre", "run", str(write_config(base, cfg)), "--run-dir",
-         str(run_dir), "--quiet"], capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+@pytest.fixture
+def run(learning_run: Learned) -> Path:
+    out = learning_run.run
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    return run_dir
+    return learning_run.run_dir
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_held_out_points_during_training_never_train(run: Path) -> None:
+def test_held_out_points_during_training_never_train(run: Path, learning_run: Learned) -> None:
     from test_tracking import tensorboard_scalars
 
     summary = json.loads((run / "summary.json").read_text())
@@ -86,7 +80,7 @@ def test_held_out_points_during_training_never_train(run: Path) -> None:
     admitted = {json.loads(e["detail"])["group"] for e in events if e["kind"] == "admit"}
     assert admitted and all(g.startswith("g") for g in admitted)
 
-    scalars = tensorboard_scalars(run / "tensorboard")
+    scalars = tensorboard_scalars(learning_run.tensorboard)  # as the run wrote them
     assert scalars["eval/reward_mean"] == pytest.approx(curve)
 
 
