@@ -23,7 +23,7 @@ from gyre.trajectory.store import TraceReader
 from runtime.conftest import small_config, write_config
 
 
-def _judged_config(tmp_path: Path, judges: int) -> Path:
+def _judged_config(tmp_path: Path, judges: int, endpoint: str | None = None) -> Path:
     notes = LEARN_DIR / "notes"
     rubric = tmp_path / "hidden" / "rubric.md"
     rubric.parent.mkdir()
@@ -34,6 +34,8 @@ def _judged_config(tmp_path: Path, judges: int) -> Path:
         "scoring": {"rule": "judge", "rubric": str(rubric), "timeout_s": 30,
                     "judge": {"max_tokens": 200, "temperature": 1.0, "max_input_chars": 2000}},
     }]}  # fmt: skip
+    if endpoint:
+        suite["tasks"][0]["scoring"]["judge"].update(endpoint=endpoint, model="judge")
     (tmp_path / "suite.yaml").write_text(json.dumps(suite))
     cfg = small_config(tmp_path, topology={"cells": 1, "judge_engines": judges})
     cfg["harness"].update(suite=str(tmp_path / "suite.yaml"), tasks=["notes"])
@@ -72,3 +74,39 @@ def test_judge_engine_scores_the_run_and_is_never_published_to(tmp_path: Path) -
     published = [d for k, d in events if k == "publish"]
     assert published and all(judge_url not in d["urls"] for d in published), published
     assert (run_dir / "logs" / "engine-judge0.log").exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_run_whose_judge_endpoint_is_down_scores_nothing_zero(tmp_path: Path) -> None:
+    """The judge's endpoint refuses every connection: each execution's evaluation is retried
+    within the evaluator's budget, every attempt recorded unresolved with the reason, none
+    scored (no reward of 0 enters training), the steps skip their updates, and the run
+    still finishes (its closing drain gives up on evaluations still retrying)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    config = _judged_config(tmp_path, judges=0, endpoint=f"http://127.0.0.1:{port}/v1")
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "gyre", "run", str(config), "--run-dir", str(run_dir), "--quiet",
+         "--steps", "1", "timeouts.drain_s=1", "harness.eval_attempts=3"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    with TraceReader(run_dir / "trace.h5") as r:
+        assessments = r.rows("assessments")
+        events = [(e["kind"], json.loads(e["detail"])) for e in r.rows("events")]
+    assert assessments and not any(a["valid"] for a in assessments), assessments
+    for a in assessments:
+        detail = json.loads(a["detail"])
+        assert detail["validity"] == "unresolved" and "unreachable" in detail["error"], detail
+    attempts: dict[str, int] = {}
+    for a in assessments:
+        attempts[a["execution_id"]] = max(attempts.get(a["execution_id"], 0), a["attempt"])
+    assert set(attempts.values()) == {3}, attempts  # retried to harness.eval_attempts
+    assert [d["step"] for k, d in events if k == "empty_step"] == [1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps_done"] == 1 and summary["empty_steps"] == 1
