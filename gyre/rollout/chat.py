@@ -24,7 +24,7 @@ import uuid
 from typing import Any
 
 from gyre.errors import ProtocolError
-from gyre.rollout.protocol import GenerateRequest, SamplingParams
+from gyre.rollout.protocol import GenerateRequest, SamplingParams, request_body
 
 CHAT_KEYS = (
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -40,13 +40,7 @@ until its token limit; a schema's own `x-guidance` replaces it."""
 def parse_chat(body: Any, tokenizer: Any) -> GenerateRequest:
     """A /v1/chat/completions body as the engine's generate request; ProtocolError naming
     the field that is wrong and what is allowed."""
-    if not isinstance(body, dict):
-        raise ProtocolError("body: expected a JSON object")
-    unknown = sorted(set(body) - set(CHAT_KEYS))
-    if unknown:
-        raise ProtocolError(f"{unknown[0]}: unsupported field; allowed: {', '.join(CHAT_KEYS)}")
-    if body.get("stream"):
-        raise ProtocolError("stream: streaming is not supported by the embedded engine")
+    body = request_body(body, CHAT_KEYS, "unsupported field")
     if body.get("n", 1) != 1:
         raise ProtocolError(f"n: {body['n']!r}; allowed: 1")
     messages = _messages(body.get("messages"))

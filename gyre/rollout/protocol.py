@@ -261,15 +261,22 @@ def _matched(finish: dict[str, Any]) -> int | None:
     return int(m) if isinstance(m, int) and not isinstance(m, bool) else None
 
 
-def parse_generate(body: Any, *, vocab_size: int) -> GenerateRequest:
-    """Validate a /generate body; raise ProtocolError naming what is wrong."""
+def request_body(body: Any, allowed: tuple[str, ...], unknown: str = "unknown field") -> dict:
+    """`body` if it is a JSON object of `allowed` fields that asks for no streaming (the
+    embedded engine answers whole); else ProtocolError naming the field and what is allowed."""
     if not isinstance(body, dict):
         raise ProtocolError("body: expected a JSON object")
-    unknown = sorted(set(body) - set(GENERATE_KEYS))
-    if unknown:
-        raise ProtocolError(f"{unknown[0]}: unknown field; allowed: {', '.join(GENERATE_KEYS)}")
+    extra = sorted(set(body) - set(allowed))
+    if extra:
+        raise ProtocolError(f"{extra[0]}: {unknown}; allowed: {', '.join(allowed)}")
     if body.get("stream"):
         raise ProtocolError("stream: streaming is not supported by the embedded engine")
+    return body
+
+
+def parse_generate(body: Any, *, vocab_size: int) -> GenerateRequest:
+    """Validate a /generate body; raise ProtocolError naming what is wrong."""
+    body = request_body(body, GENERATE_KEYS)
     ids = _token_list(body.get("input_ids"), "input_ids", vocab_size)
     if not ids:
         raise ProtocolError("input_ids: empty; at least one token is required")
