@@ -25,7 +25,7 @@ from gyre.launch.render import RenderOptions, render_script  # noqa: E402
 from gyre.launch.spec import job_spec, load_launch  # noqa: E402
 
 GOLDEN_DIR = ROOT / "tests" / "launch" / "golden"
-TEMPLATES = ("nl2repo-32", "swe-24", "nl2repo-192")
+TEMPLATES = tuple(sorted(p.stem for p in (ROOT / "templates" / "cluster").glob("*.yaml")))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

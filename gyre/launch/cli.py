@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,11 @@ def render_main(args: argparse.Namespace) -> int:
         print(f"gyre render: {line}", file=sys.stderr)
     text = render_script(spec, RenderOptions(script=args.output or "gyre.sbatch"))
     if args.output:
-        Path(args.output).write_text(text)
-        Path(args.output).chmod(0o755)
+        out = Path(args.output)
+        out.write_text(text)
+        mode = out.stat().st_mode
+        if stat.S_ISREG(mode):  # executable where readable; never a device (-o /dev/null)
+            out.chmod(mode | (mode & 0o444) >> 2)
     else:
         print(text, end="")
     return 0

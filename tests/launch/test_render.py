@@ -24,7 +24,7 @@ from gyre.launch.spec import job_spec, load_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
-TEMPLATES = ["nl2repo-32", "swe-24", "nl2repo-192"]
+TEMPLATES = sorted(p.stem for p in (ROOT / "templates" / "cluster").glob("*.yaml"))
 
 
 def _load_tool():  # type: ignore[no-untyped-def]
@@ -125,3 +125,26 @@ def test_cli_render_prints_and_writes(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "run.slurm.mpi: 'openmpi' is not allowed; choose one of 'pmi2', 'pmix'" in out.stderr
+
+
+def test_render_o_makes_a_file_executable_and_leaves_anything_else_alone(tmp_path: Path) -> None:
+    """`gyre render -o FILE` writes an executable script (read bits gain execute bits); an
+    output that is not a regular file — a character device such as /dev/null, made here as
+    a node of its own — is written to and keeps its mode (the CLI once chmodded it 0755)."""
+    import os
+    import stat
+
+    script = tmp_path / "job.sbatch"
+    device = tmp_path / "null"
+    os.mknod(device, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    device.chmod(0o666)  # mknod took the umask off
+    for out in (script, device):
+        done = subprocess.run(
+            [sys.executable, "-m", "gyre", "render", "templates/cluster/swe-24.yaml", "-o", str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    mode = stat.S_IMODE(script.stat().st_mode)
+    assert mode & 0o111 == (mode & 0o444) >> 2 != 0
+    assert script.read_text().startswith("#!")
+    assert stat.S_IMODE(device.stat().st_mode) == 0o666
