@@ -221,6 +221,9 @@ class JudgeRole:
         wiring.clock.mark("engine spawn")
 
     def serve(self, link: Any, transport: Any) -> int:
+        """Serve until `Stop`; an engine that dies (killed, OOM) is started again and its
+        new URL reported (`JudgeReady` once more): meanwhile verdicts fail and are retried,
+        never scored."""
         from gyre.runtime.shared import messages as msg
 
         url = self.engine.wait_ready(self.cfg.timeouts.startup_s)
@@ -228,9 +231,13 @@ class JudgeRole:
         self.wiring.report_startup(self.me)
         link.send(msg.JudgeReady(self.me.index, url), COORDINATOR_RANK)
         try:
-            while not isinstance(m := link.recv(timeout=60.0), msg.Stop):
+            while not isinstance(m := link.recv(timeout=1.0), msg.Stop):
                 if m is not None:  # nothing else is ever sent to a judge engine
                     raise AssertionError(f"judge engine {self.me.index}: got {m!r:.200}")
+                if not self.engine.alive():
+                    self.engine.spawn()
+                    url = self.engine.wait_ready(self.cfg.timeouts.startup_s)
+                    link.send(msg.JudgeReady(self.me.index, url), COORDINATOR_RANK)
         finally:
             self.engine.stop()
         return m.status

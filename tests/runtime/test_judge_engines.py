@@ -8,6 +8,7 @@ refused at preflight."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,60 @@ def test_a_run_whose_judge_endpoint_is_down_scores_nothing_zero(tmp_path: Path) 
     assert [d["step"] for k, d in events if k == "empty_step"] == [1]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_done"] == 1 and summary["empty_steps"] == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_judge_engine_killed_mid_run_is_started_again(tmp_path: Path) -> None:
+    """SIGKILL the judge engine once it serves: its rank starts it again and reports the new
+    URL, the proxy node's judge asks that one, verdicts made meanwhile are retried (never
+    zero) and later ones are the judge's again; the run finishes."""
+    import signal
+    import time
+
+    from processes import wait_for
+
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "gyre", "run", str(_judged_config(tmp_path, judges=1)),
+         "--run-dir", str(run_dir), "--quiet", "--steps", "6"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        judge_rank = wait_for(run_dir, "rank", 3, timeout=120)  # coordinator, proxy, cell, judge
+        deadline = time.monotonic() + 120
+        while not (engine := _child(judge_rank.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine, "the judge rank started no engine"
+        log = run_dir / "job.log"  # progress begins once every engine, the judge's too, serves
+        while "GYRE-PROGRESS" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.1)
+        os.kill(engine, signal.SIGKILL)
+        output, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, output[-4000:]
+    with TraceReader(run_dir / "trace.h5") as r:
+        events = [(e["kind"], e["t"], json.loads(e["detail"])) for e in r.rows("events")]
+        assessments = r.rows("assessments")
+    (first,) = [d["url"] for k, _, d in events if k == "judge_ready"]
+    restarted = [(t, d["url"]) for k, t, d in events if k == "judge_restarted"]
+    assert len(restarted) == 1 and restarted[0][1] != first, restarted
+    assert json.loads((run_dir / "summary.json").read_text())["judge_engines"] == [restarted[0][1]]
+    assert any(a["valid"] and a["t"] > restarted[0][0] for a in assessments), assessments
+
+
+def _child(pid: int) -> int | None:
+    """A live child process of `pid` (the judge rank's engine), if any."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid and stat[0] != "Z":
+                return int(entry.name)
+    return None

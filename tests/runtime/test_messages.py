@@ -245,6 +245,12 @@ def test_judge_engines_reach_the_proxy_and_never_the_fleet(tmp_path: Path) -> No
     ]
     assert "http://judge0" not in world.c.fleet.urls().values()  # never a publication target
     assert world.c.summary()["judge_engines"] == ["http://judge0", "http://judge1"]
+    # judge 1's engine died and serves again at a new URL: the proxy node's judge asks it
+    world.handle(msg.JudgeReady(1, "http://judge1-again"))
+    assert world.take(msg.SetJudges, PROXY_RANK) == [
+        msg.SetJudges(["http://judge0", "http://judge1-again"])
+    ]
+    assert "http://judge1-again" not in world.c.fleet.urls().values()
 
 
 @delivers(msg.HarnessEnded)

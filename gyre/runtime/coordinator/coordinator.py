@@ -300,6 +300,7 @@ MESSAGES: dict[type, Callable[[Coordinator, Any], None]] = {
     msg.PolicySaved: Coordinator.policy_saved,
     msg.EngineLost: engines.engine_lost,
     msg.EngineReady: engines.engine_ready,
+    msg.JudgeReady: engines.judge_ready,
     msg.Checkpointed: closing.checkpointed,
     msg.StartupTimes: Coordinator.startup_times,
     msg.Evaluated: validation.evaluated,

@@ -83,6 +83,14 @@ def engine_lost(c: CoordinatorState, m: msg.EngineLost) -> None:
     c.to_rank(c.ranks.engines[m.engine], msg.Respawn(role))
 
 
+def judge_ready(c: CoordinatorState, m: msg.JudgeReady) -> None:
+    """A judge engine that died serves again, at a new URL: the proxy node's judge asks it
+    from now on (`SetJudges`); the verdicts that failed meanwhile were retried, not zeroed."""
+    c.judges[m.judge] = m.url
+    c.rec.event("judge_restarted", judge=m.judge, url=m.url)
+    c.to_proxy(msg.SetJudges(list(c.judges)))
+
+
 def engine_ready(c: CoordinatorState, m: msg.EngineReady) -> None:
     """A restarted engine serves again (reloaded if it is older than the policy served)."""
     c.fleet.ready(m.engine, m.url)

@@ -22,7 +22,7 @@ from gyre.runtime.shared.config import TimeoutsConfig
 
 # what a wait for one message handles meanwhile: executions' reports, restarts, saved policies
 REPORTS = (msg.HarnessEnded, msg.Assessed, msg.JournalNode, msg.EngineReady, msg.PolicySaved,
-           msg.StartupTimes, msg.Evaluated)  # fmt: skip
+           msg.StartupTimes, msg.Evaluated, msg.JudgeReady)  # fmt: skip
 # ... and while a checkpoint commits or the run's executions close (every report still
 # counts then: an engine restarted before the last update may report back during the close)
 CLOSING = (*REPORTS, msg.Checkpointed)

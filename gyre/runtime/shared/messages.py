@@ -155,7 +155,7 @@ class EngineReady(Message):
 
 @dataclass(frozen=True)
 class JudgeReady(Message):
-    """Judge engine `judge` serves the run's initial model at `url` (never published to)."""
+    """Judge engine `judge` serves the initial model at `url` (again after a restart)."""
 
     up, route = True, (JUDGE, COORDINATOR)
     judge: int
