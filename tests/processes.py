@@ -83,6 +83,20 @@ def wait_for(
     raise AssertionError(f"no {kind} {index} of {run_dir} within {timeout}s")
 
 
+def child_of(pid: int) -> int | None:
+    """A live child process of `pid` (a rank's engine, say), if any."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            return int(entry.name)
+    return None
+
+
 def pids_with(marker: str) -> list[int]:
     """Live processes whose command line contains `marker`."""
     out = []

@@ -122,7 +122,7 @@ def test_a_judge_engine_killed_mid_run_is_started_again(tmp_path: Path) -> None:
     import signal
     import time
 
-    from processes import wait_for
+    from processes import child_of, wait_for
 
     run_dir = tmp_path / "run"
     job = subprocess.Popen(
@@ -133,7 +133,7 @@ def test_a_judge_engine_killed_mid_run_is_started_again(tmp_path: Path) -> None:
     try:
         judge_rank = wait_for(run_dir, "rank", 3, timeout=120)  # coordinator, proxy, cell, judge
         deadline = time.monotonic() + 120
-        while not (engine := _child(judge_rank.pid)) and time.monotonic() < deadline:
+        while not (engine := child_of(judge_rank.pid)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert engine, "the judge rank started no engine"
         log = run_dir / "job.log"  # progress begins once every engine, the judge's too, serves
@@ -155,16 +155,3 @@ def test_a_judge_engine_killed_mid_run_is_started_again(tmp_path: Path) -> None:
     assert len(restarted) == 1 and restarted[0][1] != first, restarted
     assert json.loads((run_dir / "summary.json").read_text())["judge_engines"] == [restarted[0][1]]
     assert any(a["valid"] and a["t"] > restarted[0][0] for a in assessments), assessments
-
-
-def _child(pid: int) -> int | None:
-    """A live child process of `pid` (the judge rank's engine), if any."""
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                stat = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[1]) == pid and stat[0] != "Z":
-                return int(entry.name)
-    return None
