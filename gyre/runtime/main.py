@@ -151,15 +151,36 @@ def _install_signals(rank: int) -> None:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def exit_without_finalize(status: int) -> None:
-    """Leave the process after every rank passed the final barrier, skipping MPI_Finalize.
+FINALIZE_S = 30.0
+"""Seconds a rank waits in MPI_Finalize before it leaves without it (`exit_process`)."""
 
-    The mpich wheel's Finalize was seen spinning forever after threaded use (every rank past
-    its work, busy in Finalize); the work is done and the trace closed, so exit directly.
+
+def exit_process(status: int) -> None:
+    """Leave the process with `status` once every rank passed the final barrier: MPI_Finalize,
+    then the C library's exit(), skipping Python's interpreter finalization.
+
+    Both matter to `mpiexec` (hydra): a rank counts as finished only after MPI_Finalize and
+    the C exit handlers MPICH registered (its PMI finalize). One that leaves without them
+    (os._exit) counts as failed: hydra SIGKILLs every rank still running, and the job exits
+    9 when one of them had not yet left (under load, finished runs failed so). Python's
+    finalization is skipped: it would wait on threads that may still block in MPI; the GIL
+    stays held through exit() (PyDLL), so no other Python thread runs meanwhile. The mpich
+    wheel's Finalize was once seen spinning after threaded use: past `FINALIZE_S` a
+    watchdog thread exits without it.
     """
+    import ctypes
+    import threading
+
+    from mpi4py import MPI
+
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)
+    leave = ctypes.PyDLL(None).exit
+    watchdog = threading.Timer(FINALIZE_S, leave, (status,))
+    watchdog.daemon = True
+    watchdog.start()
+    MPI.Finalize()
+    leave(status)
 
 
 def run_component(
@@ -200,4 +221,4 @@ def _debug(text: str) -> None:
 
 
 if __name__ == "__main__":
-    exit_without_finalize(main())
+    exit_process(main())

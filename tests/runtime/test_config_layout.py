@@ -437,3 +437,32 @@ def test_an_embedded_engine_on_cuda_launches_on_its_cells_gpu_and_places_the_run
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"engine\.device: cuda, but this machine has no"):
             EngineConfig(device="cuda").check_machine("tiny")
+
+
+LATE_RANK = """
+import sys, time
+from pathlib import Path
+from mpi4py import MPI
+from gyre.runtime.main import exit_process
+world = MPI.COMM_WORLD
+world.Barrier()
+if world.Get_rank() == 1:  # a rank slower to leave than its peers (a loaded machine)
+    time.sleep(1.0)
+    Path(sys.argv[1]).write_text("left")
+exit_process(0)
+"""
+
+
+@pytest.mark.mpi
+def test_a_rank_slower_to_leave_is_not_killed_by_mpiexec(tmp_path: Path) -> None:
+    """Ranks leave through `exit_process`: mpiexec counts each as finished, so one still
+    busy after its peers left finishes too and the job exits 0. A rank leaving without
+    MPI_Finalize and the C exit handlers (os._exit) made hydra SIGKILL the others: under
+    load, finished runs failed with exit 9."""
+    from gyre.runtime.cli import find_mpiexec
+
+    marker = tmp_path / "late.txt"
+    out = subprocess.run([find_mpiexec(), "-n", "3", sys.executable, "-c", LATE_RANK, str(marker)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert marker.read_text() == "left"

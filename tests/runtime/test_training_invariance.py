@@ -51,6 +51,18 @@ from .conftest import small_config, write_config
 STEPS = 3
 
 
+def test_a_batch_with_nothing_to_train_has_no_core_record(tmp_path: Path) -> None:
+    """A batch audit reads back; one with no executions (the core skipped its update) has no
+    core record, and a trained batch whose core record is missing is an error."""
+    audit.record_steps(tmp_path, 0, {"num_executions": 0, "steps": []})
+    assert audit.load(tmp_path, 0) == ({"num_executions": 0, "steps": []}, None)
+    audit.record_steps(tmp_path, 1, {"num_executions": 3, "steps": []})
+    with pytest.raises(FileNotFoundError):
+        audit.load(tmp_path, 1)
+    audit.record_update(tmp_path, 1, {"grad_norm": 0.5})
+    assert audit.load(tmp_path, 1)[1] == {"grad_norm": 0.5}
+
+
 def _run(tmp_path: Path, transport: str, ranks: int, budget: int) -> Path:
     cfg = small_config(tmp_path, steps=STEPS)
     cfg["harness"].update({"suite": "learn", "tasks": ["notes"]})
@@ -93,8 +105,12 @@ def _replay(run_dir: Path, batches: int, budget: int, rel: float) -> None:
                               else train.optim)  # fmt: skip
     workers: set[int] = set()
     oversize = 0
+    empty = 0
     for batch in range(batches):
         steps, core = audit.load(run_dir, batch)
+        if core is None:  # nothing to train (a resume's groups all set aside): no update
+            empty += 1
+            continue
         assert {k: core["objective"][k] for k in OBJECTIVE} == OBJECTIVE  # the cells' objective
         info = BatchInfo(executions=steps["executions"], group_ids=[], policy_versions=[])
         cell.flat_params.copy_(core["params_before"])
@@ -118,8 +134,19 @@ def _replay(run_dir: Path, batches: int, budget: int, rel: float) -> None:
         assert all(set(p) == {"prepass", "gradient"} for p in passes.values())
         workers |= {c for p in passes.values() for c in p.values()}
     assert len(workers) >= 2, f"only cells {workers} trained: nothing was split"
+    assert batches - empty >= 2, f"{empty} of {batches} batches had nothing to train"
+    assert empty == _empty_steps(run_dir), "the batches without an update are the empty steps"
     reported = _reported_oversize(run_dir)
     assert reported == oversize and (oversize > 0) == (budget < 1000), (oversize, budget)
+
+
+def _empty_steps(run_dir: Path) -> int:
+    """Steps the trace reports with no executions (they skipped their update); a step a
+    resume redid counts as last recorded."""
+    with TraceReader(run_dir / "trace.h5") as r:
+        rows = sorted((float(row["t"]), int(row["step"]), float(row["value"]))
+                      for row in r.rows("steps") if row["name"] == "executions")  # fmt: skip
+    return sum(1 for v in {step: value for _, step, value in rows}.values() if v == 0)
 
 
 def _reported_oversize(run_dir: Path) -> float:

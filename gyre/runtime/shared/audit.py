@@ -37,11 +37,15 @@ def record_update(run_dir: Path, batch: int, content: dict[str, Any]) -> None:
     torch.save(content, _path(run_dir, f"b{batch:05d}-core.pt"))
 
 
-def load(run_dir: Path, batch: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(steps record, core record) of one batch."""
+def load(run_dir: Path, batch: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(steps record, core record) of one batch. The core record is None for a batch that
+    had nothing to train (`num_executions` 0: every group set aside; the core skipped its
+    update and wrote none); a trained batch without one is an error (FileNotFoundError)."""
     import torch
 
     folder = run_dir / AUDIT_DIR
     steps = torch.load(folder / f"b{batch:05d}-steps.pt", weights_only=False)
+    if steps["num_executions"] == 0:
+        return steps, None
     core = torch.load(folder / f"b{batch:05d}-core.pt", weights_only=False)
     return steps, core
