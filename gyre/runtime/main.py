@@ -151,36 +151,54 @@ def _install_signals(rank: int) -> None:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-FINALIZE_S = 30.0
-"""Seconds a rank waits in MPI_Finalize before it leaves without it (`exit_process`)."""
+PMI_ACK_S = 10.0
+"""Seconds a rank waits for mpiexec's answer to its PMI finalize (`exit_process`)."""
 
 
 def exit_process(status: int) -> None:
-    """Leave the process with `status` once every rank passed the final barrier: MPI_Finalize,
-    then the C library's exit(), skipping Python's interpreter finalization.
+    """Leave the process with `status` once every rank passed the final barrier: tell
+    `mpiexec` this rank finished (`pmi_finalize`), then leave at once (os._exit), without
+    MPI_Finalize, Python's interpreter shutdown or the C library's exit handlers.
 
-    Both matter to `mpiexec` (hydra): a rank counts as finished only after MPI_Finalize and
-    the C exit handlers MPICH registered (its PMI finalize). One that leaves without them
-    (os._exit) counts as failed: hydra SIGKILLs every rank still running, and the job exits
-    9 when one of them had not yet left (under load, finished runs failed so). Python's
-    finalization is skipped: it would wait on threads that may still block in MPI; the GIL
-    stays held through exit() (PyDLL), so no other Python thread runs meanwhile. The mpich
-    wheel's Finalize was once seen spinning after threaded use: past `FINALIZE_S` a
-    watchdog thread exits without it.
+    Telling it matters: `mpiexec` (MPICH's hydra) takes a rank that leaves without a PMI
+    finalize for a failed one and SIGKILLs every rank still running; the job then exits 9
+    whenever one of them had not yet left (under load, finished runs failed so). MPICH sends
+    it from a C exit handler, which os._exit skips. What is skipped is skipped on purpose:
+    the interpreter's shutdown waits on threads that may still block in MPI, the mpich
+    wheel's MPI_Finalize was seen spinning after threaded use, and exit() runs C++ static
+    destructors that abort while gloo's threads live ("terminate called without an active
+    exception", tests/gpu/test_gpu_serving.py).
     """
-    import ctypes
-    import threading
-
-    from mpi4py import MPI
-
     sys.stdout.flush()
     sys.stderr.flush()
-    leave = ctypes.PyDLL(None).exit
-    watchdog = threading.Timer(FINALIZE_S, leave, (status,))
-    watchdog.daemon = True
-    watchdog.start()
-    MPI.Finalize()
-    leave(status)
+    pmi_finalize()
+    os._exit(status)
+
+
+def pmi_finalize(timeout: float = PMI_ACK_S) -> bool:
+    """Send the PMI-1 finalize on the socket hydra handed this rank (`PMI_FD`) and wait for
+    its acknowledgement, as MPICH's own exit handler does; True once acknowledged. Only under
+    hydra (which also sets `MPI_LOCALRANKID`): srun's PMI-2 / PMIx server speaks another
+    wire format and does not kill a rank's peers when it leaves without a finalize."""
+    import select
+
+    fd = os.environ.get("PMI_FD", "")
+    if not fd.isdigit() or "MPI_LOCALRANKID" not in os.environ:
+        return False
+    try:
+        os.write(int(fd), b"cmd=finalize\n")
+        answer, end = b"", time.monotonic() + timeout
+        while (
+            not answer.endswith(b"\n")
+            and select.select([int(fd)], [], [], max(0.0, end - time.monotonic()))[0]
+        ):
+            chunk = os.read(int(fd), 256)
+            if not chunk:
+                break
+            answer += chunk
+    except OSError:
+        return False
+    return answer.startswith(b"cmd=finalize_ack")
 
 
 def run_component(
