@@ -246,5 +246,8 @@ def _convert_dataclass(cls: Any, value: Any, path: str) -> Any:
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        # __post_init__ messages start with the field name ("phi: ..."); add the path.
-        raise ConfigError(f"{path}.{e}") from None
+        # __post_init__ messages start with the field name ("phi: ..."), or with the
+        # section's own name ("engine.bucket_mb: ..."); add the path, once
+        parent, _, own = path.rpartition(".")
+        where = parent if str(e).startswith(f"{own}.") and parent else path
+        raise ConfigError(f"{where}.{e}") from None

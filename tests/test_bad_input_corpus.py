@@ -76,6 +76,11 @@ CASES: list[Case] = [
     Case("gyre run", ("run", "{tmp}"), ("is a directory", "allowed: a YAML file")),
     Case("gyre run", ("run", "{local}", "train.device=cuda", "topology.cells=9", "--dry-run"),
          ("train.device", "cuda")),
+    Case("gyre run", ("run", "{local}", "engine.expert_parallel=2", "--dry-run"),
+         ("engine.expert_parallel: 2 with engine.backend embedded", "allowed: 1")),
+    Case("gyre run", ("run", "{local}", "engine.backend=sglang", "engine.tensor_parallel=4",
+                      "engine.expert_parallel=3", "--dry-run"),
+         ("engine.expert_parallel: 3", "a divisor of engine.tensor_parallel 4")),
     # ---- gyre run: harness, trackers, the run directory ------------------------------------
     Case("gyre run", ("run", "{local}", "harness.params.max_turns=lots", "--dry-run"),
          ("harness.params.max_turns: 'lots'", "allowed: an integer >= 0", "adapter 'reference'")),
@@ -147,6 +152,18 @@ CASES: list[Case] = [
          ("train.backend megatron", "model_type: 'olmo2'"),
          config={"model": f"{MODELS}/olmo2", "train": {"backend": "megatron"}},
          no_slurm=True),
+    Case("gyre render", ("render", "{tmp}/case.yaml"),
+         ("engine.expert_parallel: 2", "qwen2_dense", "no routed experts", "allowed: 1"),
+         config={"model": f"{MODELS}/qwen2_dense",
+                 "engine": {"backend": "sglang", "tensor_parallel": 2, "expert_parallel": 2},
+                 "slurm": {"gpus_per_node": 4}},
+         no_slurm=True),
+    Case("gyre render", ("render", "{tmp}/case.yaml"),
+         ("engine.expert_parallel: 4", "6 routed experts", "a divisor of its expert count"),
+         config={"model": f"{MODELS}/qwen3_moe",
+                 "engine": {"backend": "sglang", "tensor_parallel": 4, "expert_parallel": 4},
+                 "slurm": {"gpus_per_node": 4}},
+         no_slurm=True),
     Case("gyre render", ("render", "{local}", "harness.params.delegate=maybe"),
          ("harness.params.delegate: 'maybe'", "adapter 'reference'")),
     Case("gyre render", ("render", "{tmp}/case.yaml"), ("tracking.mlflow.tracking_uri",),
@@ -201,6 +218,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("mistral", "mistral", {}),  # sliding_window 4096: not batchable by the embedded engine
         ("small_vocab", "qwen2", {"vocab_size": 1000}),  # < the tokenizer's 4096 tokens
         ("no_tokenizer", "qwen2", {}),
+        ("qwen2_dense", "qwen2", {}),  # no experts to split over engine.expert_parallel GPUs
+        (
+            "qwen3_moe",
+            "qwen3_moe",
+            {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+        ),  # 6 experts: not over 4
     ]:
         AutoConfig.for_model(family, **{**sizes, **extra}).save_pretrained(root / name)
         if name != "no_tokenizer":

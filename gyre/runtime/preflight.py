@@ -49,7 +49,7 @@ import hashlib
 import os
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gyre.errors import ConfigError
 from gyre.runtime.shared import harness, memory, placement, run_directory
@@ -152,9 +152,23 @@ def _model(cfg: RunConfig, where: Where) -> list[str]:
                               f"{e}") from None  # fmt: skip
     if not shipped and cfg.engine.backend == "embedded":
         check_batchable(model, config)
+    _check_engine_experts(cfg, config.to_dict())
     if stamp is not None:
         _remember(stamp)
     return []
+
+
+def _check_engine_experts(cfg: RunConfig, hf: dict[str, Any]) -> None:
+    """`engine.expert_parallel` > 1 splits routed experts: the model has them, evenly."""
+    from gyre.train.megatron.config import num_experts  # torch-free
+
+    ep, experts = cfg.engine.expert_parallel, num_experts(hf)
+    if ep > 1 and (not experts or experts % ep):
+        raise ConfigError(
+            f"engine.expert_parallel: {ep} with model {cfg.model!r} ({experts or 'no'} routed "
+            "experts); allowed: 1, or a divisor of its expert count for a mixture-of-experts "
+            "model"
+        )
 
 
 def passed_dir() -> Path:

@@ -40,6 +40,10 @@ def test_launch_commands_from_config():
     pairs = dict(itertools.pairwise(cmd))
     assert pairs["--model-path"] == "/m/qwen" and pairs["--tp-size"] == "2"
     assert pairs["--port"] == "31000" and pairs["--mem-fraction-static"] == "0.6"
+    assert pairs["--ep-size"] == "1"  # experts TP-sliced on every GPU unless split
+    ep = dict(itertools.pairwise(ServerConfig(model_path="/m/moe", tensor_parallel=4,
+                                              expert_parallel=2).command(1)))  # fmt: skip
+    assert (ep["--tp-size"], ep["--ep-size"]) == ("4", "2")
     assert "--enable-memory-saver" in cmd  # needed for release/resume of memory occupation
     assert "--enable-weights-cpu-backup" in cmd  # resume brings the weights back, not garbage
     assert pairs["--grammar-backend"] == "llguidance"  # the proxy's forced tool calls
@@ -60,6 +64,10 @@ def test_bad_server_config_is_named():
         ServerConfig(model_path="m", mem_fraction_static=1.5)
     with pytest.raises(ConfigError, match="tensor_parallel"):
         ServerConfig(model_path="m", tensor_parallel=0)
+    with pytest.raises(
+        ConfigError, match="expert_parallel: 3; allowed a divisor of tensor_parallel 4"
+    ):
+        ServerConfig(model_path="m", tensor_parallel=4, expert_parallel=3)
 
 
 def test_distributed_update_describes_the_broadcast():

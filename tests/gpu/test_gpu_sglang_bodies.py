@@ -192,7 +192,7 @@ def test_role_switches_and_publications_follow_sglang_preconditions(recorder, tm
 
 
 LAUNCH_EXPECT = {
-    "model_path": "/models/qwen", "tp_size": 2, "port": 31000, "mem_fraction_static": 0.6,
+    "model_path": "/models/qwen", "tp_size": 2, "ep_size": 1, "port": 31000, "mem_fraction_static": 0.6,
     "base_gpu_id": 2, "weight_version": "4", "enable_memory_saver": True,
     "enable_weights_cpu_backup": True, "skip_tokenizer_init": False,
     "grammar_backend": "llguidance", "enable_hierarchical_cache": True, "page_size": 64,
@@ -249,10 +249,12 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(
     # what a cell of `gyre run` with engine.backend sglang launches, with the run's engine key
     monkeypatch.setenv(ENGINE_KEY_ENV, "k3y")
     engine = EngineHost("/models/qwen", EngineConfig(backend="sglang", tensor_parallel=2,
-                           mem_fraction_static=0.6), tmp_path / "e.log", version=3)  # fmt: skip
+                        expert_parallel=2, mem_fraction_static=0.6), tmp_path / "e.log",
+                        version=3)  # fmt: skip
     run_argv, run_url = engine.command()
     assert run_argv[1:3] == ["-m", "sglang.launch_server"]
-    run_expect = {"model_path": "/models/qwen", "tp_size": 2, "mem_fraction_static": 0.6,
+    run_expect = {"model_path": "/models/qwen", "tp_size": 2, "ep_size": 2,
+                  "mem_fraction_static": 0.6,
                   "weight_version": "3", "api_key": "k3y", "enable_memory_saver": True,
                   "port": int(run_url.rsplit(":", 1)[1]),  # and, the run's calls being seeded:
                   "enable_deterministic_inference": True}  # fmt: skip

@@ -8,7 +8,7 @@ the same manager starts real SGLang on GPU machines and Gyre's embedded engine o
     ServerConfig(model_path="tiny", launch="embedded").command(port)
     # [python, -m, gyre.rollout.cli, --model, tiny, --host, 127.0.0.1, --port, ...]
 
-Placeholders: python, model_path, host, port, tp, mem_fraction, base_gpu_id, weight_version,
+Placeholders: python, model_path, host, port, tp, ep, mem_fraction, base_gpu_id, weight_version,
 api_key (the run's engine key; the embedded engine reads it from its environment instead).
 
 SGLang has no API to hand a running request's KV cache to another instance (its KV
@@ -32,6 +32,8 @@ from gyre.rollout.protocol import engine_key
 # * --enable-memory-saver: /release_memory_occupation and /resume_memory_occupation work;
 # * --enable-weights-cpu-backup: the released weights are kept in host memory and come back
 #   on resume (without it the resumed memory has stale contents until the next publication);
+# * --ep-size: the server's GPUs the routed experts of an MoE model are split over (1: each
+#   GPU holds a TP slice of every expert; SGLang's `ep_size`, alias --expert-parallel-size);
 # * --api-key: the run's engine key (`gyre.rollout.protocol.ensure_engine_key`; empty: none);
 # * --grammar-backend llguidance: constrained calls (the proxy's forced tool calls) use the
 #   grammar engine and the Lark syntax of Gyre's `ebnf` constraints. The tokenizer is loaded
@@ -41,7 +43,7 @@ PRESETS: dict[str, list[str]] = {
     "sglang": [
         "{python}", "-m", "sglang.launch_server", "--model-path", "{model_path}",
         "--host", "{host}", "--port", "{port}", "--tp-size", "{tp}",
-        "--mem-fraction-static", "{mem_fraction}", "--base-gpu-id", "{base_gpu_id}",
+        "--ep-size", "{ep}", "--mem-fraction-static", "{mem_fraction}", "--base-gpu-id", "{base_gpu_id}",
         "--weight-version", "{weight_version}", "--enable-memory-saver",
         "--enable-weights-cpu-backup", "--grammar-backend", "llguidance",
         "--api-key", "{api_key}",
@@ -64,8 +66,8 @@ PRESETS: dict[str, list[str]] = {
 SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 WILDCARDS = ("", "0.0.0.0", "::")  # bind every interface: no address to put in a URL
 PLACEHOLDERS = (
-    "python", "model_path", "host", "port", "tp", "mem_fraction", "base_gpu_id", "weight_version",
-    "api_key", "dtype",
+    "python", "model_path", "host", "port", "tp", "ep", "mem_fraction", "base_gpu_id",
+    "weight_version", "api_key", "dtype",
 )  # fmt: skip
 
 
@@ -85,6 +87,9 @@ class ServerConfig:
     """TCP port; 0 picks a free one at start."""
     tensor_parallel: int = 1
     """SGLang --tp-size: GPUs of this server (the cell's ranks)."""
+    expert_parallel: int = 1
+    """SGLang --ep-size: of those GPUs, how many an MoE model's routed experts are split over
+    (divides tensor_parallel)."""
     mem_fraction_static: float = 0.8
     """SGLang --mem-fraction-static: share of GPU memory for weights + KV cache."""
     base_gpu_id: int = 0
@@ -118,6 +123,9 @@ class ServerConfig:
             raise ConfigError(f"port: {self.port}; allowed 0..65535 (0 = pick a free port)")
         if self.tensor_parallel < 1:
             raise ConfigError(f"tensor_parallel: {self.tensor_parallel}; allowed >= 1")
+        if self.expert_parallel < 1 or self.tensor_parallel % self.expert_parallel:
+            raise ConfigError(f"expert_parallel: {self.expert_parallel}; allowed a divisor of "
+                              f"tensor_parallel {self.tensor_parallel}")  # fmt: skip
         if not 0 < self.mem_fraction_static < 1:
             raise ConfigError(f"mem_fraction_static: {self.mem_fraction_static}; allowed (0, 1)")
         if self.startup_timeout <= 0:
@@ -136,7 +144,7 @@ class ServerConfig:
         """The argv that starts this server on `port`."""
         values = {
             "python": sys.executable, "model_path": self.model_path, "host": self.host,
-            "port": str(port), "tp": str(self.tensor_parallel),
+            "port": str(port), "tp": str(self.tensor_parallel), "ep": str(self.expert_parallel),
             "mem_fraction": str(self.mem_fraction_static), "base_gpu_id": str(self.base_gpu_id),
             "weight_version": self.weight_version, "api_key": engine_key() or "",
             "dtype": self.dtype,

@@ -156,6 +156,10 @@ class EngineConfig:
     """embedded on cuda: the dtype the engine serves in (the published weights' is cast)."""
     tensor_parallel: int = 1
     """sglang: --tp-size, GPUs of one server."""
+    expert_parallel: int = 1
+    """sglang: --ep-size, of one server's GPUs how many an MoE model's routed experts are
+    split over (a divisor of tensor_parallel and of the model's expert count; 1: every GPU
+    holds a TP slice of every expert). The embedded engine is one rank: 1."""
     mem_fraction_static: float = 0.8
     """sglang: --mem-fraction-static, share of GPU memory for weights + KV cache."""
     publication: Literal["http", "distributed", "auto"] = "auto"
@@ -190,6 +194,13 @@ class EngineConfig:
                 f"{self.mem_fraction_static}; allowed: tensor_parallel >= 1, "
                 "mem_fraction_static in (0, 1)"
             )
+        if self.expert_parallel > 1 and self.backend != "sglang":
+            raise ConfigError(f"engine.expert_parallel: {self.expert_parallel} with engine.backend "
+                              f"{self.backend}: the embedded engine is one rank; allowed: 1, or "
+                              "engine.backend sglang")  # fmt: skip
+        if self.expert_parallel < 1 or self.tensor_parallel % self.expert_parallel:
+            raise ConfigError(f"engine.expert_parallel: {self.expert_parallel}; allowed: a "
+                              f"divisor of engine.tensor_parallel {self.tensor_parallel}")  # fmt: skip
 
     def distributed(self, nbytes: int) -> bool:
         """Whether `nbytes` of tensors go to an engine on another node through an update
@@ -223,7 +234,8 @@ class EngineConfig:
         return ServerConfig(
             model_path=model, launch="embedded-cuda" if on_gpu else self.backend,
             weight_version=str(version), host=host, dtype=self.dtype,
-            base_gpu_id=base_gpu_id, tensor_parallel=self.tensor_parallel, mem_fraction_static=self.mem_fraction_static,
+            base_gpu_id=base_gpu_id, tensor_parallel=self.tensor_parallel,
+            expert_parallel=self.expert_parallel, mem_fraction_static=self.mem_fraction_static,
             extra_args=embedded if self.backend == "embedded" else sglang,
         )  # fmt: skip
 
