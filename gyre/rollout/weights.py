@@ -40,6 +40,8 @@ import hashlib
 import io
 import multiprocessing
 import pickle
+import re
+from collections.abc import Mapping
 from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, ClassVar
@@ -238,20 +240,49 @@ class _TensorUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a tensor payload")
 
 
+EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+"""A routed expert's projection as a checkpoint names it (one tensor per expert)."""
+
+
+def from_stacked_experts(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """Checkpoint tensor `name` of routed expert j (``...mlp.experts.{j}.gate_proj.weight``)
+    as a view into transformers 5's stacked ``gate_up_proj`` (gate rows first) or
+    ``down_proj`` among `tensors`; None where `name` is no such tensor."""
+    m = EXPERT.fullmatch(name)
+    if m is None:
+        return None
+    base, j, proj = m.group(1), int(m.group(2)), m.group(3)
+    stacked = tensors.get(f"{base}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+    if stacked is None or j >= stacked.shape[0]:
+        return None
+    if proj == "down_proj":
+        return stacked[j]
+    return stacked[j].chunk(2, dim=0)[proj == "up_proj"]
+
+
 def load_named_tensors(model: nn.Module, named: NamedTensors) -> None:
-    """Copy tensors into the model in place; checks every name and shape before writing any."""
-    targets = model.state_dict(keep_vars=True)
+    """Copy tensors into the model in place; checks every name and shape before writing any.
+
+    A name is the model's own or, as SGLang also takes them, a checkpoint's: a mixture-of-
+    experts layer's routed experts one tensor each (``mlp.experts.3.up_proj.weight``), copied
+    into their rows of the model's stacked ``gate_up_proj`` / ``down_proj`` (a policy read
+    from its safetensors files is named so)."""
+    params = model.state_dict(keep_vars=True)
+    targets: dict[str, torch.Tensor] = {}
     for name, tensor in named:
-        if name not in targets:
-            close = [k for k in targets if k.endswith(name.rsplit(".", 1)[-1])][:5]
+        target = params.get(name)
+        if target is None:
+            target = from_stacked_experts(params, name)
+        if target is None:
+            close = [k for k in params if k.endswith(name.rsplit(".", 1)[-1])][:5]
             raise ProtocolError(f"tensor {name!r}: no such weight in the model; similar: {close}")
-        if tuple(tensor.shape) != tuple(targets[name].shape):
+        if tuple(tensor.shape) != tuple(target.shape):
             raise ProtocolError(
-                f"tensor {name!r}: shape {tuple(tensor.shape)} != model's "
-                f"{tuple(targets[name].shape)}"
+                f"tensor {name!r}: shape {tuple(tensor.shape)} != model's {tuple(target.shape)}"
             )
         if not torch.isfinite(tensor).all():
             raise ProtocolError(f"tensor {name!r}: contains NaN or infinite values")
+        targets[name] = target
     with torch.no_grad():
         for name, tensor in named:
             targets[name].copy_(tensor)

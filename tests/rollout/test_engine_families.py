@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 import torch
 
+from gyre.errors import ProtocolError
 from gyre.models import tiny_tokenizer
+from gyre.rollout import weights
 from gyre.rollout.engine import Config, Engine
 from gyre.rollout.protocol import GenerateRequest, SamplingParams
 
@@ -86,3 +88,30 @@ def test_the_embedded_engine_serves_a_family(tmp_path: Path, kind: str) -> None:
             want = float(torch.log_softmax(logits, -1)[got[k]])
             assert body["meta_info"]["output_token_logprobs"][k][0] == pytest.approx(want,
                                                                                      abs=1e-4)  # fmt: skip
+
+
+def test_a_saved_moe_policy_loads_into_the_embedded_engine(tmp_path: Path) -> None:
+    """A mixture-of-experts policy as `save_policy` writes it and `policies.load_weights`
+    reads it back (checkpoint names: one tensor per expert and projection, what a cell's
+    engine reload sends) loads into the embedded engine, which holds the experts stacked:
+    afterwards it holds exactly the policy's weights. (The engine refused those names with a
+    400, failing a Qwen3-MoE run at its first reload.)"""
+    from gyre.runtime.shared import policies
+
+    _save_tiny("qwen3_moe", tmp_path / "base")
+    engine = Engine.load(Config(model=str(tmp_path / "base")))
+    policy = _save_tiny("qwen3_moe", tmp_path / "other")  # seed 0 again: perturb it
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape))
+    saved = policies.save_policy(tmp_path / "run", "v00001", policy, tiny_tokenizer(), version=1)
+    named = policies.load_weights(saved)
+    assert any(".mlp.experts.1.up_proj.weight" in n for n, _ in named)  # checkpoint names
+    engine._updating = True  # between /begin_weight_update and /end_weight_update
+    assert engine.update_weights(named, "1") == "1"
+    mine = dict(engine.model.named_parameters())
+    for name, p in policy.named_parameters():
+        assert torch.equal(mine[name], p), name
+    expert = [(n, t) for n, t in named if n.endswith("experts.0.down_proj.weight")][:1]
+    with pytest.raises(ProtocolError, match=r"experts\.0\.down_proj\.weight': shape"):
+        weights.load_named_tensors(engine.model, [(expert[0][0], expert[0][1][:1])])

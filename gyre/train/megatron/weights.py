@@ -50,6 +50,8 @@ from typing import Any, Protocol
 import torch
 
 from gyre.errors import TrainingError
+from gyre.rollout.weights import EXPERT as _EXPERT
+from gyre.rollout.weights import from_stacked_experts as _from_stacked_experts
 from gyre.train.megatron.config import num_experts, qk_norm, qkv_bias, shared_expert_size
 
 Tensors = dict[str, torch.Tensor]
@@ -87,25 +89,6 @@ class InMemory:
                 raise TrainingError(f"hf weights: {name!r} missing")
             return stacked
         return self.tensors[name]
-
-
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-
-
-def _from_stacked_experts(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
-    """Checkpoint tensor `name` of routed expert j (``...mlp.experts.{j}.gate_proj.weight``)
-    read out of transformers 5's stacked ``gate_up_proj`` (gate rows first) or ``down_proj``;
-    None where `name` is no such tensor."""
-    m = _EXPERT.fullmatch(name)
-    if m is None:
-        return None
-    base, j, proj = m.group(1), int(m.group(2)), m.group(3)
-    stacked = tensors.get(f"{base}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
-    if stacked is None or j >= stacked.shape[0]:
-        return None
-    if proj == "down_proj":
-        return stacked[j]
-    return stacked[j].chunk(2, dim=0)[proj == "up_proj"]
 
 
 def module_names(hf: Mapping[str, torch.Tensor], layout: WeightLayout) -> Tensors:
