@@ -41,7 +41,7 @@ import io
 import multiprocessing
 import pickle
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, ClassVar
@@ -258,6 +258,31 @@ def from_stacked_experts(tensors: Mapping[str, torch.Tensor], name: str) -> torc
     if proj == "down_proj":
         return stacked[j]
     return stacked[j].chunk(2, dim=0)[proj == "up_proj"]
+
+
+STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
+"""A mixture-of-experts layer's routed experts as transformers 5's modules stack them."""
+
+
+def checkpoint_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Transformers 5's stacked routed experts (``mlp.experts.gate_up_proj``, ``mlp.experts.
+    down_proj``) as a checkpoint names them, one tensor per expert and projection (views, no
+    copy: `from_stacked_experts`) — what SGLang's `load_weights` maps; every other tensor as
+    it is. The inverse of `gyre.train.megatron.weights.module_names`."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in named:
+        m = STACKED.fullmatch(name)
+        if m is None or t.dim() != 3:
+            out.append((name, t))
+            continue
+        projs = ("down_proj",) if m.group(2) == "down_proj" else ("gate_proj", "up_proj")
+        for j in range(t.shape[0]):
+            for proj in projs:
+                each = f"{m.group(1)}.{j}.{proj}.weight"
+                piece = from_stacked_experts({name: t}, each)
+                assert piece is not None  # `each` is one of `name`'s experts
+                out.append((each, piece))
+    return out
 
 
 def load_named_tensors(model: nn.Module, named: NamedTensors) -> None:

@@ -182,17 +182,18 @@ def pmi_finalize(timeout: float = PMI_ACK_S) -> bool:
     wire format and does not kill a rank's peers when it leaves without a finalize."""
     import select
 
-    fd = os.environ.get("PMI_FD", "")
-    if not fd.isdigit() or "MPI_LOCALRANKID" not in os.environ:
+    text = os.environ.get("PMI_FD", "")
+    if not text.isdigit() or "MPI_LOCALRANKID" not in os.environ:
         return False
+    fd = int(text)
     try:
-        os.write(int(fd), b"cmd=finalize\n")
+        os.write(fd, b"cmd=finalize\n")
         answer, end = b"", time.monotonic() + timeout
         while (
             not answer.endswith(b"\n")
-            and select.select([int(fd)], [], [], max(0.0, end - time.monotonic()))[0]
+            and select.select([fd], [], [], max(0.0, end - time.monotonic()))[0]
         ):
-            chunk = os.read(int(fd), 256)
+            chunk = os.read(fd, 256)
             if not chunk:
                 break
             answer += chunk

@@ -456,9 +456,9 @@ exit_process(0)
 @pytest.mark.mpi
 def test_a_rank_slower_to_leave_is_not_killed_by_mpiexec(tmp_path: Path) -> None:
     """Ranks leave through `exit_process`: mpiexec counts each as finished, so one still
-    busy after its peers left finishes too and the job exits 0. A rank leaving without
-    MPI_Finalize and the C exit handlers (os._exit) made hydra SIGKILL the others: under
-    load, finished runs failed with exit 9."""
+    busy after its peers left finishes too and the job exits 0. A rank leaving by os._exit
+    alone (no PMI finalize) made hydra SIGKILL the others: under load, finished runs failed
+    with exit 9."""
     from gyre.runtime.cli import find_mpiexec
 
     marker = tmp_path / "late.txt"

@@ -137,7 +137,7 @@ def engine_names(
     embedded engine loads the transformers model's own (stacked experts)."""
     if config.backend != "sglang":
         return named
-    from gyre.train.megatron.weights import checkpoint_names
+    from gyre.rollout.weights import checkpoint_names
 
     return checkpoint_names(named)
 

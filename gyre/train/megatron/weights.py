@@ -42,7 +42,6 @@ files (`gyre.train.megatron.shard_files`), the same bytes either way.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -112,30 +111,6 @@ def module_names(hf: Mapping[str, torch.Tensor], layout: WeightLayout) -> Tensor
         out[f"{base}.gate_up_proj"] = torch.stack(
             [torch.cat([by_j[j]["gate_proj"], by_j[j]["up_proj"]]) for j in js])  # fmt: skip
         out[f"{base}.down_proj"] = torch.stack([by_j[j]["down_proj"] for j in js])
-    return out
-
-
-_STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
-
-
-def checkpoint_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """`module_names`' inverse: transformers 5's stacked routed experts (``mlp.experts.
-    gate_up_proj``, ``mlp.experts.down_proj``) as a checkpoint names them, one tensor per
-    expert and projection (views, no copy) — what SGLang's `load_weights` maps; every other
-    tensor as it is."""
-    out: list[tuple[str, torch.Tensor]] = []
-    for name, t in named:
-        m = _STACKED.fullmatch(name)
-        if m is None or t.dim() != 3:
-            out.append((name, t))
-            continue
-        projs = ("down_proj",) if m.group(2) == "down_proj" else ("gate_proj", "up_proj")
-        for j in range(t.shape[0]):
-            for proj in projs:
-                each = f"{m.group(1)}.{j}.{proj}.weight"
-                piece = _from_stacked_experts({name: t}, each)
-                assert piece is not None  # `each` is one of `name`'s experts
-                out.append((each, piece))
     return out
 
 
