@@ -76,6 +76,11 @@ class Node:
     input_key: bytes  # opaque match key of the context BEFORE the output (<= 32 B)
     output_key: bytes  # opaque match key of context + this call's output (<= 32 B)
     attempts: int = 1  # how many engine attempts (reroutes) this one node took
+    routed_experts: np.ndarray | None = None
+    # int16 [num_tokens, layers, top_k] of a mixture-of-experts policy, None where the engine
+    # reported none: row i holds the experts the engine routed the position *before* segment
+    # token i to (the position whose hidden state predicted token i), one row per MoE layer;
+    # -1 where unknown (the first token of a root-attached call has no position before it)
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +97,9 @@ class PathTokens:
     logprobs: np.ndarray  # float32 behaviour log-probs; NaN where provenance != POLICY
     node_of_token: np.ndarray  # int32 node id that stored each token
     trainable: np.ndarray  # bool: provenance == POLICY
+    routing: np.ndarray | None = None
+    # int16 [T, layers, top_k]: the experts the engine routed each position to (-1 unknown;
+    # the last position predicts nothing and is always unknown); None: no node has routing
 
 
 @dataclass(slots=True, frozen=True)
@@ -161,6 +169,19 @@ def _check_key(name: str, key: Any) -> bytes:
     return key
 
 
+def _check_routing(value: Any, n: int) -> np.ndarray | None:
+    """A node's routed experts: None, or integers [n, layers, top_k] in -1..32767."""
+    if value is None:
+        return None
+    arr = np.asarray(value)
+    if arr.ndim != 3 or arr.shape[0] != n or arr.dtype.kind not in "iu":
+        raise TreeError(f"routed_experts: must be integers [{n}, layers, top_k] "
+                        f"(one row per stored token), got {arr.dtype} {list(arr.shape)}")  # fmt: skip
+    if arr.size and (int(arr.min()) < -1 or int(arr.max()) > np.iinfo(np.int16).max):
+        raise TreeError("routed_experts: expert indices must be -1 (unknown) .. 32767")
+    return arr
+
+
 def _check_scalars(
     role: Any, engine_id: Any, finish_reason: Any, policy_version: Any, attempts: Any
 ) -> None:
@@ -189,6 +210,22 @@ def _check_times(t_start: Any, t_end: Any) -> tuple[float, float]:
     if b < a:
         raise TreeError(f"t_end: {b} is before t_start {a}")
     return a, b
+
+
+def path_routing(path: Sequence[Node]) -> np.ndarray | None:
+    """Per-position routed experts of a root-to-node path (`PathTokens.routing`): the nodes'
+    rows, each the routing of the position before its token, shifted one position back;
+    -1 where a node has none and at the last position. None when no node has any."""
+    shapes = {n.routed_experts.shape[1:] for n in path if n.routed_experts is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise TreeError(f"routed_experts: nodes of one path have shapes {sorted(shapes)}")
+    (shape,) = shapes
+    rows = [n.routed_experts if n.routed_experts is not None
+            else np.full((n.num_tokens, *shape), -1, np.int16) for n in path]  # fmt: skip
+    before = np.concatenate(rows)  # before[t]: the routing of position t - 1
+    return np.concatenate([before[1:], np.full((1, *shape), -1, np.int16)])
 
 
 @dataclass(slots=True, eq=False)
@@ -225,6 +262,7 @@ class TrajectoryTree:
         input_key: bytes,
         output_key: bytes,
         attempts: int = 1,
+        routed_experts: Any = None,
     ) -> Node:
         """Validate and append one call; its arrays are copied and frozen. O(new tokens)."""
         if not isinstance(parent_id, int | np.integer) or not 0 <= parent_id <= len(self._nodes):
@@ -241,6 +279,7 @@ class TrajectoryTree:
         lps = _check_logprobs("output_logprobs", output_logprobs, len(out))
         _check_scalars(role, engine_id, finish_reason, policy_version, attempts)
         t0, t1 = _check_times(t_start, t_end)
+        routed = _check_routing(routed_experts, len(ids) + len(out))
         node = Node(
             node_id=len(self._nodes) + 1,
             parent_id=int(parent_id),
@@ -257,6 +296,7 @@ class TrajectoryTree:
             input_key=_check_key("input_key", input_key),
             output_key=_check_key("output_key", output_key),
             attempts=int(attempts),
+            routed_experts=None if routed is None else _frozen(routed, np.int16),
         )
         self._link(node)
         return node
@@ -365,8 +405,9 @@ class TrajectoryTree:
     def materialize(self, node_id: int) -> PathTokens:
         """Flatten the path through `node_id` (including its output) into token rows."""
         ids, prov, lps, owner = [], [], [], []
-        for nid in self.path(node_id):
-            node = self._nodes[nid - 1]
+        path = [self._nodes[nid - 1] for nid in self.path(node_id)]
+        for node in path:
+            nid = node.node_id
             n_in, n_out = len(node.input_ids), len(node.output_ids)
             ids += [node.input_ids, node.output_ids]
             prov += [node.input_provenance, np.full(n_out, Provenance.POLICY, np.uint8)]
@@ -379,6 +420,7 @@ class TrajectoryTree:
             logprobs=np.concatenate(lps).astype(np.float32, copy=False),
             node_of_token=np.concatenate(owner),
             trainable=provenance == Provenance.POLICY,
+            routing=path_routing(path),
         )
 
     def stats(self) -> TreeStats:
@@ -446,6 +488,8 @@ def node_to_dict(node: Node) -> dict[str, Any]:
     d.update({k: getattr(node, k).tolist() for k in _NODE_ARRAYS})
     d["input_key"] = node.input_key.hex()
     d["output_key"] = node.output_key.hex()
+    if node.routed_experts is not None:
+        d["routed_experts"] = node.routed_experts.tolist()
     return d
 
 
@@ -464,6 +508,8 @@ def node_kwargs_from_dict(d: dict[str, Any]) -> dict[str, Any]:
         kw["output_key"] = bytes.fromhex(d["output_key"])
     except (TypeError, ValueError):
         raise TreeError("node dict: input_key/output_key must be hex strings") from None
+    if d.get("routed_experts") is not None:
+        kw["routed_experts"] = np.asarray(d["routed_experts"], dtype=np.int64)
     return kw
 
 
@@ -474,8 +520,12 @@ def node_diff(a: Node, b: Node) -> list[str]:
         for k in ("node_id", *_NODE_SCALARS, "input_key", "output_key")
         if getattr(a, k) != getattr(b, k)
     ]
-    for k in _NODE_ARRAYS:
+    for k in (*_NODE_ARRAYS, "routed_experts"):
         x, y = getattr(a, k), getattr(b, k)
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                out.append(f"{k}: present in one node only")
+            continue
         if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
             out.append(f"{k}: {x.dtype}{list(x.shape)} differs from {y.dtype}{list(y.shape)}")
     return out
