@@ -34,8 +34,9 @@ class EngineLike(Protocol):
     """What the router needs from an engine client (gyre.rollout.client.EngineClient)."""
 
     async def generate(
-        self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams, rid: str
-    ) -> GenerateResult: ...
+        self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams, rid: str,
+        routed_from: int | None = None,
+    ) -> GenerateResult: ...  # fmt: skip
 
     async def score(
         self, input_ids: Sequence[int] | np.ndarray, start: int, rid: str
@@ -118,15 +119,17 @@ class Router:
         input_ids: Sequence[int] | np.ndarray,
         sampling: SamplingParams,
         rid: str,
+        routed_from: int | None = None,
     ) -> Served:
-        """Generate at the execution's engine; retry aborted/failed attempts at its new route."""
+        """Generate at the execution's engine; retry aborted/failed attempts at its new route.
+        `routed_from`: ask for the routed experts of the positions from there on."""
         failed: str | None = None
         reason = ""
         for attempt in range(1, self.attempts + 1):
             engine_id = await self._await_engine(execution_id, failed)
             try:
                 result = await self.engines[engine_id].generate(
-                    input_ids, sampling, f"{rid}-{attempt}"
+                    input_ids, sampling, f"{rid}-{attempt}", routed_from
                 )
             except (EngineError, ProtocolError, OSError) as e:
                 if REFUSED.search(str(e)):  # the engine rejects this input: retrying won't help

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gyre.errors import ProtocolError
 from gyre.proxy.config import ROLE_RE, Config, RoleRule
 from gyre.proxy.conversation import CallRequest, Conversation, Reply
 from gyre.proxy.errors import ApiError, invalid, shutting_down
@@ -41,6 +42,7 @@ from gyre.proxy.session import Execution, render
 from gyre.proxy.tito import LONG_TEXT, ChatRenderer
 from gyre.proxy.toolcalls import ToolFormat, forced_call_grammar, get_format
 from gyre.rollout.protocol import SamplingParams
+from gyre.rollout.routed import node_rows
 from gyre.trajectory.tree import Node, TrajectoryTree
 
 log = logging.getLogger(__name__)
@@ -68,8 +70,12 @@ class ProxyService:
         store: Any = None,
         family: str | None = None,
         clock: Callable[[], float] = time.time,
+        routing_top_k: int = 0,
     ) -> None:
         self.config = config
+        # > 0: the served model routes each position to this many experts, and each call's
+        # node records them (routing replay, `train.routing_replay`); 0: never asked
+        self.routing_top_k = routing_top_k
         self.renderer = renderer
         self.router = router
         self.store = store
@@ -233,7 +239,13 @@ class ProxyService:
         )
         t0 = self.clock()
         rid = f"{ex.execution_id}-{len(ex.tree) + 1}-{secrets.token_hex(4)}"
-        served = await self.router.generate(ex.execution_id, prep.context_ids, sampling, rid)
+        # the routed experts of the positions before each new token: from the parent's last
+        # one (this call runs it first), from 0 under the root (`Node.routed_experts`)
+        before = len(prep.context_ids) - len(prep.rendered.ids)
+        routed_from = max(before - 1, 0) if self.routing_top_k else None
+        served = await self.router.generate(
+            ex.execution_id, prep.context_ids, sampling, rid, routed_from
+        )
         t1 = self.clock()
         logprobs = await self.behaviour_logprobs(served, prep.context_ids, sampling, rid)
         if ex.closed:
@@ -277,10 +289,23 @@ class ProxyService:
                 t_start=t0,
                 t_end=t1,
                 attempts=served.attempts,
+                routed_experts=self.node_routing(res.routed_experts, before == 0),
             )
             if self.store is not None:
                 self.store.record_node(ex.execution_id, node)
         return reply, node
+
+    def node_routing(self, routed: np.ndarray | None, at_root: bool) -> np.ndarray | None:
+        """A node's routed experts from the engine's (`gyre.rollout.routed.node_rows`); None
+        when the engine reported none, or rows of another top-k (logged: a model the run did
+        not expect)."""
+        if routed is None:
+            return None
+        try:
+            return node_rows(routed, self.routing_top_k, at_root=at_root)
+        except ProtocolError as e:
+            log.warning("%s; not recorded", e)
+            return None
 
     async def behaviour_logprobs(
         self, served: Served, context_ids: np.ndarray, sampling: SamplingParams, rid: str

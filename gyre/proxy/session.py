@@ -210,6 +210,7 @@ class Execution:
         t_start: float,
         t_end: float,
         attempts: int,
+        routed_experts: np.ndarray | None = None,
     ) -> Node:
         """Add the call's node to the tree and remember its tool-call payloads."""
         reply = matching.reply_message(out.content, out.tool_calls)
@@ -228,6 +229,7 @@ class Execution:
             input_key=prep.input_key,
             output_key=matching.chain(prep.input_key, matching.message_digest(reply)),
             attempts=attempts,
+            routed_experts=routed_experts,
         )
         for call in out.tool_calls:
             self.payloads[call.id] = (call.name, call.arguments)

@@ -91,7 +91,9 @@ class ScriptedEngine:
         self.then = then  # the answer once the script is used up
         self.requests: dict[str, list[int]] = {}  # rid -> input ids received
 
-    async def generate(self, input_ids: Any, sampling: SamplingParams, rid: str) -> GenerateResult:
+    async def generate(
+        self, input_ids: Any, sampling: SamplingParams, rid: str, routed_from: int | None = None
+    ) -> GenerateResult:  # a dense model's: no routed experts
         self.requests[rid] = np.asarray(input_ids).tolist()
         text = self.replies.pop(0) if self.replies else self.then
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -112,9 +112,12 @@ class EngineClient:
         self.transport.close()
 
     async def generate(
-        self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams, rid: str
-    ) -> GenerateResult:
-        """One /generate call with behaviour log-probs.
+        self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams, rid: str,
+        routed_from: int | None = None,
+    ) -> GenerateResult:  # fmt: skip
+        """One /generate call with behaviour log-probs, and with the routed experts of the
+        positions from `routed_from` on when given (a mixture-of-experts engine's:
+        `GenerateResult.routed_experts`).
 
         `input_ids` may be a numpy integer array: it is encoded straight into the body
         (5x faster than a list for long contexts: 1.4 vs 7 ms for 100k tokens)."""
@@ -129,9 +132,11 @@ class EngineClient:
             "return_logprob": True,
             "rid": rid,
         }
+        if routed_from is not None:
+            body |= {"return_routed_experts": True, "routed_experts_start_len": routed_from}
         reply = await self.request("POST", "/generate", body)
         try:
-            return GenerateResult.from_response(reply)
+            return GenerateResult.from_response(reply, routed_from)
         except ProtocolError as e:
             raise EngineError(f"engine {self.engine_id}: {e}") from e
 

@@ -44,6 +44,7 @@ from gyre.rollout.kv import KVBatch, cache_from, cache_kwarg, output_cache
 from gyre.rollout.pacing import Deliver, PacedCalls
 from gyre.rollout.prefix import PrefixCache
 from gyre.rollout.protocol import KV_TRANSPORTS, GenerateRequest, KVSegment, UpdateGroup
+from gyre.rollout.routed import RouterTap, encode
 from gyre.rollout.sampling import next_token, policy_logprobs
 from gyre.schedule.devices import EnginePace
 
@@ -121,6 +122,13 @@ class Sequence:
     finish: dict[str, Any] | None = None
     cached_tokens: int = 0
     input_logprobs: list[float] | None = None  # of input_ids[logprob_start_len + 1:], once
+    routing: list[np.ndarray] = field(default_factory=list)
+    # a MoE model's routed experts of the positions run so far, in order: int32 chunks
+    # [positions, layers, top_k] (gyre.rollout.routed)
+
+    def routed(self) -> np.ndarray | None:
+        """The routed experts of every position run so far (None: no MoE routing seen)."""
+        return np.concatenate(self.routing) if self.routing else None
 
 
 class Engine:
@@ -137,6 +145,7 @@ class Engine:
         self._grammars = GrammarCompiler(tokenizer, self.vocab_size)
         self._cache_kwarg = cache_kwarg(model)
         self._prefix = PrefixCache(config.prefix_cache_mb << 20)
+        self._tap = RouterTap.of_model(model)  # None for a dense model
         self._version = config.weight_version
         self._cond = threading.Condition()
         self._step = threading.Lock()
@@ -272,8 +281,7 @@ class Engine:
                 self._abort_locked(None, "aborted by pause_generation")
             if mode == "retract":
                 for row, seq in enumerate(self._running):
-                    layers = self._batch.row_kv(row)
-                    self._prefix.insert(seq.tokens[: layers[0][0].shape[2]], layers, seq.req.rid)
+                    self._keep_prefix(seq, self._batch.row_kv(row))
                 self._pending.extendleft(reversed(self._running))
                 self._running = []
                 self._batch = KVBatch(self._cache_kwarg)
@@ -531,7 +539,7 @@ class Engine:
         SGLang) and gets them from this same forward pass (once: not after a retract)."""
         start = seq.req.logprob_start_len if seq.input_logprobs is None else None
         limit = len(seq.tokens) - 1 if start is None else start
-        reused, layers = self._prefix.lookup(seq.tokens[: limit + 1])
+        reused, layers, cached_routing = self._prefix.lookup(seq.tokens[: limit + 1])
         kwargs: dict[str, Any] = {}
         if layers is not None:
             kwargs[self._cache_kwarg] = cache_from(layers)
@@ -543,6 +551,11 @@ class Engine:
         )
         if start is not None:
             seq.input_logprobs = policy_logprobs(out.logits[0, :-1], seq.tokens[start + 1 :])
+        if self._tap is not None:
+            ran = self._tap.take(rows=1)[0]
+            if cached_routing is None:  # KV migrated from another engine: routing unknown
+                cached_routing = np.full((reused, *ran.shape[1:]), -1, np.int32)
+            seq.routing = [cached_routing, ran]
         seq.cached_tokens = reused
         self._running.append(seq)
         self._batch.add(output_cache(out), len(seq.tokens))
@@ -559,7 +572,10 @@ class Engine:
         self._batch_sizes[len(self._running)] += 1
         inputs = self._batch.step_inputs([s.tokens[-1] for s in self._running])
         logits = self.model(**inputs).logits[:, -1]
+        ran = self._tap.take(rows=len(self._running)) if self._tap is not None else None
         for row, seq in enumerate(self._running):
+            if ran is not None:
+                seq.routing.append(ran[row])
             self._sample(seq, logits[row])
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
@@ -596,12 +612,19 @@ class Engine:
         if self._prefix.capacity_bytes:
             for i, seq in enumerate(self._running):
                 if seq.finish is not None:
-                    layers = self._batch.row_kv(i)  # the fed tokens: all but a final sample
-                    self._prefix.insert(seq.tokens[: layers[0][0].shape[2]], layers, seq.req.rid)
+                    self._keep_prefix(seq, self._batch.row_kv(i))
         self._running = [self._running[i] for i in rows]
         self._batch.keep(rows)
         for seq in done:
             seq.deliver(self._response(seq))
+
+    def _keep_prefix(self, seq: Sequence, layers: kvstore.LayerKV) -> None:
+        """Keep a sequence's KV of its fed tokens (all but a final sample) for later calls,
+        with their routed experts."""
+        fed = layers[0][0].shape[2]
+        routing = seq.routed()
+        kept = routing[:fed] if routing is not None and len(routing) >= fed else None
+        self._prefix.insert(seq.tokens[:fed], layers, seq.req.rid, kept)
 
     def _fail_all(self, message: str) -> None:
         with self._cond:
@@ -623,6 +646,11 @@ class Engine:
             "weight_version": self._version,
             "e2e_latency": time.time() - seq.t_arrival,
         }
+        routing = seq.routed()
+        if seq.req.return_routed_experts and routing is not None:
+            ran = len(seq.tokens) - 1  # every position but the last sampled token's
+            if len(routing) >= ran:  # not for a call aborted before its prefill
+                meta["routed_experts"] = encode(routing[seq.req.routed_experts_start_len : ran])
         if seq.req.return_logprob:
             meta["input_token_logprobs"] = _input_logprobs(seq)
             meta["output_token_logprobs"] = [

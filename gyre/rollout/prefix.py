@@ -29,6 +29,7 @@ class _Entry:
     layers: LayerKV
     nbytes: int
     tag: str
+    routing: np.ndarray | None = None  # int32 [tokens, layers, top_k] of a MoE model
 
 
 class PrefixCache:
@@ -46,9 +47,13 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def insert(self, tokens: list[int] | np.ndarray, layers: LayerKV, tag: str = "") -> bool:
-        """Keep `layers` (the KV of exactly `tokens`) tagged with a rid; drops entries it
-        extends. False if it is too short or larger than the whole cache (not kept)."""
+    def insert(
+        self, tokens: list[int] | np.ndarray, layers: LayerKV, tag: str = "",
+        routing: np.ndarray | None = None,
+    ) -> bool:  # fmt: skip
+        """Keep `layers` (the KV of exactly `tokens`, and where the model routes experts the
+        routing of those positions) tagged with a rid; drops entries it extends. False if it
+        is too short or larger than the whole cache (not kept)."""
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if len(tokens) < self.min_tokens or nbytes > self.capacity_bytes:
             return False
@@ -57,7 +62,7 @@ class PrefixCache:
             n = len(entry.tokens)
             if n <= len(arr) and np.array_equal(entry.tokens, arr[:n]):
                 self._drop(key)
-        self._entries[self._next_key] = _Entry(arr, layers, nbytes, tag)
+        self._entries[self._next_key] = _Entry(arr, layers, nbytes, tag, routing)
         self._next_key += 1
         self.nbytes += nbytes
         while self.nbytes > self.capacity_bytes:
@@ -68,11 +73,11 @@ class PrefixCache:
         """(tag, tokens, per-layer KV) of every entry, oldest first (nothing is copied)."""
         return [(e.tag, e.tokens, e.layers) for e in self._entries.values()]
 
-    def lookup(self, tokens: list[int]) -> tuple[int, LayerKV | None]:
+    def lookup(self, tokens: list[int]) -> tuple[int, LayerKV | None, np.ndarray | None]:
         """Longest cached prefix of `tokens` leaving at least one token to prefill:
-        (its length, per-layer KV sliced to it) or (0, None)."""
+        (its length, per-layer KV and routing sliced to it) or (0, None, None)."""
         if not self._entries or len(tokens) <= self.min_tokens:
-            return 0, None
+            return 0, None, None
         arr = np.asarray(tokens, dtype=np.int64)
         best, best_key = 0, None
         for key, entry in self._entries.items():
@@ -82,12 +87,13 @@ class PrefixCache:
             if common > best:
                 best, best_key = common, key
         if best_key is None or best < self.min_tokens:
-            return 0, None
+            return 0, None, None
         self._entries.move_to_end(best_key)
         self.hits += 1
         self.tokens_reused += best
-        layers = self._entries[best_key].layers
-        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in layers]
+        entry = self._entries[best_key]
+        routing = None if entry.routing is None else entry.routing[:best]
+        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in entry.layers], routing
 
     def clear(self) -> None:
         self._entries.clear()

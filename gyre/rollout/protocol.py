@@ -38,7 +38,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from gyre.errors import ProtocolError
+from gyre.rollout import routed
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +90,7 @@ SAMPLING_KEYS = (
 )
 GENERATE_KEYS = (
     "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid", "stream",
+    "return_routed_experts", "routed_experts_start_len",
 )  # fmt: skip
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -152,6 +156,11 @@ class GenerateRequest:
     logprob_start_len: int | None = None
     # with return_logprob: report input log-probs from this input position on (SGLang's
     # meaning, `score_body`); None (SGLang 0.5.21's -1, or the input's length): none
+    return_routed_experts: bool = False
+    # report the experts a mixture-of-experts model routed each position to (SGLang's
+    # `meta_info.routed_experts`, gyre.rollout.routed)
+    routed_experts_start_len: int = 0
+    # ... for the positions from this one on (0..len(input_ids)), to the last one run
 
 
 @dataclass(kw_only=True, slots=True)
@@ -174,10 +183,14 @@ class GenerateResult:
     # abort reason, if any
     cached_tokens: int = 0
     # prompt tokens the engine took from its prefix cache instead of prefilling
+    routed_experts: np.ndarray | None = None
+    # int32 [positions, layers * top_k] asked with `routed_from` (gyre.rollout.routed); None
+    # when not asked, or the engine's model has no routed experts
 
     @classmethod
-    def from_response(cls, body: dict[str, Any]) -> GenerateResult:
-        """Read an SGLang /generate response body; raises ProtocolError if malformed."""
+    def from_response(cls, body: dict[str, Any], routed_from: int | None = None) -> GenerateResult:
+        """Read an SGLang /generate response body, with the routed experts of positions
+        `routed_from`.. when given; raises ProtocolError if malformed."""
         try:
             meta = body["meta_info"]
             finish = meta.get("finish_reason") or {"type": "abort", "message": "no reason"}
@@ -196,9 +209,20 @@ class GenerateResult:
                 text=str(body.get("text", "")),
                 message=str(finish.get("message", "")),
                 cached_tokens=int(meta.get("cached_tokens") or 0),
+                routed_experts=_routed(meta, routed_from, len(ids)),
             )
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise ProtocolError(f"malformed /generate response ({e!r}): {str(body)[:300]}") from e
+
+
+def _routed(meta: dict[str, Any], start: int | None, n_output: int) -> np.ndarray | None:
+    """The routed experts of a response (positions `start` .. the last one run: the input
+    and every output token but the last); None when not asked or not reported (a dense
+    model, an aborted call)."""
+    if start is None or meta.get("routed_experts") is None:
+        return None
+    positions = int(meta["prompt_tokens"]) + n_output - 1 - start
+    return routed.decode(meta["routed_experts"], positions)
 
 
 def score_body(input_ids: Any, start: int, rid: str) -> dict[str, Any]:
@@ -290,12 +314,22 @@ def parse_generate(body: Any, *, vocab_size: int) -> GenerateRequest:
         raise ProtocolError(f"return_logprob: {return_logprob!r}; allowed: true or false")
     sampling = parse_sampling(body.get("sampling_params") or {}, vocab_size=vocab_size)
     start = _logprob_start(body.get("logprob_start_len"), len(ids))
+    return_routed = body.get("return_routed_experts", False)
+    if not isinstance(return_routed, bool):
+        raise ProtocolError(f"return_routed_experts: {return_routed!r}; allowed: true or false")
+    routed_start = _int(body.get("routed_experts_start_len", 0), "routed_experts_start_len")
+    if not 0 <= routed_start <= len(ids):
+        raise ProtocolError(
+            f"routed_experts_start_len: {routed_start}; allowed: 0..{len(ids)} (the input's length)"
+        )
     return GenerateRequest(
         rid=rid,
         input_ids=ids,
         sampling=sampling,
         return_logprob=return_logprob,
         logprob_start_len=start if return_logprob else None,
+        return_routed_experts=return_routed,
+        routed_experts_start_len=routed_start,
     )
 
 

@@ -153,6 +153,7 @@ def _model(cfg: RunConfig, where: Where) -> list[str]:
     if not shipped and cfg.engine.backend == "embedded":
         check_batchable(model, config)
     _check_engine_experts(cfg, config.to_dict())
+    _check_routing_replay(cfg, config.to_dict())
     if stamp is not None:
         _remember(stamp)
     return []
@@ -168,6 +169,17 @@ def _check_engine_experts(cfg: RunConfig, hf: dict[str, Any]) -> None:
             f"engine.expert_parallel: {ep} with model {cfg.model!r} ({experts or 'no'} routed "
             "experts); allowed: 1, or a divisor of its expert count for a mixture-of-experts "
             "model"
+        )
+
+
+def _check_routing_replay(cfg: RunConfig, hf: dict[str, Any]) -> None:
+    """`train.routing_replay: true` needs routed experts to replay."""
+    from gyre.train.megatron.config import num_experts  # torch-free
+
+    if cfg.train.routing_replay is True and not num_experts(hf):
+        raise ConfigError(
+            f"train.routing_replay: true with model {cfg.model!r}, which routes no experts; "
+            "allowed: true for a mixture-of-experts model, or false / auto"
         )
 
 

@@ -341,8 +341,10 @@ def _start_engine(
     index += me.index  # judge engines count on after the rollout engines
     labels = {"GYRE_RUN_DIR": str(run_dir.resolve()), "GYRE_ENGINE_INDEX": str(index)}
     pace = cfg.pace.engine(cfg.schedule.concurrency_per_cell) if cfg.pace.enabled else None
+    routed = me.kind != "judge" and cfg.engine.backend == "sglang" and cfg.routing_top_k() > 0
     engine = EngineHost(cfg.model, cfg.engine, run_dir / "logs" / f"{name}.log", version=0,
                         labels=labels, pace=pace, host=address,
-                        base_gpu_id=placed.engine.base_gpu_id if placed.engine else 0)  # fmt: skip
+                        base_gpu_id=placed.engine.base_gpu_id if placed.engine else 0,
+                        routed_experts=routed)  # fmt: skip
     engine.spawn()
     return engine

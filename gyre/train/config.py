@@ -25,8 +25,9 @@ Its parts (`ObjectiveConfig`, `OptimConfig`, admission, advantages, the packing 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from gyre.errors import ConfigError
 from gyre.train.admission import DEFAULT_ROLE_PRIORITY, AdmissionConfig
@@ -246,6 +247,12 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
     """Weight of a mixture-of-experts model's router load-balancing loss added to the objective
     (Megatron backend: `moe_aux_loss_coeff`; the torch backend adds none); 0: the objective
     alone, the default for RL (docs/gpu.md "Model families")."""
+    routing_replay: bool | Literal["auto"] = "auto"
+    """Train a mixture-of-experts policy on the experts its rollout engine routed each token
+    to: the proxy records them with the tokens (SGLang's `return_routed_experts`), and the
+    Megatron backend replays them through its routers, so the trainer's probabilities are
+    those of the policy that acted (docs/gpu.md "Routing replay"). auto: on for a MoE model
+    with the megatron backend; true refuses a dense model and the torch backend."""
     keep_policies: int = 3
     """Publications kept as Hugging Face model directories under RUN_DIR/policies (>= 1)."""
     record_batches: bool = False
@@ -274,6 +281,13 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
             raise ConfigError(
                 f"moe_aux_loss_coeff: {self.moe_aux_loss_coeff!r}; allowed a number >= 0"
             )
+        if self.routing_replay not in (True, False, "auto"):
+            raise ConfigError(f"routing_replay: {self.routing_replay!r}; allowed true, false, auto")
+        if self.routing_replay is True and self.backend != "megatron":
+            raise ConfigError(
+                f"routing_replay: true with backend {self.backend}; allowed: true with backend "
+                "megatron (its routers replay the engine's experts), or false / auto"
+            )
         if self.keep_policies < 1:
             raise ConfigError(f"keep_policies: {self.keep_policies}; allowed an integer >= 1")
         if self.min_group_outcomes < 1:
@@ -292,6 +306,15 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
         if self.dtype == "auto":
             return "bfloat16" if self.device.startswith("cuda") else "float32"
         return self.dtype
+
+    def replays_routing(self, hf: Mapping[str, Any]) -> bool:
+        """Whether a run of the model with config `hf` (config.json as a dict) records and
+        replays routed experts: `routing_replay`, auto resolved (a MoE model trained by
+        Megatron)."""
+        moe = bool(hf.get("num_experts") or hf.get("num_local_experts"))
+        if self.routing_replay == "auto":
+            return moe and self.backend == "megatron"
+        return bool(self.routing_replay) and moe
 
     @property
     def objective(self) -> ObjectiveConfig:

@@ -42,6 +42,9 @@ class TokenRow:
     advantage: float  # the execution's group-relative advantage
     execution_targets: int  # L_i: targets of the whole execution (all its rows)
     weights: np.ndarray  # float64 [T]: 1 / L_i at targets, 0 elsewhere
+    routing: np.ndarray | None = None
+    # int16 [T, layers, top_k]: the experts the rollout engine routed each position to (-1
+    # unknown), replayed by a MoE trainer (`PathTokens.routing`); None: none recorded
 
     def __post_init__(self) -> None:
         validate_row(self)
@@ -78,6 +81,8 @@ def validate_row(row: TokenRow) -> None:
         raise TrainingError(f"{where}: advantage {row.advantage!r} is not finite")
     if row.execution_targets < row.num_targets:
         raise TrainingError(f"{where}: execution_targets {row.execution_targets} < row targets")
+    if row.routing is not None and (row.routing.ndim != 3 or len(row.routing) != n):
+        raise TrainingError(f"{where}: routing shape {row.routing.shape} != ({n}, layers, top_k)")
 
 
 def make_row(
@@ -90,6 +95,7 @@ def make_row(
     behaviour_logprobs: Any,
     advantage: float,
     execution_targets: int,
+    routing: np.ndarray | None = None,
 ) -> TokenRow:
     """A validated row with weights 1 / execution_targets on its targets."""
     t = np.asarray(targets, dtype=bool)
@@ -105,6 +111,7 @@ def make_row(
         advantage=float(advantage),
         execution_targets=int(execution_targets),
         weights=np.where(t, 1.0 / execution_targets, 0.0),
+        routing=routing,
     )
 
 
@@ -132,6 +139,7 @@ def materialize_execution(
                 behaviour_logprobs=pt.logprobs,
                 advantage=advantage,
                 execution_targets=total,
+                routing=pt.routing,
             )
         )
     return rows

@@ -34,9 +34,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def tiny_family(family: str) -> torch.nn.Module:
+def tiny_family(family: str, experts: int = 4) -> torch.nn.Module:
     """transformers' model of `family`, tiny, random and deterministic: head_dim 12, not
-    hidden / heads (8); 4 experts, top 2; every weight drawn (norms around 1)."""
+    hidden / heads (8); `experts` experts, top 2; every weight drawn (norms around 1)."""
     from transformers import (
         Qwen2MoeConfig,
         Qwen2MoeForCausalLM,
@@ -51,7 +51,7 @@ def tiny_family(family: str) -> torch.nn.Module:
     common = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "rms_norm_eps": 1e-6, "tie_word_embeddings": False, **spec}  # fmt: skip
-    moe = {"moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}
+    moe = {"moe_intermediate_size": 16, "num_experts": experts, "num_experts_per_tok": 2}
     torch.manual_seed(0)
     if kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=12, **common))

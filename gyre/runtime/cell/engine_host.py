@@ -75,8 +75,10 @@ class EngineHost(EngineProcess):
         pace: EnginePace | None = None,
         host: str = "127.0.0.1",
         base_gpu_id: int = 0,
+        routed_experts: bool = False,
     ) -> None:
         self.model, self.engine_config = model, config
+        self.routed_experts = routed_experts  # SGLang: capture them (routing replay)
         self.host = host  # bound and advertised: the rank's address (gyre.runtime.shared.address)
         self.base_gpu_id = base_gpu_id  # its first GPU (gyre.runtime.shared.placement)
         self.pace = pace  # paced (`PaceConfig.engine`): the embedded engine's --pace
@@ -87,7 +89,8 @@ class EngineHost(EngineProcess):
 
     def _server(self) -> ServerConfig:
         server = self.engine_config.server(self.model, self.version, host=self.host,
-                                           base_gpu_id=self.base_gpu_id)  # fmt: skip
+                                           base_gpu_id=self.base_gpu_id,
+                                           routed_experts=self.routed_experts)  # fmt: skip
         if self.pace is not None:
             if server.launch != "embedded":
                 raise ConfigError("pace: only the embedded engine is paced (engine.backend)")

@@ -122,6 +122,7 @@ class ExecutionHost:
         )  # fmt: skip
         if journal is not None:
             self.app.service.store = journal
+        self.app.service.routing_top_k = await loop.run_in_executor(None, self.cfg.routing_top_k)
         self.url = f"http://127.0.0.1:{self.app.listen(0)}"
         return self.url
 

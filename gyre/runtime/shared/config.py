@@ -214,11 +214,14 @@ class EngineConfig:
         return self.bucket_mb << 20
 
     def server(
-        self, model: str, version: int, host: str = "127.0.0.1", base_gpu_id: int = 0
-    ) -> Any:
+        self, model: str, version: int, host: str = "127.0.0.1", base_gpu_id: int = 0,
+        routed_experts: bool = False,
+    ) -> Any:  # fmt: skip
         """The `ServerConfig` that launches this engine for `model` at weight `version`, bound
         to and reached at `host` (the rank's address: `gyre.runtime.shared.address`), on the GPUs
-        from `base_gpu_id` on (`gyre.runtime.shared.placement`; SGLang only)."""
+        from `base_gpu_id` on (`gyre.runtime.shared.placement`; SGLang only), able to return
+        each call's `routed_experts` (SGLang captures them only when launched so; the
+        embedded engine always can)."""
         from gyre.rollout.serving.config import ServerConfig
 
         embedded = [  # the embedded engine's own knobs (SGLang sizes itself)
@@ -230,6 +233,8 @@ class EngineConfig:
         # deterministic (sglang/srt/sampling/sampling_batch_info.py: no seed tensor without
         # it). The flag also pins SGLang's sampling (pytorch) and attention backends.
         sglang = ["--enable-deterministic-inference"]
+        if routed_experts:  # sglang/srt/arg_groups/fields/exec_.py (0.5.21)
+            sglang.append("--enable-return-routed-experts")
         on_gpu = self.backend == "embedded" and self.device == "cuda"
         return ServerConfig(
             model_path=model, launch="embedded-cuda" if on_gpu else self.backend,
@@ -420,6 +425,15 @@ class RunConfig:
             make_policy(*self.schedule.scheduler(self.topology))
         except ConfigError as e:
             raise ConfigError(f"schedule.{e}") from None
+
+    def routing_top_k(self) -> int:
+        """Experts per token of the model when the run records and replays its routing
+        (`train.routing_replay`, auto resolved by the model's config.json), else 0."""
+        from gyre.models import model_config
+
+        config = model_config(self.model)
+        hf = config.get_text_config().to_dict() if config is not None else {}
+        return int(hf.get("num_experts_per_tok") or 0) if self.train.replays_routing(hf) else 0
 
     @property
     def train_backend(self) -> TrainBackend:

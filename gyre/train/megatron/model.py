@@ -235,9 +235,11 @@ class MegatronCell(TorchCell):
 
     def __init__(self, model: torch.nn.Module, *, objective: ObjectiveConfig) -> None:
         from gyre.train.megatron.pipeline import Stage
+        from gyre.train.megatron.replay import attach
 
         super().__init__(model, objective=objective)
         self.stage = Stage.current()
+        self._replays = attach(model)  # routing replay of a MoE model's routers
         # Megatron's DotProductAttention needs the causal mask as a tensor (its own default
         # one is made on "cuda"); SDPAttention is causal without one (no len x len tensor)
         self._explicit_mask = any(_materialises_scores(m) for m in model.modules())
@@ -276,7 +278,7 @@ class MegatronCell(TorchCell):
         if received is not None:
             received.requires_grad_(grad)
             self.model.set_input_tensor(received)  # type: ignore[operator]
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), self._routing(step, padded):
             out = self.model(ids, positions, None if mask is None else mask[None, None])
             logp = self._target_logprobs(out, ids) if stage.last else None
         stage.send_forward(out)
@@ -285,6 +287,20 @@ class MegatronCell(TorchCell):
         logp = logp[:, :width]
         check_finite(logp, st, f"micro-step {step.index}")
         return logp, st
+
+    def _routing(self, step: MicroStep, width: int) -> contextlib.AbstractContextManager[None]:
+        """The step's recorded routed experts replayed by this rank's routers
+        (`gyre.train.megatron.replay`), each TP rank's slice under sequence parallelism."""
+        from megatron.core import parallel_state
+
+        from gyre.train.megatron.replay import replayed, step_routing
+
+        routing = step_routing([r.routing for r in step.rows], width) if self._replays else None
+        split = bool(self._config.sequence_parallel)
+        return replayed(
+            self._replays, routing, tp_size=_tp_size() if split else 1,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank() if split else 0,
+        )  # fmt: skip
 
     @property
     def _config(self) -> Any:

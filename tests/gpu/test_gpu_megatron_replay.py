@@ -1,0 +1,140 @@
+"""Routing replay (issue 54, item 4): the Megatron trainer routes each position as the engine did.
+
+A tiny random Qwen3-MoE (megatron_family_worker's `tiny_family`, renormalized top 2 of 32
+experts, so a layer leaves some expert unchosen) serves a two-call execution in the embedded engine, which reports each position's
+routed experts (`return_routed_experts`); the calls become a trajectory tree whose nodes hold
+them (`Node.routed_experts`, asked from the position before each node's first token, as the
+proxy asks), the leaf's row carries them per position (`TokenRow.routing`), and the
+Megatron cell built from the same weights computes the row's target log-probs.
+
+Then one router of the trainer changes where the engine's routing never looked: an expert
+the engine chose for no position of that layer is made to score 60 times another's. Its own
+router now sends positions there, and its log-probs move away from the engine's; replaying
+the recorded routing they stay the engine's (the replayed experts' weights come from their
+unchanged scores). On the unchanged model both agree, replay or not.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gyre.models import tiny_tokenizer
+from gyre.rollout.engine import Config, Engine
+from gyre.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
+from gyre.rollout.routed import node_rows
+from gyre.train.packing import MicroStep, make_row
+from gyre.trajectory.tree import Provenance, TrajectoryTree
+
+sys.path.insert(0, str(Path(__file__).parent))
+from megatron_family_worker import tiny_family
+
+TOP_K = 2
+
+
+def _generate(engine: Engine, ids: list[int], routed_from: int) -> GenerateResult:
+    done, out = threading.Event(), {}
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, sampling_seed=7)
+    req = GenerateRequest(rid=f"r{len(ids)}", input_ids=ids, sampling=sp, return_logprob=True,
+                          return_routed_experts=True, routed_experts_start_len=routed_from)  # fmt: skip
+
+    def deliver(body: dict[str, Any]) -> None:
+        out["body"] = body
+        done.set()
+
+    engine.submit(req, deliver)
+    assert done.wait(timeout=120), "the engine did not answer"
+    return GenerateResult.from_response(out["body"], routed_from)
+
+
+def _execution(hf: torch.nn.Module) -> TrajectoryTree:
+    """Two calls of one execution served by the engine, recorded as the proxy records them."""
+    engine = Engine(Config(prefix_cache_mb=0), copy.deepcopy(hf).eval(), tiny_tokenizer())
+    engine.start()
+    tree = TrajectoryTree("x")
+    try:
+        parent, new_inputs = 0, ([3, 14, 15, 92, 65, 35, 89, 79], [32, 38, 46])
+        for n, new in enumerate(new_inputs):
+            before = tree.full_ids(parent).tolist()  # the parent's whole path
+            res = _generate(engine, before + new, max(len(before) - 1, 0))
+            assert res.routed_experts is not None
+            node = tree.add_node(
+                parent_id=parent, input_ids=new, input_provenance=[Provenance.USER] * len(new),
+                output_ids=res.output_ids, output_logprobs=res.output_logprobs, role="main",
+                policy_version=0, engine_id="e0", t_start=0.0, t_end=1.0, finish_reason="length",
+                input_key=bytes([n]), output_key=bytes([n, 1]),
+                routed_experts=node_rows(res.routed_experts, TOP_K, at_root=not before),
+            )  # fmt: skip
+            parent = node.node_id
+    finally:
+        engine.stop()
+    return tree
+
+
+def _trainer(hf: torch.nn.Module) -> Any:
+    from gyre.train.megatron.config import MegatronConfig
+    from gyre.train.megatron.model import MegatronCell, build_rank_model
+    from gyre.train.megatron.weights import WeightLayout, stage_to_mcore
+    from gyre.train.objective import ObjectiveConfig
+
+    hfc = hf.config.to_dict()
+    shard = stage_to_mcore(dict(hf.state_dict()), WeightLayout.from_hf_config(hfc), tp_rank=0,
+                           tp_size=1, stage=0, stages=1)  # fmt: skip
+    model = build_rank_model(hfc, shard, MegatronConfig(dtype="float32"), device="cpu")
+    return MegatronCell(model, objective=ObjectiveConfig())
+
+
+def _logprobs(cell: Any, tree: TrajectoryTree, *, replay: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(trainer's, engine's) log-probs of the leaf row's targets."""
+    pt = tree.materialize(tree.leaves()[0])
+    row = make_row(execution_id="x", group_id="g", policy_version=0, ids=pt.ids,
+                   targets=pt.trainable, behaviour_logprobs=pt.logprobs, advantage=1.0,
+                   execution_targets=int(pt.trainable.sum()),
+                   routing=pt.routing if replay else None)  # fmt: skip
+    with torch.no_grad():
+        logp, st = cell._logprobs(MicroStep(index=0, rows=(row,)), grad=False)
+    return logp[0][st.targets[0]].numpy(), pt.logprobs[pt.trainable]
+
+
+def test_the_trainer_replays_the_engines_routing(megatron_world: None) -> None:
+    hf = tiny_family("qwen3_moe", experts=32)
+    tree = _execution(hf)
+    routing = tree.materialize(tree.leaves()[0]).routing
+    assert routing is not None and (routing[:-1] >= 0).all(), "a position without routing"
+    assert (routing[-1] == -1).all()  # the last position predicts nothing
+
+    cell = _trainer(hf)
+    for replay in (True, False):  # the same policy: the engine's log-probs either way
+        trainer, engine = _logprobs(cell, tree, replay=replay)
+        np.testing.assert_allclose(trainer, engine, atol=2e-5, rtol=0)
+
+    # an expert the engine never chose in some layer scores far above another there
+    layer, unused = next((layer, e) for layer in range(routing.shape[1]) for e in range(32)
+                         if not (routing[:, layer] == e).any())  # fmt: skip
+    router = cell.model.decoder.layers[layer].mlp.router
+    used = int(np.bincount(routing[:-1, layer].ravel()).argmax())
+    with torch.no_grad():
+        router.weight[unused] = 60 * router.weight[used]
+    replayed, engine = _logprobs(cell, tree, replay=True)
+    own, _ = _logprobs(cell, tree, replay=False)
+    np.testing.assert_allclose(replayed, engine, atol=2e-5, rtol=0)
+    assert np.abs(own - engine).max() > 1e-2, "the changed router routed as the engine did"
+
+
+def test_rows_of_one_step_with_and_without_routing_pad_with_unknown() -> None:
+    from gyre.train.megatron.replay import step_routing
+
+    a = np.arange(12, dtype=np.int16).reshape(3, 2, 2)
+    got = step_routing([a, None], 4)
+    assert got is not None and got.shape == (2, 4, 2, 2)
+    assert (got[0, :3] == a).all() and (got[0, 3:] == -1).all() and (got[1] == -1).all()
+    assert step_routing([None, None], 4) is None
+    with pytest.raises(ValueError, match="shapes"):
+        step_routing([a, np.zeros((2, 3, 2), np.int16)], 4)
