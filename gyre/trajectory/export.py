@@ -8,7 +8,8 @@ so plain h5py or pandas users see integers and offsets. This module reads a trac
   a repository task's per-test outcomes, timings, policy versions, engines, token counts
   (`EXECUTION_COLUMNS`);
 * `nodes` — one row per model call: parent, depth, role, token counts by provenance,
-  policy version, engine, finish reason, attempts, timings (`NODE_COLUMNS`);
+  policy version, engine, finish reason, attempts, timings, the shape of its routed experts
+  (`NODE_COLUMNS`; the experts themselves stay in the trace: `Node.routed_experts`);
 * every declared table as stored (`assessments`, `rewards`, `groups`, `roles`, `dispatch`,
   `steps`, `events`, and any a run added);
 * optionally `tokens` — one row per stored token: ids, provenance, behaviour log-probs
@@ -40,7 +41,7 @@ import pyarrow.parquet as pq
 from gyre import fsafe
 from gyre.errors import StoreError
 from gyre.trajectory.reader import ExecutionInfo, TraceReader, trace_path
-from gyre.trajectory.tree import Provenance, TrajectoryTree
+from gyre.trajectory.tree import Node, Provenance, TrajectoryTree
 
 Format = Literal["parquet", "csv"]
 FORMATS: tuple[str, ...] = ("parquet", "csv")
@@ -109,6 +110,8 @@ NODE_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
         (f"input_{PROVENANCE_NAMES[p]}", pa.int64(), f"new input tokens of provenance {p.name}")
         for p in INPUT_PROVENANCES
     ),
+    ("routing_layers", pa.int32(), "MoE layers of its routed experts (0: none recorded)"),
+    ("routing_top_k", pa.int32(), "experts per layer of its routed experts (0: none recorded)"),
     ("closed", pa.bool_(), "false: journaled node of an open execution"),
 )
 
@@ -190,12 +193,20 @@ def node_columns(
         "input_tokens": n_in,
         "output_tokens": n_out,
         **{f"input_{PROVENANCE_NAMES[p]}": prov[:, p] for p in INPUT_PROVENANCES},
+        "routing_layers": np.array([_routing_dims(nd)[0] for nd in nodes], np.int32),
+        "routing_top_k": np.array([_routing_dims(nd)[1] for nd in nodes], np.int32),
         "closed": np.full(n, closed),
     }
     if decode is not None:
         cols["input_text"] = [decode(nd.input_ids.tolist()) for nd in nodes]
         cols["output_text"] = [decode(nd.output_ids.tolist()) for nd in nodes]
     return cols
+
+
+def _routing_dims(node: Node) -> tuple[int, int]:
+    """(layers, top_k) of a node's routed experts; (0, 0) when it has none."""
+    r = node.routed_experts
+    return (0, 0) if r is None else (int(r.shape[1]), int(r.shape[2]))
 
 
 def _seconds(value: Any) -> float:

@@ -86,6 +86,7 @@ class TraceReader:
                 raise StoreError(f"{self.path}: cannot open as HDF5 ({e})") from None
         try:
             self.format_version = S.check_version(self._f, str(self.path))
+            self.stores_routing = S.stores_routing(self._f)  # False before 1.3: none read
             self.run_meta: dict[str, Any] = json.loads(bytes(self._f[S.RUN_META][()]).decode())
             self.tables = {
                 name: S.table_from_attrs(name, ds.attrs["columns"])
@@ -235,7 +236,7 @@ class TraceReader:
         rows = self._f[S.NODES][start : start + count]
         try:
             return self._build(execution_id, list(rows), strict=True)
-        except (TreeError, IndexError, ValueError) as e:
+        except (TreeError, StoreError, IndexError, ValueError) as e:
             raise StoreError(f"{self.path}: execution {execution_id!r} is corrupt ({e})") from e
 
     def recover(self) -> dict[str, TrajectoryTree]:
@@ -249,11 +250,13 @@ class TraceReader:
     def _complete(self, rows: list[np.void], *, strict: bool) -> list[np.void]:
         """Leading rows whose tokens and strings are inside the file (all of them if strict)."""
         n_tok, n_lp = self._f[S.TOKEN_IDS].shape[0], self._f[S.LOGPROBS].shape[0]
+        n_route = self._f[S.ROUTED_EXPERTS].shape[0] if self.stores_routing else 0
         good: list[np.void] = []
         for row in rows:
             complete = (
                 row["token_start"] + row["n_input"] + row["n_output"] <= n_tok
                 and row["logprob_start"] + row["n_output"] <= n_lp
+                and S.routing_end(row) <= n_route
                 and self._visible(row["role"], row["engine_id"], row["finish_reason"])
                 and row["node_id"] == len(good) + 1
                 and 0 <= row["parent_id"] <= len(good)
@@ -275,12 +278,25 @@ class TraceReader:
         ids = _read_ranges(self._f[S.TOKEN_IDS], tok_ranges)
         prov = _read_ranges(self._f[S.TOKEN_PROVENANCE], tok_ranges)
         lps = _read_ranges(self._f[S.LOGPROBS], lp_ranges)
+        routed = self._read_routing(good)
         tree = TrajectoryTree(eid)
-        for row, i, p, lp in zip(good, ids, prov, lps):
+        for row, i, p, lp, re in zip(good, ids, prov, lps, routed):
             n_in = int(row["n_input"])
             tree.add_node(**self._node_kwargs(row), input_ids=i[:n_in], input_provenance=p[:n_in],
-                          output_ids=i[n_in:], output_logprobs=lp)  # fmt: skip
+                          output_ids=i[n_in:], output_logprobs=lp, routed_experts=re)  # fmt: skip
         return tree
+
+    def _read_routing(self, rows: list[np.void]) -> list[np.ndarray | None]:
+        """Each node row's routed experts, [tokens, layers, top_k]; None where it has none."""
+        if not self.stores_routing:
+            return [None] * len(rows)
+        has = [int(r["routing_start"]) >= 0 for r in rows]
+        ranges = [(int(r["routing_start"]), int(S.routing_end(r))) if h else (0, 0)
+                  for r, h in zip(rows, has)]  # fmt: skip
+        flat = _read_ranges(self._f[S.ROUTED_EXPERTS], ranges)
+        shapes = [(int(r["n_input"] + r["n_output"]), int(r["routing_layers"]),
+                   int(r["routing_top_k"])) for r in rows]  # fmt: skip
+        return [f.reshape(shape) if h else None for f, shape, h in zip(flat, shapes, has)]
 
     def _node_kwargs(self, row: np.void) -> dict[str, Any]:
         return {

@@ -24,8 +24,8 @@ from gyre.errors import StoreError
 from gyre.trajectory.tree import Provenance
 
 FORMAT_NAME = "gyre-trace"
-FORMAT_VERSION = "1.2"  # major.minor; readers refuse another major (1.1: provenance enum
-# type; 1.2: assessments.critique)
+FORMAT_VERSION = "1.3"  # major.minor; readers refuse another major (1.1: provenance enum
+# type; 1.2: assessments.critique; 1.3: tokens/routed_experts and the node rows' routing_*)
 KEY_BYTES = 32
 
 STRINGS_DATA = "strings/data"  # uint8: UTF-8 bytes of every pooled string, back to back
@@ -33,6 +33,8 @@ STRINGS_END = "strings/end"  # int64: end offset of string i in strings/data
 TOKEN_IDS = "tokens/ids"  # int32: every node's new input then output tokens
 TOKEN_PROVENANCE = "tokens/provenance"  # PROVENANCE_DTYPE per token (POLICY for outputs)
 LOGPROBS = "tokens/logprobs"  # float32: behaviour log-probs of output tokens only
+ROUTED_EXPERTS = "tokens/routed_experts"  # int16: nodes' routed experts, [tokens, layers, top_k]
+# each, flattened (C order), back to back; only nodes that have routing store any (1.3 on)
 NODES = "trees/nodes"  # NODE_DTYPE rows of closed executions, contiguous per execution
 EXECUTIONS = "trees/executions"  # EXECUTION_DTYPE: one row per closed execution (commit)
 JOURNAL_OPENS = "journal/opens"  # OPEN_DTYPE: one row per opened execution
@@ -42,6 +44,13 @@ RUN_STATE = "run/state"  # int8[1]: 0 while a writer has it open, 1 after a clea
 
 # an HDF5 enum over uint8: h5py, HDFView and h5dump show each code's name (policy, tool, ...)
 PROVENANCE_DTYPE = h5py.enum_dtype({p.name.lower(): int(p) for p in Provenance}, basetype="u1")
+
+ROUTING_FIELDS = (
+    ("routing_start", "<i8"),  # into tokens/routed_experts; -1: the node has no routing
+    ("routing_layers", "<i4"),  # the node's routed_experts shape [tokens, layers, top_k]
+    ("routing_top_k", "<i4"),  # (0 and 0 when it has none)
+)
+"""The node row's fields added in 1.3; a 1.2 or older file's node rows lack them."""
 
 NODE_DTYPE = np.dtype(
     [
@@ -63,6 +72,7 @@ NODE_DTYPE = np.dtype(
         ("input_key_len", "u1"),
         ("output_key", "u1", (KEY_BYTES,)),
         ("output_key_len", "u1"),
+        *ROUTING_FIELDS,
     ]
 )
 
@@ -185,10 +195,9 @@ def create_layout(
     """Create every dataset of a new trace file (before SWMR mode starts)."""
     f.attrs["format"] = FORMAT_NAME
     f.attrs["format_version"] = FORMAT_VERSION
-    for path in (TOKEN_IDS, TOKEN_PROVENANCE, LOGPROBS, STRINGS_DATA):
-        dtype = {TOKEN_IDS: "<i4", LOGPROBS: "<f4", TOKEN_PROVENANCE: PROVENANCE_DTYPE}.get(
-            path, "u1"
-        )
+    flat = {TOKEN_IDS: "<i4", TOKEN_PROVENANCE: PROVENANCE_DTYPE, LOGPROBS: "<f4",
+            ROUTED_EXPERTS: "<i2", STRINGS_DATA: "u1"}  # fmt: skip
+    for path, dtype in flat.items():
         _extendable(f, path, dtype, token_chunk)
     _extendable(f, STRINGS_END, "<i8", row_chunk)
     _extendable(f, NODES, NODE_DTYPE, row_chunk)
@@ -236,6 +245,20 @@ def missing_columns(stored: Table) -> tuple[tuple[str, str], ...]:
         return ()
     have = {c for c, _ in stored.columns}
     return tuple((c, k) for c, k in declared.columns if c not in have)
+
+
+def stores_routing(f: h5py.File) -> bool:
+    """Whether the file stores nodes' routed experts (1.3 on; older node rows have no room)."""
+    return ROUTED_EXPERTS in f and "routing_start" in (f[NODES].dtype.names or ())
+
+
+def routing_end(rows: np.ndarray | np.void) -> np.ndarray:
+    """Per node row, where its routing ends in tokens/routed_experts (0: none, or a file
+    before 1.3): a row is complete only when this lies inside the dataset."""
+    if "routing_start" not in (rows.dtype.names or ()):
+        return np.zeros(np.shape(rows), np.int64)
+    size = (rows["n_input"] + rows["n_output"]) * rows["routing_layers"] * rows["routing_top_k"]
+    return np.where(rows["routing_start"] < 0, 0, rows["routing_start"] + size)
 
 
 EMPTY = {"int": 0, "float": float("nan"), "bool": False, "str": ""}

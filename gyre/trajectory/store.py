@@ -23,6 +23,7 @@ Layout: docs/trace-format.md. The writer is not thread-safe; call it from one th
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from gyre.errors import ConfigError, StoreError
 from gyre.trajectory import schema as S
 from gyre.trajectory.reader import ExecutionInfo, TraceReader, recover
 from gyre.trajectory.tree import Node, Provenance, TrajectoryTree
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ExecutionInfo",
@@ -69,19 +72,28 @@ class StoreConfig:
             raise ConfigError(f"row_chunk: {self.row_chunk}; allowed 1..{1 << 20}")
 
 
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """Where one node's data starts in the flat datasets (what its node row points to)."""
+
+    token: int  # into tokens/ids and tokens/provenance
+    logprob: int  # into tokens/logprobs
+    routing: int  # into tokens/routed_experts; -1: none stored
+
+
 @dataclass(slots=True)
 class _Open:
-    """Writer-side state of one open execution: where its journaled nodes' tokens live."""
+    """Writer-side state of one open execution: where its journaled nodes' data lives."""
 
     t_open: float
     meta: dict[str, Any] = field(default_factory=dict)  # from open_execution
-    journaled: list[tuple[Node, int, int]] = field(default_factory=list)  # node, tok, lp start
+    journaled: list[tuple[Node, _Stored]] = field(default_factory=list)
     reopened: bool = False  # left open by a previous writer: its journal is not in memory
 
     def tree(self, execution_id: str) -> TrajectoryTree:
         """The journaled nodes as a tree (what the proxy recorded so far)."""
         tree = TrajectoryTree(execution_id)
-        for node, _, _ in self.journaled:
+        for node, _ in self.journaled:
             tree.append(node)
         return tree
 
@@ -128,6 +140,21 @@ def _check_node(where: str, node: Any) -> None:
             raise TraceInputError(f"{where}: {name} must be bytes of length <= {S.KEY_BYTES}")
     for name in ("role", "engine_id", "finish_reason"):
         _utf8(f"{where}: {name}", getattr(node, name))
+    _check_routing(where, node.routed_experts, node.num_tokens)
+
+
+def _check_routing(where: str, routed: Any, n: int) -> None:
+    """A node's routed experts: None, or int16 [n, layers, top_k] in -1..32767."""
+    if routed is None:
+        return
+    is_array = isinstance(routed, np.ndarray)
+    if not is_array or routed.dtype != np.int16 or routed.ndim != 3 or routed.shape[0] != n:
+        got = f"{routed.dtype} {list(routed.shape)}" if is_array else type(routed).__name__
+        raise TraceInputError(f"{where}: routed_experts must be None or an int16 array "
+                              f"[{n}, layers, top_k] (one row per stored token), got {got}")  # fmt: skip
+    if routed.size and int(routed.min()) < -1:
+        raise TraceInputError(f"{where}: routed_experts holds {int(routed.min())}; "
+                              "expert indices are -1 (unknown) .. 32767")  # fmt: skip
 
 
 class TraceWriter:
@@ -167,6 +194,7 @@ class TraceWriter:
         except Exception:
             self._f.close()
             raise
+        self._node_dtype, self.stores_routing, self._routing_warned = S.NODE_DTYPE, True, False
         self._ds: dict[str, h5py.Dataset] = {}
         self._strings: dict[str, int] = {}
         self._open: dict[str, _Open] = {}
@@ -187,7 +215,9 @@ class TraceWriter:
         tail a crash left half-written is dropped and reported in `repaired`). Then the
         string pool and the closed / open executions are loaded and appending resumes: the
         run keeps one trace across resumes. Executions the dead writer left open stay
-        journaled; close them (recovered) like any other.
+        journaled; close them (recovered) like any other. A trace of an older minor version
+        is continued in its own layout: rows in its node dtype, and no routed experts
+        before 1.3 (`stores_routing` False; nodes' routing is left out).
         """
         self = cls.__new__(cls)
         self.path, self.config, self._clock = Path(path), config or StoreConfig(), clock
@@ -205,6 +235,9 @@ class TraceWriter:
                 for name, ds in self._f["tables"].items()
             }
             self.repaired = _repair(self._f)
+            self._node_dtype = self._f[S.NODES].dtype
+            self.stores_routing = S.stores_routing(self._f)
+            self._routing_warned = False
             self._f[S.RUN_STATE][0] = 0
             self._f.swmr_mode = True
         except Exception:
@@ -268,11 +301,10 @@ class TraceWriter:
                 f"next must be node {n + 1} with parent 0..{n}"
             )
         with self._writing(f"journal {where} {node.node_id}"):
-            tok, lp = self._append_tokens([node])
-            row = self._node_rows(execution_id, [node], tok, lp)
-            self._append_rows(S.JOURNAL_NODES, row)
+            stored = self._append_tokens([node])
+            self._append_rows(S.JOURNAL_NODES, self._node_rows(execution_id, [node], stored))
             self._f.flush()
-        state.journaled.append((node, int(tok[0]), int(lp[0])))
+        state.journaled.append((node, stored[0]))
 
     def close_execution(
         self,
@@ -296,14 +328,9 @@ class TraceWriter:
         nodes = tree.nodes
         fresh = [n for n in nodes if n.node_id not in reuse]
         with self._writing(f"close execution {execution_id!r}"):
-            tok_new, lp_new = self._append_tokens(fresh)
-            starts = dict(reuse)
-            starts.update(
-                {n.node_id: (int(t), int(lp)) for n, t, lp in zip(fresh, tok_new, lp_new)}
-            )
-            tok = np.array([starts[n.node_id][0] for n in nodes], np.int64)
-            lp = np.array([starts[n.node_id][1] for n in nodes], np.int64)
-            node_start = self._append_rows(S.NODES, self._node_rows(execution_id, nodes, tok, lp))
+            stored = reuse | {n.node_id: s for n, s in zip(fresh, self._append_tokens(fresh))}
+            rows = self._node_rows(execution_id, nodes, [stored[n.node_id] for n in nodes])
+            node_start = self._append_rows(S.NODES, rows)
             self._f.flush()
             row = self._execution_row(execution_id, tree, status, meta_text, state, node_start)
             self._append_rows(S.EXECUTIONS, row)
@@ -331,19 +358,16 @@ class TraceWriter:
             _check_node(f"execution {execution_id!r} node {node.node_id}", node)
 
     @staticmethod
-    def _journal_reuse(state: _Open, tree: TrajectoryTree) -> dict[int, tuple[int, int]]:
-        """Journaled nodes equal to the tree's: their tokens are already in the file."""
-        out: dict[int, tuple[int, int]] = {}
-        for jn, tok, lp in state.journaled:
+    def _journal_reuse(state: _Open, tree: TrajectoryTree) -> dict[int, _Stored]:
+        """Journaled nodes equal to the tree's: their tokens (and routing) are in the file."""
+        out: dict[int, _Stored] = {}
+        for jn, stored in state.journaled:
             if jn.node_id > len(tree):
                 break
             tn = tree.node(jn.node_id)
-            same = tn is jn or all(
-                np.array_equal(getattr(tn, k), getattr(jn, k))
-                for k in ("input_ids", "input_provenance", "output_ids", "output_logprobs")
-            )
+            same = tn is jn or all(_same_array(getattr(tn, k), getattr(jn, k)) for k in _STORED)
             if same:
-                out[jn.node_id] = (tok, lp)
+                out[jn.node_id] = stored
         return out
 
     def _execution_row(
@@ -459,35 +483,51 @@ class TraceWriter:
             self._strings.update({v: first + i for i, v in enumerate(new)})
         return [self._strings[v] for v in values]
 
-    def _append_tokens(self, nodes: Sequence[Node]) -> tuple[np.ndarray, np.ndarray]:
-        """Write the nodes' tokens back to back; returns per-node token / log-prob starts."""
-        ids, prov, lps, sizes, outs = [], [], [], [], []
+    def _append_tokens(self, nodes: Sequence[Node]) -> list[_Stored]:
+        """Write the nodes' tokens, log-probs and routing back to back; where each starts."""
+        if not nodes:
+            return []
+        ids, prov, lps = [], [], []
         for n in nodes:
             ids += [n.input_ids, n.output_ids]
             prov += [n.input_provenance, np.full(len(n.output_ids), Provenance.POLICY, np.uint8)]
             lps.append(n.output_logprobs)
-            sizes.append(n.num_tokens)
-            outs.append(len(n.output_ids))
-        if not nodes:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        tok0 = self._append_rows(S.TOKEN_IDS, np.concatenate(ids).astype(np.int32, copy=False))
+        routed = [n.routed_experts for n in nodes if n.routed_experts is not None]
+        if routed and not self.stores_routing:
+            self._warn_routing_left_out()
+            routed = []
+        tok = self._append_rows(S.TOKEN_IDS, np.concatenate(ids).astype(np.int32, copy=False))
         self._append_rows(S.TOKEN_PROVENANCE, np.concatenate(prov).astype(np.uint8, copy=False))
-        lp0 = self._append_rows(S.LOGPROBS, np.concatenate(lps).astype(np.float32, copy=False))
-        tok = tok0 + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        lp = lp0 + np.concatenate([[0], np.cumsum(outs)[:-1]]).astype(np.int64)
-        return tok, lp
+        lp = self._append_rows(S.LOGPROBS, np.concatenate(lps).astype(np.float32, copy=False))
+        route = -1  # where the next node's routing starts; -1: none is written
+        if routed:
+            route = self._append_rows(S.ROUTED_EXPERTS, np.concatenate([r.ravel() for r in routed]))
+        out = []
+        for n in nodes:
+            r = n.routed_experts if route >= 0 else None
+            out.append(_Stored(tok, lp, -1 if r is None else route))
+            tok, lp = tok + n.num_tokens, lp + len(n.output_ids)
+            route += 0 if r is None else r.size
+        return out
+
+    def _warn_routing_left_out(self) -> None:
+        if not self._routing_warned:
+            self._routing_warned = True
+            log.warning("%s: trace format %s stores no routed experts; nodes' routing is "
+                        "left out of this file", self.path, self._f.attrs["format_version"])  # fmt: skip
 
     def _node_rows(
-        self, execution_id: str, nodes: Sequence[Node], tok: np.ndarray, lp: np.ndarray
+        self, execution_id: str, nodes: Sequence[Node], stored: Sequence[_Stored]
     ) -> np.ndarray:
-        rows = np.zeros(len(nodes), S.NODE_DTYPE)
+        """Node rows in the file's node dtype (an older trace's rows have no routing fields)."""
+        rows = np.zeros(len(nodes), self._node_dtype)
         rows["execution"] = self._intern([execution_id])[0]
         for col in ("node_id", "parent_id", "policy_version", "t_start", "t_end", "attempts"):
             rows[col] = [getattr(n, col) for n in nodes]
         for col in ("role", "engine_id", "finish_reason"):
             rows[col] = self._intern([getattr(n, col) for n in nodes])
-        rows["token_start"] = tok
-        rows["logprob_start"] = lp
+        rows["token_start"] = [s.token for s in stored]
+        rows["logprob_start"] = [s.logprob for s in stored]
         rows["n_input"] = [len(n.input_ids) for n in nodes]
         rows["n_output"] = [len(n.output_ids) for n in nodes]
         for i, n in enumerate(nodes):
@@ -495,7 +535,25 @@ class TraceWriter:
                 key = getattr(n, col)
                 rows[col][i, : len(key)] = np.frombuffer(key, np.uint8)
                 rows[f"{col}_len"][i] = len(key)
+        if self.stores_routing:
+            dims = [
+                (0, 0) if n.routed_experts is None else n.routed_experts.shape[1:] for n in nodes
+            ]
+            rows["routing_start"] = [s.routing for s in stored]
+            rows["routing_layers"] = [d[0] for d in dims]
+            rows["routing_top_k"] = [d[1] for d in dims]
         return rows
+
+
+_STORED = ("input_ids", "input_provenance", "output_ids", "output_logprobs", "routed_experts")
+"""A node's arrays in the flat datasets: a journaled node whose arrays equal the closed
+tree's is not written again."""
+
+
+def _same_array(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.dtype == b.dtype and np.array_equal(a, b)
 
 
 class _WriteGuard:
@@ -538,11 +596,13 @@ def _repair(f: h5py.File) -> dict[str, int]:
     cut(S.TOKEN_IDS, n_tok)
     cut(S.TOKEN_PROVENANCE, n_tok)
     n_lp = f[S.LOGPROBS].shape[0]
+    n_route = f[S.ROUTED_EXPERTS].shape[0] if S.stores_routing(f) else 0
 
     def node_ok(r: np.ndarray) -> np.ndarray:
         return (
             (r["token_start"] + r["n_input"] + r["n_output"] <= n_tok)
             & (r["logprob_start"] + r["n_output"] <= n_lp)
+            & (S.routing_end(r) <= n_route)
             & (r["execution"] < n_str) & (r["role"] < n_str) & (r["engine_id"] < n_str)
             & (r["finish_reason"] < n_str)
         )  # fmt: skip

@@ -57,7 +57,7 @@ def doc_pandas_example() -> str:
 
 
 def write_trace(path: Path) -> dict[str, TrajectoryTree]:
-    closed, partial = make_tree(3, "g0-e0", 9), make_tree(4, OPEN_ID, 3)
+    closed, partial = make_tree(3, "g0-e0", 9), make_tree(9, OPEN_ID, 3, routing=(4, 2))
     groups = [{"group_id": "g0", "task_id": "tâsk@7", "execution_id": e, "policy_version": 2,
                "t_dispatch": 10.0} for e in ("g0-e0", OPEN_ID)]  # fmt: skip
     notes = Table("notes", (("who", "str"), ("n", "int")))
@@ -115,10 +115,19 @@ def test_nodes_match_the_trees(exported: tuple) -> None:
             assert row.context_tokens == len(tree.context_ids(k))
             assert (row.input_tokens, row.output_tokens) == (len(node.input_ids),
                                                              len(node.output_ids))  # fmt: skip
+            routed = node.routed_experts
+            assert (row.routing_layers, row.routing_top_k) == ((0, 0) if routed is None
+                                                               else routed.shape[1:])  # fmt: skip
             counts = np.bincount(node.input_provenance, minlength=len(Provenance))
             for p in Provenance:
                 if p != Provenance.POLICY:
                     assert getattr(row, f"input_{PROVENANCE_NAMES[p]}") == counts[p]
+
+
+def test_the_routed_trees_are_exported(exported: tuple) -> None:
+    """The journaled tree of the export fixture carries routed experts (some nodes, not all)."""
+    trees, _ = exported
+    assert {n.routed_experts is None for n in trees[OPEN_ID].nodes} == {True, False}
 
 
 def test_tokens_rebuild_every_node(exported: tuple) -> None:

@@ -40,7 +40,7 @@ def test_json_listing(trace: tuple[Path, TrajectoryTree], capsys: pytest.Capture
     path, done = trace
     assert run(["trace", "show", str(path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["format_version"] == "1.2" and doc["writer_closed"] is True
+    assert doc["format_version"] == "1.3" and doc["writer_closed"] is True
     assert doc["run_meta"] == {"config": "model: tiny\n"}
     assert doc["tables"]["steps"] == 1
     e0, e1 = doc["executions"]

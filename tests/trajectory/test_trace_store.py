@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import selectors
 import signal
@@ -20,7 +22,7 @@ from trace_child import expected_tree, tree_digest
 from trajectory_strategies import TEXT, make_tree, trees
 
 from gyre.errors import ConfigError, GyreError, StoreError
-from gyre.trajectory.schema import Table
+from gyre.trajectory.schema import NODE_DTYPE, Table
 from gyre.trajectory.store import TraceInputError, TraceReader, TraceWriter, recover
 from gyre.trajectory.tree import Node, Provenance, TrajectoryTree
 
@@ -31,14 +33,20 @@ def unique_ids(ts: list[TrajectoryTree]) -> bool:
     return len({t.execution_id for t in ts}) == len(ts)
 
 
+ROUTED_TREES = st.lists(st.booleans().flatmap(lambda routing: trees(max_nodes=8, routing=routing)),
+                        max_size=4).filter(unique_ids)  # fmt: skip
+"""Up to 4 random trees, some whose nodes carry routed experts (some nodes of a tree, not all)."""
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.lists(trees(max_nodes=8), max_size=4).filter(unique_ids),
+    ROUTED_TREES,
     st.lists(st.integers(0, 9), min_size=4, max_size=4),
     st.dictionaries(TEXT, TEXT, max_size=3),
 )
 def test_round_trip_is_exact(ts: list[TrajectoryTree], journal: list[int], meta: dict) -> None:
-    """Random trees (unicode ids/roles, empty inputs/outputs) read back equal, journaled or not."""
+    """Random trees (unicode ids/roles, empty inputs/outputs, routed experts on some nodes)
+    read back bit for bit, journaled or not."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "run.h5"
         with TraceWriter(path, run_meta={"config": "x: 1\n", "ü": meta}) as w:
@@ -60,6 +68,39 @@ def test_round_trip_is_exact(ts: list[TrajectoryTree], journal: list[int], meta:
                     s.num_nodes, s.unique_tokens, s.flat_tokens)  # fmt: skip
                 assert info.status == "completed ✓" and info.closed
             assert r.recover() == {}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ROUTED_TREES, st.lists(st.integers(0, 8), min_size=4, max_size=4))
+def test_a_journal_recovers_exactly_what_was_recorded(
+    ts: list[TrajectoryTree], journaled: list[int]
+) -> None:
+    """Executions never closed come back from the journal: the recorded prefix of each tree,
+    bit for bit (routed experts included), and a tree closed after its journal reuses it."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "run.h5"
+        w = TraceWriter(path, run_meta={})
+        for t, k in zip(ts, journaled):
+            w.open_execution(t.execution_id)
+            for node in t.nodes[:k]:
+                w.record_node(t.execution_id, node)
+        with TraceReader(path) as r:  # read while the writer holds the file (SWMR)
+            for t, k in zip(ts, journaled):
+                assert r.recover()[t.execution_id] == _prefix_tree(t, k)
+        for t in ts[::2]:
+            w.close_execution(t.execution_id, t, status="completed")
+        w.close()
+        with TraceReader(path) as r:
+            for t in ts[::2]:
+                assert r.tree(t.execution_id).diff(t) == []
+            assert set(r.recover()) == {t.execution_id for t in ts[1::2]}
+
+
+def _prefix_tree(t: TrajectoryTree, k: int) -> TrajectoryTree:
+    prefix = TrajectoryTree(t.execution_id)
+    for node in t.nodes[:k]:
+        prefix.append(node)
+    return prefix
 
 
 @settings(max_examples=25, deadline=None)
@@ -125,6 +166,70 @@ def _as_format_1_1(path: Path) -> None:
         )
         ds.attrs["columns"] = ",".join(cols)
         f.attrs["format_version"] = "1.1"
+
+
+NODE_DTYPE_1_2 = np.dtype([(n, NODE_DTYPE.fields[n][0]) for n in NODE_DTYPE.names
+                           if not n.startswith("routing_")])  # fmt: skip
+"""The node row of formats 1.0-1.2, before routed experts: the fields of gyre/trajectory/
+schema.py at 1.2, in order (execution ... output_key_len)."""
+
+
+def _as_format_1_2(path: Path) -> None:
+    """Rewrite a trace as format 1.2 stored it: node rows without the routing fields and no
+    `tokens/routed_experts` (the datasets' other rows and contents stay as written)."""
+    with h5py.File(path, "r+") as f:
+        assert NODE_DTYPE_1_2.names[-1] == "output_key_len" and len(NODE_DTYPE_1_2) == 18
+        for name in ("trees/nodes", "journal/nodes"):
+            rows = f[name][:]
+            del f[name]
+            f.create_dataset(name, data=rows[list(NODE_DTYPE_1_2.names)].astype(NODE_DTYPE_1_2),
+                             maxshape=(None,), chunks=(64,))  # fmt: skip
+        del f["tokens/routed_experts"]
+        f.attrs["format_version"] = "1.2"
+
+
+def _without_routing(t: TrajectoryTree, k: int | None = None) -> TrajectoryTree:
+    """The first k nodes of `t` (all by default) as a trace without routing reads them."""
+    out = TrajectoryTree(t.execution_id)
+    for node in t.nodes[:k]:
+        out.append(dataclasses.replace(node, routed_experts=None))
+    return out
+
+
+def test_a_1_2_trace_reads_no_routing_and_is_continued_in_its_own_layout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "old.h5"
+    closed, journaled = make_tree(1, "closed", 4), make_tree(2, "journaled", 4)
+    with TraceWriter(path, run_meta={}) as w:  # no routing: what a 1.2 writer wrote
+        w.close_execution("closed", closed, status="completed")
+        w.open_execution("journaled")
+        for node in journaled.nodes[:2]:
+            w.record_node("journaled", node)
+    _as_format_1_2(path)
+    with TraceReader(path) as r:
+        assert r.format_version == "1.2" and not r.stores_routing
+        assert r.tree("closed") == closed
+        assert r.recover() == {"journaled": _without_routing(journaled, 2)}
+    routed = make_tree(3, "routed", 5, routing=(4, 2))
+    assert sum(n.routed_experts is not None for n in routed.nodes) >= 2
+    w = TraceWriter.reopen(path)  # a resumed run keeps appending, routing left out
+    assert not w.stores_routing and w.open_executions == ["journaled"]
+    w.close_execution("journaled", journaled, status="completed")
+    w.open_execution("routed")
+    with caplog.at_level(logging.WARNING, logger="gyre.trajectory.store"):
+        for node in routed.nodes[:3]:
+            w.record_node("routed", node)
+        w.close_execution("routed", routed, status="completed")
+    assert [m for m in caplog.messages if "stores no routed experts" in m] != []
+    w.close()
+    with h5py.File(path, "r") as f:
+        assert f.attrs["format_version"] == "1.2" and "routed_experts" not in f["tokens"]
+        assert f["trees/nodes"].dtype == NODE_DTYPE_1_2 == f["journal/nodes"].dtype
+    with TraceReader(path) as r:
+        assert r.tree("closed") == closed and r.tree("journaled") == journaled
+        assert r.tree("routed") == _without_routing(routed)
+        assert r.recover() == {}
 
 
 def test_a_1_1_trace_reads_critiques_as_empty_and_continues(tmp_path: Path) -> None:
@@ -285,6 +390,41 @@ def test_reopen_cuts_a_torn_tail_back_to_what_is_consistent(tmp_path: Path) -> N
         assert r.tree(extra.execution_id).diff(extra) == []
 
 
+def test_rows_whose_routing_a_crash_lost_are_cut(tmp_path: Path) -> None:
+    """A node row is complete only with all its routed experts in the file: a reader stops a
+    journal before the first row that lacks them and refuses such a closed tree; `reopen`
+    cuts those rows (and the execution row that references them) and the run goes on."""
+    from gyre.trajectory import schema as S
+
+    path = tmp_path / "torn.h5"
+    keep, live, torn = (make_tree(seed, eid, 6, routing=(4, 2))
+                        for seed, eid in ((5, "keep"), (6, "live"), (7, "torn")))  # fmt: skip
+    with TraceWriter(path, run_meta={}) as w:
+        w.close_execution("keep", keep, status="completed")
+        w.open_execution("live")
+        for node in live.nodes:
+            w.record_node("live", node)
+        w.close_execution("torn", torn, status="completed")
+    routed = [i for i, n in enumerate(live.nodes) if n.routed_experts is not None and n.num_tokens]
+    lost = routed[1]  # the crash lost the routing from inside live's node lost + 1 on
+    first_torn = next(i for i, n in enumerate(torn.nodes) if n.routed_experts is not None)
+    with h5py.File(path, "a", libver="latest") as f:
+        f[S.ROUTED_EXPERTS].resize((int(f[S.JOURNAL_NODES]["routing_start"][lost]) + 1,))
+    with TraceReader(path) as r:
+        assert r.tree("keep") == keep and r.recover() == {"live": _prefix_tree(live, lost)}
+        with pytest.raises(StoreError, match="'torn' is corrupt"):
+            r.tree("torn")
+    w = TraceWriter.reopen(path)
+    assert w.repaired == {S.NODES: len(torn) - first_torn, S.JOURNAL_NODES: len(live) - lost,
+                          S.EXECUTIONS: 1}  # fmt: skip
+    assert w.open_executions == ["live"]
+    w.close_execution("live", live, status="completed")  # the resumed run closes it
+    w.close_execution("torn", torn, status="completed")  # and may write it again
+    w.close()
+    with TraceReader(path) as r:
+        assert [r.tree(e) for e in ("keep", "live", "torn")] == [keep, live, torn]
+
+
 def test_reopen_refuses_what_is_not_a_trace(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no trace to continue"):
         TraceWriter.reopen(tmp_path / "missing.h5")
@@ -355,6 +495,17 @@ def _bad_node(base: Node, **changes: object) -> Node:
     return Node(**fields)  # type: ignore[arg-type]
 
 
+def _routed(base: Node, dtype: type = np.int16, extra: int = 0, fill: int = 3) -> Node:
+    """`base` with routed experts [its tokens + extra, 2, 2] of `dtype`, all `fill`."""
+    return _bad_node(base, routed_experts=np.full((base.num_tokens + extra, 2, 2), fill, dtype))
+
+
+def _tree_of(execution_id: str, node: Node) -> TrajectoryTree:
+    tree = TrajectoryTree(execution_id)
+    tree.append(node)  # unchecked, as a tree another process recorded
+    return tree
+
+
 BAD_CALLS = {
     "open twice": lambda w, t: w.open_execution("live"),
     "open closed": lambda w, t: w.open_execution("done"),
@@ -370,6 +521,15 @@ BAD_CALLS = {
     "record oversize key": lambda w, t: w.record_node(
         "live", _bad_node(t.nodes[1], output_key=b"k" * 40)),
     "record not a node": lambda w, t: w.record_node("live", {"node_id": 2}),
+    "record routing int32": lambda w, t: w.record_node("live", _routed(t.nodes[1], np.int32)),
+    "record routing too long": lambda w, t: w.record_node("live", _routed(t.nodes[1], extra=1)),
+    "record routing 2-D": lambda w, t: w.record_node(
+        "live", _bad_node(t.nodes[1], routed_experts=np.zeros((t.nodes[1].num_tokens, 4), np.int16))),
+    "record routing below -1": lambda w, t: w.record_node("live", _routed(t.nodes[1], fill=-2)),
+    "record routing a list": lambda w, t: w.record_node(
+        "live", _bad_node(t.nodes[1], routed_experts=[[[0]]] * t.nodes[1].num_tokens)),
+    "close malformed routing": lambda w, t: w.close_execution(
+        "other", _tree_of("other", _routed(t.nodes[0], extra=1)), status="completed"),
     "duplicate close": lambda w, t: w.close_execution("done", t, status="completed"),
     "close foreign tree": lambda w, t: w.close_execution("live", t, status="completed"),
     "close status open": lambda w, t: w.close_execution("other", TrajectoryTree("other"), status="open"),
@@ -437,6 +597,16 @@ def test_error_messages_name_the_problem(tmp_path: Path) -> None:
             w.close_execution("a", TrajectoryTree("a"), status="ok")
         with pytest.raises(TraceInputError, match="open_execution first"):
             w.record_node("b", make_tree(0, "b", 1).nodes[0])
+        w.open_execution("c")
+        node = make_tree(0, "c", 1).nodes[0]
+        n = node.num_tokens
+        with pytest.raises(TraceInputError, match=rf"node: routed_experts must be None or an "
+                           rf"int16 array \[{n}, layers, top_k\].*got int64 \[{n + 1}, 2, 2\]"):  # fmt: skip
+            w.record_node("c", _routed(node, np.int64, extra=1))
+        with pytest.raises(
+            TraceInputError, match=r"routed_experts holds -7; expert indices are -1"
+        ):
+            w.record_node("c", _routed(node, fill=-7))
     with pytest.raises(StoreError, match="trace writer is closed"):
         w.append("events", [])
 
@@ -448,7 +618,7 @@ def test_existing_file_and_unknown_format_are_refused(tmp_path: Path) -> None:
         TraceWriter(path, run_meta={})
     TraceWriter(path, run_meta={"n": 2}, config=TraceWriter.Config(overwrite=True)).close()
     with TraceReader(path) as r:
-        assert r.format_version == "1.2" and r.run_meta == {"n": 2}
+        assert r.format_version == "1.3" and r.run_meta == {"n": 2}
     with h5py.File(path, "r") as f:  # provenance codes are named in the file itself
         names = h5py.check_enum_dtype(f["tokens/provenance"].dtype)
     assert names == {p.name.lower(): int(p) for p in Provenance}
@@ -498,6 +668,37 @@ def test_close_rewrites_journaled_nodes_that_changed(tmp_path: Path) -> None:
     with TraceReader(path) as r:
         assert r.tree("e") == t
         assert r.executions()[0].meta == {"a": 1, "b": 2}
+
+
+def test_close_keeps_the_routing_of_the_closed_tree(tmp_path: Path) -> None:
+    """A journaled node whose tokens equal the closed tree's but whose routed experts do not
+    (none journaled, or other ones) is written again: the trace holds the tree's routing."""
+    path = tmp_path / "r.h5"
+    routed = make_tree(8, "e", 3, routing=(2, 2))
+    plain = _without_routing(routed)
+    other = TrajectoryTree("e")
+    for node in routed.nodes:
+        if node.routed_experts is not None:
+            node = dataclasses.replace(node, routed_experts=node.routed_experts[:, ::-1].copy())
+        other.append(node)
+    assert other != routed and any(n.routed_experts is not None for n in routed.nodes)
+    with TraceWriter(path, run_meta={}) as w:
+        for eid, journaled, closed in (("e", plain, routed), ("f", other, routed),
+                                       ("g", routed, plain)):  # fmt: skip
+            w.open_execution(eid)
+            for node in journaled.nodes:
+                w.record_node(eid, node)
+            w.close_execution(eid, _renamed(closed, eid), status="completed")
+    with TraceReader(path) as r:
+        assert r.tree("e") == routed and r.tree("f") == _renamed(routed, "f")
+        assert r.tree("g") == _renamed(plain, "g")
+
+
+def _renamed(t: TrajectoryTree, execution_id: str) -> TrajectoryTree:
+    out = TrajectoryTree(execution_id)
+    for node in t.nodes:
+        out.append(node)
+    return out
 
 
 def test_store_config_is_validated(tmp_path: Path) -> None:

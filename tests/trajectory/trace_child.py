@@ -5,7 +5,8 @@
 
 The writer keeps three executions open at a time, journals one node per step round-robin,
 and prints `journaled EID N`, `closed EID`, `opened EID` after each write returned (so
-every printed fact is flushed to the file). Trees come from `make_tree(i, f"exec-{i}", ...)`.
+every printed fact is flushed to the file). Trees come from `make_tree(i, f"exec-{i}", ...)`,
+every other one with routed experts.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from gyre.trajectory.store import TraceReader, TraceWriter
 
 
 def expected_tree(i: int):
-    return make_tree(i, f"exec-{i}", 8 + i % 13)
+    """Execution i's tree; odd ones carry routed experts (8 layers, top 2) on most nodes."""
+    return make_tree(i, f"exec-{i}", 8 + i % 13, routing=(8, 2) if i % 2 else None)
 
 
 def tree_digest(tree) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from gyre.trajectory.tree import Provenance, TrajectoryTree
 
@@ -17,7 +18,8 @@ NON_POLICY = [int(p) for p in Provenance if p != Provenance.POLICY]
 
 
 @st.composite
-def node_kwargs(draw: st.DrawFn, n_existing: int) -> dict:
+def node_kwargs(draw: st.DrawFn, n_existing: int, routing: tuple[int, int] | None = None) -> dict:
+    """One node's `add_node` arguments; with `routing` = (layers, top_k), maybe routed experts."""
     n_in = draw(st.integers(0, 40))
     n_out = draw(st.integers(0, 20))
     ids = draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=n_in, max_size=n_in))
@@ -46,24 +48,39 @@ def node_kwargs(draw: st.DrawFn, n_existing: int) -> dict:
         input_key=draw(KEY),
         output_key=draw(KEY),
         attempts=draw(st.integers(1, 2**31 - 1)),
-    )
+        routed_experts=draw(st.none() | hnp.arrays(np.int16, (n_in + n_out, *routing),
+                                                   elements=st.integers(-1, 2**15 - 1)))
+        if routing else None,
+    )  # fmt: skip
 
 
 @st.composite
-def trees(draw: st.DrawFn, max_nodes: int = 12, execution_id: str | None = None) -> TrajectoryTree:
+def trees(
+    draw: st.DrawFn, max_nodes: int = 12, execution_id: str | None = None, routing: bool = False
+) -> TrajectoryTree:
+    """A random tree; with `routing`, of a random (layers, top_k) that its nodes may carry
+    routed experts of (some do, some do not)."""
     eid = execution_id if execution_id is not None else draw(TEXT)
+    shape = (draw(st.integers(0, 3)), draw(st.integers(1, 3))) if routing else None
     tree = TrajectoryTree(eid)
     for i in range(draw(st.integers(0, max_nodes))):
-        tree.add_node(**draw(node_kwargs(i)))
+        tree.add_node(**draw(node_kwargs(i, shape)))
     return tree
 
 
-def make_tree(seed: int, execution_id: str, n_nodes: int, max_in: int = 60) -> TrajectoryTree:
-    """A deterministic pseudo-random tree (the same for a given seed in every process)."""
+def make_tree(
+    seed: int, execution_id: str, n_nodes: int, max_in: int = 60,
+    routing: tuple[int, int] | None = None,
+) -> TrajectoryTree:  # fmt: skip
+    """A deterministic pseudo-random tree (the same for a given seed in every process); with
+    `routing` = (layers, top_k), most of its nodes carry routed experts of 64 experts."""
     rng = np.random.default_rng(seed)
     tree = TrajectoryTree(execution_id)
     for i in range(n_nodes):
         n_in, n_out = int(rng.integers(0, max_in)), int(rng.integers(0, 30))
+        routed = None
+        if routing is not None and rng.random() < 0.8:
+            routed = rng.integers(-1, 64, (n_in + n_out, *routing))
         t0 = float(rng.uniform(1e9, 2e9))
         tree.add_node(
             parent_id=int(rng.integers(0, i + 1)) if rng.random() < 0.3 else i,
@@ -80,5 +97,6 @@ def make_tree(seed: int, execution_id: str, n_nodes: int, max_in: int = 60) -> T
             input_key=rng.bytes(32),
             output_key=rng.bytes(32),
             attempts=1,
+            routed_experts=routed,
         )
     return tree
