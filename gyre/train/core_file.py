@@ -13,7 +13,8 @@ A Megatron core's ranks each write their own shard, in parallel, nothing gathere
 `shards/rank-<s>.safetensors` holds rank s's flat buffers — main weights, both AdamW moments
 (its shard of its stage, Megatron's parameter order) and AdamW's step — with a JSON header
 (`SHARD_KEY`) naming each parameter and shape in that order, the cell's tensor and pipeline
-sizes, the weight layout (`gyre.train.megatron.weights.WeightLayout`) and the optimizer's
+sizes, the weight layout (`gyre.train.megatron.weights.WeightLayout`, the expert-parallel
+size included) and the optimizer's
 hyperparameters; rank 0's also the Hugging Face parameter order. A resume at the same sizes
 reads one file per rank (`read_shard`); `load` reassembles the HF layout from every shard
 (`stages_to_hf`) for any other reader: a Megatron core at other sizes, a torch core, `gyre
@@ -99,6 +100,11 @@ def read_shard(folder: Path, shard: int) -> tuple[dict[str, Any], dict[str, Any]
     if meta is None:
         raise FileNotFoundError(_shard_path(folder, shard))
     return load_file(str(_shard_path(folder, shard))), meta
+
+
+def expert(meta: dict[str, Any]) -> int:
+    """The expert-parallel size a shard was written at (1 before expert parallelism)."""
+    return int(meta["layout"].get("expert_parallel", 1))
 
 
 def views(flat: Any, names: Sequence[Sequence[Any]]) -> dict[str, Any]:
