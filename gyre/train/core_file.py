@@ -123,16 +123,17 @@ def _assemble(folder: Path) -> dict[str, Any]:
     """The HF-layout core state of a sharded checkpoint (every shard read)."""
     import torch
 
-    from gyre.train.megatron.weights import WeightLayout, stages_to_hf
+    from gyre.train.megatron.weights import WeightLayout, module_names, stages_to_hf
 
     first = shard_meta(folder)
     assert first is not None
     ranks = [read_shard(folder, s) for s in range(first["tensor"] * first["pipeline"])]
     layout = WeightLayout(**first["layout"])
 
-    def hf(key: str) -> dict[str, torch.Tensor]:
-        return stages_to_hf([views(flats[key], meta["names"]) for flats, meta in ranks], layout,
-                            tp_size=first["tensor"])  # fmt: skip
+    def hf(key: str) -> dict[str, torch.Tensor]:  # named as the HF model's parameters are
+        return module_names(stages_to_hf([views(flats[key], meta["names"])
+                                          for flats, meta in ranks], layout,
+                                         tp_size=first["tensor"]), layout)  # fmt: skip
 
     order = first["hf_order"]
     main = hf("main")

@@ -184,6 +184,39 @@ def test_the_files_and_the_model_in_memory_give_the_same_shards(tmp_path, family
         assert all(torch.equal(mine[k], in_memory[k]) for k in mine)
 
 
+def test_a_checkpoint_of_expert_parallel_shards_reassembles_as_the_model(tmp_path):
+    """The per-rank checkpoint files of a TP 2 EP 2 cell (each rank its own two experts,
+    Megatron's parameter order, the layout with its EP size in the header) put together
+    (`core_file.load`: what a resume at other sizes, a torch core and `gyre eval` read) give
+    the model's own parameters bit for bit, named as the model names them (its experts
+    stacked), the AdamW moments in the same order."""
+    import dataclasses
+
+    from gyre.train import core_file
+
+    model = tiny_family("qwen3_moe")
+    lay = WeightLayout.from_hf_config(model.config.to_dict(), expert_parallel=2)
+    state = dict(model.state_dict())
+    order = [n for n, _ in model.named_parameters()]
+    for rank in range(2):
+        shard = stage_to_mcore(state, lay, tp_rank=rank, tp_size=2, stage=0, stages=1)
+        flat = torch.cat([t.reshape(-1) for t in shard.values()])
+        meta = {"version": 3, "shard": rank, "tensor": 2, "pipeline": 1,
+                "names": [[n, list(t.shape)] for n, t in shard.items()],
+                "layout": dataclasses.asdict(lay), "param_groups": [], "hf_order": order}  # fmt: skip
+        core_file.save_shard(tmp_path, rank, {"main": flat, "exp_avg": 2 * flat,
+                                              "exp_avg_sq": flat.square(),
+                                              "step": torch.tensor(3.0)}, meta)  # fmt: skip
+    assert core_file.expert(core_file.shard_meta(tmp_path, 1)) == 2
+    data = core_file.load(tmp_path)
+    assert [n for n, _ in data["named"]] == order
+    assert all(torch.equal(t, state[n]) for n, t in data["named"])
+    flat = torch.cat([state[n].reshape(-1) for n in order])
+    moments = data["optimizer"]["state"][0]
+    assert torch.equal(moments["exp_avg"], 2 * flat)
+    assert torch.equal(moments["exp_avg_sq"], flat.square())
+
+
 # --- against transformers, through Megatron's GPTModel --------------------------------------
 
 
