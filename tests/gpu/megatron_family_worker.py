@@ -1,20 +1,20 @@
 """One rank of a tensor-parallel Megatron world on CPU (gloo) running a tiny random model of one
 family, for test_gpu_megatron_families.py.
 
-    python megatron_family_worker.py RANK WORLD PORT OUT_DIR FAMILY [ATTENTION [PIPELINE [SEQUENCE [EXPERT]]]]
+    python megatron_family_worker.py RANK WORLD PORT OUT_DIR FAMILY \
+        [ATTENTION [PIPELINE [SEQUENCE [EXPERT]]]]
 
 FAMILY is a key of `FAMILIES` (Qwen3 dense, Qwen3-MoE with and without renormalized top-k,
 Qwen2-MoE with its gated shared expert). The model is transformers' own, built from a config
 in code under a seed (`tiny_family`), every weight drawn at random so each one matters. The
 rank (TP rank RANK % TP of pipeline stage RANK // TP, TP = WORLD / PIPELINE) cuts its shard
-from the HF state dict (`stage_to_mcore`), builds Gyre's GPTModel
-(`build_rank_model`, the backend's build; core attention ATTENTION, "sdpa" or "local";
-sequence parallelism SEQUENCE, "on", "off" or "auto": on at TP > 1; expert parallelism
-EXPERT, default 1, the routed experts split over the TP ranks in EXPERT blocks), runs OUT_DIR/step.pt's rows through `MegatronCell`
-(vocab-parallel chunked log-probs) and the cell's backward of the summed target log-probs,
-and writes to OUT_DIR/rank<R>.pt its log-probs, its vocabulary shard of the logits (one
-stage only), its
-shard's gradients and its loaded weights (Megatron names).
+from the HF state dict (`stage_to_mcore`), builds Gyre's GPTModel (`build_rank_model`, the
+backend's build; core attention ATTENTION, "sdpa" or "local"; sequence parallelism SEQUENCE,
+"on", "off" or "auto": on at TP > 1; expert parallelism EXPERT, default 1, the routed
+experts split over the TP ranks in EXPERT blocks), runs OUT_DIR/step.pt's rows through
+`MegatronCell` (vocab-parallel chunked log-probs) and the cell's backward of the summed
+target log-probs, and writes to OUT_DIR/rank<R>.pt its log-probs, its vocabulary shard of
+the logits (one stage only), its shard's gradients and its loaded weights (Megatron names).
 """
 
 from __future__ import annotations

@@ -138,8 +138,9 @@ class MegatronReplica(TorchReplica):
 
     def restore(self, folder: Path) -> int:
         """Weights and AdamW moments from a checkpoint: at the cell's own tensor, pipeline
-        and expert sizes this rank's shard file alone; else (other sizes, an HF-layout core file from
-        either backend, either dtype) the HF layout split to this rank's shard of its stage.
+        and expert sizes this rank's shard file alone; else (other sizes, an HF-layout core
+        file from either backend, either dtype) the HF layout split to this rank's shard of
+        its stage.
         Collective over the cell (the leader's mirror is refreshed)."""
         first = core_file.shard_meta(folder)
         if first is not None and (first["tensor"], first["pipeline"], core_file.expert(first)) == (
@@ -228,9 +229,10 @@ def build(
         hf.to(getattr(torch, train.params_dtype))
     cell = MegatronCell(gpt, objective=train.objective)
     optimizer = ModelParallelOptimizer(cell, train.optim) if core else None
-    return MegatronReplica(cell, tokenizer, optimizer, dims, comm=comms.cell, mirror=hf,
-                           layout=WeightLayout.from_hf_config(hf_config,
-                                                              expert_parallel=dims.expert))  # fmt: skip
+    layout = WeightLayout.from_hf_config(hf_config, expert_parallel=dims.expert)
+    return MegatronReplica(
+        cell, tokenizer, optimizer, dims, comm=comms.cell, mirror=hf, layout=layout
+    )
 
 
 def _check_rank(comms: Communicators, dims: ParallelDims) -> None:

@@ -48,9 +48,10 @@ from gyre.train.packing import MicroStep
 
 def init_model_parallel(cfg: MegatronConfig, device: str | torch.device) -> None:
     """Megatron's process state for a model on `device`, over the current torch.distributed
-    world (TP × PP inside a cell, experts folded onto the TP ranks): `parallel_state`, then on a CUDA device that device bound
-    and Megatron's model-parallel RNG seeded (`model_parallel_cuda_manual_seed`), on the CPU
-    the scoped patches of `gyre.train.megatron.cpu`.
+    world (TP × PP inside a cell, experts folded onto the TP ranks): `parallel_state`, then
+    on a CUDA device that device bound and Megatron's model-parallel RNG seeded
+    (`model_parallel_cuda_manual_seed`), on the CPU the scoped patches of
+    `gyre.train.megatron.cpu`.
 
     Cell ranks must be contiguous in the torch.distributed numbering (`GroupLayout.dist_rank`);
     data parallelism then runs across cells.
