@@ -283,8 +283,8 @@ def _layer_to_mcore(hf: TensorSource, layout: WeightLayout, i: int, local: int, 
     yield f"{d}.mlp.router.weight", hf.chunk(f"{h}.mlp.gate.weight", 0, 0, 1)
     experts, e_rank, e_size = layout.expert_block(rank, size)
     for local_j, j in enumerate(experts):
-        local = f"{d}.mlp.experts.local_experts.{local_j}"
-        yield from _mlp_to_mcore(hf, f"{h}.mlp.experts.{j}", local, e_rank, e_size)
+        mine = f"{d}.mlp.experts.local_experts.{local_j}"
+        yield from _mlp_to_mcore(hf, f"{h}.mlp.experts.{j}", mine, e_rank, e_size)
     if layout.shared_expert:
         yield from _mlp_to_mcore(hf, f"{h}.mlp.shared_expert", f"{d}.mlp.shared_experts", rank,
                                  size)  # fmt: skip
