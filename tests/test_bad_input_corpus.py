@@ -82,6 +82,18 @@ CASES: list[Case] = [
     Case("gyre run", ("run", "{tmp}"), ("is a directory", "allowed: a YAML file")),
     Case("gyre run", ("run", "{local}", "train.device=cuda", "topology.cells=9", "--dry-run"),
          ("train.device", "cuda")),
+    Case("gyre run", ("run", "{local}", "train.backend=megatron", "topology.ranks_per_cell=2",
+                      "train.parallel.expert=3", "--dry-run"),
+         ("train.parallel.expert: 3 does not divide tensor 2", "allowed: a divisor of tensor 2")),
+    Case("gyre run", ("run", "{local}", "train.backend=megatron", "topology.ranks_per_cell=2",
+                      "train.parallel.expert=2", "--dry-run"),
+         ("expert_parallel: 2 for a qwen2 model", "no routed experts", "allowed: 1")),
+    Case("gyre run", ("run", "{local}", f"model={MODELS}/qwen3_moe_5", "train.backend=megatron",
+                      "topology.ranks_per_cell=2", "train.parallel.expert=2", "--dry-run"),
+         ("expert_parallel: 2 does not divide the 5 routed experts", "allowed: a divisor")),
+    Case("gyre run", ("run", "{local}", "topology.ranks_per_cell=2", "train.parallel.expert=2",
+                      "--dry-run"),
+         ("expert 2", "with backend torch", "allowed:", "expert 1")),
     Case("gyre run", ("run", "{local}", "engine.expert_parallel=2", "--dry-run"),
          ("engine.expert_parallel: 2 with engine.backend embedded", "allowed: 1")),
     Case("gyre run", ("run", "{local}", "engine.backend=sglang", "engine.tensor_parallel=4",
@@ -230,6 +242,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "qwen3_moe",
             {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
         ),  # 6 experts: not over 4
+        (
+            "qwen3_moe_5",
+            "qwen3_moe",
+            {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+        ),  # 5 experts: not over train.parallel.expert 2
     ]:
         AutoConfig.for_model(family, **{**sizes, **extra}).save_pretrained(root / name)
         if name != "no_tokenizer":

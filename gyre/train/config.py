@@ -163,6 +163,10 @@ class ParallelConfig:
     """Tensor-parallel size of a cell (megatron; null: ranks_per_cell / pipeline)."""
     pipeline: int = 1
     """Pipeline-parallel size of a cell (megatron; divides the model's layers)."""
+    expert: int = 1
+    """Expert-parallel size of a cell (megatron, mixture-of-experts models): a stage's routed
+    experts split into `expert` blocks over its tensor-parallel ranks, each expert over
+    tensor / expert of them; divides tensor and the model's expert count (docs/gpu.md)."""
     sequence: bool | None = None
     """Megatron's sequence parallelism beside tensor parallelism: the activations outside the
     tensor-parallel layers (norms, residuals, dropout) split over the TP ranks along the
@@ -175,6 +179,8 @@ class ParallelConfig:
             raise ConfigError(f"tensor: {self.tensor}; allowed an integer >= 1 or null")
         if self.pipeline < 1:
             raise ConfigError(f"pipeline: {self.pipeline}; allowed an integer >= 1")
+        if self.expert < 1:
+            raise ConfigError(f"expert: {self.expert}; allowed an integer >= 1")
         if self.sequence and self.tensor == 1:
             raise ConfigError(SEQUENCE_NEEDS_TP)
 
@@ -192,10 +198,16 @@ class ParallelDims:
     data: int
     sequence: bool = False
     """Sequence parallelism beside tensor parallelism (`ParallelConfig.sequence`, resolved)."""
+    expert: int = 1
+    """Expert parallelism folded onto the tensor-parallel ranks (`ParallelConfig.expert`)."""
 
     def __post_init__(self) -> None:
         if self.sequence and self.tensor == 1:
             raise ConfigError(f"parallel.{SEQUENCE_NEEDS_TP}")
+        if self.tensor % self.expert:
+            raise ConfigError(f"parallel.expert: {self.expert} does not divide tensor "
+                              f"{self.tensor}; allowed: a divisor of {self.tensor} (experts are "
+                              "folded onto the tensor-parallel ranks)")  # fmt: skip
 
     @property
     def ranks(self) -> int:

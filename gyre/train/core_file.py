@@ -13,7 +13,8 @@ A Megatron core's ranks each write their own shard, in parallel, nothing gathere
 `shards/rank-<s>.safetensors` holds rank s's flat buffers — main weights, both AdamW moments
 (its shard of its stage, Megatron's parameter order) and AdamW's step — with a JSON header
 (`SHARD_KEY`) naming each parameter and shape in that order, the cell's tensor and pipeline
-sizes, the weight layout (`gyre.train.megatron.weights.WeightLayout`) and the optimizer's
+sizes, the weight layout (`gyre.train.megatron.weights.WeightLayout`, the expert-parallel
+size included) and the optimizer's
 hyperparameters; rank 0's also the Hugging Face parameter order. A resume at the same sizes
 reads one file per rank (`read_shard`); `load` reassembles the HF layout from every shard
 (`stages_to_hf`) for any other reader: a Megatron core at other sizes, a torch core, `gyre
@@ -101,6 +102,11 @@ def read_shard(folder: Path, shard: int) -> tuple[dict[str, Any], dict[str, Any]
     return load_file(str(_shard_path(folder, shard))), meta
 
 
+def expert(meta: dict[str, Any]) -> int:
+    """The expert-parallel size a shard was written at (1 before expert parallelism)."""
+    return int(meta["layout"].get("expert_parallel", 1))
+
+
 def views(flat: Any, names: Sequence[Sequence[Any]]) -> dict[str, Any]:
     """A flat buffer's slice of each (name, shape) of `names`, in order, by name."""
     import math
@@ -117,16 +123,17 @@ def _assemble(folder: Path) -> dict[str, Any]:
     """The HF-layout core state of a sharded checkpoint (every shard read)."""
     import torch
 
-    from gyre.train.megatron.weights import WeightLayout, stages_to_hf
+    from gyre.train.megatron.weights import WeightLayout, module_names, stages_to_hf
 
     first = shard_meta(folder)
     assert first is not None
     ranks = [read_shard(folder, s) for s in range(first["tensor"] * first["pipeline"])]
     layout = WeightLayout(**first["layout"])
 
-    def hf(key: str) -> dict[str, torch.Tensor]:
-        return stages_to_hf([views(flats[key], meta["names"]) for flats, meta in ranks], layout,
-                            tp_size=first["tensor"])  # fmt: skip
+    def hf(key: str) -> dict[str, torch.Tensor]:  # named as the HF model's parameters are
+        return module_names(stages_to_hf([views(flats[key], meta["names"])
+                                          for flats, meta in ranks], layout,
+                                         tp_size=first["tensor"]), layout)  # fmt: skip
 
     order = first["hf_order"]
     main = hf("main")

@@ -1,19 +1,20 @@
 """One rank of a tensor-parallel Megatron world on CPU (gloo) running a tiny random model of one
 family, for test_gpu_megatron_families.py.
 
-    python megatron_family_worker.py RANK WORLD PORT OUT_DIR FAMILY [ATTENTION [PIPELINE [SEQUENCE]]]
+    python megatron_family_worker.py RANK WORLD PORT OUT_DIR FAMILY \
+        [ATTENTION [PIPELINE [SEQUENCE [EXPERT]]]]
 
 FAMILY is a key of `FAMILIES` (Qwen3 dense, Qwen3-MoE with and without renormalized top-k,
 Qwen2-MoE with its gated shared expert). The model is transformers' own, built from a config
 in code under a seed (`tiny_family`), every weight drawn at random so each one matters. The
 rank (TP rank RANK % TP of pipeline stage RANK // TP, TP = WORLD / PIPELINE) cuts its shard
-from the HF state dict (`stage_to_mcore`), builds Gyre's GPTModel
-(`build_rank_model`, the backend's build; core attention ATTENTION, "sdpa" or "local";
-sequence parallelism SEQUENCE, "on", "off" or "auto": on at TP > 1), runs OUT_DIR/step.pt's rows through `MegatronCell`
-(vocab-parallel chunked log-probs) and the cell's backward of the summed target log-probs,
-and writes to OUT_DIR/rank<R>.pt its log-probs, its vocabulary shard of the logits (one
-stage only), its
-shard's gradients and its loaded weights (Megatron names).
+from the HF state dict (`stage_to_mcore`), builds Gyre's GPTModel (`build_rank_model`, the
+backend's build; core attention ATTENTION, "sdpa" or "local"; sequence parallelism SEQUENCE,
+"on", "off" or "auto": on at TP > 1; expert parallelism EXPERT, default 1, the routed
+experts split over the TP ranks in EXPERT blocks), runs OUT_DIR/step.pt's rows through
+`MegatronCell` (vocab-parallel chunked log-probs) and the cell's backward of the summed
+target log-probs, and writes to OUT_DIR/rank<R>.pt its log-probs, its vocabulary shard of
+the logits (one stage only), its shard's gradients and its loaded weights (Megatron names).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main(
     attention: str,
     pipeline: int,
     sequence: str = "auto",
+    expert: int = 1,
 ) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -90,11 +92,12 @@ def main(
     hf = tiny_family(family)
     hfc = hf.config.to_dict()
     tp = world // pipeline
-    shard = stage_to_mcore(dict(hf.state_dict()), WeightLayout.from_hf_config(hfc),
+    layout = WeightLayout.from_hf_config(hfc, expert_parallel=expert)
+    shard = stage_to_mcore(dict(hf.state_dict()), layout,
                            tp_rank=rank % tp, tp_size=tp, stage=rank // tp,
                            stages=pipeline)  # fmt: skip
     mcfg = MegatronConfig(tensor_parallel=tp, pipeline_parallel=pipeline, dtype="float32",
-                          attention=attention,  # type: ignore[arg-type]
+                          attention=attention, expert_parallel=expert,  # type: ignore[arg-type]
                           sequence_parallel={"auto": None, "on": True, "off": False}[sequence])  # fmt: skip
     model = build_rank_model(hfc, shard, mcfg, device="cpu")
     loaded = {k: v.detach().clone() for k, v in tensor_state(model).items()}
@@ -127,4 +130,5 @@ if __name__ == "__main__":
         sys.argv[6] if len(sys.argv) > 6 else "sdpa",
         int(sys.argv[7]) if len(sys.argv) > 7 else 1,
         sys.argv[8] if len(sys.argv) > 8 else "auto",
+        int(sys.argv[9]) if len(sys.argv) > 9 else 1,
     )

@@ -30,6 +30,7 @@ from gyre.train.megatron.config import (
     SUPPORTED_MODEL_TYPES,
     MegatronConfig,
     check_trainable,
+    num_experts,
     transformer_kwargs,
 )
 from gyre.train.megatron.weights import (
@@ -95,6 +96,28 @@ def test_moe_families_map_router_experts_and_shared_expert():
     assert lay.experts == 64 and lay.shared_expert and lay.qkv_bias and not lay.qk_norm
 
 
+def test_expert_parallelism_folds_onto_the_tensor_parallel_ranks():
+    """EP x ETP = TP inside a cell: Megatron's expert sizes follow, a routed expert's width
+    need divide ETP only; an EP that does not divide TP or the experts, or a dense model at
+    EP > 1, is one line naming the value and what is allowed."""
+    tk = transformer_kwargs(QWEN3_30B_A3B, MegatronConfig(tensor_parallel=4, expert_parallel=2))
+    assert tk["expert_model_parallel_size"] == 2 and tk["expert_tensor_parallel_size"] == 2
+    assert transformer_kwargs(QWEN3_30B_A3B, MegatronConfig(tensor_parallel=2))[
+        "expert_tensor_parallel_size"] == 2  # fmt: skip
+    narrow = {**QWEN3_30B_A3B, "moe_intermediate_size": 770}  # 770 = 2 x 385
+    check_trainable(narrow, MegatronConfig(tensor_parallel=4, expert_parallel=2))
+    with pytest.raises(ConfigError, match="expert_parallel: 3 does not divide tensor_parallel 4"):
+        MegatronConfig(tensor_parallel=4, expert_parallel=3)
+    with pytest.raises(ConfigError) as e:
+        check_trainable({**QWEN3_30B_A3B, "num_experts": 6},
+                        MegatronConfig(tensor_parallel=4, expert_parallel=4))  # fmt: skip
+    assert "\n" not in str(e.value)
+    assert "expert_parallel: 4 does not divide the 6 routed experts" in str(e.value)
+    with pytest.raises(ConfigError, match="expert_parallel: 2 for a qwen3 model, which has no "
+                                          "routed experts; allowed: 1"):  # fmt: skip
+        check_trainable(QWEN3_8B, MegatronConfig(tensor_parallel=2, expert_parallel=2))
+
+
 def test_an_unknown_family_is_one_line_naming_the_supported_ones():
     with pytest.raises(ConfigError) as e:
         check_trainable({**QWEN3_8B, "model_type": "deepseek_v3"}, MegatronConfig())
@@ -134,7 +157,8 @@ def test_the_files_and_the_model_in_memory_give_the_same_shards(tmp_path, family
     (``mlp.experts.{j}.gate_proj.weight``, the checkpoints' and SGLang's names) while
     transformers 5 holds them stacked: each TP rank's shard is the same bytes from either, the
     shards gather back to the files' tensors exactly, and `module_names` stacks them back into
-    the model's own state dict."""
+    the model's own state dict; at TP 1 and 2 and, for MoE models, with the 4 experts split
+    over TP 2 as EP 2 (two whole experts a rank)."""
     from safetensors.torch import load_file
 
     from gyre.train.megatron.shard_files import SafetensorsFiles
@@ -142,8 +166,10 @@ def test_the_files_and_the_model_in_memory_give_the_same_shards(tmp_path, family
     model = tiny_family(family)
     model.save_pretrained(tmp_path)
     on_disk, in_memory = load_file(tmp_path / "model.safetensors"), model.state_dict()
-    lay = WeightLayout.from_hf_config(model.config.to_dict())
-    for tp in (1, 2):
+    hfc = model.config.to_dict()
+    layouts = [(1, 1), (2, 1)] + ([(2, 2)] if "moe" in family else [])
+    for tp, ep in layouts:
+        lay = WeightLayout.from_hf_config(hfc, expert_parallel=ep)
         shards = [hf_to_mcore(in_memory, lay, tp_rank=r, tp_size=tp) for r in range(tp)]
         for r, shard in enumerate(shards):
             files = stage_to_mcore(SafetensorsFiles(tmp_path), lay, tp_rank=r, tp_size=tp,
@@ -156,6 +182,39 @@ def test_the_files_and_the_model_in_memory_give_the_same_shards(tmp_path, family
         mine = module_names(back, lay)
         assert set(mine) == set(in_memory)
         assert all(torch.equal(mine[k], in_memory[k]) for k in mine)
+
+
+def test_a_checkpoint_of_expert_parallel_shards_reassembles_as_the_model(tmp_path):
+    """The per-rank checkpoint files of a TP 2 EP 2 cell (each rank its own two experts,
+    Megatron's parameter order, the layout with its EP size in the header) put together
+    (`core_file.load`: what a resume at other sizes, a torch core and `gyre eval` read) give
+    the model's own parameters bit for bit, named as the model names them (its experts
+    stacked), the AdamW moments in the same order."""
+    import dataclasses
+
+    from gyre.train import core_file
+
+    model = tiny_family("qwen3_moe")
+    lay = WeightLayout.from_hf_config(model.config.to_dict(), expert_parallel=2)
+    state = dict(model.state_dict())
+    order = [n for n, _ in model.named_parameters()]
+    for rank in range(2):
+        shard = stage_to_mcore(state, lay, tp_rank=rank, tp_size=2, stage=0, stages=1)
+        flat = torch.cat([t.reshape(-1) for t in shard.values()])
+        meta = {"version": 3, "shard": rank, "tensor": 2, "pipeline": 1,
+                "names": [[n, list(t.shape)] for n, t in shard.items()],
+                "layout": dataclasses.asdict(lay), "param_groups": [], "hf_order": order}  # fmt: skip
+        core_file.save_shard(tmp_path, rank, {"main": flat, "exp_avg": 2 * flat,
+                                              "exp_avg_sq": flat.square(),
+                                              "step": torch.tensor(3.0)}, meta)  # fmt: skip
+    assert core_file.expert(core_file.shard_meta(tmp_path, 1)) == 2
+    data = core_file.load(tmp_path)
+    assert [n for n, _ in data["named"]] == order
+    assert all(torch.equal(t, state[n]) for n, t in data["named"])
+    flat = torch.cat([state[n].reshape(-1) for n in order])
+    moments = data["optimizer"]["state"][0]
+    assert torch.equal(moments["exp_avg"], 2 * flat)
+    assert torch.equal(moments["exp_avg_sq"], flat.square())
 
 
 # --- against transformers, through Megatron's GPTModel --------------------------------------
@@ -189,11 +248,12 @@ def _run_world(
     attention: str,
     pp: int,
     sequence: str = "auto",
+    ep: int = 1,
 ) -> list:
     torch.save(step, tmp_path / "step.pt")
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(tp * pp), str(port),
-                               str(tmp_path), family, attention, str(pp), sequence],
+                               str(tmp_path), family, attention, str(pp), sequence, str(ep)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(tp * pp)]  # fmt: skip
     for p in procs:
@@ -207,28 +267,34 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,tp,attention,pp,sequence", [
-    ("qwen3", 1, "sdpa", 1, "auto"), ("qwen3", 2, "sdpa", 1, "auto"),
-    ("qwen3", 2, "sdpa", 1, "off"), ("qwen3", 2, "local", 1, "auto"),
-    ("qwen3_tied", 2, "sdpa", 1, "auto"), ("qwen3_moe", 1, "sdpa", 1, "auto"),
-    ("qwen3_moe_plain_topk", 1, "local", 1, "auto"), ("qwen2_moe", 1, "sdpa", 1, "auto"),
-    ("qwen3_moe", 1, "sdpa", 2, "auto"), ("qwen3_moe", 2, "sdpa", 1, "auto"),
-    ("qwen3_moe_plain_topk", 2, "local", 1, "auto"), ("qwen2_moe", 2, "sdpa", 1, "auto"),
+@pytest.mark.parametrize("family,tp,attention,pp,sequence,ep", [
+    ("qwen3", 1, "sdpa", 1, "auto", 1), ("qwen3", 2, "sdpa", 1, "auto", 1),
+    ("qwen3", 2, "sdpa", 1, "off", 1), ("qwen3", 2, "local", 1, "auto", 1),
+    ("qwen3_tied", 2, "sdpa", 1, "auto", 1), ("qwen3_moe", 1, "sdpa", 1, "auto", 1),
+    ("qwen3_moe_plain_topk", 1, "local", 1, "auto", 1), ("qwen2_moe", 1, "sdpa", 1, "auto", 1),
+    ("qwen3_moe", 1, "sdpa", 2, "auto", 1), ("qwen3_moe", 2, "sdpa", 1, "auto", 1),
+    ("qwen3_moe_plain_topk", 2, "local", 1, "auto", 1), ("qwen2_moe", 2, "sdpa", 1, "auto", 1),
+    ("qwen3_moe", 2, "sdpa", 1, "auto", 2), ("qwen2_moe", 2, "sdpa", 1, "auto", 2),
 ])  # fmt: skip
-def test_a_family_matches_transformers(tmp_path, family, tp, attention, pp, sequence):
+def test_a_family_matches_transformers(tmp_path, family, tp, attention, pp, sequence, ep):
     """Gyre's Megatron model of the family, TP ranks (and pipeline stages) over gloo, against
     transformers' model of the same weights: logits (PP 1: gathered over the vocabulary
     shards), target log-probs on every rank and every parameter's gradient (gathered back to
     HF names) within 1e-5 relative; the weights the ranks loaded gather back to
     transformers' state dict bit for bit. At TP 2 sequence parallelism is on ("auto") unless
     "off" (mixture-of-experts models: on only): the 13-token rows padded to 14, the
-    norms', routers' and shared-expert gates' gradients summed over the TP ranks."""
+    norms', routers' and shared-expert gates' gradients summed over the TP ranks. With EP 2
+    each TP rank holds two whole experts (tokens dispatched over the TP x EP ranks by
+    all-gather, gloo), their gradients its own."""
     from gyre.train.objective import step_tensors, target_logprobs
 
     hf = tiny_family(family)
     step = _step(hf.config.vocab_size)
-    ranks = _run_world(tmp_path, step, family, tp, attention, pp, sequence)
+    ranks = _run_world(tmp_path, step, family, tp, attention, pp, sequence, ep)
     assert {r["sequence_parallel"] for r in ranks} == {tp > 1 and sequence != "off"}
+    experts = num_experts(hf.config.to_dict()) // ep  # a rank's routed experts in a layer
+    assert all(sum(".local_experts." in n and "fc2" in n for n in r["grads"]) == 2 * experts // pp
+               for r in ranks)  # fmt: skip
     hf.train()
     st = step_tensors(step)
     logits = hf(input_ids=st.ids, attention_mask=st.attention).logits
@@ -240,7 +306,7 @@ def test_a_family_matches_transformers(tmp_path, family, tp, attention, pp, sequ
         assert _rel(got_logits[real], logits.detach()[real]) < 1e-5
     for r in ranks:
         assert _rel(r["logp"][st.targets], logp.detach()[st.targets]) < 1e-5
-    lay = WeightLayout.from_hf_config(hf.config.to_dict())
+    lay = WeightLayout.from_hf_config(hf.config.to_dict(), expert_parallel=ep)
     grads = module_names(stages_to_hf([r["grads"] for r in ranks], lay, tp_size=tp), lay)
     want = {n: p.grad for n, p in hf.named_parameters()}
     assert set(grads) == set(want)

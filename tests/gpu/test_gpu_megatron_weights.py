@@ -129,6 +129,46 @@ def test_a_tp_by_pp_cell_round_trips_exactly(tp, pp, tied):
         stage_to_mcore(hf, lay, tp_rank=0, tp_size=1, stage=0, stages=3)
 
 
+def _moe_state(lay: WeightLayout, hidden=8, ffn=12):
+    """`_hf_state` with each layer's MLP replaced by a router and `lay.experts` experts."""
+    g = torch.Generator().manual_seed(1)
+    sd = {k: v for k, v in _hf_state(lay, hidden=hidden).items() if ".mlp." not in k}
+    for i in range(lay.num_layers):
+        h = f"model.layers.{i}.mlp"
+        sd[f"{h}.gate.weight"] = torch.randn(lay.experts, hidden, generator=g)
+        for j in range(lay.experts):
+            for p, shape in (("gate", (ffn, hidden)), ("up", (ffn, hidden)),
+                             ("down", (hidden, ffn))):  # fmt: skip
+                sd[f"{h}.experts.{j}.{p}_proj.weight"] = torch.randn(*shape, generator=g)
+    return sd
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 2), (4, 2, 2), (4, 1, 4), (4, 2, 1)])
+def test_experts_split_over_expert_parallel_blocks_and_round_trip(tp, pp, ep):
+    """TP rank t of a stage holds the experts of block t // ETP (ETP = TP / EP) as
+    local_experts 0.., each cut to its ETP rank t % ETP's rows (slow reference below); every
+    rank of the cell gathers back to the HF tensors exactly."""
+    lay = WeightLayout(num_layers=2, heads=8, groups=4, head_dim=2, qkv_bias=False, tied=False,
+                       experts=4, expert_parallel=ep)  # fmt: skip
+    hf = _moe_state(lay)
+    ranks = [stage_to_mcore(hf, lay, tp_rank=s % tp, tp_size=tp, stage=s // tp, stages=pp)
+             for s in range(tp * pp)]  # fmt: skip
+    etp, per = tp // ep, 4 // ep
+    for s, shard in enumerate(ranks):
+        t, stage = s % tp, s // tp
+        experts = [k for k in shard if k.endswith("linear_fc2.weight") and "local_experts" in k]
+        assert len(experts) == per * 2 // pp
+        for local in range(2 // pp):
+            for k in range(per):
+                j, i = (t // etp) * per + k, stage * (2 // pp) + local
+                down = hf[f"model.layers.{i}.mlp.experts.{j}.down_proj.weight"]
+                d = f"decoder.layers.{local}.mlp.experts.local_experts.{k}"
+                cut = slice((t % etp) * 12 // etp, (t % etp + 1) * 12 // etp)
+                assert torch.equal(shard[f"{d}.linear_fc2.weight"], down[:, cut])
+    back = stages_to_hf(ranks, lay, tp_size=tp)
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
 def test_bad_input_is_named():
     lay = WeightLayout(num_layers=1, heads=4, groups=2, head_dim=2, qkv_bias=False, tied=True)
     hf = _hf_state(lay)

@@ -23,7 +23,10 @@ pipeline stages (each rank one of the tiny model's two layers, the embedding tie
 output layer across the stages), then, after a kill, under tensor parallelism again. Its
 updates, gathered into the Hugging Face layout, must equal the same one-process torch
 reference, one chain of weights and Adam state across the layouts; a batch a resume redid
-is replayed from the record of the segment that the final weights descend from.
+is replayed from the record of the segment that the final weights descend from. Expert
+parallelism has a run of its own: a tiny Qwen3-MoE model directory with two 2-rank cells at
+TP 2 and EP 2, replayed against transformers' model of it in one process (the reference is
+always the run's own `model`).
 """
 
 from __future__ import annotations
@@ -63,8 +66,11 @@ def test_a_batch_with_nothing_to_train_has_no_core_record(tmp_path: Path) -> Non
     assert audit.load(tmp_path, 1)[1] == {"grad_norm": 0.5}
 
 
-def _run(tmp_path: Path, transport: str, ranks: int, budget: int) -> Path:
+def _run(tmp_path: Path, transport: str, ranks: int, budget: int, *more: str,
+         cells: int | None = None) -> Path:  # fmt: skip
     cfg = small_config(tmp_path, steps=STEPS)
+    if cells is not None:
+        cfg["topology"]["cells"] = cells
     cfg["harness"].update({"suite": "learn", "tasks": ["notes"]})
     cfg["harness"]["params"].update({"max_turns": "3", "max_tokens": "96"})
     cfg["schedule"].update({"group_size": 4, "batch_groups": 2})
@@ -73,7 +79,7 @@ def _run(tmp_path: Path, transport: str, ranks: int, budget: int) -> Path:
     path = write_config(tmp_path, cfg)
     # the objective and the transport come from the command line: `gyre run CONFIG KEY=VALUE`
     overrides = [f"train.{k}={v}" for k, v in OBJECTIVE.items()] + [
-        f"train.transport={transport}", f"topology.ranks_per_cell={ranks}"]  # fmt: skip
+        f"train.transport={transport}", f"topology.ranks_per_cell={ranks}", *more]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "gyre", "run", str(path), *overrides, "--run-dir", str(run_dir),
          "--quiet"], capture_output=True, text=True, timeout=400,
@@ -92,13 +98,14 @@ def _replay(run_dir: Path, batches: int, budget: int, rel: float) -> None:
     (Megatron's matches the float64 norm to 1e-7; the flat float32 sum is the one that is
     off, by up to ~2e-5 relative) — so a Megatron batch over `grad_clip` is replayed clipped
     by the core's norm, and the weights still equal the core's bit for bit."""
-    train = TrainConfig(**yaml.safe_load((run_dir / "config.yaml").read_text())["train"])
+    run = yaml.safe_load((run_dir / "config.yaml").read_text())
+    train = TrainConfig(**run["train"])
     assert {k: getattr(train, k) for k in OBJECTIVE} == OBJECTIVE
     from gyre.models import load_model
 
-    model, _ = load_model("tiny")
+    model, _ = load_model(run["model"])  # the run's model, whole, in one process
     cell = TorchCell(model.train(), objective=train.objective)
-    replay = TorchCell(load_model("tiny")[0].train(), objective=train.objective)
+    replay = TorchCell(load_model(run["model"])[0].train(), objective=train.objective)
     clip = train.optim.grad_clip
     by_core_norm = train.backend == "megatron"  # then the replay clips, not its optimizer
     optimizer = CoreOptimizer(replay, replace(train.optim, grad_clip=0) if by_core_norm
@@ -158,11 +165,13 @@ def _reported_oversize(run_dir: Path) -> float:
     return sum({step: value for _, step, value in rows}.values())
 
 
-def _summary(run_dir: Path, steps: int, ranks: int, backend: str, dims: tuple[int, int]) -> None:
+def _summary(run_dir: Path, steps: int, ranks: int, backend: str, dims: tuple[int, int],
+             expert: int = 1) -> None:  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_done"] == steps and summary["no_signal_steps"] < steps
     assert summary["ranks_per_cell"] == ranks and summary["train_backend"] == backend
     assert (summary["parallel"]["tensor"], summary["parallel"]["pipeline"]) == dims
+    assert summary["parallel"]["expert"] == expert
 
 
 @pytest.mark.mpi
@@ -231,3 +240,37 @@ def test_every_megatron_update_equals_the_single_process_reference(megatron_chai
     train = yaml.safe_load((megatron_chain.run_dir / "config.yaml").read_text())["train"]
     _replay(megatron_chain.run_dir, CHAIN_STEPS, train["token_budget"], rel=5e-5)
     _summary(megatron_chain.run_dir, CHAIN_STEPS, 2, "megatron", (2, 1))
+
+
+def _tiny_moe(folder: Path) -> Path:
+    """A tiny random Qwen3-MoE model directory (4 experts, top 2; the tiny tokenizer)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from gyre.models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(1234)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True,
+        initializer_range=0.1, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_every_expert_parallel_update_equals_the_single_process_reference(tmp_path: Path):
+    """A tiny Qwen3-MoE under the Megatron backend with two 2-rank cells at TP 2 and EP 2
+    (each rank two whole experts of every layer, tokens dispatched over the cell's ranks):
+    every update, gathered into the Hugging Face layout, equals transformers' model of the
+    same weights in one process, and the core's clip norm (each rank's experts counted on
+    that rank) is the whole model's."""
+    model = _tiny_moe(tmp_path / "qwen3-moe")
+    run_dir = _run(tmp_path, "mpi", 2, 256, f"model={model}", "train.backend=megatron",
+                   "train.parallel.tensor=2", "train.parallel.expert=2", cells=2)  # fmt: skip
+    _replay(run_dir, STEPS, 256, rel=5e-5)
+    _summary(run_dir, STEPS, 2, "megatron", (2, 1), expert=2)

@@ -137,14 +137,16 @@ class MegatronReplica(TorchReplica):
         return core_file.save_shard(folder, shard, flats, meta)
 
     def restore(self, folder: Path) -> int:
-        """Weights and AdamW moments from a checkpoint: at the cell's own tensor and pipeline
-        sizes this rank's shard file alone; else (other sizes, an HF-layout core file from
-        either backend, either dtype) the HF layout split to this rank's shard of its stage.
+        """Weights and AdamW moments from a checkpoint: at the cell's own tensor, pipeline
+        and expert sizes this rank's shard file alone; else (other sizes, an HF-layout core
+        file from either backend, either dtype) the HF layout split to this rank's shard of
+        its stage.
         Collective over the cell (the leader's mirror is refreshed)."""
         first = core_file.shard_meta(folder)
-        if first is not None and (first["tensor"], first["pipeline"]) == (
+        if first is not None and (first["tensor"], first["pipeline"], core_file.expert(first)) == (
             self.dims.tensor,
             self.dims.pipeline,
+            self.dims.expert,
         ):
             return self._restore_own_shard(folder)
         from gyre.rollout.weights import load_named_tensors
@@ -214,7 +216,8 @@ def build(
     init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
     hf, tokenizer, hf_config, shard = _shard_source(model, dims, comms)
     mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
-                          sequence_parallel=dims.sequence, dtype=train.params_dtype,
+                          sequence_parallel=dims.sequence, expert_parallel=dims.expert,
+                          dtype=train.params_dtype,
                           moe_aux_loss_coeff=train.moe_aux_loss_coeff)  # fmt: skip
     # on its own device: Megatron's seeding there (CUDA) or the CPU patches, no random
     # init; the shard streamed in one tensor at a time
@@ -226,12 +229,15 @@ def build(
         hf.to(getattr(torch, train.params_dtype))
     cell = MegatronCell(gpt, objective=train.objective)
     optimizer = ModelParallelOptimizer(cell, train.optim) if core else None
-    return MegatronReplica(cell, tokenizer, optimizer, dims, comm=comms.cell, mirror=hf,
-                           layout=WeightLayout.from_hf_config(hf_config))  # fmt: skip
+    layout = WeightLayout.from_hf_config(hf_config, expert_parallel=dims.expert)
+    return MegatronReplica(
+        cell, tokenizer, optimizer, dims, comm=comms.cell, mirror=hf, layout=layout
+    )
 
 
 def _check_rank(comms: Communicators, dims: ParallelDims) -> None:
-    """Megatron placed this rank where the cell's layout says (TP rank s % TP of stage s // TP)."""
+    """Megatron placed this rank where the cell's layout says (TP rank s % TP of stage s // TP,
+    expert-parallel rank (s % TP) // (TP / EP): the block of experts `WeightLayout` gave it)."""
     from megatron.core import parallel_state
 
     tp_rank, stage = comms.shard % dims.tensor, comms.shard // dims.tensor
@@ -242,6 +248,12 @@ def _check_rank(comms: Communicators, dims: ParallelDims) -> None:
             f"cell {comms.cell_id} rank {comms.shard}: Megatron made it tensor-parallel rank "
             f"{made[0]} of pipeline stage {made[1]}, not {tp_rank} of {stage}; the cell's ranks "
             "must be contiguous in the backend world"
+        )
+    expert = tp_rank // (dims.tensor // dims.expert)
+    if parallel_state.get_expert_model_parallel_rank() != expert:
+        raise TrainingError(
+            f"cell {comms.cell_id} rank {comms.shard}: Megatron made it expert-parallel rank "
+            f"{parallel_state.get_expert_model_parallel_rank()}, not {expert}"
         )
 
 
@@ -336,7 +348,7 @@ def _shard_source(
         head = (hf.config.to_dict(), files)
     arrive(comms.cell)  # the other ranks sleep while the leader loads
     hf_config, files = comms.cell.bcast(head, root=0)
-    layout = WeightLayout.from_hf_config(hf_config)
+    layout = WeightLayout.from_hf_config(hf_config, expert_parallel=dims.expert)
 
     def slices(s: int, source: Any) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_stage_to_mcore(source, layout, tp_rank=s % dims.tensor, tp_size=dims.tensor,
@@ -368,7 +380,8 @@ def _scattered(
 
 def model_parallel(parallel: ParallelConfig, ranks_per_cell: int) -> ParallelDims:
     """Tensor x pipeline over all of a cell's ranks (data parallelism runs across cells),
-    sequence parallelism on by default beside tensor parallelism."""
+    sequence parallelism on by default beside tensor parallelism, expert parallelism folded
+    onto the tensor-parallel ranks."""
     pipeline = parallel.pipeline
     tensor = parallel.tensor if parallel.tensor is not None else ranks_per_cell // pipeline
     if tensor * pipeline != ranks_per_cell:
@@ -377,8 +390,15 @@ def model_parallel(parallel: ParallelConfig, ranks_per_cell: int) -> ParallelDim
             f"topology.ranks_per_cell {ranks_per_cell}; allowed: tensor x pipeline = "
             "ranks_per_cell (the Megatron backend shards a cell's model over all its ranks)"
         )
+    if tensor % parallel.expert:
+        raise ConfigError(
+            f"parallel.expert: {parallel.expert} does not divide tensor {tensor}; allowed: a "
+            f"divisor of tensor {tensor} (the Megatron backend folds a cell's experts onto its "
+            "tensor-parallel ranks: expert x expert-tensor = tensor)"
+        )
     sequence = parallel.sequence if parallel.sequence is not None else tensor > 1
-    return ParallelDims(tensor=tensor, pipeline=pipeline, data=1, sequence=sequence)
+    return ParallelDims(tensor=tensor, pipeline=pipeline, data=1, sequence=sequence,
+                        expert=parallel.expert)  # fmt: skip
 
 
 def check_installed() -> None:
@@ -400,7 +420,8 @@ def check_model(hf_config: Mapping[str, Any], dims: ParallelDims) -> None:
     try:
         check_trainable(hf_config, MegatronConfig(tensor_parallel=dims.tensor,
                                                   pipeline_parallel=dims.pipeline,
-                                                  sequence_parallel=dims.sequence))  # fmt: skip
+                                                  sequence_parallel=dims.sequence,
+                                                  expert_parallel=dims.expert))  # fmt: skip
     except ConfigError as e:
         raise ConfigError(f"{e} (or train.backend=torch)") from None
 

@@ -138,13 +138,14 @@ def build(
 
 
 def data_parallel(parallel: ParallelConfig, ranks_per_cell: int) -> ParallelDims:
-    """Every rank a whole replica: tensor and pipeline sizes must be 1."""
-    if (parallel.tensor or 1) != 1 or parallel.pipeline != 1 or parallel.sequence:
+    """Every rank a whole replica: tensor, pipeline and expert sizes must be 1."""
+    if ((parallel.tensor or 1) != 1 or parallel.pipeline != 1 or parallel.sequence
+            or parallel.expert != 1):  # fmt: skip
         raise ConfigError(
-            f"parallel: tensor {parallel.tensor}, pipeline {parallel.pipeline}, sequence "
-            f"{parallel.sequence} with backend torch; allowed: tensor 1 (or null), pipeline 1 "
-            "and sequence false (or null) — the torch backend is "
-            "data parallel inside a cell (train.backend megatron shards the model)"
+            f"parallel: tensor {parallel.tensor}, pipeline {parallel.pipeline}, expert "
+            f"{parallel.expert}, sequence {parallel.sequence} with backend torch; allowed: "
+            "tensor 1 (or null), pipeline 1, expert 1 and sequence false (or null) — the torch "
+            "backend is data parallel inside a cell (train.backend megatron shards the model)"
         )
     return ParallelDims(tensor=1, pipeline=1, data=ranks_per_cell)
 

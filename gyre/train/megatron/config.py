@@ -9,6 +9,11 @@ what Megatron's `RotaryEmbedding` cannot reproduce, such as yarn or dynamic). Th
 decides three things besides the shapes: QKV bias (Qwen2, Qwen2-MoE), per-head q/k RMSNorm
 (Qwen3, Qwen3-MoE: Megatron's `qk_layernorm`) and routed experts (`moe_kwargs`):
 
+Expert parallelism (`expert_parallel`, EP) folds a MoE model's routed experts onto the
+tensor-parallel ranks: EP divides TP and the expert count, each expert split over ETP = TP / EP
+ranks, no expert data parallelism inside a cell (`expert_model_parallel_size` /
+`expert_tensor_parallel_size` of both `parallel_state` and the `TransformerConfig`).
+
     cfg = MegatronConfig(tensor_parallel=2, dtype="bfloat16")
     tk, gk = transformer_kwargs(hf_config, cfg), gpt_kwargs(hf_config)
 """
@@ -37,6 +42,12 @@ class MegatronConfig:
     """Tensor-parallel size inside a cell (divides heads, query groups and the MLP width)."""
     pipeline_parallel: int = 1
     """Pipeline-parallel size inside a cell."""
+    expert_parallel: int = 1
+    """Expert-parallel size inside a cell (mixture-of-experts models): each TP rank of a stage
+    holds num_experts / expert_parallel whole routed experts, each split over the
+    tensor_parallel / expert_parallel ranks that share them (Megatron's expert tensor
+    parallelism; MoE parallel folding: EP x ETP = TP, no expert data parallelism in a cell).
+    Divides tensor_parallel."""
     sequence_parallel: bool | None = None
     """Megatron's sequence parallelism (`TransformerConfig.sequence_parallel`): the hidden
     states between the tensor-parallel layers split over the TP ranks along the sequence;
@@ -55,7 +66,7 @@ class MegatronConfig:
     objective's alone. Ignored by dense models."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: {getattr(self, name)!r}; allowed an integer >= 1")
         if self.dtype not in DTYPES:
@@ -68,6 +79,8 @@ class MegatronConfig:
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError("sequence_parallel: true with tensor_parallel 1; allowed with "
                               "tensor_parallel > 1")  # fmt: skip
+        if self.tensor_parallel % self.expert_parallel:
+            raise ConfigError(expert_divides_tensor(self.expert_parallel, self.tensor_parallel))
 
     @property
     def sequence(self) -> bool:
@@ -78,9 +91,21 @@ class MegatronConfig:
         return self.sequence_parallel
 
     @property
+    def expert_tensor_parallel(self) -> int:
+        """ETP: the ranks one routed expert is split over (tensor_parallel / expert_parallel)."""
+        return self.tensor_parallel // self.expert_parallel
+
+    @property
     def ranks_per_cell(self) -> int:
         """R: ranks one cell holds (TP × PP; data parallelism is across cells)."""
         return self.tensor_parallel * self.pipeline_parallel
+
+
+def expert_divides_tensor(expert: int, tensor: int) -> str:
+    """The one-line refusal of an expert-parallel size that does not divide the TP size."""
+    return (f"expert_parallel: {expert} does not divide tensor_parallel {tensor}; allowed: a "
+            f"divisor of {tensor} (a cell's experts are folded onto its tensor-parallel ranks: "
+            "expert x expert-tensor = tensor)")  # fmt: skip
 
 
 def model_layers(model: str) -> int | None:
@@ -167,15 +192,18 @@ def check_hf_config(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
         raise ConfigError(
             f"hf_config: heads {heads} / kv heads {groups} / hidden {hidden} are inconsistent"
         )
-    widths = ["moe_intermediate_size"] if num_experts(hf) else ["intermediate_size"]
-    for name, value in (
-        ("num_attention_heads", heads),
-        ("num_key_value_heads", groups),
-        *((w, int(_get(hf, w))) for w in widths),
-        ("shared_expert_intermediate_size", shared_expert_size(hf)),
+    # a routed expert is split over the expert-tensor ranks, everything else over TP
+    width = ("moe_intermediate_size", cfg.expert_tensor_parallel, "expert tensor parallel")
+    if not num_experts(hf):
+        width = ("intermediate_size", tp, "tensor_parallel")
+    for name, value, size, what in (
+        ("num_attention_heads", heads, tp, "tensor_parallel"),
+        ("num_key_value_heads", groups, tp, "tensor_parallel"),
+        (width[0], int(_get(hf, width[0])), width[1], width[2]),
+        ("shared_expert_intermediate_size", shared_expert_size(hf), tp, "tensor_parallel"),
     ):
-        if value % tp:
-            raise ConfigError(f"hf_config.{name}: {value} not divisible by tensor_parallel {tp}")
+        if value % size:
+            raise ConfigError(f"hf_config.{name}: {value} not divisible by {what} {size}")
     layers = int(_get(hf, "num_hidden_layers"))
     if layers % cfg.pipeline_parallel:
         raise ConfigError(
@@ -184,6 +212,11 @@ def check_hf_config(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
         )
     if num_experts(hf):
         _check_moe(hf, cfg)
+    elif cfg.expert_parallel != 1:
+        raise ConfigError(
+            f"expert_parallel: {cfg.expert_parallel} for a {mt} model, which has no routed "
+            "experts; allowed: 1 (expert parallelism splits a mixture-of-experts model's experts)"
+        )
 
 
 def _check_moe(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
@@ -202,6 +235,12 @@ def _check_moe(hf: Mapping[str, Any], cfg: MegatronConfig) -> None:
             f"{hf['model_type']} model; allowed: sequence parallelism on (true or null) at "
             "tensor_parallel > 1, or tensor_parallel 1 (megatron-core 0.16's MoE layer trains "
             "at TP > 1 only sequence parallel)"
+        )
+    if num_experts(hf) % cfg.expert_parallel:
+        raise ConfigError(
+            f"expert_parallel: {cfg.expert_parallel} does not divide the {num_experts(hf)} "
+            f"routed experts of a {hf['model_type']} model; allowed: a divisor of its expert "
+            f"count that divides tensor_parallel {cfg.tensor_parallel}"
         )
     top_k = int(_get(hf, "num_experts_per_tok"))
     if not 1 <= top_k <= num_experts(hf):
@@ -256,7 +295,9 @@ def moe_kwargs(hf: Mapping[str, Any], cfg: MegatronConfig) -> dict[str, Any]:
     softmax over all experts, then the top k, renormalized when `norm_topk_prob`; Megatron's
     softmax after the top k (`moe_router_pre_softmax` off) is that renormalized top k, its
     softmax before (on) the plain one. Tokens are dispatched by all-gather (no CUDA-only
-    kernels), experts run one after another (`SequentialMLP`, no grouped GEMM)."""
+    kernels; over the TP x EP ranks, the cell's TP group: `gather_from_sequence_parallel_region`
+    and its reduce-scatter, as sequence parallelism's), experts run one after another
+    (`SequentialMLP`, no grouped GEMM), each rank its expert-parallel share of them."""
     n = num_experts(hf)
     if not n:
         return {}
@@ -270,6 +311,8 @@ def moe_kwargs(hf: Mapping[str, Any], cfg: MegatronConfig) -> dict[str, Any]:
         "moe_shared_expert_gate": bool(shared),  # Qwen2-MoE: sigmoid(gate(x)) * shared(x)
         "moe_router_load_balancing_type": "aux_loss" if cfg.moe_aux_loss_coeff else "none",
         "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
+        "expert_model_parallel_size": cfg.expert_parallel,
+        "expert_tensor_parallel_size": cfg.expert_tensor_parallel,
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
     }

@@ -48,9 +48,10 @@ from gyre.train.packing import MicroStep
 
 def init_model_parallel(cfg: MegatronConfig, device: str | torch.device) -> None:
     """Megatron's process state for a model on `device`, over the current torch.distributed
-    world (TP × PP inside a cell): `parallel_state`, then on a CUDA device that device bound
-    and Megatron's model-parallel RNG seeded (`model_parallel_cuda_manual_seed`), on the CPU
-    the scoped patches of `gyre.train.megatron.cpu`.
+    world (TP × PP inside a cell, experts folded onto the TP ranks): `parallel_state`, then
+    on a CUDA device that device bound and Megatron's model-parallel RNG seeded
+    (`model_parallel_cuda_manual_seed`), on the CPU the scoped patches of
+    `gyre.train.megatron.cpu`.
 
     Cell ranks must be contiguous in the torch.distributed numbering (`GroupLayout.dist_rank`);
     data parallelism then runs across cells.
@@ -62,10 +63,14 @@ def init_model_parallel(cfg: MegatronConfig, device: str | torch.device) -> None
 
     if not parallel_state.model_parallel_is_initialized():
         # "pp" before "dp": a cell's TP x PP ranks are contiguous, shard s = TP rank s % TP of
-        # stage s // TP (Megatron's default order puts the pipeline outermost, across cells)
+        # stage s // TP (Megatron's default order puts the pipeline outermost, across cells).
+        # Experts fold onto the TP ranks (EP x ETP = TP): TP rank t holds the experts of EP
+        # rank t // ETP, split as ETP rank t % ETP; expert data parallelism runs across cells.
         parallel_state.initialize_model_parallel(
-            cfg.tensor_parallel, cfg.pipeline_parallel, order="tp-cp-ep-pp-dp"
-        )
+            cfg.tensor_parallel, cfg.pipeline_parallel, order="tp-cp-ep-pp-dp",
+            expert_model_parallel_size=cfg.expert_parallel,
+            expert_tensor_parallel_size=cfg.expert_tensor_parallel,
+        )  # fmt: skip
     if _on_cuda(device):
         _bind(device)
         # after parallel_state (the seeds depend on the TP rank); Megatron's attention forks
@@ -407,7 +412,10 @@ def _materialises_scores(module: torch.nn.Module) -> bool:
 
 def _replicated_mask(model: torch.nn.Module, total: int, device: torch.device) -> torch.Tensor:
     """1 where a flat-buffer element counts toward the norm on this rank, else 0: a tensor
-    replicated over the TP ranks counts on TP rank 0, a tied embedding on the first stage."""
+    replicated over the TP ranks counts on TP rank 0, a tied embedding on the first stage; a
+    tensor-parallel shard, and a routed expert under expert parallelism (Megatron marks it
+    `allreduce = False`: its own experts on each EP rank, no expert data parallelism inside a
+    cell), count on every rank."""
     from megatron.core import parallel_state
 
     from gyre.train.megatron.pipeline import tied_copy
@@ -418,7 +426,8 @@ def _replicated_mask(model: torch.nn.Module, total: int, device: torch.device) -
     off = 0
     for p in (q for q in model.parameters() if q.requires_grad):
         n = p.numel()
-        if p is not duplicate and (getattr(p, "tensor_model_parallel", False) or first):
+        sharded = getattr(p, "tensor_model_parallel", False) or not getattr(p, "allreduce", True)
+        if p is not duplicate and (sharded or first):
             mask[off : off + n] = 1.0
         off += n
     return mask

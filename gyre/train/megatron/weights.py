@@ -15,7 +15,11 @@ separate tensors; Megatron fuses them:
 * Mixture of experts (Qwen3-MoE, Qwen2-MoE): the router ``mlp.gate`` is ``mlp.router``
   (replicated); routed expert j's ``gate_proj`` / ``up_proj`` / ``down_proj`` (the checkpoint's
   names, ``mlp.experts.{j}.*``) are ``mlp.experts.local_experts.{j}.linear_fc1`` (``[gate;
-  up]``) / ``linear_fc2``, split over TP like the dense MLP; Qwen2-MoE's ``shared_expert`` is
+  up]``) / ``linear_fc2``, split over TP like the dense MLP — or, under expert parallelism
+  (``WeightLayout.expert_parallel`` = EP, dividing TP), TP rank t holds the E/EP experts
+  ``[b·E/EP, (b+1)·E/EP)`` of block b = t // ETP as ``local_experts.0..E/EP-1``, each split
+  over the block's ETP = TP/EP ranks (rank t % ETP), as Megatron's ``SequentialMLP`` numbers
+  them; Qwen2-MoE's ``shared_expert`` is
   ``mlp.shared_experts`` (the same fusion) and its ``shared_expert_gate`` is
   ``mlp.shared_experts.gate_weight``. transformers 5 holds a layer's experts in memory as two
   stacked tensors (``mlp.experts.gate_up_proj`` ``[E, 2F, H]``, ``mlp.experts.down_proj``
@@ -140,9 +144,15 @@ class WeightLayout:
     """Routed experts per layer (0: a dense MLP)."""
     shared_expert: bool = False
     """A gated shared expert beside the routed ones (Qwen2-MoE)."""
+    expert_parallel: int = 1
+    """EP: the routed experts of a stage are split over the TP ranks in EP blocks of
+    experts / EP whole experts (TP rank t holds block t // ETP, ETP = TP / EP), each expert
+    cut over the block's ETP ranks (at rank t % ETP); 1: every TP rank a TP shard of every
+    expert."""
 
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any], *, fused_norms: bool = False) -> WeightLayout:
+    def from_hf_config(cls, hf: Mapping[str, Any], *, fused_norms: bool = False,
+                       expert_parallel: int = 1) -> WeightLayout:  # fmt: skip
         heads = int(hf["num_attention_heads"])
         return cls(
             num_layers=int(hf["num_hidden_layers"]),
@@ -155,7 +165,16 @@ class WeightLayout:
             qk_norm=qk_norm(hf),
             experts=num_experts(hf),
             shared_expert=shared_expert_size(hf) > 0,
+            expert_parallel=expert_parallel,
         )
+
+    def expert_block(self, tp_rank: int, tp_size: int) -> tuple[range, int, int]:
+        """TP rank `tp_rank`'s routed experts (global indices, in local order), its rank
+        among the ranks that split them and their count (ETP)."""
+        etp = tp_size // self.expert_parallel
+        per = self.experts // self.expert_parallel
+        block = tp_rank // etp
+        return range(block * per, (block + 1) * per), tp_rank % etp, etp
 
 
 def stage_layers(layout: WeightLayout, stage: int, stages: int) -> range:
@@ -262,9 +281,10 @@ def _layer_to_mcore(hf: TensorSource, layout: WeightLayout, i: int, local: int, 
         yield from _mlp_to_mcore(hf, f"{h}.mlp", f"{d}.mlp", rank, size)
         return
     yield f"{d}.mlp.router.weight", hf.chunk(f"{h}.mlp.gate.weight", 0, 0, 1)
-    for j in range(layout.experts):
-        yield from _mlp_to_mcore(hf, f"{h}.mlp.experts.{j}", f"{d}.mlp.experts.local_experts.{j}",
-                                 rank, size)  # fmt: skip
+    experts, e_rank, e_size = layout.expert_block(rank, size)
+    for local_j, j in enumerate(experts):
+        mine = f"{d}.mlp.experts.local_experts.{local_j}"
+        yield from _mlp_to_mcore(hf, f"{h}.mlp.experts.{j}", mine, e_rank, e_size)
     if layout.shared_expert:
         yield from _mlp_to_mcore(hf, f"{h}.mlp.shared_expert", f"{d}.mlp.shared_experts", rank,
                                  size)  # fmt: skip
@@ -305,6 +325,7 @@ def _iter_hf_to_mcore(hf: TensorSource, layout: WeightLayout, *, tp_rank: int, t
         raise TrainingError(f"tp_rank: {tp_rank}; allowed 0..{tp_size - 1}")
     if layout.groups % tp_size:
         raise TrainingError(f"query groups {layout.groups} not divisible by TP {tp_size}")
+    _check_experts(layout, tp_size)
     emb = "model.embed_tokens.weight"
     if first_stage:
         yield "embedding.word_embeddings.weight", _split(hf, emb, 0, tp_rank, tp_size)
@@ -316,6 +337,13 @@ def _iter_hf_to_mcore(hf: TensorSource, layout: WeightLayout, *, tp_rank: int, t
             yield "output_layer.weight", _split(hf, "lm_head.weight", 0, tp_rank, tp_size)
         elif not first_stage:  # the last stage keeps its own copy of the tied embedding
             yield "output_layer.weight", _split(hf, emb, 0, tp_rank, tp_size)
+
+
+def _check_experts(layout: WeightLayout, tp_size: int) -> None:
+    ep = layout.expert_parallel
+    if ep != 1 and (tp_size % ep or not layout.experts or layout.experts % ep):
+        raise TrainingError(f"expert parallel {ep}: does not divide TP {tp_size} and the "
+                            f"{layout.experts} routed experts")  # fmt: skip
 
 
 def _cat(shards: Sequence[Mapping[str, torch.Tensor]], name: str, dim: int) -> torch.Tensor:
@@ -348,8 +376,11 @@ def _layer_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: WeightLay
         yield from _mlp_to_hf(shards, f"{h}.mlp", f"{d}.mlp")
         return
     yield f"{h}.mlp.gate.weight", _one(shards, f"{d}.mlp.router.weight")
-    for j in range(layout.experts):
-        yield from _mlp_to_hf(shards, f"{h}.mlp.experts.{j}", f"{d}.mlp.experts.local_experts.{j}")
+    for block in range(0, len(shards), len(shards) // layout.expert_parallel):
+        experts, _, etp = layout.expert_block(block, len(shards))
+        for local_j, j in enumerate(experts):
+            yield from _mlp_to_hf(shards[block : block + etp], f"{h}.mlp.experts.{j}",
+                                  f"{d}.mlp.experts.local_experts.{local_j}")  # fmt: skip
     if layout.shared_expert:
         yield from _mlp_to_hf(shards, f"{h}.mlp.shared_expert", f"{d}.mlp.shared_experts")
         yield (
@@ -384,6 +415,7 @@ def mcore_to_hf(
     """HF tensors (the engines' layout) from all TP ranks' state dicts of one stage."""
     if not shards:
         raise TrainingError("mcore_to_hf: no TP shards given")
+    _check_experts(layout, len(shards))
     out: Tensors = {}
     if first_stage:
         out["model.embed_tokens.weight"] = _cat(shards, "embedding.word_embeddings.weight", 0)
