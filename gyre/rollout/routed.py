@@ -9,16 +9,24 @@ and the client alike.
 
 `RouterTap` is how the embedded engine knows them: a forward hook on each MoE layer's router
 of a transformers model (Qwen3-MoE's and Qwen2-MoE's `...TopKRouter`, which return
-`(logits, top-k weights, top-k indices)`), collecting the indices of one forward pass.
+`(logits, top-k weights, top-k indices)`), collecting the indices of one forward pass. The
+torch training backend replays recorded routing through the same hooks (`replaying`): a
+router's top-k indices become the recorded ones where a position has them, its weights
+those experts' softmax probabilities (renormalized where the model's `norm_topk_prob` says),
+computed from its logits as its own forward computes them, so its gradient still flows.
 
     tap = RouterTap.of_model(model)        # None for a dense model
     model(input_ids=ids, ...)              # [rows, width] tokens
     tap.take(rows=1)                       # int32 [1, width, layers, top_k]
+    with tap.replaying(routing):           # [rows, width, layers, top_k], -1 unknown
+        model(input_ids=ids, ...)
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -69,13 +77,16 @@ class RouterTap:
     def __init__(self, routers: list[torch.nn.Module]) -> None:
         self.top_k: int = routers[0].top_k  # type: ignore[assignment]
         self._seen: list[torch.Tensor | None] = [None] * len(routers)
+        self._targets: list[torch.Tensor] | None = None  # per layer [tokens, top_k] replayed
         for i, router in enumerate(routers):
             router.register_forward_hook(self._hook(i))
 
     @classmethod
     def of_model(cls, model: torch.nn.Module) -> RouterTap | None:
-        """A tap on every router of `model`; None for a model without routed experts."""
-        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        """A tap on every router of a transformers `model`; None for a model without routed
+        experts."""
+        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")
+                   and type(m).__module__.startswith("transformers.")]  # fmt: skip
         return cls(routers) if routers else None
 
     @property
@@ -83,10 +94,33 @@ class RouterTap:
         return len(self._seen)
 
     def _hook(self, layer: int) -> Any:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self._seen[layer] = output[2].detach()  # (logits, weights, indices [tokens, k])
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if self._targets is not None:  # (logits, weights, indices [tokens, k])
+                output = _replayed(module, output, self._targets[layer])
+            self._seen[layer] = output[2].detach()
+            return output
 
         return hook
+
+    @contextlib.contextmanager
+    def replaying(self, routing: np.ndarray | None) -> Iterator[None]:
+        """The routers take `routing` ([rows, width, layers, top_k] of the forward's rows,
+        -1 where unknown) as their top-k during the block; nothing replayed for None."""
+        if routing is None:
+            yield
+            return
+        import torch
+
+        if routing.shape[2:] != (self.layers, self.top_k):
+            raise ValueError(f"routing replay: rows of {list(routing.shape[2:])} for a model of "
+                             f"{self.layers} MoE layers, top {self.top_k}")  # fmt: skip
+        flat = torch.from_numpy(np.ascontiguousarray(routing, dtype=np.int64))
+        self._targets = [flat[:, :, i].reshape(-1, self.top_k) for i in range(self.layers)]
+        try:
+            yield
+        finally:
+            self._targets = None
+            self._seen = [None] * len(self._seen)
 
     def take(self, rows: int) -> np.ndarray:
         """The last forward's routing as int32 `[rows, width, layers, top_k]` (its tokens
@@ -98,3 +132,20 @@ class RouterTap:
 
         stacked = torch.stack([s for s in seen if s is not None], dim=1)  # [tokens, L, k]
         return stacked.to(torch.int32).numpy().reshape(rows, -1, self.layers, self.top_k)
+
+
+def _replayed(router: Any, output: Any, target: torch.Tensor) -> tuple[Any, Any, Any]:
+    """A transformers router's output with `target`'s experts where known (their softmax
+    probabilities, renormalized where the router renormalizes)."""
+    import torch
+
+    logits, _, own = output
+    target = target.to(own.device)
+    known = (target >= 0).all(dim=1, keepdim=True)
+    indices = torch.where(known, target, own)
+    if router.norm_topk_prob:  # the chosen experts' softmax renormalized: a softmax over
+        # their logits, which stays finite where the others' scores dwarf theirs
+        weights = torch.softmax(logits.gather(1, indices), dim=-1, dtype=torch.float)
+    else:
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, indices)
+    return logits, weights.to(logits.dtype), indices

@@ -24,6 +24,7 @@ is float32 and each parameter's bf16 gradient is added into it as soon as autogr
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Callable, Mapping
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from gyre.errors import TrainingError
+from gyre.rollout.routed import RouterTap
 from gyre.train.config import ObjectiveConfig, OptimConfig
 from gyre.train.objective import (
     ExecutionScalar,
@@ -43,7 +45,7 @@ from gyre.train.objective import (
     target_logprobs,
     token_coefficients,
 )
-from gyre.train.packing import MicroStep
+from gyre.train.packing import MicroStep, step_routing
 
 
 @dataclass(slots=True)
@@ -121,6 +123,8 @@ class TorchCell:
         self.objective = objective
         self.flat_params, self.flat_grads = flatten_parameters(model, dtype)
         self.device = self.flat_params.device
+        # a transformers MoE model's routers, which replay the rows' recorded routing
+        self._routers = RouterTap.of_model(model)
         if self.mixed:
             for p, off in zip(trainable(model), self._offsets(), strict=True):
                 p.register_post_accumulate_grad_hook(self._adder(off, p.numel()))
@@ -174,10 +178,18 @@ class TorchCell:
 
     def _logprobs(self, step: MicroStep, *, grad: bool) -> tuple[torch.Tensor, Any]:
         st = step_tensors(step, self.device)
-        with torch.set_grad_enabled(grad):
+        routing = None
+        if self._routers is not None:  # a MoE model: replay the rows' recorded routing
+            routing = step_routing(step, st.ids.shape[1])
+        with torch.set_grad_enabled(grad), self._replaying(routing):
             logp = target_logprobs(_logits(self.model, st), st.ids)
         check_finite(logp, st, f"micro-step {step.index}")
         return logp, st
+
+    def _replaying(self, routing: Any) -> contextlib.AbstractContextManager[None]:
+        if self._routers is None:
+            return contextlib.nullcontext()
+        return self._routers.replaying(routing)
 
     def prepass(self, step: MicroStep) -> dict[str, float]:
         """Phase A: per-execution sums of the token log-ratio over this step's targets."""

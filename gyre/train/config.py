@@ -262,9 +262,10 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
     routing_replay: bool | Literal["auto"] = "auto"
     """Train a mixture-of-experts policy on the experts its rollout engine routed each token
     to: the proxy records them with the tokens (SGLang's `return_routed_experts`), and the
-    Megatron backend replays them through its routers, so the trainer's probabilities are
-    those of the policy that acted (docs/gpu.md "Routing replay"). auto: on for a MoE model
-    with the megatron backend; true refuses a dense model and the torch backend."""
+    trainer's routers take them as their top-k (Megatron's router replay slot; the torch
+    backend's transformers routers alike), so the trainer's probabilities are those of the
+    policy that acted (docs/gpu.md "Routing replay"). auto: on for a MoE model; true
+    refuses a dense model."""
     keep_policies: int = 3
     """Publications kept as Hugging Face model directories under RUN_DIR/policies (>= 1)."""
     record_batches: bool = False
@@ -295,11 +296,6 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
             )
         if self.routing_replay not in (True, False, "auto"):
             raise ConfigError(f"routing_replay: {self.routing_replay!r}; allowed true, false, auto")
-        if self.routing_replay is True and self.backend != "megatron":
-            raise ConfigError(
-                f"routing_replay: true with backend {self.backend}; allowed: true with backend "
-                "megatron (its routers replay the engine's experts), or false / auto"
-            )
         if self.keep_policies < 1:
             raise ConfigError(f"keep_policies: {self.keep_policies}; allowed an integer >= 1")
         if self.min_group_outcomes < 1:
@@ -321,12 +317,9 @@ class TrainConfig(OptimConfig, ObjectiveConfig):
 
     def replays_routing(self, hf: Mapping[str, Any]) -> bool:
         """Whether a run of the model with config `hf` (config.json as a dict) records and
-        replays routed experts: `routing_replay`, auto resolved (a MoE model trained by
-        Megatron)."""
+        replays routed experts: `routing_replay` (auto: for a MoE model)."""
         moe = bool(hf.get("num_experts") or hf.get("num_local_experts"))
-        if self.routing_replay == "auto":
-            return moe and self.backend == "megatron"
-        return bool(self.routing_replay) and moe
+        return moe and self.routing_replay in (True, "auto")
 
     @property
     def objective(self) -> ObjectiveConfig:

@@ -163,6 +163,24 @@ class MicroStep:
         return sum(r.num_targets for r in self.rows)
 
 
+def step_routing(step: MicroStep, width: int) -> np.ndarray | None:
+    """A micro-step's recorded routing `[rows, width, layers, top_k]` (-1 where unknown and
+    on padding to `width`), from its rows' `TokenRow.routing`, for a MoE trainer to replay;
+    None when no row has any."""
+    rows = [r.routing for r in step.rows]
+    shapes = {r.shape[1:] for r in rows if r is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise TrainingError(f"micro-step {step.index}: rows routed with shapes {sorted(shapes)}")
+    (shape,) = shapes
+    out = np.full((len(rows), width, *shape), -1, np.int64)
+    for i, r in enumerate(rows):
+        if r is not None:
+            out[i, : len(r)] = r
+    return out
+
+
 def balance_order(rows: Iterable[TokenRow]) -> list[TokenRow]:
     """Rows longest first (stable), so neighbours have similar lengths."""
     return sorted(rows, key=lambda r: -r.length)

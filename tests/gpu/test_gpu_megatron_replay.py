@@ -1,11 +1,12 @@
-"""Routing replay (issue 54, item 4): the Megatron trainer routes each position as the engine did.
+"""Routing replay (issue 54, item 4): the trainer routes each position as the engine did.
 
 A tiny random Qwen3-MoE (megatron_family_worker's `tiny_family`, renormalized top 2 of 32
 experts, so a layer leaves some expert unchosen) serves a two-call execution in the embedded engine, which reports each position's
 routed experts (`return_routed_experts`); the calls become a trajectory tree whose nodes hold
 them (`Node.routed_experts`, asked from the position before each node's first token, as the
-proxy asks), the leaf's row carries them per position (`TokenRow.routing`), and the
-Megatron cell built from the same weights computes the row's target log-probs.
+proxy asks), the leaf's row carries them per position (`TokenRow.routing`), and a cell
+built from the same weights computes the row's target log-probs: the Megatron backend's
+(megatron-core's router replay slot) and the torch backend's (transformers' routers, hooked).
 
 Then one router of the trainer changes where the engine's routing never looked: an expert
 the engine chose for no position of that layer is made to score 60 times another's. Its own
@@ -103,14 +104,27 @@ def _logprobs(cell: Any, tree: TrajectoryTree, *, replay: bool) -> tuple[np.ndar
     return logp[0][st.targets[0]].numpy(), pt.logprobs[pt.trainable]
 
 
-def test_the_trainer_replays_the_engines_routing(megatron_world: None) -> None:
+def _router_weight(cell: Any, layer: int) -> torch.Tensor:
+    if hasattr(cell.model, "decoder"):  # Megatron's GPTModel
+        return cell.model.decoder.layers[layer].mlp.router.weight
+    return cell.model.model.layers[layer].mlp.gate.weight  # transformers'
+
+
+@pytest.mark.parametrize("backend", ["megatron", "torch"])
+def test_the_trainer_replays_the_engines_routing(megatron_world: None, backend: str) -> None:
     hf = tiny_family("qwen3_moe", experts=32)
     tree = _execution(hf)
     routing = tree.materialize(tree.leaves()[0]).routing
     assert routing is not None and (routing[:-1] >= 0).all(), "a position without routing"
     assert (routing[-1] == -1).all()  # the last position predicts nothing
 
-    cell = _trainer(hf)
+    if backend == "megatron":
+        cell = _trainer(hf)
+    else:  # the torch backend: transformers' model in a TorchCell
+        from gyre.train.cell import TorchCell
+        from gyre.train.objective import ObjectiveConfig
+
+        cell = TorchCell(copy.deepcopy(hf).train(), objective=ObjectiveConfig())
     for replay in (True, False):  # the same policy: the engine's log-probs either way
         trainer, engine = _logprobs(cell, tree, replay=replay)
         np.testing.assert_allclose(trainer, engine, atol=2e-5, rtol=0)
@@ -118,10 +132,10 @@ def test_the_trainer_replays_the_engines_routing(megatron_world: None) -> None:
     # an expert the engine never chose in some layer scores far above another there
     layer, unused = next((layer, e) for layer in range(routing.shape[1]) for e in range(32)
                          if not (routing[:, layer] == e).any())  # fmt: skip
-    router = cell.model.decoder.layers[layer].mlp.router
+    weight = _router_weight(cell, layer)
     used = int(np.bincount(routing[:-1, layer].ravel()).argmax())
     with torch.no_grad():
-        router.weight[unused] = 60 * router.weight[used]
+        weight[unused] = 60 * weight[used]
     replayed, engine = _logprobs(cell, tree, replay=True)
     own, _ = _logprobs(cell, tree, replay=False)
     np.testing.assert_allclose(replayed, engine, atol=2e-5, rtol=0)
@@ -129,15 +143,24 @@ def test_the_trainer_replays_the_engines_routing(megatron_world: None) -> None:
 
 
 def test_rows_of_one_step_with_and_without_routing_pad_with_unknown() -> None:
-    from gyre.train.megatron.replay import step_routing
+    from gyre.errors import TrainingError
+    from gyre.train.packing import step_routing
+
+    def step(*routings: np.ndarray | None) -> MicroStep:
+        rows = tuple(make_row(execution_id=f"e{i}", group_id="g", policy_version=0,
+                              ids=[1, 2, 3], targets=[False, True, True],
+                              behaviour_logprobs=[0.0, -1.0, -1.0], advantage=1.0,
+                              execution_targets=2, routing=r)
+                     for i, r in enumerate(routings))  # fmt: skip
+        return MicroStep(index=0, rows=rows)
 
     a = np.arange(12, dtype=np.int16).reshape(3, 2, 2)
-    got = step_routing([a, None], 4)
+    got = step_routing(step(a, None), 4)
     assert got is not None and got.shape == (2, 4, 2, 2)
     assert (got[0, :3] == a).all() and (got[0, 3:] == -1).all() and (got[1] == -1).all()
-    assert step_routing([None, None], 4) is None
-    with pytest.raises(ValueError, match="shapes"):
-        step_routing([a, np.zeros((2, 3, 2), np.int16)], 4)
+    assert step_routing(step(None, None), 4) is None
+    with pytest.raises(TrainingError, match="shapes"):
+        step_routing(step(a, np.zeros((3, 3, 2), np.int16)), 4)
 
 
 @pytest.mark.slow

@@ -298,9 +298,10 @@ class MegatronCell(TorchCell):
         (`gyre.train.megatron.replay`), each TP rank's slice under sequence parallelism."""
         from megatron.core import parallel_state
 
-        from gyre.train.megatron.replay import replayed, step_routing
+        from gyre.train.megatron.replay import replayed
+        from gyre.train.packing import step_routing
 
-        routing = step_routing([r.routing for r in step.rows], width) if self._replays else None
+        routing = step_routing(step, width) if self._replays else None
         split = bool(self._config.sequence_parallel)
         return replayed(
             self._replays, routing, tp_size=_tp_size() if split else 1,

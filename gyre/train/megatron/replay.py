@@ -18,7 +18,7 @@ process-wide list; `Replay` is Gyre's object in that slot, per router, merging r
 positions into the router's own choice.
 
     replays = attach(model)                   # once, after the model is built
-    with replayed(replays, step_routing):     # [rows, width, layers, top_k], -1 unknown
+    with replayed(replays, step_routing(step, width)):   # gyre.train.packing
         model(ids, positions, mask)
 """
 
@@ -75,22 +75,6 @@ def attach(model: torch.nn.Module) -> list[Replay]:
 def _layers(model: torch.nn.Module) -> list[Any]:
     decoder = getattr(model, "decoder", None)
     return list(getattr(decoder, "layers", []))
-
-
-def step_routing(rows: list[np.ndarray | None], width: int) -> np.ndarray | None:
-    """A micro-step's recorded routing `[rows, width, layers, top_k]` (-1 where unknown and
-    on padding), from its rows' `TokenRow.routing`; None when no row has any."""
-    shapes = {r.shape[1:] for r in rows if r is not None}
-    if not shapes:
-        return None
-    if len(shapes) > 1:
-        raise ValueError(f"routing replay: rows of one micro-step have shapes {sorted(shapes)}")
-    (shape,) = shapes
-    out = np.full((len(rows), width, *shape), -1, np.int64)
-    for i, r in enumerate(rows):
-        if r is not None:
-            out[i, : len(r)] = r
-    return out
 
 
 @contextlib.contextmanager
