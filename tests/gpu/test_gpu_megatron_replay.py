@@ -163,35 +163,43 @@ def test_rows_of_one_step_with_and_without_routing_pad_with_unknown() -> None:
         step_routing(step(a, np.zeros((3, 3, 2), np.int16)), 4)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
-def test_every_layout_replays_the_same_routing(tmp_path: Path, tp: int, pp: int) -> None:
-    """Rows whose positions are routed to experts drawn at random (not the routers' choice):
-    at TP 2 (sequence parallel: each rank replays its slice of the padded sequence) and over
-    two pipeline stages (each stage its own layers) the ranks' log-probs equal TP 1's with
-    the same routing, which differ from the model's own routing's (transformers')."""
+@pytest.fixture(scope="module")
+def forced_step() -> MicroStep:
+    """Rows of the tiny Qwen3-MoE (4 experts) whose positions are routed to experts drawn at
+    random (not the routers' choice)."""
     from dataclasses import replace
 
-    from test_gpu_megatron_families import _run_world, _step
+    from test_gpu_megatron_families import _step
 
-    from gyre.train.objective import step_tensors, target_logprobs
-
-    hf = tiny_family("qwen3_moe")
     gen = np.random.default_rng(3)
-    step = _step(hf.config.vocab_size)
 
     def drawn(n: int) -> np.ndarray:  # [positions, layers, top_k], distinct experts
         return np.array([[gen.permutation(4)[:TOP_K] for _ in range(2)] for _ in range(n)],
                         np.int16)  # fmt: skip
 
-    forced = tuple(replace(r, routing=drawn(r.length)) for r in step.rows)
-    step = MicroStep(index=0, rows=forced)
-    for name in ("one", "many"):
-        (tmp_path / name).mkdir()
-    (one,) = _run_world(tmp_path / "one", step, "qwen3_moe", 1, "sdpa", 1)
-    for rank in _run_world(tmp_path / "many", step, "qwen3_moe", tp, "sdpa", pp):
-        torch.testing.assert_close(rank["logp"], one["logp"], rtol=1e-5, atol=1e-6)
-    st = step_tensors(step)
+    step = _step(tiny_family("qwen3_moe").config.vocab_size)
+    return MicroStep(index=0, rows=tuple(replace(r, routing=drawn(r.length)) for r in step.rows))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_every_layout_replays_the_same_routing(
+    megatron_world: None, forced_step: MicroStep, tmp_path: Path, tp: int, pp: int
+) -> None:
+    """Forced routing: at TP 2 (sequence parallel: each rank replays its slice of the padded
+    sequence) and over two pipeline stages (each stage its own layers) the ranks' log-probs
+    equal a one-rank cell's (TP 1, in this process) with the same routing, which differ from
+    the model's own routing's (transformers')."""
+    from test_gpu_megatron_families import _run_world
+
+    from gyre.train.objective import step_tensors, target_logprobs
+
+    hf = tiny_family("qwen3_moe")
+    with torch.no_grad():
+        one, _ = _trainer(hf)._logprobs(forced_step, grad=False)
+    for rank in _run_world(tmp_path, forced_step, "qwen3_moe", tp, "sdpa", pp):
+        torch.testing.assert_close(rank["logp"].detach(), one, rtol=1e-5, atol=1e-6)
+    st = step_tensors(forced_step)
     with torch.no_grad():
         own = target_logprobs(hf(input_ids=st.ids, attention_mask=st.attention).logits, st.ids)
-    assert (own - one["logp"])[st.targets].abs().max() > 1e-2, "the forced routing was not used"
+    assert (own - one)[st.targets].abs().max() > 1e-2, "the forced routing was not used"
