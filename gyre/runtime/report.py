@@ -408,10 +408,11 @@ def _html(run_dir: Path, summary: dict[str, Any], data: dict[str, Any],
     cells = ""
     if "train_backend" in summary:  # runs from before the backends were recorded lack it
         par = summary.get("parallel") or {}
+        experts = f", experts over {par['expert']}" if (par.get("expert") or 1) > 1 else ""
         cells = (f"<p class='cells'>{summary.get('ranks_per_cell')} ranks per cell; training "
                  f"backend <b>{html.escape(str(summary['train_backend']))}</b> (tensor "
                  f"{par.get('tensor')} x pipeline {par.get('pipeline')} x data "
-                 f"{par.get('data')}); engine backend "
+                 f"{par.get('data')}{experts}); engine backend "
                  f"<b>{html.escape(str(summary.get('engine_backend')))}</b></p>")  # fmt: skip
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>Gyre run {name}</title>"
