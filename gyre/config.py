@@ -22,6 +22,7 @@ to the raw mapping before `load`, so a mistyped key fails in the same strict loa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -153,6 +154,18 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _allowed(tp: Any) -> str:
+    """What a value of type `tp` may be, in the words of a one-line config error."""
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    words = {bool: "true / false", int: "an integer", float: "a number", str: "a string"}
+    if tp in words:
+        return words[tp]
+    return "a list" if typing.get_origin(tp) in (list, tuple) else _type_name(tp)
+
+
 def _convert(tp: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -166,15 +179,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         options = [arg for arg in args if arg is not type(None)]
         if len(options) == 1:  # `X | None`: X's own error says what is wrong
             return _convert(options[0], value, path)
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
+        for arg in options:
+            with contextlib.suppress(ConfigError):
                 return _convert(arg, value, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{path}: {value!r} matches none of {_type_name(tp)}")
+        allowed = " or ".join(_allowed(arg) for arg in args)
+        raise ConfigError(f"{path}: {value!r}; allowed: {allowed}")
     if origin is typing.Literal:
         if value not in args:
             allowed = ", ".join(repr(a) for a in args)

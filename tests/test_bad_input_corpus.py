@@ -68,6 +68,8 @@ CASES: list[Case] = [
     Case("gyre run", ("run", "{tmp}/case.yaml", "--dry-run"),
          ("train.backend megatron", "model_type: 'mistral'", "allowed"),
          config={"model": f"{MODELS}/mistral", "train": {"backend": "megatron"}}),
+    Case("gyre run", ("run", "{local}", "train.routing_replay=3", "--dry-run"),
+         ("train.routing_replay: 3", "allowed: true / false or 'auto'")),
     Case("gyre run", ("run", "{tmp}/case.yaml", "--dry-run"),
          ("train.routing_replay: true", "routes no experts", "allowed: true for a mixture"),
          config={"model": f"{MODELS}/qwen2_dense", "train": {"routing_replay": True}}),
