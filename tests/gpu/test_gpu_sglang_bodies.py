@@ -119,6 +119,7 @@ async def _async_clients(url: str) -> None:
     sampled = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=20,
                              stop_token_ids=[2], sampling_seed=3)  # fmt: skip
     await client.generate([1, 2, 3], sampled, "g-1")
+    await client.generate([1, 2, 3], sampled, "g-1r", routed_from=2)  # routing replay's ask
     await client.generate([1], SamplingParams(temperature=0.0, regex="a+"), "g-2")
     await client.generate([1], SamplingParams(json_schema='{"type": "object"}'), "g-3")
     await client.generate([1], SamplingParams(ebnf='start: "a"+', ignore_eos=True), "g-4")
@@ -250,14 +251,15 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(
     monkeypatch.setenv(ENGINE_KEY_ENV, "k3y")
     engine = EngineHost("/models/qwen", EngineConfig(backend="sglang", tensor_parallel=2,
                         expert_parallel=2, mem_fraction_static=0.6), tmp_path / "e.log",
-                        version=3)  # fmt: skip
+                        version=3, routed_experts=True)  # fmt: skip
     run_argv, run_url = engine.command()
     assert run_argv[1:3] == ["-m", "sglang.launch_server"]
     run_expect = {"model_path": "/models/qwen", "tp_size": 2, "ep_size": 2,
                   "mem_fraction_static": 0.6,
                   "weight_version": "3", "api_key": "k3y", "enable_memory_saver": True,
                   "port": int(run_url.rsplit(":", 1)[1]),  # and, the run's calls being seeded:
-                  "enable_deterministic_inference": True}  # fmt: skip
+                  "enable_deterministic_inference": True,
+                  "enable_return_routed_experts": True}  # routing replay of an MoE model  # fmt: skip
     report = _check({
         "requests": seen + PROBES,
         "launch": [{"argv": argv[3:], "expect": LAUNCH_EXPECT},
