@@ -165,8 +165,8 @@ class EngineConfig:
     ranks rendezvous at --dist-init-addr, the engine's first rank). The embedded engine: 1."""
     per_cell: int | Literal["auto"] = "auto"
     """Rollout engines of one cell, each on tensor_parallel x nodes of the cell's ranks
-    (engine j on the cell's rank j x tensor_parallel x nodes); auto: as many as the cell's
-    ranks hold on GPUs (`RunConfig.engines_per_cell`), 1 on the CPU."""
+    (engine j on the cell's rank j x tensor_parallel x nodes); auto: 1 for now
+    (`RunConfig.engines_per_cell`); more than 1 on the CPU only so far."""
     expert_parallel: int = 1
     """sglang: --ep-size, of one server's GPUs how many an MoE model's routed experts are
     split over (a divisor of tensor_parallel and of the model's expert count; 1: every GPU
@@ -460,14 +460,11 @@ class RunConfig:
 
     @property
     def engines_per_cell(self) -> int:
-        """E: the rollout engines of one cell (`engine.per_cell`; auto: every
-        tensor_parallel x nodes ranks of a cell on GPUs, 1 on the CPU). Engine j of a cell
+        """E: the rollout engines of one cell (`engine.per_cell`; auto: 1 for now — every
+        tensor_parallel x nodes ranks of a cell once GPU placement takes several). Engine j of a cell
         runs on its rank j x `engine_ranks` (`gyre.runtime.shared.layout.Component.engine`)."""
-        if self.engine.per_cell != "auto":
-            return self.engine.per_cell
-        if not self.uses_gpus:
-            return 1
-        return max(1, self.topology.ranks_per_cell // self.engine_ranks)
+        # auto stays 1 until `plan_node` places a cell's further engines on GPUs
+        return 1 if self.engine.per_cell == "auto" else self.engine.per_cell
 
     @property
     def engine_ranks(self) -> int:
@@ -476,6 +473,9 @@ class RunConfig:
 
     def _check_engines_per_cell(self) -> None:
         e, r = self.engines_per_cell, self.topology.ranks_per_cell
+        if e > 1 and self.uses_gpus:
+            raise ConfigError(f"engine.per_cell: {e} on GPUs; allowed: 1 (a cell's engines "
+                              "after the first are placed on the CPU only so far)")  # fmt: skip
         if e > 1 and e * self.engine_ranks > r:
             raise ConfigError(
                 f"engine.per_cell: {e} engines x tensor_parallel {self.engine.tensor_parallel} "
