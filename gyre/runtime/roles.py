@@ -31,7 +31,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gyre.runtime.shared.config import RunConfig
-from gyre.runtime.shared.layout import COORDINATOR_RANK, Component, Layout, cell_of_rank
+from gyre.runtime.shared.layout import (
+    COORDINATOR_RANK,
+    Component,
+    Layout,
+    cell_of_rank,
+    engine_of,
+    engine_shards,
+)
 from gyre.runtime.shared.placement import RankDevice
 from gyre.runtime.shared.startup import StartupClock
 
@@ -116,8 +123,8 @@ class CoordinatorRole:
         meta = {"config": (self.run_dir / "config.yaml").read_text(),
                 "world_size": len(components), "hosts": self.wiring.hosts,
                 "model": cfg.model, **provenance()}  # fmt: skip
-        coordinator = Coordinator(cfg, link, self.run_dir, Layout(cfg.topology).ranks, meta,
-                                  startup=clock)  # fmt: skip
+        ranks = Layout(cfg.topology).serving(shards(cfg))
+        coordinator = Coordinator(cfg, link, self.run_dir, ranks, meta, startup=clock)
         clock.mark("trace open")  # the trace, the trackers
         try:
             summary = coordinator.run()
@@ -173,9 +180,10 @@ class EngineRole:
     def serve(self, link: Any, transport: Any) -> int:
         from gyre.runtime.cell.leader import CellProcess
 
-        k, me = self.cfg.topology.cells, self.me
+        k, me = self.cfg.topology.cells * self.cfg.engines_per_cell, self.me
         return CellProcess(
-            self.cfg, engine_index=me.index if me.kind == "cell" else k + me.index,
+            self.cfg, engine_index=me.index * self.cfg.engines_per_cell if me.kind == "cell"
+            else k + me.index, cell=me.index if me.kind == "cell" else None,
             comms=self.wiring.comms, run_dir=self.run_dir, engine=self.engine,
             replica=self.replica, transport=transport, version=self.version,
             residency=self.wiring.residency if self.replica is not None else None,
@@ -184,11 +192,20 @@ class EngineRole:
 
 
 class FollowerRole:
-    """A cell rank other than the leader: its replica's shard, stepped by the leader."""
+    """A cell rank other than the leader: its replica's shard, stepped by the leader, and
+    one of the cell's engines if it hosts one (`engine_shards`)."""
 
     def __init__(self, cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> None:
         self.cfg, self.wiring, self.me, self.run_dir = cfg, wiring, me, run_dir
-        self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
+        self.engine_index = engine_of(me.index, me.shard, shards(cfg))
+        self.engine = None
+        if self.engine_index is not None and wiring.parks_first:
+            self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
+        if self.engine_index is not None:
+            self.engine = _start_engine(cfg, me, run_dir, wiring.address, wiring.placed)
+            wiring.clock.mark("engine spawn")
+        if self.engine is None or not wiring.parks_first:
+            self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
 
     @property
     def flat(self) -> Any:
@@ -196,13 +213,19 @@ class FollowerRole:
 
     def serve(self, link: Any, transport: Any) -> int:
         from gyre.runtime.cell.follower import CellFollower
+        from gyre.runtime.cell.serving import CellEngine
         from gyre.runtime.cell.trainer import CellTrainer
 
         trainer = CellTrainer(self.cfg, self.replica, self.wiring.comms, transport,
                               version=self.version, run_dir=self.run_dir,
                               residency=self.wiring.residency)  # fmt: skip
+        served = None
+        if self.engine is not None and self.engine_index is not None:
+            served = CellEngine(self.cfg, index=self.engine_index, engine=self.engine,
+                                run_dir=self.run_dir,
+                                up=lambda m: link.send(m, COORDINATOR_RANK))  # fmt: skip
         self.wiring.report_startup(self.me)
-        return CellFollower(trainer).serve(link)
+        return CellFollower(trainer, served, self.cfg.engines_per_cell).serve(link)
 
 
 class JudgeRole:
@@ -243,8 +266,13 @@ class JudgeRole:
         return m.status
 
 
+def shards(cfg: RunConfig) -> tuple[int, ...]:
+    """The ranks of each cell that host its engines (`engine_shards`)."""
+    return engine_shards(cfg.engines_per_cell, cfg.engine_ranks)
+
+
 def _role(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path) -> RankRole:
-    """A cell rank: the leader hosts the engine, the others follow it."""
+    """A cell rank: the leader hosts the cell's first engine, the others follow it."""
     if me.kind == "cell" and me.shard > 0:
         return FollowerRole(cfg, wiring, me, run_dir)
     return EngineRole(cfg, wiring, me, run_dir)
@@ -335,12 +363,17 @@ def _start_engine(
     GPUs its placement gives it."""
     from gyre.runtime.cell.engine_host import EngineHost
 
+    t, e = cfg.topology, cfg.engines_per_cell
+    index = {"cell": 0, "standalone": t.cells * e,
+             "judge": t.cells * e + t.standalone_engines}[me.kind] + me.index  # fmt: skip
     name = f"engine-{me.kind}{me.index}"
-    t = cfg.topology
-    index = {"cell": 0, "standalone": t.cells, "judge": t.cells + t.standalone_engines}[me.kind]
-    index += me.index  # judge engines count on after the rollout engines
+    if me.kind == "cell":  # a cell's engine j: id cell x E + j; the first keeps the cell's name
+        j = shards(cfg).index(me.shard)
+        index = me.index * e + j
+        name += f"-{j}" if j else ""
     labels = {"GYRE_RUN_DIR": str(run_dir.resolve()), "GYRE_ENGINE_INDEX": str(index)}
-    pace = cfg.pace.engine(cfg.schedule.concurrency_per_cell) if cfg.pace.enabled else None
+    concurrency = cfg.schedule.concurrency_per_cell // (e if me.kind == "cell" else 1)
+    pace = cfg.pace.engine(concurrency) if cfg.pace.enabled else None
     routed = me.kind != "judge" and cfg.engine.backend == "sglang" and cfg.routing_top_k() > 0
     engine = EngineHost(cfg.model, cfg.engine, run_dir / "logs" / f"{name}.log", version=0,
                         labels=labels, pace=pace, host=address,

@@ -91,6 +91,9 @@ class Config(ScheduleConfig):
     """Nodes one training replica needs (its TP x PP x EP x CP layout); a cell holds a multiple."""
     standalone_nodes: int = 0
     """Nodes that stay in rollout; grouped into engines of one cell's size and concurrency."""
+    engines_per_cell: int = 1
+    """Rollout engines of one cell (a runtime cell's `engine.per_cell`): the cell's
+    `concurrency_per_cell` executions are split evenly over them (`engine_concurrency`)."""
     switch_to_train_prior_s: float = 8.52
     """Rollout -> training switch seconds of a cell until one is measured (paper §6.2)."""
     switch_to_rollout_prior_s: float = 3.46
@@ -121,6 +124,13 @@ class Config(ScheduleConfig):
                 f"{self.nodes_per_cell} nodes; allowed: a divisor of nodes/cells"
             )
         ScheduleConfig.__post_init__(self)  # slots dataclass: no zero-argument super()
+        _positive("engines_per_cell", self.engines_per_cell)
+        if self.concurrency_per_cell % self.engines_per_cell:
+            raise ConfigError(
+                f"concurrency_per_cell: {self.concurrency_per_cell} does not split over "
+                f"{self.engines_per_cell} engines per cell; allowed: a multiple of "
+                f"{self.engines_per_cell}"
+            )
         if self.standalone_nodes < 0 or self.standalone_nodes % self.nodes_per_cell:
             raise ConfigError(
                 f"standalone_nodes: {self.standalone_nodes}; allowed: a multiple of the "
@@ -139,6 +149,18 @@ class Config(ScheduleConfig):
     @property
     def standalone_engines(self) -> int:
         return self.standalone_nodes // self.nodes_per_cell
+
+    @property
+    def engine_concurrency(self) -> int:
+        """Executions one of a cell's engines serves: the cell's share over its engines.
+        The one place a cell's rollout capacity is counted in engines (the scheduler's
+        `Engines` and the simulator's engine pool both read it)."""
+        return self.concurrency_per_cell // self.engines_per_cell
+
+    @property
+    def engines(self) -> int:
+        """Every rollout engine: the cells' (engines_per_cell each), then the standalone."""
+        return self.cells * self.engines_per_cell + self.standalone_engines
 
 
 @dataclass(kw_only=True, slots=True)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gyre.errors import ConfigError
@@ -50,7 +51,7 @@ class EngineModel:
 
     @classmethod
     def for_size(
-        cls, nodes: int, concurrency: int, generation_share: float, half_per_node: float
+        cls, nodes: float, concurrency: int, generation_share: float, half_per_node: float
     ) -> EngineModel:
         return cls(concurrency, half_per_node * nodes, generation_share)
 
@@ -67,11 +68,15 @@ class EngineModel:
 class EnginePool:
     """Loads, virtual clocks and per-engine target heaps of all rollout engines."""
 
-    def __init__(self, engines: int, model: EngineModel) -> None:
-        self.model = model
-        self._rates = [model.rate(n) for n in range(4 * model.reference_load + 2)]
+    def __init__(self, engines: int, model: EngineModel, sizes: Sequence[EngineModel] = ()) -> None:
+        """`engines` engines of `model`'s size, the first `len(sizes)` of them each of its own
+        (a cell's engines where a cell serves from several: `Simulator`)."""
+        self.models = [*sizes, *[model] * (engines - len(sizes))]
+        tables = {id(m): [m.rate(n) for n in range(4 * m.reference_load + 2)]
+                  for m in self.models}  # fmt: skip
+        self._rates = [tables[id(m)] for m in self.models]
         self.load = [0] * engines
-        self.rate = [self._rates[0]] * engines
+        self.rate = [r[0] for r in self._rates]
         self.clock = [0.0] * engines  # V
         self.synced = [0.0] * engines  # wall time V was last advanced to
         self.heaps: list[list[tuple[float, int]]] = [[] for _ in range(engines)]
@@ -90,7 +95,8 @@ class EnginePool:
     def _set_load(self, e: int, delta: int) -> None:
         n = self.load[e] + delta
         self.load[e] = n
-        self.rate[e] = self._rates[n] if n < len(self._rates) else self.model.rate(n)
+        rates = self._rates[e]
+        self.rate[e] = rates[n] if n < len(rates) else self.models[e].rate(n)
         self.stamp[e] += 1
 
     def add(self, x: int, e: int, work_s: float, now: float) -> None:

@@ -121,7 +121,8 @@ class Scheduler:
         self.config = config
         self.policy = policy
         k = config.cells
-        self.routing = Engines(k, config.standalone_engines, config.concurrency_per_cell)
+        self.routing = Engines(k, config.standalone_engines, config.concurrency_per_cell,
+                               config.engines_per_cell, config.engine_concurrency)  # fmt: skip
         self.engines = self.routing.engines
         self.route = self.routing.route  # running execution -> engine
         self.costs = CostEstimates(config)
@@ -546,8 +547,8 @@ class Scheduler:
             self._worked[c] = not self._is_satellite[c]
             out.append(SwitchCell(cell=c, role=Role.TRAIN))
             # §4.3: the source stopped accepting; destinations are reserved, calls retried
-            for x, dest in self.routing.reroute(c):
-                out.append(Reroute(execution=x, source=c, destination=dest))
+            for x, source, dest in self.routing.reroute(c):
+                out.append(Reroute(execution=x, source=source, destination=dest))
         else:
             if not self._worked[c]:
                 self.wasted_switches += 1  # it left rollout and trained nothing

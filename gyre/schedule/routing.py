@@ -1,7 +1,8 @@
 """The scheduler's rollout engines: which accept executions, launch placement, reroute order.
 
-Engines `0..K-1` belong to the cells (they accept executions only while their cell is in
-ROLLOUT), `K..K+S-1` are standalone and always accept. Everything is kept incrementally, so
+Engines `0..K·E-1` belong to the cells, E each (cell c's are c·E .. c·E+E-1; they accept
+executions only while their cell is in ROLLOUT), `K·E..K·E+S-1` are standalone and always
+accept. Everything is kept incrementally, so
 a launch, a termination or a role change costs O(log engines), never a scan of all of them:
 
 * `capacity` is C_R, the concurrency of the accepting engines (Eq. 6's left side);
@@ -42,18 +43,31 @@ class Engine:
 class Engines:
     """All rollout engines, their routes and the free-slot heap."""
 
-    def __init__(self, cells: int, standalone: int, capacity: int) -> None:
-        self.engines = [Engine(i, i, capacity) for i in range(cells)]
-        self.engines += [Engine(cells + j, None, capacity) for j in range(standalone)]
+    def __init__(
+        self, cells: int, standalone: int, capacity: int, per_cell: int = 1,
+        cell_capacity: int | None = None,
+    ) -> None:  # fmt: skip
+        """`capacity`: a standalone (cell-sized) engine's slots; `cell_capacity`: each of a
+        cell's `per_cell` engines' (`Config.engine_concurrency`; default `capacity`)."""
+        each = capacity if cell_capacity is None else cell_capacity
+        self.per_cell = per_cell
+        n = cells * per_cell
+        self.engines = [Engine(i, i // per_cell, each) for i in range(n)]
+        self.engines += [Engine(n + j, None, capacity) for j in range(standalone)]
         # §4.3: standalone engines first, then rollout cells in descending cell order.
-        self.reroute_order = self.engines[cells:] + self.engines[cells - 1 :: -1]
+        self.reroute_order = self.engines[n:] + self.engines[n - 1 :: -1]
         self.capacity = capacity * len(self.engines)  # C_R
         self.route: dict[int, int] = {}  # running execution -> engine
         self._heap = [(-e.free, e.index) for e in self.engines]
 
     def set_accepting(self, cell: int, accepting: bool) -> None:
-        """A cell's engine starts or stops accepting executions (its role changed)."""
-        self._change(self.engines[cell], accepting=accepting)
+        """A cell's engines start or stop accepting executions (its role changed)."""
+        for e in self.of_cell(cell):
+            self._change(e, accepting=accepting)
+
+    def of_cell(self, cell: int) -> list[Engine]:
+        """The engines of `cell`."""
+        return self.engines[cell * self.per_cell : (cell + 1) * self.per_cell]
 
     def set_up(self, index: int, up: bool) -> list[tuple[int, int]]:
         """An engine's process died (up=False) or is back; a lost engine's executions move
@@ -100,9 +114,11 @@ class Engines:
                 self._push(e)
         return i
 
-    def reroute(self, cell: int) -> list[tuple[int, int]]:
-        """Move every execution off the cell's engine (it stopped accepting): (x, destination)."""
-        return self._move_off(self.engines[cell], strict=True)
+    def reroute(self, cell: int) -> list[tuple[int, int, int]]:
+        """Move every execution off the cell's engines (they stopped accepting):
+        (x, source engine, destination) per move."""
+        return [(x, e.index, dest) for e in self.of_cell(cell)
+                for x, dest in self._move_off(e, strict=True)]  # fmt: skip
 
     def _move_off(self, source: Engine, *, strict: bool) -> list[tuple[int, int]]:
         """Reserve destinations for the source's executions in §4.3 order. Strict (a role

@@ -72,8 +72,11 @@ class Simulator:
         )
         model = EngineModel.for_size(sc.nodes_per_cell, sc.concurrency_per_cell,
                                      wl.generation_share, wl.saturation_half_per_node)  # fmt: skip
-        engines = sc.cells + sc.standalone_engines
-        self.pool = EnginePool(engines, model)
+        engines = sc.engines  # a cell's engines share its nodes; standalone ones are cell-sized
+        share = EngineModel.for_size(sc.nodes_per_cell / sc.engines_per_cell, sc.engine_concurrency,
+                                     wl.generation_share, wl.saturation_half_per_node)  # fmt: skip
+        cells = sc.cells * sc.engines_per_cell
+        self.pool = EnginePool(engines, model, [share] * cells if sc.engines_per_cell > 1 else ())
         self.armed_at = [INF] * engines  # time of each engine's armed completion timer
         self.armed_id = [0] * engines
         self.nodes_per_cell = sc.nodes_per_cell

@@ -1,14 +1,20 @@
-"""The loop of a cell rank other than the leader: its share of training, no engine."""
+"""The loop of a cell rank other than the leader: its share of training and, on a rank that
+hosts one of the cell's engines (`gyre.runtime.cell.serving`), that engine."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gyre.errors import TrainingError
 from gyre.runtime.cell.trainer import CellTrainer
 from gyre.runtime.shared import messages as msg
 from gyre.runtime.shared import wire
+
+if TYPE_CHECKING:
+    from gyre.runtime.cell.serving import CellEngine
+    from gyre.train.comm import Communicators
 
 IDLE_S = 0.05
 """How long a cell rank waits for a message before it watches its engine and, on the core,
@@ -16,36 +22,77 @@ serves snapshot pulls (`CellTrainer.idle`)."""
 
 
 class CellFollower:
-    """A cell rank other than the leader: takes its part of every training pass, no engine.
+    """A cell rank other than the leader: takes its part of every training pass and serves
+    its engine if it hosts one.
 
     The coordinator sends the cell's training messages (Prepass, Accumulate, Reduce), its
     role switches (ToTrain, ToRollout: a trainer sharing its GPU with the engine moves its
-    state), the core's SaveCheckpoint and Stop to every rank of the cell; only the leader
-    answers.
+    state; an engine here is released or resumed with the cell's), the core's SaveCheckpoint
+    and Stop to every rank of the cell; only the leader answers them. Respawn and Reload come
+    to the rank of the engine they name; engine readiness and losses go up from here.
     """
 
-    def __init__(self, trainer: CellTrainer) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: CellTrainer, served: CellEngine | None = None,
+                 engines: int = 1) -> None:  # fmt: skip
+        """`served`: the engine this rank hosts, if any; `engines`: how many the cell has."""
+        self.trainer, self.served, self.engines = trainer, served, engines
 
     def serve(self, link: wire.Link) -> int:
-        t = self.trainer
+        t, served = self.trainer, self.served
         handlers: dict[type, Callable[[Any], object]] = {
             msg.Prepass: t.prepass, msg.Accumulate: t.accumulate, msg.Reduce: t.reduce,
             msg.SaveCheckpoint: t.save_checkpoint,
-            msg.ToTrain: lambda _: t.to_train(), msg.ToRollout: lambda _: t.to_rollout(),
+            msg.ToTrain: self.to_train, msg.ToRollout: self.to_rollout,
         }  # fmt: skip
+        if served is not None:
+            handlers[msg.Respawn] = lambda m: served.respawn(m.role)
+            handlers[msg.Reload] = lambda _: served.reload()
+            served.announce(served.start())
+        wait = IDLE_S if t.core or served is not None else 3600.0
         while True:
-            m = link.recv(timeout=IDLE_S if t.core else 3600.0)
+            if served is not None:
+                served.watch()
+            m = link.recv(timeout=wait)
             t.idle()
             if m is None:
                 continue
             if isinstance(m, msg.Stop):
+                if served is not None:
+                    served.engine.stop()
                 return m.status
             handler = handlers.get(type(m))
             if handler is None:
                 raise TrainingError(
                     f"cell {t.comms.cell_id} rank {t.comms.shard}: got {type(m).__name__}; "
                     "a follower only takes Prepass, Accumulate, Reduce, SaveCheckpoint, "
-                    "ToTrain, ToRollout and Stop"
+                    "ToTrain, ToRollout, Stop and, hosting an engine, Respawn and Reload"
                 )
             handler(m)
+
+    def to_train(self, m: msg.ToTrain) -> None:
+        if self.served is not None:
+            self.served.release(m.routes, time.perf_counter())
+        self.trainer.to_train()
+        cell_engines(self.trainer.comms, self.served, self.engines)
+
+    def to_rollout(self, m: msg.ToRollout) -> None:
+        self.trainer.to_rollout()
+        if self.served is not None:  # back after a publication: the newest saved policy
+            self.served.resume(m.published)
+        cell_engines(self.trainer.comms, self.served, self.engines)
+
+
+def cell_engines(comms: Communicators, served: CellEngine | None, engines: int) -> dict[str, Any]:
+    """After a switch, every rank of a cell of several `engines` tells the leader how its
+    engine came out (collective over the cell): the leader gets what its `Switched` records,
+    each engine's id, whether it is released and the version it serves; others get {}."""
+    if engines == 1:
+        return {}
+    mine = None if served is None else (served.index, served.engine.released,
+                                        served.engine.version)  # fmt: skip
+    got = comms.cell.gather(mine, root=0)
+    if got is None:
+        return {}
+    hosted = sorted(g for g in got if g is not None)
+    return {"engines": [e for e, _, _ in hosted], "engines_released": [r for _, r, _ in hosted],
+            "engine_versions": [v for _, _, v in hosted]}  # fmt: skip

@@ -7,7 +7,8 @@ switch to ROLLOUT resumes the engine. A satellite's replica pulls the core's wei
 at its first pass of a batch whose weight version it does not hold. Each switch reports its
 measured duration; processes and communicators live across switches, only model state moves.
 
-The leader (shard 0) of a cell's R ranks hosts the engine and answers the coordinator's
+The leader (shard 0) of a cell's R ranks hosts the cell's first engine (a cell may serve
+from several: the others on followers, `gyre.runtime.cell.serving`) and answers the coordinator's
 messages (`gyre.runtime.shared.messages`, one handler per type); its training work, and that of the
 other ranks (`gyre.runtime.cell.follower`), is `gyre.runtime.cell.trainer.CellTrainer`. A
 standalone engine rank runs this loop without a replica.
@@ -22,12 +23,12 @@ from typing import Any
 
 import torch
 
-from gyre.errors import EngineError, TrainingError
-from gyre.rollout.kvmigrate import execution_prefix, migrate_kv
+from gyre.errors import TrainingError
 from gyre.runtime.cell.engine_host import EngineHost, publish
-from gyre.runtime.cell.follower import IDLE_S
+from gyre.runtime.cell.follower import IDLE_S, cell_engines
 from gyre.runtime.cell.pace import Pace
 from gyre.runtime.cell.residency import TrainerResidency
+from gyre.runtime.cell.serving import CellEngine
 from gyre.runtime.cell.trainer import CellTrainer
 from gyre.runtime.shared import checkpoint, policies, wire
 from gyre.runtime.shared import messages as msg
@@ -47,12 +48,17 @@ class CellProcess:
         engine: EngineHost, replica: Replica | None = None, transport: Any = None,
         version: int = 0, residency: TrainerResidency | None = None,
         clock: StartupClock | None = None, started: Callable[[], None] | None = None,
+        cell: int | None = None,
     ) -> None:  # fmt: skip
-        """`clock` times this rank's start-up phases; `started` reports them once the
-        engine serves (`gyre.runtime.shared.startup`)."""
-        self.cfg, self.index, self.comms, self.run_dir = cfg, engine_index, comms, run_dir
+        """`engine_index`: its engine's id; `cell`: the cell it speaks for (default the
+        engine's id: one engine per cell). `clock` times this rank's start-up phases;
+        `started` reports them once the engine serves (`gyre.runtime.shared.startup`)."""
+        self.cfg, self.comms, self.run_dir = cfg, comms, run_dir
+        self.index = engine_index if cell is None else cell
         self.clock, self.started = clock or StartupClock({}), started
         self.engine = engine
+        self.served = CellEngine(cfg, index=engine_index, engine=engine, run_dir=run_dir,
+                                 up=lambda m: self._up(m))  # fmt: skip
         self.trainer = (
             None if replica is None or comms is None
             else CellTrainer(cfg, replica, comms, transport, version=version, run_dir=run_dir,
@@ -61,7 +67,6 @@ class CellProcess:
         self.link: wire.Link | None = None
         self.pace = Pace.of(cfg, run_dir / "logs" / "pace" / f"cell{engine_index}.json")
         self._version = version  # > 0 after a resume
-        self.lost_reported = False
         self.handlers: dict[type, Callable[[Any], None]] = {
             msg.ToTrain: self.to_train, msg.ToRollout: self.to_rollout,
             msg.Prepass: self.prepass, msg.Accumulate: self.accumulate, msg.Reduce: self.reduce,
@@ -79,14 +84,14 @@ class CellProcess:
     def serve(self, link: wire.Link) -> int:
         """Report the engine, then obey messages until `Stop`; returns the stop status."""
         self.link = link
-        url = self._start_engine()
+        url = self.served.start()
         self.clock.mark("engine ready")
         if self.version > 0:  # resumed from a checkpoint: the engine serves its weights
             self.engine.load_weights(self._checkpoint_weights(), self.version)
             self.clock.mark("first weights")
         if self.started is not None:
             self.started()
-        self._up(msg.EngineReady(self.index, url, self.engine.version))
+        self.served.announce(url)
         while True:
             self._watch_engine()
             if self.trainer is not None:
@@ -100,31 +105,20 @@ class CellProcess:
             self.pace.begin()
             self.handlers[type(m)](m)
 
-    def _start_engine(self, tries: int = 3) -> str:
-        """Wait for the engine; one that dies while starting (SIGKILL, OOM) is started again.
-
-        Only a start that fails `tries` times in a row (a broken model or environment, not
-        a lost process) fails the job, with the engine's own log tail.
-        """
-        for attempt in range(1, tries + 1):
-            try:
-                return self.engine.wait_ready(self.cfg.timeouts.startup_s)
-            except EngineError:
-                if attempt == tries or self.engine.dead() is None:
-                    raise  # hung rather than died, or died every time
-                self.engine.stop()
-                self.engine.spawn()
-        raise AssertionError("unreachable")
-
     def _up(self, m: msg.Message) -> None:
         assert self.link is not None
         self.link.send(m, COORDINATOR_RANK)
 
     def _watch_engine(self) -> None:
-        rc = self.engine.dead()
-        if rc is not None and not self.lost_reported:
-            self.lost_reported = True
-            self._up(msg.EngineLost(self.index, rc))
+        self.served.watch()
+
+    @property
+    def lost_reported(self) -> bool:
+        return self.served.lost_reported
+
+    @lost_reported.setter
+    def lost_reported(self, value: bool) -> None:
+        self.served.lost_reported = value
 
     def _trainer(self) -> CellTrainer:
         if self.trainer is None:
@@ -147,23 +141,13 @@ class CellProcess:
     # ------------------------------------------------------------------ role switches
 
     def to_train(self, m: msg.ToTrain) -> None:
-        """Running calls' KV to their new engines first, then abort and release (§4.3)."""
+        """Running calls' KV to their new engines first, then abort and release (§4.3);
+        every engine of the cell does so on its own rank (`cell_engines`)."""
         t0 = time.perf_counter()
         self._replica()
-        detail: dict[str, Any] = {}
-
-        def switch() -> None:
-            if m.routes:  # never fatal: a failed handoff means the new engine recomputes
-                moved = migrate_kv(self.engine.url,
-                                   {execution_prefix(e): u for e, u in m.routes.items()},
-                                   timeout=30)  # fmt: skip
-                detail["kv_migrated"] = sum(1 for r in moved.values() if r.outcome == "migrated")
-                detail["kv_tokens"] = sum(r.tokens for r in moved.values())
-                detail["kv_s"] = time.perf_counter() - t0
-            self.engine.release()
-
-        self._engine_call(switch)
+        detail = self.served.release(m.routes, t0)
         self._trainer().to_train()
+        detail |= self._cell_engines()
         self.pace.switch(to_train=True)
         self._up(msg.Switched(self.index, Role.TRAIN, time.perf_counter() - t0, detail))
 
@@ -171,37 +155,22 @@ class CellProcess:
         t0 = time.perf_counter()
         # the leader's park: the trainer's state off the GPU before the engine takes it back
         parked = self.trainer.to_rollout() if self.trainer is not None else {}
-
-        def restore() -> None:
-            self.engine.resume()
-            if self.engine.version >= m.published:
-                return
-            if self.core:  # the core after a publication: its replica holds those weights
-                self.engine.load_weights(self._named(), self.version)
-            else:  # a satellite back after a publication it was released for (colocate)
-                self._load_latest()
-
-        self._engine_call(restore)
+        # the core after a publication: its replica holds those weights; a satellite back
+        # after a publication it was released for (colocate) loads the saved policy
+        self.served.resume(m.published, self._weights if self.core else None)
         self.pace.switch(to_train=False)
         detail = {"engine_version": self.engine.version,  # the weights it serves from now on
-                  **parked}  # fmt: skip
+                  **parked, **self._cell_engines()}  # fmt: skip
         self._up(msg.Switched(self.index, Role.ROLLOUT, time.perf_counter() - t0, detail))
 
-    def _engine_call(self, call: Callable[[], None]) -> None:
-        """Run a switch's engine step unless the engine is dead or dies during it.
+    def _cell_engines(self) -> dict[str, Any]:
+        """Every engine of the cell after a switch (`cell_engines`: collective over the cell)."""
+        if self.comms is None or self.trainer is None:
+            return {}
+        return cell_engines(self.comms, self.served, self.cfg.engines_per_cell)
 
-        A lost engine is reported by the watch and restarted in the role the cell then
-        has, so the switch itself goes on without it.
-        """
-        if self.engine.dead() is not None:
-            return
-        try:
-            call()
-        except EngineError:
-            if self.engine.dead() is None:
-                time.sleep(0.5)  # a killed process may not be reaped yet
-            if self.engine.dead() is None:
-                raise
+    def _weights(self) -> tuple[list[tuple[str, torch.Tensor]], int]:
+        return self._named(), self.version
 
     # ------------------------------------------------------------------ training
 
@@ -256,39 +225,13 @@ class CellProcess:
     # ------------------------------------------------------------------ engine loss
 
     def respawn(self, m: msg.Respawn) -> None:
-        """Restart a lost engine with the latest policy; released again if the cell trains.
-
-        A new engine process holds the base model, whatever version its predecessor served:
-        it is started as version 0 and brought to the newest weights this rank can reach —
-        its replica's (a cell's weights are those of the version it last published or
-        pulled) or the newest policy a publication saved. (Started at the old version, an
-        engine that had loaded version v came back with the base weights reporting v.)
-        """
-        self.engine.stop()
-        self.engine.version = 0
-        self.engine.spawn()
-        url = self._start_engine()
-        if self.trainer is not None and self.version > 0:
-            self.engine.load_weights(self._named(), self.version)
-        self._load_latest()
-        if m.role is not Role.ROLLOUT:
-            self.engine.release()
-        self.lost_reported = False
-        self._up(msg.EngineReady(self.index, url, self.engine.version))
+        """Restart a lost engine with the newest weights this rank reaches (`CellEngine.respawn`):
+        its replica's, else the newest policy a publication saved."""
+        self.served.respawn(m.role, self._weights() if self.trainer is not None else None)
 
     def reload(self, m: msg.Reload) -> None:
-        """Load the latest policy if this engine missed it (a failed push).
-
-        A dead engine is left alone (its restart loads it); a released one is too (its return
-        to rollout, or the next publication, brings it up to date).
-        """
-        if self.engine.dead() is None and not self.engine.released:
-            self._engine_call(self._load_latest)
-
-    def _load_latest(self) -> None:
-        kept = policies.latest(self.run_dir)
-        if kept is not None and kept[0] > self.engine.version:
-            self.engine.load_weights(policies.load_weights(kept[1]), kept[0])
+        """Load the latest policy if this engine missed it (a failed push)."""
+        self.served.reload()
 
     # ------------------------------------------------------------------ checkpoints
 

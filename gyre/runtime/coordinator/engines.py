@@ -53,8 +53,11 @@ def drains(c: CoordinatorState) -> None:
 
 
 def drained(c: CoordinatorState, m: msg.Drained) -> None:
-    cell = EngineId.parse(m.engine).index
-    c.to_cell(cell, msg.ToTrain(routes=c.fleet.drained(cell)))
+    """A cell's engine is drained; once all of them are, the cell switches (ToTrain)."""
+    e = EngineId.parse(m.engine).index
+    routes = c.fleet.drained(e)
+    if routes is not None:
+        c.to_cell(e // c.fleet.per_cell, msg.ToTrain(routes=routes))
 
 
 def switched(c: CoordinatorState, m: msg.Switched) -> None:
@@ -65,7 +68,8 @@ def switched(c: CoordinatorState, m: msg.Switched) -> None:
     c.rec.event("switch", cell=m.cell, to=m.role.value, seconds=total, cell_seconds=m.seconds,
                 **m.detail)  # fmt: skip
     if m.role is Role.ROLLOUT:
-        c.to_proxy(msg.Undrain(str(EngineId(m.cell))))
+        for e in c.fleet.of_cell(m.cell):
+            c.to_proxy(msg.Undrain(str(EngineId(e))))
     if c.fleet.leave_fixed(m.cell):
         return
     c.feed(ev.SwitchDone(m.cell, seconds=total))
@@ -79,7 +83,8 @@ def engine_lost(c: CoordinatorState, m: msg.EngineLost) -> None:
     # the Drain carrying those routes (ack-less: no role change) is sent after the event.
     c.fleet.lost(m.engine)
     c.feed(ev.EngineLost(m.engine))
-    role = c.sched.roles[m.engine] if m.engine < c.k else Role.ROLLOUT
+    cell = c.fleet.cell_of(m.engine, c.k)
+    role = c.sched.roles[cell] if cell is not None else Role.ROLLOUT
     c.to_rank(c.ranks.engines[m.engine], msg.Respawn(role))
 
 
@@ -98,6 +103,7 @@ def engine_ready(c: CoordinatorState, m: msg.EngineReady) -> None:
         c.to_rank(c.ranks.engines[m.engine], msg.Reload())
     c.rec.event("engine_restarted", engine=m.engine)
     c.to_proxy(msg.SetEngines({str(EngineId(m.engine)): m.url}))
-    if m.engine < c.k and c.sched.roles[m.engine] is not Role.ROLLOUT:
+    cell = c.fleet.cell_of(m.engine, c.k)
+    if cell is not None and c.sched.roles[cell] is not Role.ROLLOUT:
         c.to_proxy(msg.Drain(str(EngineId(m.engine)), {}, ack=False))
     c.feed(ev.EngineRestored(m.engine))

@@ -1,6 +1,8 @@
 """The coordinator's engine fleet: one record per rollout engine, as the coordinator knows it.
 
-Cells' engines are 0..K-1 (the cell's index), standalone ones K..; each record holds its URL,
+Cells' engines are 0..K·E-1 (cell c's E engines c·E .. c·E+E-1; E = 1: the cell's index),
+standalone ones K·E..; a cell's switch drains all of its engines and goes on once the proxy
+acknowledged every one; each record holds its URL,
 the drain the proxy is still to be sent (routes of executions moved off it), the KV routes
 its cell hands over when it switches to training, when its switch started, and whether it
 is being restarted. The coordinator calls the fleet as things happen — `ready`, `lost`,
@@ -28,12 +30,14 @@ class Engine:
     fixed_in_training: bool = False  # Async: its cell trains from the start (no SwitchDone)
     respawning: bool = False  # lost and not yet back
     switching_to_train: bool = False  # its cell's acknowledged Drain is unsent
+    acked: bool = False  # the proxy drained it for its cell's switch; its siblings not yet
 
 
 class Fleet:
     """Every engine of the job, by index, in the order they first reported ready."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_cell: int = 1) -> None:
+        self.per_cell = per_cell  # E: engines of one cell
         self.engines: dict[int, Engine] = {}
         self._draining: list[Engine] = []  # drains to send, in the order they were decided
 
@@ -79,35 +83,55 @@ class Fleet:
         if self[destination].url and not self[source].respawning:
             self[source].kv_routes[execution_id] = self[destination].url
 
+    def of_cell(self, cell: int) -> range:
+        """The engine ids of `cell`."""
+        return range(cell * self.per_cell, (cell + 1) * self.per_cell)
+
+    def cell_of(self, e: int, cells: int) -> int | None:
+        """The cell engine `e` belongs to (None: a standalone engine) of `cells` cells."""
+        return e // self.per_cell if e < cells * self.per_cell else None
+
+    def _first(self, cell: int) -> Engine:
+        """The record a cell's switch is timed on: its first engine's."""
+        return self[cell * self.per_cell]
+
     def fix_in_training(self, cell: int) -> None:
         """Async: the cell trains from the start; its switch is no scheduler switch."""
-        self[cell].fixed_in_training = True
+        self._first(cell).fixed_in_training = True
 
     def switch_to_train(self, cell: int, now: float) -> None:
-        """The cell's engine drains (acknowledged: its Drained answer sends ToTrain)."""
-        self[cell].switch_started = now
-        self.drain(cell)  # sent once the reroutes are known
-        self[cell].switching_to_train = True
+        """The cell's engines drain (acknowledged: the last Drained answer sends ToTrain)."""
+        self._first(cell).switch_started = now
+        for e in self.of_cell(cell):
+            self.drain(e)  # sent once the reroutes are known
+            self[e].switching_to_train = True
 
     def switch_to_rollout(self, cell: int, now: float) -> None:
-        self[cell].switch_started = now
+        self._first(cell).switch_started = now
 
-    def drained(self, cell: int) -> dict[str, str]:
-        """The proxy drained the cell's engine: the KV routes its cell hands over now."""
-        engine = self[cell]
-        routes, engine.kv_routes = engine.kv_routes, {}
+    def drained(self, e: int) -> dict[str, str] | None:
+        """The proxy drained engine `e` for its cell's switch: once every engine of the cell
+        is drained, the KV routes the cell hands over now (None until then)."""
+        self[e].acked = True
+        siblings = [self[s] for s in self.of_cell(e // self.per_cell)]
+        if not all(s.acked for s in siblings):
+            return None
+        routes: dict[str, str] = {}
+        for s in siblings:
+            routes |= s.kv_routes
+            s.kv_routes, s.acked = {}, False
         return routes
 
     def switched(self, cell: int, now: float) -> float:
         """The cell is in its new role: the seconds since its switch was decided."""
-        engine = self[cell]
+        engine = self._first(cell)
         started = now if engine.switch_started is None else engine.switch_started
         engine.switch_started = None
         return now - started
 
     def leave_fixed(self, cell: int) -> bool:
         """Whether the cell's switch was the fixed one at startup (cleared: once only)."""
-        engine = self[cell]
+        engine = self._first(cell)
         fixed, engine.fixed_in_training = engine.fixed_in_training, False
         return fixed
 

@@ -55,7 +55,8 @@ def startup(c: CoordinatorState) -> None:
     for cell, role in enumerate(c.sched.roles):  # Async: cells fixed in training
         if role is Role.TRAIN:
             c.fleet.fix_in_training(cell)  # not a scheduler switch: no SwitchDone
-            c.to_proxy(msg.Drain(str(EngineId(cell)), {}, ack=False))
+            for e in c.fleet.of_cell(cell):
+                c.to_proxy(msg.Drain(str(EngineId(e)), {}, ack=False))
             c.to_cell(cell, msg.ToTrain())
     c.rec.set_roles(list(c.sched.roles))
     c.rec.event("started", seconds=time.time() - c.t0, proxy=c.proxy_url)

@@ -49,7 +49,7 @@ class CoordinatorState:
             ranks = Ranks.one_per_cell(ranks, cfg.topology.cells)
         self.ranks = ranks  # each engine's rank and each cell's (`Layout.ranks`)
         self.hosts: list[str] = list(meta.get("hosts", []))  # per world rank: node or host
-        sc, pc = cfg.schedule.scheduler(cfg.topology)
+        sc, pc = cfg.schedule.scheduler(cfg.topology, cfg.engines_per_cell)
         self.sched = Scheduler(sc, make_policy(sc, pc))
         self.n, self.k = sc.group_size, sc.cells
         self.per_group = sc.executions_per_group  # N + k (oversampling)
@@ -61,7 +61,7 @@ class CoordinatorState:
             cfg.train, groups_per_batch=sc.batch_groups, group_size=sc.group_size,
             send=self.to_cell, audit_dir=run_dir,
         )  # fmt: skip
-        self.fleet = Fleet()
+        self.fleet = Fleet(sc.engines_per_cell)
         self.ledger = Ledger(self.per_group)
         self.progress = Progress(cfg, self.sched, self.ledger, self.rec, self.tracker)
         self.stats = self.progress.stats

@@ -91,9 +91,9 @@ def _serve_final(c: CoordinatorState, version: int) -> None:
     its replica's weights) or, already there, gets the final weights published."""
     core = 0
     if c.sched.roles[core] is Role.ROLLOUT:
-        url = c.fleet[core].url
-        c.published_to[version] = [url]
-        c.to_rank(c.ranks.core, msg.Publish(version=version, targets=[(core, url)]))
+        targets = [(e, c.fleet[e].url) for e in c.fleet.of_cell(core)]
+        c.published_to[version] = [url for _, url in targets]
+        c.to_rank(c.ranks.core, msg.Publish(version=version, targets=targets))
         _await(c, lambda m: isinstance(m, msg.Published) and m.version == version)
         return
     c.to_cell(core, msg.ToRollout(version))
@@ -101,7 +101,8 @@ def _serve_final(c: CoordinatorState, version: int) -> None:
     roles = list(c.sched.roles)
     roles[core] = Role.ROLLOUT
     c.rec.set_roles(roles)
-    c.to_proxy(msg.Undrain(str(EngineId(core))))
+    for e in c.fleet.of_cell(core):
+        c.to_proxy(msg.Undrain(str(EngineId(e))))
 
 
 def _await(c: CoordinatorState, done: Any) -> None:

@@ -57,12 +57,16 @@ class RunSchedule(ScheduleConfig):
             raise ConfigError(f"policy: {self.policy!r}; allowed: {', '.join(POLICIES)}")
         ScheduleConfig.__post_init__(self)  # slots dataclass: no zero-argument super()
 
-    def scheduler(self, topology: TopologyConfig) -> tuple[SchedulerConfig, PolicyConfig]:
+    def scheduler(
+        self, topology: TopologyConfig, engines_per_cell: int = 1
+    ) -> tuple[SchedulerConfig, PolicyConfig]:
         """The pure scheduler's config and policy for this topology (validated there): this
-        schedule on cells of one node each; the cost priors keep the scheduler's defaults."""
+        schedule on cells of one node each, serving from `engines_per_cell` engines each
+        (`RunConfig.engines_per_cell`); the cost priors keep the scheduler's defaults."""
         sc = SchedulerConfig(
             nodes=topology.cells, cells=topology.cells, train_layout_nodes=1,
-            standalone_nodes=topology.standalone_engines, **self.shape(),
+            standalone_nodes=topology.standalone_engines, engines_per_cell=engines_per_cell,
+            **self.shape(),
         )  # fmt: skip
         streaming = self.streaming if self.streaming is not None else self.policy == "elastic"
         pc = PolicyConfig(name=self.policy, streaming=streaming, train_cells=self.train_cells)
@@ -156,6 +160,13 @@ class EngineConfig:
     """embedded on cuda: the dtype the engine serves in (the published weights' is cast)."""
     tensor_parallel: int = 1
     """sglang: --tp-size, GPUs of one server."""
+    nodes: int = 1
+    """sglang: --nnodes, the nodes one server spans (tensor_parallel GPUs on each; node
+    ranks rendezvous at --dist-init-addr, the engine's first rank). The embedded engine: 1."""
+    per_cell: int | Literal["auto"] = "auto"
+    """Rollout engines of one cell, each on tensor_parallel x nodes of the cell's ranks
+    (engine j on the cell's rank j x tensor_parallel x nodes); auto: 1 for now
+    (`RunConfig.engines_per_cell`); more than 1 on the CPU only so far."""
     expert_parallel: int = 1
     """sglang: --ep-size, of one server's GPUs how many an MoE model's routed experts are
     split over (a divisor of tensor_parallel and of the model's expert count; 1: every GPU
@@ -194,6 +205,17 @@ class EngineConfig:
                 f"{self.mem_fraction_static}; allowed: tensor_parallel >= 1, "
                 "mem_fraction_static in (0, 1)"
             )
+        if self.per_cell != "auto" and (
+            isinstance(self.per_cell, bool)
+            or not isinstance(self.per_cell, int)
+            or self.per_cell < 1
+        ):
+            raise ConfigError(f"engine.per_cell: {self.per_cell!r}; allowed: auto or an "
+                              "integer >= 1")  # fmt: skip
+        if self.nodes < 1 or (self.nodes > 1 and self.backend != "sglang"):
+            raise ConfigError(f"engine.nodes: {self.nodes} with engine.backend {self.backend}; "
+                              "allowed: 1, or more with engine.backend sglang (the embedded "
+                              "engine runs on one machine)")  # fmt: skip
         if self.expert_parallel > 1 and self.backend != "sglang":
             raise ConfigError(f"engine.expert_parallel: {self.expert_parallel} with engine.backend "
                               f"{self.backend}: the embedded engine is one rank; allowed: 1, or "
@@ -421,8 +443,9 @@ class RunConfig:
             check_pipeline_split(self.model, dims.pipeline)  # equal stages of layers
         except ConfigError as e:
             raise ConfigError(f"train.{e}") from None
+        self._check_engines_per_cell()
         try:  # the scheduler validates both; its messages start with the field name
-            make_policy(*self.schedule.scheduler(self.topology))
+            make_policy(*self.schedule.scheduler(self.topology, self.engines_per_cell))
         except ConfigError as e:
             raise ConfigError(f"schedule.{e}") from None
 
@@ -434,6 +457,31 @@ class RunConfig:
         config = model_config(self.model)
         hf = config.get_text_config().to_dict() if config is not None else {}
         return int(hf.get("num_experts_per_tok") or 0) if self.train.replays_routing(hf) else 0
+
+    @property
+    def engines_per_cell(self) -> int:
+        """E: the rollout engines of one cell (`engine.per_cell`; auto: 1 for now — every
+        tensor_parallel x nodes ranks of a cell once GPU placement takes several). Engine j of a cell
+        runs on its rank j x `engine_ranks` (`gyre.runtime.shared.layout.Component.engine`)."""
+        # auto stays 1 until `plan_node` places a cell's further engines on GPUs
+        return 1 if self.engine.per_cell == "auto" else self.engine.per_cell
+
+    @property
+    def engine_ranks(self) -> int:
+        """The cell ranks (one GPU each) one engine spans: tensor_parallel x nodes."""
+        return self.engine.tensor_parallel * self.engine.nodes
+
+    def _check_engines_per_cell(self) -> None:
+        e, r = self.engines_per_cell, self.topology.ranks_per_cell
+        if e > 1 and self.uses_gpus:
+            raise ConfigError(f"engine.per_cell: {e} on GPUs; allowed: 1 (a cell's engines "
+                              "after the first are placed on the CPU only so far)")  # fmt: skip
+        if e > 1 and e * self.engine_ranks > r:
+            raise ConfigError(
+                f"engine.per_cell: {e} engines x tensor_parallel {self.engine.tensor_parallel} "
+                f"x nodes {self.engine.nodes} = {e * self.engine_ranks} ranks, but a cell has "
+                f"topology.ranks_per_cell {r}; allowed: at most {max(1, r // self.engine_ranks)}"
+            )
 
     @property
     def train_backend(self) -> TrainBackend:

@@ -168,8 +168,13 @@ class Layout:
 
     @property
     def ranks(self) -> Ranks:
-        """Where the coordinator sends: each engine's rank and each cell's ranks."""
+        """Where the coordinator sends: each engine's rank and each cell's ranks (one
+        engine per cell, on its leader)."""
         return Ranks.of(self.components)
+
+    def serving(self, shards: tuple[int, ...]) -> Ranks:
+        """`ranks` for cells whose engines run on these shards (`engine_shards`)."""
+        return Ranks.of(self.components, shards)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,10 +189,10 @@ class Ranks:
     judges: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, components: list[Component]) -> Ranks:
+    def of(cls, components: list[Component], shards: tuple[int, ...] = (0,)) -> Ranks:
         judges = tuple(r for r, c in enumerate(components) if c.kind == "judge")
-        return cls(tuple(engine_ranks(components)), tuple(map(tuple, cell_members(components))),
-                   judges)  # fmt: skip
+        return cls(tuple(engine_ranks(components, shards)),
+                   tuple(map(tuple, cell_members(components))), judges)  # fmt: skip
 
     @classmethod
     def one_per_cell(cls, engines: list[int], cells: int) -> Ranks:
@@ -206,9 +211,10 @@ class Ranks:
 
     @property
     def cells_and_engines(self) -> list[int]:
-        """Every rank but the coordinator and the proxy node: the engines', the followers,
-        then the judge engines (the ranks told to stop at the end of a run)."""
-        return [*self.engines, *self.followers, *self.judges]
+        """Every rank but the coordinator and the proxy node, once each: the engines', the
+        followers (one hosting an engine is already named), then the judge engines (the ranks
+        told to stop at the end of a run)."""
+        return list(dict.fromkeys([*self.engines, *self.followers, *self.judges]))
 
     def by_cell(self, per_rank: list[str]) -> list[list[str]]:
         """A per-rank list (e.g. hosts) regrouped as each cell's ranks are."""
@@ -237,6 +243,21 @@ def cell_members(components: list[Component]) -> list[list[int]]:
             for i in range(cells)]  # fmt: skip
 
 
-def engine_ranks(components: list[Component]) -> list[int]:
-    """World rank hosting each engine id: cells 0..K-1 first, then the standalone engines."""
-    return cell_ranks(components) + [r for r, c in enumerate(components) if c.kind == "standalone"]
+def engine_ranks(components: list[Component], shards: tuple[int, ...] = (0,)) -> list[int]:
+    """World rank hosting each engine id: the cells' first (cell c's engines c·E .. c·E+E-1
+    on its ranks `shards`, E = len(shards)), then the standalone engines."""
+    where = {(c.index, c.shard): r for r, c in enumerate(components) if c.kind == "cell"}
+    cells = max((i for i, _ in where), default=-1) + 1
+    hosts = [where[(i, s)] for i in range(cells) for s in shards]
+    return hosts + [r for r, c in enumerate(components) if c.kind == "standalone"]
+
+
+def engine_shards(per_cell: int, stride: int) -> tuple[int, ...]:
+    """The ranks of a cell (its shards) hosting its `per_cell` engines: engine j on shard
+    j x `stride` (an engine's tensor_parallel x nodes ranks: `RunConfig.engine_ranks`)."""
+    return tuple(j * stride for j in range(per_cell))
+
+
+def engine_of(cell: int, shard: int, shards: tuple[int, ...]) -> int | None:
+    """The engine id a cell rank hosts (None if it hosts none)."""
+    return cell * len(shards) + shards.index(shard) if shard in shards else None

@@ -1,0 +1,54 @@
+"""Cells that serve from several engines (`engine.per_cell`): a `gyre run` whose 2 cells of
+4 ranks each serve from two engines (engine j on the cell's rank j: e0, e1 for cell 0, e2, e3
+for cell 1). Every engine gets calls, every engine of a cell is released on its switch to
+training, and each comes back serving the policy published meanwhile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre.trajectory.store import TraceReader
+
+from .conftest import small_config, write_config
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_four_rank_cells_serve_from_two_engines_each(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, steps=2)
+    cfg["topology"].update(cells=2, ranks_per_cell=4)
+    cfg["engine"]["per_cell"] = 2
+    cfg["schedule"].update(policy="colocate", phi=0.0, mu=1)
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "gyre", "run", str(write_config(tmp_path, cfg)),
+         "--run-dir", str(run_dir), "--quiet"],
+        capture_output=True, text=True, timeout=500,
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    with TraceReader(run_dir / "trace.h5") as r:
+        events = [(e["kind"], json.loads(e["detail"])) for e in r.rows("events")]
+        execs = [i.execution_id for i in r.executions() if i.status != "not_launched"]
+        served = {n.engine_id for eid in execs for n in r.tree(eid).nodes}
+    assert served == {"e0", "e1", "e2", "e3"}, served  # the proxy balanced over all four
+
+    published, trains, returns = 0, [], []
+    for kind, detail in events:
+        if kind == "publish":
+            published = detail["version"]
+        elif kind == "switch" and detail["to"] == "train":
+            trains.append((detail["cell"], detail["engines"], detail["engines_released"]))
+        elif kind == "switch" and detail["to"] == "rollout":
+            returns.append((detail["cell"], detail["engines"], detail["engine_versions"],
+                            published))  # fmt: skip
+    engines = {0: [0, 1], 1: [2, 3]}
+    assert {c for c, _, _ in trains} == {0, 1}, trains  # colocate: every cell trained
+    assert all(e == engines[c] and released == [True, True] for c, e, released in trains)
+    assert {c for c, _, _, p in returns if p > 0} == {0, 1}, returns
+    for cell, e, versions, p in returns:  # both engines serve the published policy
+        assert e == engines[cell] and versions == [p, p], returns
