@@ -56,9 +56,10 @@ class Engines:
         self.engines += [Engine(n + j, None, capacity) for j in range(standalone)]
         # §4.3: standalone engines first, then rollout cells in descending cell order.
         self.reroute_order = self.engines[n:] + self.engines[n - 1 :: -1]
-        self.capacity = capacity * len(self.engines)  # C_R
+        self.capacity = sum(e.capacity for e in self.engines)  # C_R
         self.route: dict[int, int] = {}  # running execution -> engine
         self._heap = [(-e.free, e.index) for e in self.engines]
+        heapq.heapify(self._heap)  # a cell's engines may have fewer slots than a standalone
 
     def set_accepting(self, cell: int, accepting: bool) -> None:
         """A cell's engines start or stop accepting executions (its role changed)."""

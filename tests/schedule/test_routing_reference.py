@@ -141,7 +141,9 @@ def test_every_launch_and_reroute_matches_the_reference(
                 with pytest.raises(SchedulerError, match="no rollout capacity left"):
                     router.reroute(c)
                 return  # Eq. 6 forbids this switch; the router's state is no longer used
-            assert router.reroute(c) == ref.move_off(c)
+            moves = router.reroute(c)
+            assert all(source == c for _, source, _ in moves)  # one engine per cell here
+            assert [(x, dest) for x, _, dest in moves] == ref.move_off(c)
         elif op == "join":  # the cell is back in rollout
             c = n % cells
             router.set_accepting(c, True)
@@ -155,3 +157,23 @@ def test_every_launch_and_reroute_matches_the_reference(
             ref.up[e] = True
             assert router.set_up(e, True) == []
         assert_same_state(router, ref)
+
+
+def test_a_cell_of_several_engines_counts_each_engines_slots_once() -> None:
+    """Cells serving from two engines each (`engine.per_cell` 2: the cell's concurrency split
+    over them) beside a standalone engine: C_R is the sum of every engine's slots, a role
+    switch closes both of a cell's engines, and its executions leave both."""
+    router = Engines(2, 1, 8, per_cell=2, cell_capacity=4)
+    assert [e.cell for e in router.engines] == [0, 0, 1, 1, None]
+    assert router.capacity == 2 * 2 * 4 + 8
+    placed = [router.place(x) for x in range(4)]  # most free first: the standalone's 8 slots
+    assert placed == [4, 4, 4, 4]
+    for x in range(4, 12):
+        router.place(x)
+    on_cell0 = sorted(x for x, e in router.route.items() if e in (0, 1))
+    router.set_accepting(0, False)
+    assert router.capacity == 2 * 4 + 8
+    moves = router.reroute(0)
+    assert sorted(x for x, _, _ in moves) == on_cell0
+    assert {source for _, source, _ in moves} <= {0, 1}
+    assert all(dest not in (0, 1) for _, _, dest in moves)

@@ -25,7 +25,7 @@ def reference_finish_times(
         while pending and pending[0][1][0] <= t + 1e-12:
             i, (_, work) = pending.pop(0)
             remaining[i] = work
-        rate = pool.model.rate(len(remaining)) if remaining else 0.0
+        rate = pool.models[0].rate(len(remaining)) if remaining else 0.0
         for i in list(remaining):
             remaining[i] -= rate * dt
             if remaining[i] <= 1e-9:

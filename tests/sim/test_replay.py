@@ -147,7 +147,7 @@ def test_a_recorded_timeout_times_out_in_the_replay_at_any_load(tmp_path: Path) 
     sim = Simulator(load(SimConfig, template, path="replay"), "elastic", steps=8,
                     groups=f.groups, in_order=True)  # fmt: skip
     sim.run()
-    assert sim.pool.model.rate(1) > 1.2  # one execution alone on an engine: much faster
+    assert sim.pool.models[0].rate(1) > 1.2  # one execution alone on an engine: much faster
     timed_out = [x for x, o in enumerate(sim.outcome) if o is Outcome.TIMED_OUT]
     assert timed_out and all(x % 8 == 7 for x in timed_out)  # g3-e1, each time it comes
     x = timed_out[0]
