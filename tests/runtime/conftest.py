@@ -72,6 +72,20 @@ def write_config(tmp_path: Path, cfg: dict[str, Any], name: str = "run.yaml") ->
     return path
 
 
+def run_to_end(tmp_path: Path, cfg: dict[str, Any], name: str = "run",
+               timeout: float = 400) -> Path:  # fmt: skip
+    """`gyre run` of `cfg` (written beside it) into `tmp_path / name`, which it returns; the
+    run must exit 0 (its output's tail is the failure message)."""
+    run_dir = tmp_path / name
+    out = subprocess.run(
+        [sys.executable, "-m", "gyre", "run", str(write_config(tmp_path, cfg, f"{name}.yaml")),
+         "--run-dir", str(run_dir), "--quiet"],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return run_dir
+
+
 @pytest.fixture
 def config_path(tmp_path: Path) -> Path:
     return write_config(tmp_path, small_config(tmp_path))

@@ -6,15 +6,13 @@ training, and each comes back serving the policy published meanwhile."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gyre.trajectory.store import TraceReader
 
-from .conftest import small_config, write_config
+from .conftest import run_to_end, small_config
 
 
 @pytest.mark.mpi
@@ -24,13 +22,7 @@ def test_four_rank_cells_serve_from_two_engines_each(tmp_path: Path) -> None:
     cfg["topology"].update(cells=2, ranks_per_cell=4)
     cfg["engine"]["per_cell"] = 2
     cfg["schedule"].update(policy="colocate", phi=0.0, mu=1)
-    run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "gyre", "run", str(write_config(tmp_path, cfg)),
-         "--run-dir", str(run_dir), "--quiet"],
-        capture_output=True, text=True, timeout=500,
-    )  # fmt: skip
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    run_dir = run_to_end(tmp_path, cfg, timeout=500)
     with TraceReader(run_dir / "trace.h5") as r:
         events = [(e["kind"], json.loads(e["detail"])) for e in r.rows("events")]
         execs = [i.execution_id for i in r.executions() if i.status != "not_launched"]

@@ -16,8 +16,6 @@ exactly N valid members, and an excluded execution is replaced by a surplus one.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +30,7 @@ from gyre.trajectory.reader import TraceReader
 from gyre.vocabulary import Outcome, VerdictStatus
 
 from . import test_messages
-from .conftest import small_config, write_config
+from .conftest import run_to_end, small_config, write_config
 
 N, K, B = 2, 1, 2
 
@@ -137,14 +135,7 @@ def _run(tmp_path: Path) -> Path:
     cfg["harness"].update(suite=str(crash_once_suite(tmp_path)), tasks=["notes"],
                           eval_attempts=1)  # fmt: skip
     cfg["harness"]["params"].update({"max_turns": "2", "max_tokens": "96"})
-    run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "gyre", "run", str(write_config(tmp_path, cfg)),
-         "--run-dir", str(run_dir), "--quiet"],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return run_dir
+    return run_to_end(tmp_path, cfg, timeout=240)
 
 
 @pytest.mark.mpi

@@ -33,7 +33,7 @@ from worlds import World
 
 from gyre.trajectory.store import TraceReader
 
-from .conftest import final_policy_loads_and_serves, small_config, write_config
+from .conftest import final_policy_loads_and_serves, run_to_end, small_config
 
 
 @pytest.mark.mpi
@@ -222,14 +222,7 @@ def _round_trip_while_live(roles: list[dict], execs: dict) -> bool:
 
 
 def _colocate_run(tmp_path: Path, cfg: dict, name: str) -> Path:
-    run_dir = tmp_path / name
-    out = subprocess.run(
-        [sys.executable, "-m", "gyre", "run", str(write_config(tmp_path, cfg)),
-         "--run-dir", str(run_dir), "--quiet"],
-        capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    return run_dir
+    return run_to_end(tmp_path, cfg, name)
 
 
 def _step_metrics(run_dir: Path) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
