@@ -135,6 +135,10 @@ def _probe_run(tmp_path: Path, sandbox: str, suite: Path, checker: Path) -> list
         "suite": str(suite), "tasks": ["notes"], "sandbox": sandbox, "adapter": "probe", "params": {},
         "adapters": {"probe": {"api": "openai",
                                "command": [sys.executable, "probe.py", str(checker), str(out)]}},
+        # the probe tries every listening port of the machine (3 s each that never answers):
+        # beside a full suite's servers that outlasts the template's 40 s harness budget,
+        # and a probe killed before its report proves nothing
+        "harness_timeout_s": 200, "overall_timeout_s": 240,
     })  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "gyre", "eval", "tiny", "--config", str(write_config(tmp_path, cfg)),
