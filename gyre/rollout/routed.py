@@ -134,15 +134,23 @@ class RouterTap:
         return stacked.to(torch.int32).numpy().reshape(rows, -1, self.layers, self.top_k)
 
 
+def merged(target: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """Top-k indices `[tokens, top_k]`: the recorded `target`'s rows where known (no -1),
+    the router's `own` elsewhere. Both trainers' replay (this module's hooks, and
+    gyre.train.megatron.replay in megatron-core's router) take their experts from here."""
+    import torch
+
+    target = target.to(own.device)
+    return torch.where((target >= 0).all(dim=1, keepdim=True), target, own)
+
+
 def _replayed(router: Any, output: Any, target: torch.Tensor) -> tuple[Any, Any, Any]:
     """A transformers router's output with `target`'s experts where known (their softmax
     probabilities, renormalized where the router renormalizes)."""
     import torch
 
     logits, _, own = output
-    target = target.to(own.device)
-    known = (target >= 0).all(dim=1, keepdim=True)
-    indices = torch.where(known, target, own)
+    indices = merged(target, own)
     if router.norm_topk_prob:  # the chosen experts' softmax renormalized: a softmax over
         # their logits, which stays finite where the others' scores dwarf theirs
         weights = torch.softmax(logits.gather(1, indices), dim=-1, dtype=torch.float)

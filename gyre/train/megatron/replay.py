@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gyre.rollout.routed import merged
+
 
 class Replay:
     """One router's replayed top-k: `target` int64 `[tokens, top_k]` in the router's token
@@ -55,8 +57,7 @@ class Replay:
         if target.shape != indices.shape:
             raise ValueError(f"routing replay, layer {self.layer}: recorded experts "
                              f"{list(target.shape)} for a router of {list(indices.shape)}")  # fmt: skip
-        known = (target >= 0).all(dim=1, keepdim=True)
-        indices = torch.where(known, target, indices)
+        indices = merged(target, indices)
         return scores.gather(1, indices), indices
 
 
