@@ -302,7 +302,7 @@ def _build_replica(cfg: RunConfig, wiring: Wiring, me: Component, run_dir: Path)
     on_gpu = cfg.train.device.startswith("cuda")
     wiring.clock.mark("role imports")  # torch, the training code
     replica = trainer.build(cfg.model, cfg.train, cfg.dims,
-                            core=me.index == 0 and trainer.owns_optimizer(me.shard),
+                            core=me.index == 0 and trainer.owns_optimizer(me.shard, cfg.dims),
                             device=wiring.placed.device if on_gpu else "cpu",
                             comms=wiring.comms, host=wiring.address)  # fmt: skip
     wiring.clock.mark("model build")

@@ -2,14 +2,18 @@
 
 * `world` — every process (coordinator + all cell ranks), used for control messages;
 * `cell`  — `Split` by cell id (the ranks of one cell, its leader first; the coordinator gets
-  its own): inside a cell the ranks split each pass's rows and sum their gradients;
+  its own);
+* `replicas` — the cell's data-parallel replicas of this rank's shard of the model (the
+  whole cell where every rank holds the whole model; a model-parallel backend splits it by
+  shard position, `split_replicas`): they split each pass's rows and sum their gradients;
 * `cells` — every cell rank in world-rank order (cell by cell, shards in order): the world
   of a training backend's own process groups (Megatron's torch.distributed);
 * `prefix[m]` for m = 2..K — ranks of cells 0..m-1 holding the same shard position, ordered by
   cell, so rank 0 of every prefix communicator is the core's rank at that position.
 
-Gradients are summed to the core and parameters broadcast from it over the prefix
-communicator matching the cells taking part in the batch (core + satellites joined in order).
+Gradients are summed over each cell's replicas first, then from every cell's first replica
+to the core over the prefix communicator matching the cells taking part in the batch (core +
+satellites joined in order); parameters go back the same way.
 CUDA tensors are staged through host memory (the `mpich` wheel is not CUDA-aware).
 
     comms = build_communicators(MPI.COMM_WORLD, cell_of_rank=[None, 0, 1, 2])
@@ -27,6 +31,8 @@ from gyre.errors import TrainingError
 
 if TYPE_CHECKING:  # torch only where tensors move: the coordinator and proxy never import it
     import torch
+
+    from gyre.train.config import ParallelDims
 
 
 def arrive(comm: Any, max_poll_s: float = 0.05) -> None:
@@ -56,6 +62,14 @@ class Communicators:
     num_cells: int
     prefix: dict[int, Any] = field(default_factory=dict)  # m -> communicator of cells 0..m-1
     cells: Any = None  # every cell rank, cell by cell (None off the cells): a backend's world
+    replicas: Any = None  # this cell's data-parallel replicas of this rank's shard, replica
+    # 0 first (build_communicators: the whole cell; `split_replicas` narrows it)
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel replica in its cell (0: the one that reduces across
+        cells)."""
+        return int(self.replicas.Get_rank())
 
     @classmethod
     def alone(cls, cell_id: int) -> Communicators:
@@ -63,7 +77,7 @@ class Communicators:
         from mpi4py import MPI
 
         return cls(world=MPI.COMM_SELF, cell=MPI.COMM_SELF, cell_id=cell_id, shard=0,
-                   num_cells=1)  # fmt: skip
+                   num_cells=1, replicas=MPI.COMM_SELF)  # fmt: skip
 
 
 def build_communicators(world: Any, *, cell_of_rank: Sequence[int | None]) -> Communicators:
@@ -81,7 +95,8 @@ def build_communicators(world: Any, *, cell_of_rank: Sequence[int | None]) -> Co
         raise TrainingError(f"cell_of_rank: cell ids must be 0..K-1, got {cells}")
     shard = [r for r, c in enumerate(cell_of_rank) if c == cid].index(rank)
     cell = world.Split(len(cells) if cid is None else cid, rank)
-    comms = Communicators(world=world, cell=cell, cell_id=cid, shard=shard, num_cells=len(cells))
+    comms = Communicators(world=world, cell=cell, cell_id=cid, shard=shard, num_cells=len(cells),
+                          replicas=cell)  # fmt: skip
     every_cell = world.Split(MPI.UNDEFINED if cid is None else 0, rank)
     comms.cells = None if cid is None else every_cell
     for m in range(2, len(cells) + 1):
@@ -91,6 +106,15 @@ def build_communicators(world: Any, *, cell_of_rank: Sequence[int | None]) -> Co
         if member:
             comms.prefix[m] = comm
     return comms
+
+
+def split_replicas(comms: Communicators, dims: ParallelDims) -> None:
+    """Collective over the cell, once: narrow `comms.replicas` to the cell's data-parallel
+    replicas of this rank's shard of a model laid out by `dims` (the ranks of its shard
+    position, `ParallelDims.place`), replica 0 first."""
+    if dims.model_parallel == 1 or comms.cell.Get_size() == 1:
+        return
+    comms.replicas = comms.cell.Split(dims.place(comms.shard).position, comms.shard)
 
 
 def _host(t: torch.Tensor, *, summed: bool = False) -> tuple[Any, torch.Tensor]:
@@ -135,26 +159,27 @@ def broadcast_from_core(comms: Communicators, flat: torch.Tensor, *, participant
         flat.copy_(host)
 
 
-def sum_in_cell(comms: Communicators, t: torch.Tensor) -> torch.Tensor:
-    """Sum `t` over the ranks of this cell: the leader (shard 0) gets the sum, others `t`."""
+def sum_over_replicas(comms: Communicators, t: torch.Tensor) -> torch.Tensor:
+    """Sum `t` over this cell's replicas (`comms.replicas`): replica 0 gets the sum, others
+    `t`."""
     import torch
     from mpi4py import MPI
 
-    if comms.cell.Get_size() == 1:
+    if comms.replicas.Get_size() == 1:
         return t
     send, _ = _host(t, summed=True)
-    recv = send.copy() if comms.shard == 0 else None
-    comms.cell.Reduce(send, recv, op=MPI.SUM, root=0)
+    recv = send.copy() if comms.data_rank == 0 else None
+    comms.replicas.Reduce(send, recv, op=MPI.SUM, root=0)
     if recv is None:
         return t
     return torch.from_numpy(recv).to(t.device)
 
 
-def broadcast_in_cell(comms: Communicators, flat: torch.Tensor) -> None:
-    """Overwrite `flat` on every rank of this cell with the leader's values (in place)."""
-    if comms.cell.Get_size() == 1:
+def broadcast_over_replicas(comms: Communicators, flat: torch.Tensor) -> None:
+    """Overwrite `flat` on this cell's replicas with replica 0's values (in place)."""
+    if comms.replicas.Get_size() == 1:
         return
     buf, host = _host(flat)
-    comms.cell.Bcast(buf, root=0)
+    comms.replicas.Bcast(buf, root=0)
     if host is not flat:
         flat.copy_(host)

@@ -155,18 +155,23 @@ class ParallelConfig:
     Unset sizes are derived from `topology.ranks_per_cell` by the training backend's `dims`
     (`gyre.train.backends`): the torch backend is data parallel inside a cell (every rank a
     whole replica, rows split); the Megatron backend shards the model over the cell with
-    tensor and pipeline parallelism (data parallelism runs across cells, between the core
-    and its satellites).
+    tensor and pipeline parallelism, `data` replicas of it side by side (data parallelism
+    runs across cells too, between the core and its satellites).
     """
 
     tensor: int | None = None
-    """Tensor-parallel size of a cell (megatron; null: ranks_per_cell / pipeline)."""
+    """Tensor-parallel size of a cell (megatron; null: ranks_per_cell / (pipeline x data))."""
     pipeline: int = 1
     """Pipeline-parallel size of a cell (megatron; divides the model's layers)."""
     expert: int = 1
     """Expert-parallel size of a cell (megatron, mixture-of-experts models): a stage's routed
     experts split into `expert` blocks over its tensor-parallel ranks, each expert over
     tensor / expert of them; divides tensor and the model's expert count (docs/gpu.md)."""
+    data: int | None = None
+    """Data-parallel replicas of the model inside a cell, each taking its share of every
+    micro-step's rows, their gradients summed in the cell before the cross-cell reduce (null:
+    ranks_per_cell / (tensor x pipeline) with megatron where tensor is set, else 1; torch:
+    every rank, ranks_per_cell)."""
     sequence: bool | None = None
     """Megatron's sequence parallelism beside tensor parallelism: the activations outside the
     tensor-parallel layers (norms, residuals, dropout) split over the TP ranks along the
@@ -181,6 +186,8 @@ class ParallelConfig:
             raise ConfigError(f"pipeline: {self.pipeline}; allowed an integer >= 1")
         if self.expert < 1:
             raise ConfigError(f"expert: {self.expert}; allowed an integer >= 1")
+        if self.data is not None and self.data < 1:
+            raise ConfigError(f"data: {self.data}; allowed an integer >= 1 or null")
         if self.sequence and self.tensor == 1:
             raise ConfigError(SEQUENCE_NEEDS_TP)
 
@@ -214,9 +221,40 @@ class ParallelDims:
         return self.tensor * self.pipeline * self.data
 
     @property
+    def model_parallel(self) -> int:
+        """Ranks holding one replica of the model: tensor x pipeline."""
+        return self.tensor * self.pipeline
+
+    @property
     def splits_rows(self) -> bool:
-        """Whether a micro-step's rows are split over the cell's ranks (data parallel)."""
+        """Whether a micro-step's rows are split over the cell's replicas (data parallel)."""
         return self.data > 1
+
+    def place(self, shard: int) -> RankPlace:
+        """Where cell rank `shard` sits: shard = tensor + TP x (stage + PP x replica), the
+        tensor-parallel rank fastest, as Megatron's "tp-cp-ep-pp-dp" order numbers a world
+        whose cells are contiguous blocks of ranks (so a cell's replicas stay inside it)."""
+        if not 0 <= shard < self.ranks:
+            raise ValueError(f"shard: {shard}; allowed 0..{self.ranks - 1}")
+        data, position = divmod(shard, self.model_parallel)
+        return RankPlace(tensor=position % self.tensor, stage=position // self.tensor,
+                         data=data, position=position)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlace:
+    """A cell rank's place in its cell's layout (`ParallelDims.place`)."""
+
+    tensor: int
+    """Its tensor-parallel rank."""
+    stage: int
+    """Its pipeline stage."""
+    data: int
+    """Its data-parallel replica inside the cell (0: the one that reduces across cells,
+    steps the core's optimizer, writes checkpoint shards and gathers the mirror)."""
+    position: int
+    """Its model-parallel position, tensor + TP x stage: its shard of the model, the same in
+    every replica."""
 
 
 @dataclass(kw_only=True)

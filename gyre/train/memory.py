@@ -18,7 +18,7 @@ float32, 2 for bfloat16):
 
 * weights P·b; gradients P·4 (`flat_grads`: float32 under bfloat16, `main_dtype`);
 * on ranks that step (`TrainBackend.owns_optimizer`: the core's leader for torch, every core
-  rank for Megatron): AdamW's two float32 moments 8·P, and under bfloat16 the float32 main
+  rank of its first data-parallel replica for Megatron): AdamW's two float32 moments 8·P, and under bfloat16 the float32 main
   weights 4·P (`CoreOptimizer`);
 * the micro-step: the activations autograd saves, per layer and token (counted from the
   tensors autograd saves in a real forward, `tests/train/test_memory_plan.py`), the row's
@@ -271,7 +271,7 @@ def micro_step_bytes(shape: ModelShape, layout: TrainLayout, stage: int = 0) -> 
 
 def plan_rank(shape: ModelShape, layout: TrainLayout, shard: int = 0, *, steps: bool) -> RankMemory:
     """Cell rank `shard`'s bytes; `steps`: it holds the optimizer (moments, main weights)."""
-    stage = shard // layout.tensor
+    stage = shard // layout.tensor % layout.pipeline  # the same in every data replica
     if layout.backend == "torch":
         params = shape.parameters
     else:
@@ -287,9 +287,10 @@ def plan_rank(shape: ModelShape, layout: TrainLayout, shard: int = 0, *, steps: 
 
 
 def plan_ranks(shape: ModelShape, layout: TrainLayout) -> list[RankMemory]:
-    """Every rank of the core cell (the cell that steps; satellites hold less)."""
-    every = layout.backend == "megatron"
-    return [plan_rank(shape, layout, s, steps=every or s == 0) for s in range(layout.ranks)]
+    """Every rank of the core cell (the cell that steps; satellites hold less): the torch
+    backend steps on the leader, Megatron on every rank of the first data-parallel replica."""
+    stepping = layout.tensor * layout.pipeline if layout.backend == "megatron" else 1
+    return [plan_rank(shape, layout, s, steps=s < stepping) for s in range(layout.ranks)]
 
 
 def mirror_bytes(shape: ModelShape, layout: TrainLayout) -> int:

@@ -1,13 +1,15 @@
-"""HF config → Megatron TransformerConfig mapping and the prefix process-group layout."""
+"""HF config → Megatron TransformerConfig mapping, the prefix process-group layout, and a
+cell's TP x PP x DP layout against Megatron's own rank groups."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.config import load
 from gyre.errors import ConfigError, TrainingError
+from gyre.train.config import ParallelDims
 from gyre.train.megatron.config import MegatronConfig, gpt_kwargs, transformer_kwargs
 from gyre.train.megatron.groups import GroupLayout
 
@@ -74,6 +76,66 @@ def test_prefix_groups_match_mpi_prefix_communicators(cells, per, extras, seed):
             ref = _mpi_prefix_reference(cell_of_rank, m, shard)
             assert lay.prefix_ranks(m, shard=shard) == ref
             assert ("prefix", m, shard, [lay.dist_rank(r) for r in ref]) in groups
+
+
+def _megatron_groups(cells: int, dims: ParallelDims) -> dict[str, list[list[int]]]:
+    """Megatron's own groups (`parallel_state.RankGenerator`, what
+    `initialize_model_parallel(order="tp-cp-ep-pp-dp")` builds) over a world of `cells`
+    contiguous cells: the dense ones, and the experts' (EP x expert-TP folded onto TP)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    order, world = "tp-cp-ep-pp-dp", cells * dims.ranks
+    dense = RankGenerator(tp=dims.tensor, ep=1, dp=world // dims.model_parallel,
+                          pp=dims.pipeline, cp=1, order=order)  # fmt: skip
+    etp = dims.tensor // dims.expert
+    experts = RankGenerator(tp=etp, ep=dims.expert, dp=world // (dims.model_parallel),
+                            pp=dims.pipeline, cp=1, order=order)  # fmt: skip
+    return {**{k: dense.get_ranks(k) for k in ("tp", "pp", "dp", "tp-pp")},
+            "ep": experts.get_ranks("ep")}  # fmt: skip
+
+
+def _index_in(groups: list[list[int]], rank: int) -> tuple[list[int], int]:
+    (group,) = [g for g in groups if rank in g]
+    return group, group.index(rank)
+
+
+@settings(deadline=None)  # the first example imports megatron-core
+@given(cells=st.integers(1, 3), tensor=st.sampled_from([1, 2, 4]), pipeline=st.integers(1, 3),
+       data=st.integers(1, 3), expert_split=st.sampled_from([1, 2, 4]))  # fmt: skip
+def test_a_cells_replicas_are_megatrons_data_parallel_ranks_inside_the_cell(
+    cells: int, tensor: int, pipeline: int, data: int, expert_split: int
+) -> None:
+    """`ParallelDims.place` (what Gyre's cell ranks, shard loads and `split_replicas` use) is
+    where Megatron puts every rank of a world of contiguous cells: its TP rank, stage,
+    data-parallel rank cell x data + replica and expert-parallel rank; a cell's replica group
+    at a shard position (the MPI Split: colour `place.position`, key the shard) is Megatron's
+    data-parallel group cut to the cell, in its order, and a replica's TP, PP and model-
+    parallel groups lie inside the cell."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (extra gyre[gpu])")
+    expert = min(expert_split, tensor)
+    dims = ParallelDims(tensor=tensor, pipeline=pipeline, data=data, expert=expert)
+    groups = _megatron_groups(cells, dims)
+    per = dims.ranks
+    for rank in range(cells * per):
+        cell, shard = divmod(rank, per)
+        place = dims.place(shard)
+        assert _index_in(groups["tp"], rank)[1] == place.tensor
+        assert _index_in(groups["pp"], rank)[1] == place.stage
+        dp_group, dp_rank = _index_in(groups["dp"], rank)
+        assert dp_rank == cell * data + place.data
+        assert _index_in(groups["ep"], rank)[1] == place.tensor // (tensor // expert)
+        replicas = sorted(s for s in range(per) if dims.place(s).position == place.position)
+        assert [cell * per + s for s in replicas] == [r for r in dp_group if r // per == cell]
+        assert len(replicas) == data and replicas[0] == place.position  # replica 0 first
+        for kind in ("tp", "pp", "tp-pp"):  # one replica of the model: inside the cell
+            group = _index_in(groups[kind], rank)[0]
+            assert {r // per for r in group} == {cell}
+            assert {dims.place(r % per).data for r in group} == {place.data}
+
+
+def test_a_rank_outside_the_cell_has_no_place() -> None:
+    with pytest.raises(ValueError, match=r"shard: 4; allowed 0\.\.3"):
+        ParallelDims(tensor=2, pipeline=1, data=2).place(4)
 
 
 def test_uneven_cells_rejected():

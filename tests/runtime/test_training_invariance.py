@@ -26,7 +26,9 @@ reference, one chain of weights and Adam state across the layouts; a batch a res
 is replayed from the record of the segment that the final weights descend from. Expert
 parallelism has a run of its own: a tiny Qwen3-MoE model directory with two 2-rank cells at
 TP 2 and EP 2, replayed against transformers' model of it in one process (the reference is
-always the run's own `model`).
+always the run's own `model`). So has data parallelism inside a Megatron cell: two 4-rank
+cells at TP 2 x DP 2 (each replica of the model half of every micro-step's rows, the
+replicas' gradients summed in the cell before the cells' reduce).
 """
 
 from __future__ import annotations
@@ -171,6 +173,7 @@ def _summary(run_dir: Path, steps: int, ranks: int, backend: str, dims: tuple[in
     assert summary["steps_done"] == steps and summary["no_signal_steps"] < steps
     assert summary["ranks_per_cell"] == ranks and summary["train_backend"] == backend
     assert (summary["parallel"]["tensor"], summary["parallel"]["pipeline"]) == dims
+    assert summary["parallel"]["data"] == ranks // (dims[0] * dims[1])
     assert summary["parallel"]["expert"] == expert
 
 
@@ -274,3 +277,25 @@ def test_every_expert_parallel_update_equals_the_single_process_reference(tmp_pa
                    "train.parallel.tensor=2", "train.parallel.expert=2", cells=2)  # fmt: skip
     _replay(run_dir, STEPS, 256, rel=5e-5)
     _summary(run_dir, STEPS, 2, "megatron", (2, 1), expert=2)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_every_update_of_megatron_cells_with_data_parallel_replicas_equals_the_reference(
+    tmp_path: Path,
+):
+    """Two 4-rank Megatron cells at TP 2 x DP 2 (DP implied by `train.parallel.tensor=2`):
+    each replica of the model runs half of every micro-step's rows, each cell sums its
+    replicas' gradients before the cells' reduce, the core's first replica steps and the
+    weights go back to every replica. Every update, gathered into the Hugging Face layout,
+    equals the one-process torch reference; the clip norm counts each element once."""
+    # a budget that packs two rows (~750 tokens each) into a micro-step (at 256 each trains
+    # alone and the second replica gets none), four groups a batch so there are still eight
+    # micro-steps for the satellite to join
+    budget = 1600
+    run_dir = _run(tmp_path, "mpi", 4, budget, "train.backend=megatron",
+                   "train.parallel.tensor=2", "schedule.batch_groups=4", cells=2)  # fmt: skip
+    split = [len(s.rows) >= 2 for b in range(STEPS) for s in audit.load(run_dir, b)[0]["steps"]]
+    assert sum(split) >= 2, f"{sum(split)} of {len(split)} micro-steps gave both replicas rows"
+    _replay(run_dir, STEPS, budget, rel=5e-5)
+    _summary(run_dir, STEPS, 4, "megatron", (2, 1))

@@ -303,15 +303,20 @@ def test_local_attention_is_never_below_sdpa_and_grows_with_the_square(
     assert saved == 4 * memory.attention_scores_bytes(shape, local)[0]
 
 
-def test_the_torch_backend_steps_on_the_leader_only_and_megatron_on_every_rank() -> None:
+def test_the_torch_backend_steps_on_the_leader_only_and_megatron_on_its_first_replica() -> None:
     from gyre.train.backends import BACKENDS
+    from gyre.train.config import ParallelDims
 
     shape = ModelShape.from_hf(hf())
     for name, b in BACKENDS.items():
-        layout = TrainLayout(backend=name, tensor=2 if name == "megatron" else 1,  # type: ignore[arg-type]
-                             data=1 if name == "megatron" else 2)  # fmt: skip
-        ranks = plan_ranks(shape, layout)
-        assert [("moments" in r.parts) for r in ranks] == [b.owns_optimizer(r.shard) for r in ranks]
+        for data in (1, 2):
+            tensor = 2 if name == "megatron" else 1
+            layout = TrainLayout(backend=name, tensor=tensor, data=data)  # type: ignore[arg-type]
+            dims = ParallelDims(tensor=tensor, pipeline=1, data=data)
+            ranks = plan_ranks(shape, layout)
+            owns = [b.owns_optimizer(r.shard, dims) for r in ranks]
+            assert [("moments" in r.parts) for r in ranks] == owns
+            assert sum(owns) == (tensor if name == "megatron" else 1)
 
 
 def test_engine_kv_pool_is_what_is_left_of_the_static_share() -> None:

@@ -27,35 +27,37 @@ from gyre.train.comm import (
     Communicators,
     arrive,
     broadcast_from_core,
-    broadcast_in_cell,
+    broadcast_over_replicas,
     reduce_to_core,
-    sum_in_cell,
+    sum_over_replicas,
 )
 from gyre.train.objective import batch_gradient
 from gyre.train.packing import MicroStep
 
 
-def share(step: MicroStep, shard: int, ranks: int) -> MicroStep:
-    """Rank `shard`'s rows of a micro-step split over a cell's `ranks` ranks.
+def share(step: MicroStep, replica: int, replicas: int) -> MicroStep:
+    """Replica `replica`'s rows of a micro-step split over a cell's `replicas` data-parallel
+    replicas (every rank of a torch cell; a Megatron cell's replicas of the model).
 
-    Rows are ordered longest first, so striding gives every rank a similar load; a rank
-    left without rows (a step with fewer rows than ranks) does no pass for it.
+    Rows are ordered longest first, so striding gives every replica a similar load; a
+    replica left without rows (a step with fewer rows than replicas) does no pass for it.
     """
-    return dataclasses.replace(step, rows=step.rows[shard::ranks])
+    return dataclasses.replace(step, rows=step.rows[replica::replicas])
 
 
 class CellTrainer:
     """One rank's part of its cell's training replica (`gyre.train.backends.Replica`).
 
-    Data parallel inside the cell (the torch backend, `dims.splits_rows`): every rank holds
-    the whole model, each pass's rows are split over the cell's ranks, whose results the
-    leader (shard 0) gathers and reports; an update sums gradients over the prefix
-    communicator at every shard position, then inside the core cell, steps the optimizer on
-    the core's leader and broadcasts back the same way. Model parallel (the Megatron
-    backend): every rank runs every row on its shard (the leader reports its own results,
-    the same on every rank), the prefix sums are per shard, and every core rank steps its
-    shard. With one rank per cell every collective inside the cell is a no-op and this is
-    the single-rank cell.
+    Data parallel inside the cell (`dims.splits_rows`): each pass's rows are split over the
+    cell's replicas of the model (`comms.replicas`: every rank of a torch cell, which holds
+    the whole model; the TP x PP ranks of one Megatron replica each run its rows on their
+    shard), whose results the leader (shard 0) gathers and reports. An update sums each
+    cell's replicas' gradients onto its replica 0, sums those over the prefix communicator
+    (per shard position) onto the core, steps the optimizer on the core's replica 0 (its
+    leader for torch, each of its model-parallel ranks for Megatron) and sends the weights
+    back the same way: over the prefix communicator, then to every replica of each cell.
+    With one rank per cell every collective inside the cell is a no-op and this is the
+    single-rank cell.
     """
 
     def __init__(
@@ -109,25 +111,21 @@ class CellTrainer:
         if self.core and self.transport is not None:
             self.transport.progress()
 
-    @property
-    def splits_rows(self) -> bool:
-        return self.replica.dims.splits_rows
-
     def _mine(self, step: MicroStep) -> MicroStep:
-        return share(step, self.comms.shard, self.ranks) if self.splits_rows else step
+        replicas = self.comms.replicas.Get_size()
+        return share(step, self.comms.data_rank, replicas) if replicas > 1 else step
 
     def _leader(self) -> bool:
         return self.comms.shard == 0
 
     def prepass(self, m: msg.Prepass) -> dict[str, float] | None:
-        """This rank's rows' ratio sums; on the leader the cell's (gathered if rows split)."""
+        """This replica's rows' ratio sums; on the leader the cell's (gathered over its
+        replicas)."""
         self._sync(m.version)
         mine = self._mine(m.step)
         sums = self.replica.cell.prepass(mine) if mine.rows else {}
-        if not self.splits_rows:
-            return sums if self._leader() else None
-        parts = self.comms.cell.gather(sums, root=0)
-        if parts is None:
+        parts = self.comms.replicas.gather(sums, root=0)
+        if not self._leader():
             return None
         total: dict[str, float] = {}
         for part in parts:
@@ -136,37 +134,36 @@ class CellTrainer:
         return total
 
     def accumulate(self, m: msg.Accumulate) -> StepStats | None:
-        """Forward + backward of this rank's rows; on the leader the cell's stats, gathered."""
+        """Forward + backward of this replica's rows; on the leader the cell's stats,
+        gathered over its replicas."""
         self._sync(m.version)
         mine = self._mine(m.step)
         stats = (self.replica.cell.accumulate(mine, m.scalars) if mine.rows
                  else StepStats(targets=0, objective=0.0))  # fmt: skip
-        if not self.splits_rows:
-            return stats if self._leader() else None
-        parts = self.comms.cell.gather((stats.targets, stats.objective), root=0)
-        if parts is None:
+        parts = self.comms.replicas.gather((stats.targets, stats.objective), root=0)
+        if not self._leader():
             return None
         return StepStats(targets=sum(p[0] for p in parts), objective=sum(p[1] for p in parts))
 
     def reduce(self, m: msg.Reduce) -> float | None:
-        """Sum gradients over prefix[m] and the core cell, 1/E, clip, AdamW, broadcast.
+        """Sum gradients over the cell's replicas, then prefix[m] into the core, 1/E, clip,
+        AdamW, broadcast back over prefix[m] and the replicas.
 
         Returns the pre-clip gradient norm on the core's leader, None elsewhere.
         """
         comms, replica = self.comms, self.replica
         cell = replica.cell
-        total = reduce_to_core(comms, cell.flat_grads, participants=m.cells)  # my position
+        first = comms.data_rank == 0  # the replica that talks to the other cells
+        total = sum_over_replicas(comms, cell.flat_grads)
         norm = None
-        if self.core:
-            if self.splits_rows:
-                total = sum_in_cell(comms, total)
-            if replica.optimizer is not None:  # the core's leader, or every model-parallel rank
+        if first:
+            total = reduce_to_core(comms, total, participants=m.cells)  # my position
+            if self.core and replica.optimizer is not None:  # the core's replica 0
                 norm = self._step(total, m)
-            if self.splits_rows:
-                broadcast_in_cell(comms, cell.flat_params)
-            if self.transport is not None:
-                self.transport.expose(cell.flat_params)
-        broadcast_from_core(comms, cell.flat_params, participants=m.cells)
+            broadcast_from_core(comms, cell.flat_params, participants=m.cells)
+        broadcast_over_replicas(comms, cell.flat_params)
+        if self.core and self.transport is not None:
+            self.transport.expose(cell.flat_params)
         cell.zero_grad()
         replica.refresh()
         self.version += 1

@@ -3,14 +3,15 @@
 Each backend is a `TrainBackend` record (`protocol`) defined in a module of its own:
 
 * `torch`    — every rank of a cell holds the whole model (data parallel in the cell);
-* `megatron` — megatron-core, the model sharded over a cell's ranks (tensor x pipeline).
+* `megatron` — megatron-core, the model sharded over a cell's ranks (tensor x pipeline x
+  data).
 
 The run config validates `train.backend` here and every question that depends on it is
 asked of the record, never of the name:
 
     trainer = backend(cfg.train.backend)        # ConfigError naming the allowed names
     dims = trainer.dims(cfg.train.parallel, cfg.topology.ranks_per_cell)
-    replica = trainer.build(cfg.model, cfg.train, dims, core=trainer.owns_optimizer(0),
+    replica = trainer.build(cfg.model, cfg.train, dims, core=trainer.owns_optimizer(0, dims),
                             device="cpu")
 
 Adding a backend is one new module defining its record and one entry in `BACKENDS`.

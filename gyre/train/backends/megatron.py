@@ -1,16 +1,20 @@
 """The Megatron training backend: the model sharded over a cell's ranks (`train.backend`).
 
-megatron-core's GPTModel sharded over the cell's ranks with tensor and pipeline parallelism
-(torch.distributed over the cell ranks: gloo on CPU, NCCL on GPU; each rank's shard built on
-its own device, `gyre.train.megatron.model.build_rank_model`; rank s of a cell is TP rank
-s % TP of stage s // TP). Every rank
-runs every row (the stages one after the other); each core rank steps AdamW on its own shard
-with the whole model's gradient norm. After every change of weights (an update, a pull of
-the core's snapshot, a restore) the shards of every stage are gathered to the leader into a
-Hugging Face *mirror* of the policy, in the model's dtype: what the engines load and policies
-save. Checkpoints are written by every core rank in parallel, its own shard's main weights
-and AdamW moments (`gyre.train.core_file.save_shard`); a resume at other TP / PP sizes (or by
-the torch backend) reads them put together into the HF layout. docs/gpu.md.
+megatron-core's GPTModel sharded over the cell's ranks with tensor and pipeline parallelism,
+`data` replicas of it side by side (torch.distributed over the cell ranks: gloo on CPU, NCCL
+on GPU; each rank's shard built on its own device, `gyre.train.megatron.model.build_rank_model`;
+rank s of a cell is TP rank s % TP of stage s // TP % PP in replica s // (TP x PP):
+`ParallelDims.place`). Every rank of a replica runs the replica's share of a micro-step's
+rows (the stages one after the other); each core rank of replica 0 steps AdamW on its own
+shard with the whole model's gradient norm, the other replicas receive its weights
+(`gyre.runtime.cell.trainer`). After every change of weights (an update, a pull of the
+core's snapshot, a restore) the shards of every stage of replica 0 are gathered to the
+leader into a Hugging Face *mirror* of the policy, in the model's dtype: what the engines
+load and policies save. Checkpoints are written by every core rank of replica 0 in parallel,
+its own shard's main weights and AdamW moments (`gyre.train.core_file.save_shard`; the other
+replicas hold the same weights and no optimizer); a resume at other TP / PP sizes (or by the
+torch backend) reads them put together into the HF layout, one at other data sizes the same
+shard files. docs/gpu.md.
 
     replica = MEGATRON.build(cfg.model, cfg.train, dims, core=True, device="cuda:0",
                              comms=comms, host="10.0.0.5")
@@ -52,7 +56,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class MegatronReplica(TorchReplica):
     """This rank's tensor-parallel shard of its pipeline stage of the model."""
 
-    comm: Any  # the cell's MPI communicator (shard gathers to the leader)
+    comm: Any  # MPI: its data-parallel replica's ranks in the cell (shard gathers to the leader)
+    data_rank: int  # its data-parallel replica in the cell: 0 gathers, steps and saves
     mirror: Any  # the leader's Hugging Face model of the same weights (else None)
     layout: Any  # gyre.train.megatron.weights.WeightLayout of the model
 
@@ -69,6 +74,8 @@ class MegatronReplica(TorchReplica):
         the mirror's modules name them (an MoE layer's experts stacked: `module_names`)."""
         from gyre.train.megatron.weights import module_names, stages_to_hf
 
+        if self.data_rank != 0:  # replica 0 holds the same weights
+            return None
         shards = self.comm.gather({k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
                                   root=0)  # fmt: skip
         if shards is None:
@@ -115,10 +122,13 @@ class MegatronReplica(TorchReplica):
 
     def save(self, folder: Path, version: int, shard: int) -> int:
         """This rank's shard of the core's checkpoint, written by the rank itself (every
-        core rank in parallel, nothing gathered): its main weights, AdamW moments and step
+        core rank of replica 0 in parallel, nothing gathered; the other replicas write
+        nothing): its main weights, AdamW moments and step
         (`gyre.train.core_file.save_shard`); bytes."""
         import dataclasses
 
+        if self.data_rank != 0:
+            return 0
         if self.optimizer is None:
             raise TrainingError("megatron replica: only a core rank writes a checkpoint shard")
         names = [[n, list(p.shape)] for n, p in self.cell.model.named_parameters()
@@ -138,7 +148,8 @@ class MegatronReplica(TorchReplica):
 
     def restore(self, folder: Path) -> int:
         """Weights and AdamW moments from a checkpoint: at the cell's own tensor, pipeline
-        and expert sizes this rank's shard file alone; else (other sizes, an HF-layout core
+        and expert sizes this rank's shard file alone (its replica's, whatever the data
+        size); else (other sizes, an HF-layout core
         file from either backend, either dtype) the HF layout split to this rank's shard of
         its stage.
         Collective over the cell (the leader's mirror is refreshed)."""
@@ -167,7 +178,8 @@ class MegatronReplica(TorchReplica):
         return int(data["version"])
 
     def _restore_own_shard(self, folder: Path) -> int:
-        """This rank's shard file of a checkpoint taken at the cell's own sizes."""
+        """This rank's shard file of a checkpoint taken at the cell's own model-parallel
+        sizes (its position in its replica: `comm`'s rank)."""
         from gyre.rollout.weights import load_named_tensors
 
         flats, meta = core_file.read_shard(folder, self.comm.Get_rank())
@@ -207,6 +219,7 @@ def build(
     """This rank's shard of the policy as a Megatron GPTModel, loaded from the HF model."""
     if comms is None:
         raise TrainingError("train.backend megatron: a cell rank needs its communicators")
+    from gyre.train.comm import split_replicas
     from gyre.train.megatron.config import MegatronConfig
     from gyre.train.megatron.model import MegatronCell, ModelParallelOptimizer, build_rank_model
     from gyre.train.megatron.weights import WeightLayout
@@ -215,6 +228,9 @@ def build(
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
     hf, tokenizer, hf_config, shard = _shard_source(model, dims, comms)
+    split_replicas(comms, dims)  # collective over the cell, once
+    place = dims.place(comms.shard)
+    replica_comm = comms.cell.Split(place.data, comms.shard)
     mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
                           sequence_parallel=dims.sequence, expert_parallel=dims.expert,
                           dtype=train.params_dtype,
@@ -230,26 +246,30 @@ def build(
     cell = MegatronCell(gpt, objective=train.objective)
     optimizer = ModelParallelOptimizer(cell, train.optim) if core else None
     layout = WeightLayout.from_hf_config(hf_config, expert_parallel=dims.expert)
-    return MegatronReplica(
-        cell, tokenizer, optimizer, dims, comm=comms.cell, mirror=hf, layout=layout
-    )
+    return MegatronReplica(cell, tokenizer, optimizer, dims, comm=replica_comm,
+                           data_rank=place.data, mirror=hf, layout=layout)  # fmt: skip
 
 
 def _check_rank(comms: Communicators, dims: ParallelDims) -> None:
-    """Megatron placed this rank where the cell's layout says (TP rank s % TP of stage s // TP,
-    expert-parallel rank (s % TP) // (TP / EP): the block of experts `WeightLayout` gave it)."""
+    """Megatron placed this rank where the cell's layout says (`ParallelDims.place`: TP rank
+    s % TP of stage s // TP % PP, data-parallel rank cell x data + s // (TP x PP), expert-
+    parallel rank (s % TP) // (TP / EP): the block of experts `WeightLayout` gave it)."""
     from megatron.core import parallel_state
 
-    tp_rank, stage = comms.shard % dims.tensor, comms.shard // dims.tensor
+    place = dims.place(comms.shard)
+    assert comms.cell_id is not None
+    want = (place.tensor, place.stage, comms.cell_id * dims.data + place.data)
     made = (parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_pipeline_model_parallel_rank())  # fmt: skip
-    if made != (tp_rank, stage):
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank())  # fmt: skip
+    if made != want:
         raise TrainingError(
             f"cell {comms.cell_id} rank {comms.shard}: Megatron made it tensor-parallel rank "
-            f"{made[0]} of pipeline stage {made[1]}, not {tp_rank} of {stage}; the cell's ranks "
-            "must be contiguous in the backend world"
+            f"{made[0]} of pipeline stage {made[1]}, data-parallel rank {made[2]}, not "
+            f"{want[0]} of {want[1]}, {want[2]}; the cell's ranks must be contiguous in the "
+            "backend world"
         )
-    expert = tp_rank // (dims.tensor // dims.expert)
+    expert = place.tensor // (dims.tensor // dims.expert)
     if parallel_state.get_expert_model_parallel_rank() != expert:
         raise TrainingError(
             f"cell {comms.cell_id} rank {comms.shard}: Megatron made it expert-parallel rank "
@@ -351,11 +371,12 @@ def _shard_source(
     layout = WeightLayout.from_hf_config(hf_config, expert_parallel=dims.expert)
 
     def slices(s: int, source: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_stage_to_mcore(source, layout, tp_rank=s % dims.tensor, tp_size=dims.tensor,
-                                   stage=s // dims.tensor, stages=dims.pipeline)  # fmt: skip
+        place = dims.place(s)
+        return iter_stage_to_mcore(source, layout, tp_rank=place.tensor, tp_size=dims.tensor,
+                                   stage=place.stage, stages=dims.pipeline)  # fmt: skip
 
     if not files:
-        return hf, tokenizer, hf_config, _scattered(hf, slices, comms)
+        return hf, tokenizer, hf_config, _scattered(hf, slices, comms, dims.model_parallel)
     # every rank holds the broadcast before the leader moves on to torch's rendezvous (a
     # netmod without asynchronous progress delivers only while the sender is inside MPI)
     arrive(comms.cell)
@@ -363,32 +384,44 @@ def _shard_source(
 
 
 def _scattered(
-    hf: Any, slices: Callable[[int, Any], Iterator[tuple[str, torch.Tensor]]], comms: Communicators
-) -> Iterable[tuple[str, torch.Tensor]]:
+    hf: Any, slices: Callable[[int, Any], Iterator[tuple[str, torch.Tensor]]],
+    comms: Communicators, model_parallel: int,
+) -> Iterable[tuple[str, torch.Tensor]]:  # fmt: skip
     """Collective over the cell, for a model only the leader holds: the leader cuts every
-    other rank's shard (`slices(rank, tensors)`) from its model and scatters them."""
+    other rank's shard (`slices(rank, tensors)`, once per shard position: the data-parallel
+    replicas get the same) from its model and scatters them."""
     from gyre.train.comm import arrive
 
     state = None if hf is None else dict(hf.state_dict())
-    shards = None if state is None else [
-        {} if s == 0 else dict(slices(s, state)) for s in range(comms.cell.Get_size())
-    ]  # fmt: skip
+    shards = None
+    if state is not None:
+        cut: dict[int, dict[str, torch.Tensor]] = {}
+        for s in range(1, comms.cell.Get_size()):
+            position = s % model_parallel
+            if position not in cut:
+                cut[position] = dict(slices(s, state))
+        shards = [{} if s == 0 else cut[s % model_parallel] for s in range(comms.cell.Get_size())]
     received = comms.cell.scatter(shards, root=0)
     arrive(comms.cell)  # as after the broadcast: every rank holds its part
     return received.items() if state is None else slices(0, state)
 
 
 def model_parallel(parallel: ParallelConfig, ranks_per_cell: int) -> ParallelDims:
-    """Tensor x pipeline over all of a cell's ranks (data parallelism runs across cells),
-    sequence parallelism on by default beside tensor parallelism, expert parallelism folded
-    onto the tensor-parallel ranks."""
-    pipeline = parallel.pipeline
-    tensor = parallel.tensor if parallel.tensor is not None else ranks_per_cell // pipeline
-    if tensor * pipeline != ranks_per_cell:
+    """Tensor x pipeline x data over all of a cell's ranks (`data` replicas of the model in
+    the cell; data parallelism runs across cells too), sequence parallelism on by default
+    beside tensor parallelism, expert parallelism folded onto the tensor-parallel ranks.
+    Unset, data is what tensor and pipeline leave (1 where tensor is unset too)."""
+    pipeline, tensor, data = parallel.pipeline, parallel.tensor, parallel.data
+    if data is None:
+        data = 1 if tensor is None else max(1, ranks_per_cell // (tensor * pipeline))
+    if tensor is None:
+        tensor = ranks_per_cell // (pipeline * data)
+    if tensor < 1 or tensor * pipeline * data != ranks_per_cell:
         raise ConfigError(
-            f"parallel: tensor {tensor} x pipeline {pipeline} != "
-            f"topology.ranks_per_cell {ranks_per_cell}; allowed: tensor x pipeline = "
-            "ranks_per_cell (the Megatron backend shards a cell's model over all its ranks)"
+            f"parallel: tensor {_yaml(parallel.tensor)} x pipeline {pipeline} x data "
+            f"{_yaml(parallel.data)} != topology.ranks_per_cell {ranks_per_cell}; allowed: tensor x pipeline x data "
+            "= ranks_per_cell (the Megatron backend lays a cell's model over all its ranks; "
+            "null sizes are derived)"
         )
     if tensor % parallel.expert:
         raise ConfigError(
@@ -397,8 +430,12 @@ def model_parallel(parallel: ParallelConfig, ranks_per_cell: int) -> ParallelDim
             "tensor-parallel ranks: expert x expert-tensor = tensor)"
         )
     sequence = parallel.sequence if parallel.sequence is not None else tensor > 1
-    return ParallelDims(tensor=tensor, pipeline=pipeline, data=1, sequence=sequence,
+    return ParallelDims(tensor=tensor, pipeline=pipeline, data=data, sequence=sequence,
                         expert=parallel.expert)  # fmt: skip
+
+
+def _yaml(size: int | None) -> str:
+    return "null" if size is None else str(size)
 
 
 def check_installed() -> None:

@@ -96,14 +96,16 @@ class TrainBackend:
     """The cell's parallel sizes from `train.parallel` over `topology.ranks_per_cell` ranks;
     a ConfigError (its message starting `parallel:`) where the backend cannot lay them out."""
     every_core_rank_steps: bool
-    """Whether every rank of the core cell steps an optimizer on its own shard (model
-    parallel) rather than only the core's leader, whose step the cell then receives."""
+    """Whether every model-parallel rank of the core's first data-parallel replica steps an
+    optimizer on its own shard rather than only the core's leader, whose step the cell then
+    receives."""
     check_installed: Callable[[], None] = nothing_to_check
     """Refuse (ConfigError) a backend this machine cannot run, before any process starts."""
     check_model: Callable[[Mapping[str, Any], ParallelDims], None] | None = None
     """Refuse (ConfigError) a model, by its Hugging Face config, that the backend cannot lay
     out over `dims`; None: it trains any model Gyre loads."""
 
-    def owns_optimizer(self, shard: int) -> bool:
-        """Whether the core cell's rank `shard` steps an optimizer."""
-        return shard == 0 or self.every_core_rank_steps
+    def owns_optimizer(self, shard: int, dims: ParallelDims) -> bool:
+        """Whether the core cell's rank `shard` steps an optimizer (a cell's other
+        data-parallel replicas receive the weights it steps)."""
+        return shard == 0 or (self.every_core_rank_steps and dims.place(shard).data == 0)

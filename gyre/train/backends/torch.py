@@ -147,6 +147,12 @@ def data_parallel(parallel: ParallelConfig, ranks_per_cell: int) -> ParallelDims
             "tensor 1 (or null), pipeline 1, expert 1 and sequence false (or null) — the torch "
             "backend is data parallel inside a cell (train.backend megatron shards the model)"
         )
+    if parallel.data not in (None, ranks_per_cell):
+        raise ConfigError(
+            f"parallel.data: {parallel.data} with backend torch and topology.ranks_per_cell "
+            f"{ranks_per_cell}; allowed: {ranks_per_cell} or null (every rank of a torch cell "
+            "is a data-parallel replica)"
+        )
     return ParallelDims(tensor=1, pipeline=1, data=ranks_per_cell)
 
 

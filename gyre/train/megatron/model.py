@@ -48,13 +48,15 @@ from gyre.train.packing import MicroStep
 
 def init_model_parallel(cfg: MegatronConfig, device: str | torch.device) -> None:
     """Megatron's process state for a model on `device`, over the current torch.distributed
-    world (TP × PP inside a cell, experts folded onto the TP ranks): `parallel_state`, then
+    world (TP × PP × DP inside a cell, experts folded onto the TP ranks): `parallel_state`, then
     on a CUDA device that device bound and Megatron's model-parallel RNG seeded
     (`model_parallel_cuda_manual_seed`), on the CPU the scoped patches of
     `gyre.train.megatron.cpu`.
 
-    Cell ranks must be contiguous in the torch.distributed numbering (`GroupLayout.dist_rank`);
-    data parallelism then runs across cells.
+    Cell ranks must be contiguous in the torch.distributed numbering (`GroupLayout.dist_rank`):
+    Megatron's data-parallel group then holds every cell's replicas at one shard position
+    (Gyre never reduces over it: it sums a cell's replicas over `comms.replicas`, then the
+    cells over the prefix communicators, `gyre.runtime.cell.trainer`).
     """
     _import_megatron()
     from megatron.core import parallel_state, tensor_parallel
@@ -62,8 +64,9 @@ def init_model_parallel(cfg: MegatronConfig, device: str | torch.device) -> None
     from gyre.train.megatron import cpu
 
     if not parallel_state.model_parallel_is_initialized():
-        # "pp" before "dp": a cell's TP x PP ranks are contiguous, shard s = TP rank s % TP of
-        # stage s // TP (Megatron's default order puts the pipeline outermost, across cells).
+        # "pp" before "dp": a replica's TP x PP ranks are contiguous, shard s = TP rank s % TP
+        # of stage s // TP % PP in the cell's replica s // (TP x PP), world size / (TP x PP)
+        # replicas in all (Megatron's default order puts the pipeline outermost, across cells).
         # Experts fold onto the TP ranks (EP x ETP = TP): TP rank t holds the experts of EP
         # rank t // ETP, split as ETP rank t % ETP; expert data parallelism runs across cells.
         parallel_state.initialize_model_parallel(
@@ -415,8 +418,8 @@ def _replicated_mask(model: torch.nn.Module, total: int, device: torch.device) -
     """1 where a flat-buffer element counts toward the norm on this rank, else 0: a tensor
     replicated over the TP ranks counts on TP rank 0, a tied embedding on the first stage; a
     tensor-parallel shard, and a routed expert under expert parallelism (Megatron marks it
-    `allreduce = False`: its own experts on each EP rank, no expert data parallelism inside a
-    cell), count on every rank."""
+    `allreduce = False`: its own experts on each EP rank of a replica), count on every rank.
+    Only a cell's first data-parallel replica steps, so each element counts once."""
     from megatron.core import parallel_state
 
     from gyre.train.megatron.pipeline import tied_copy
@@ -443,8 +446,8 @@ class ModelParallelOptimizer(CoreOptimizer):
         self._mask = _replicated_mask(cell.model, cell.flat_params.numel(), cell.device)
 
     def global_norm(self, grads: torch.Tensor) -> float:
-        """L2 norm over every TP / PP rank of the cell (replicated and tied tensors counted
-        once)."""
+        """L2 norm over every TP / PP rank of the cell's first replica, Megatron's
+        model-parallel group (replicated and tied tensors counted once)."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
