@@ -94,7 +94,9 @@ def test_a_gather_sends_each_tensor_not_its_flat_buffer() -> None:
         views[name] = flat[off : off + n].view(shape)
         off += n
     comm = _Comm()
-    me = SimpleNamespace(comm=comm, layout=layout, dims=ParallelDims(tensor=1, pipeline=1, data=1))
+    me = SimpleNamespace(
+        comm=comm, layout=layout, dims=ParallelDims(tensor=1, pipeline=1, data=1), data_rank=0
+    )
     hf = MegatronReplica._gather(me, views)  # type: ignore[arg-type]
     assert hf is not None and torch.equal(hf["model.embed_tokens.weight"], views[
         "embedding.word_embeddings.weight"])  # fmt: skip
