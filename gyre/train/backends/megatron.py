@@ -226,11 +226,13 @@ def build(
 
     # megatron-core warns at import and build about every optional CUDA library it lacks
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
-    hf, tokenizer, hf_config, shard = _shard_source(model, dims, comms)
+    # MPI's splits first: across nodes a split issued after torch's rendezvous thread has
+    # run can wait on a peer still inside that rendezvous (seen: the netns Slurm test hung)
     split_replicas(comms, dims)  # collective over the cell, once
     place = dims.place(comms.shard)
     replica_comm = comms.cell.Split(place.data, comms.shard)
+    init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
+    hf, tokenizer, hf_config, shard = _shard_source(model, dims, comms)
     mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
                           sequence_parallel=dims.sequence, expert_parallel=dims.expert,
                           dtype=train.params_dtype,
