@@ -212,6 +212,7 @@ class Progress:
             "train_dtype": self.cfg.train.params_dtype,
             "engine_backend": self.cfg.engine.backend,
             "parallel": dataclasses.asdict(self.cfg.dims),
+            "engines_per_cell": self.cfg.engines_per_cell,
             "cell_hosts": cell_hosts,
             "status": status,
             "resumed_from": None
