@@ -342,3 +342,43 @@ def test_training_after_release_and_restore_equals_a_cell_never_released() -> No
     assert torch.equal(cell_.flat_grads, ref_cell.flat_grads)  # accumulated grads kept
     x = torch.randn(5, 4, dtype=torch.float64)
     assert torch.equal(cell_.model(x), ref_cell.model(x))  # the model computes with them
+
+
+class GatherWorld:
+    """A world seen from `rank` whose allgather returns `offers` with this rank's own offer."""
+
+    def __init__(self, rank: int, offers: list[str | None]) -> None:
+        self.rank, self.offers = rank, offers
+
+    def Get_rank(self) -> int:
+        return self.rank
+
+    def allgather(self, value: str | None) -> list[str | None]:
+        self.offers[self.rank] = value
+        return list(self.offers)
+
+
+def test_each_node_rank_of_a_multi_node_engine_meets_at_its_node_rank_0() -> None:
+    """`rendezvous`: node rank 0's host offers its address and a free port; the rank that
+    launches node rank 1 of the same engine (tensor_parallel ranks further on) gets exactly
+    that, other ranks nothing; on one node no collective runs at all."""
+    from types import SimpleNamespace
+
+    from gyre.runtime.roles import rendezvous
+
+    tp, comps = 2, [COORD, PROXY] + [cell(0, s) for s in range(8)]
+    cfg = SimpleNamespace(engine=SimpleNamespace(nodes=2, tensor_parallel=tp))
+    hosts = engine_hosts(2, tp, nodes=2)  # shards 0, 2 (engine 0), 4, 6 (engine 1)
+    offers: list[str | None] = [None] * len(comps)
+    got = {}
+    for rank, c in enumerate(comps):
+        j, k = hosts.get(c.shard, (0, 0)) if c.kind == "cell" else (0, 0)
+        launches = c.kind == "cell" and c.shard in hosts
+        placed = RankDevice(0, c, "cuda:0", EngineGpus(0, (0, 1), j, k) if launches else None)
+        got[rank] = rendezvous(cfg, GatherWorld(rank, offers), comps, "127.0.0.1", placed)  # type: ignore[arg-type]
+    first0, first1 = got[2], got[6]  # shards 0 and 4: node rank 0 of engines 0 and 1
+    assert first0.startswith("127.0.0.1:") and first1.startswith("127.0.0.1:")
+    assert got[4] == first0 and got[8] == first1  # shards 2 and 6: their node rank 1
+    assert [got[r] for r in (0, 1, 3, 5, 7, 9)] == [""] * 6
+    single = SimpleNamespace(engine=SimpleNamespace(nodes=1, tensor_parallel=tp))
+    assert rendezvous(single, None, comps, "127.0.0.1", RankDevice(0, cell(0, 0), "cuda:0")) == ""  # type: ignore[arg-type]
