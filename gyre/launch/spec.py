@@ -52,8 +52,11 @@ class Launch:
     backends: str = ""
     """The cells' training and engine backends and parallel sizes, in words (`gyre render`)."""
     engine_gpus: int = 0
-    """GPUs a cell's engine serves on (`engine.tensor_parallel` for SGLang, 1 for a CUDA
-    embedded engine, 0 on the CPU): a cell's other GPUs idle while it serves."""
+    """GPUs one engine serves on (`engine.tensor_parallel` x `engine.nodes` for SGLang, 1
+    for a CUDA embedded engine, 0 on the CPU)."""
+    engines_per_cell: int = 1
+    """A cell's engines (`RunConfig.engines_per_cell`): with `engine_gpus` what a cell serves
+    rollout on; its other GPUs idle while it serves."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -141,18 +144,19 @@ class JobSpec:
         return lines + [f"warning: {w}" for w in self.launch.warnings]
 
     def _idle_during_rollout(self) -> list[str]:
-        """A warning where a cell has more GPUs than its engine serves on: a cell serves
-        from one engine, so the rest wait out every rollout phase."""
-        serving = self.launch.engine_gpus
+        """A warning where a cell has more GPUs than its engines serve on: the rest wait out
+        every rollout phase."""
+        e, one = self.launch.engines_per_cell, self.launch.engine_gpus
         cells = [c for c in self.components if c.role == "cell" and c.gpus_per_node]
         held = {c.nodes * c.gpus_per_node for c in cells}
-        if not serving or not held or max(held) <= serving:
+        if not one or not held or max(held) <= e * one:
             return []
-        gpus = max(held)
+        gpus, idle = max(held), max(held) - e * one
+        engines = f"{e} engines" if e > 1 else "one engine"
         return [
-            f"warning: each cell's {gpus} GPUs serve rollout from one engine on {serving} "
-            f"(engine.tensor_parallel): {gpus - serving} ({100 * (gpus - serving) // gpus}%) "
-            "idle while it serves"
+            f"warning: each cell's {gpus} GPUs serve rollout from {engines} on {one} GPUs each "
+            f"(engine.tensor_parallel x engine.nodes): {idle} ({100 * idle // gpus}%) idle "
+            "while it serves (engine.per_cell auto fills a colocated cell)"
         ]
 
     @property
@@ -192,22 +196,25 @@ def load_launch(
     return Launch(path=p, name=run.name, runs_dir=run.runs_dir, topology=run.topology, slurm=slurm,
                   harness_concurrency=run.schedule.concurrency_per_cell * engines,
                   suite=run.harness.suite, warnings=tuple(notes),
-                  backends=backends(run), engine_gpus=engine_gpus(run))  # fmt: skip
+                  backends=backends(run), engine_gpus=engine_gpus(run),
+                  engines_per_cell=run.engines_per_cell)  # fmt: skip
 
 
 def engine_gpus(run: Any) -> int:
     """GPUs one engine of `run` serves on (0: it serves on the CPU)."""
     if run.engine.backend == "sglang":
-        return int(run.engine.tensor_parallel)
+        return int(run.engine.tensor_parallel * run.engine.nodes)
     return 1 if run.engine.device == "cuda" else 0
 
 
 def backends(run: Any) -> str:
     """A run's cell backends in words: `train megatron (tensor 2 x pipeline 1 x data 1 per
-    cell), engine sglang (TP 2)`."""
+    cell), engine sglang (TP 2, 1 per cell)`."""
     d = run.dims
     return (f"train {run.train.backend} (tensor {d.tensor} x pipeline {d.pipeline} x data "
-            f"{d.data} per cell), engine {run.engine.backend} (TP {run.engine.tensor_parallel})")  # fmt: skip
+            f"{d.data} per cell), engine {run.engine.backend} (TP {run.engine.tensor_parallel}"
+            + (f" x {run.engine.nodes} nodes" if run.engine.nodes > 1 else "")
+            + f", {run.engines_per_cell} per cell)")  # fmt: skip
 
 
 def _write_merged(data: dict[str, Any], source: Path, folder: Path, name: str) -> Path:

@@ -63,6 +63,9 @@ class Wiring:
     """The cell's trainers share their GPUs with its engine (a CUDA trainer, colocated
     placement; the same on every rank of a cell): the cell's ranks build and park their
     trainers before the leader starts the engine."""
+    dist_init: str = ""
+    """SGLang's --dist-init-addr of the multi-node engine this rank launches a node rank of
+    (`rendezvous`); empty otherwise."""
 
     @classmethod
     def connect(
@@ -83,9 +86,10 @@ class Wiring:
 
             residency = TrainerResidency.for_rank(placed)
             parks_first = cfg.topology.placement == "colocated"  # a leader's GPU is shared
+        dist_init = rendezvous(cfg, world, components, address, placed)
         clock.mark("wiring")
         return cls(components, comms, address, link, hosts, placed, residency, clock,
-                   parks_first)  # fmt: skip
+                   parks_first, dist_init)  # fmt: skip
 
     def report_startup(self, me: Component) -> None:
         """Tell the coordinator this rank's start-up phases (it serves from now on)."""
@@ -166,7 +170,8 @@ class EngineRole:
         cell = me.kind == "cell"
         if cell and wiring.parks_first:  # the engine starts on the GPUs the trainers left
             self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
-        self.engine = _start_engine(cfg, me, run_dir, wiring.address, wiring.placed)
+        self.engine = _start_engine(cfg, me, run_dir, wiring.address, wiring.placed,
+                                    wiring.dist_init)  # fmt: skip
         wiring.clock.mark("engine spawn")
         if cell and self.replica is None:  # it builds while the engine loads
             self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
@@ -204,6 +209,10 @@ class FollowerRole:
         if self.engine_index is not None:
             self.engine = _start_engine(cfg, me, run_dir, wiring.address, wiring.placed)
             wiring.clock.mark("engine spawn")
+        self.node_rank = None  # node rank k > 0 of a multi-node engine: computes, serves no HTTP
+        if wiring.placed.engine is not None and wiring.placed.engine.node_rank > 0:
+            self.node_rank = _start_engine(cfg, me, run_dir, wiring.address, wiring.placed,
+                                           wiring.dist_init)  # fmt: skip
         if self.engine is None or not wiring.parks_first:
             self.replica, self.version = _build_replica(cfg, wiring, me, run_dir)
 
@@ -225,7 +234,11 @@ class FollowerRole:
                                 run_dir=self.run_dir,
                                 up=lambda m: link.send(m, COORDINATOR_RANK))  # fmt: skip
         self.wiring.report_startup(self.me)
-        return CellFollower(trainer, served, self.cfg.engines_per_cell).serve(link)
+        try:
+            return CellFollower(trainer, served, self.cfg.engines_per_cell).serve(link)
+        finally:
+            if self.node_rank is not None:  # node rank 0's shutdown stops it first
+                self.node_rank.stop()
 
 
 class JudgeRole:
@@ -348,29 +361,52 @@ def place_rank(cfg: RunConfig, world: Any, components: list[Component]) -> RankD
 
     on_node = node_ranks(world, os.environ)
     plan = plan_node(torch.cuda.device_count(), [components[r] for r in on_node],
-                     tensor_parallel=cfg.engine.tensor_parallel,
-                     mode=cfg.topology.placement)  # fmt: skip
+                     tensor_parallel=cfg.engine.tensor_parallel, mode=cfg.topology.placement,
+                     per_cell=cfg.engines_per_cell, nodes=cfg.engine.nodes)  # fmt: skip
     mine = plan[on_node.index(world.Get_rank())]
     if mine.device.startswith("cuda"):
         torch.cuda.set_device(mine.device)
     return mine
 
 
+def rendezvous(
+    cfg: RunConfig, world: Any, components: list[Component], address: str, placed: RankDevice
+) -> str:
+    """SGLang's --dist-init-addr of the multi-node engine (`engine.nodes` > 1) whose node rank
+    this rank launches: node rank 0's host offers `address:free port`, every rank learns the
+    offers (collective over `world`) and takes its engine's. Empty on one node."""
+    from gyre.rollout.serving.process import free_port
+
+    if cfg.engine.nodes == 1:
+        return ""
+    me, e = components[world.Get_rank()], placed.engine
+    launches = me.kind == "cell" and e is not None
+    first = e is not None and launches and e.node_rank == 0
+    offered = world.allgather(f"{address}:{free_port(address)}" if first else None)
+    if not launches or e is None:
+        return ""
+    shard = me.shard - e.node_rank * cfg.engine.tensor_parallel
+    return str(offered[components.index(Component("cell", me.index, shard))])
+
+
 def _start_engine(
-    cfg: RunConfig, me: Component, run_dir: Path, address: str, placed: RankDevice
-) -> Any:
-    """Spawn this rank's engine, bound to (and reached at) this rank's `address`, on the
-    GPUs its placement gives it."""
+    cfg: RunConfig, me: Component, run_dir: Path, address: str, placed: RankDevice,
+    dist_init: str = "",
+) -> Any:  # fmt: skip
+    """Spawn this rank's engine (or its node rank of a multi-node engine, meeting the others
+    at `dist_init`), bound to (and reached at) this rank's `address`, on the GPUs its
+    placement gives it."""
     from gyre.runtime.cell.engine_host import EngineHost
 
     t, e = cfg.topology, cfg.engines_per_cell
     index = {"cell": 0, "standalone": t.cells * e,
              "judge": t.cells * e + t.standalone_engines}[me.kind] + me.index  # fmt: skip
     name = f"engine-{me.kind}{me.index}"
+    node_rank = placed.engine.node_rank if placed.engine else 0
     if me.kind == "cell":  # a cell's engine j: id cell x E + j; the first keeps the cell's name
-        j = shards(cfg).index(me.shard)
+        j = placed.engine.engine if placed.engine else shards(cfg).index(me.shard)
         index = me.index * e + j
-        name += f"-{j}" if j else ""
+        name += (f"-{j}" if j else "") + (f".node{node_rank}" if node_rank else "")
     labels = {"GYRE_RUN_DIR": str(run_dir.resolve()), "GYRE_ENGINE_INDEX": str(index)}
     concurrency = cfg.schedule.concurrency_per_cell // (e if me.kind == "cell" else 1)
     pace = cfg.pace.engine(concurrency) if cfg.pace.enabled else None
@@ -378,6 +414,7 @@ def _start_engine(
     engine = EngineHost(cfg.model, cfg.engine, run_dir / "logs" / f"{name}.log", version=0,
                         labels=labels, pace=pace, host=address,
                         base_gpu_id=placed.engine.base_gpu_id if placed.engine else 0,
-                        routed_experts=routed)  # fmt: skip
+                        routed_experts=routed, node_rank=node_rank,
+                        dist_init_addr=dist_init)  # fmt: skip
     engine.spawn()
     return engine

@@ -291,6 +291,29 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(
         assert _by_rank(u) == {0: SENT, 1: SENT}
 
 
+def test_a_multi_node_engine_launches_each_node_rank_with_sglangs_own_flags(tmp_path: Path) -> None:
+    """An engine on 2 nodes of 8 GPUs (`engine.nodes`): every node rank's argv parses in SGLang
+    with its tp_size counting both nodes' GPUs, its own node_rank and node rank 0's rendezvous
+    address; a single-node engine carries none of those flags (SGLang's defaults)."""
+    config = EngineConfig(backend="sglang", tensor_parallel=8, nodes=2, expert_parallel=16)
+    launch = []
+    for rank in (0, 1):
+        host = EngineHost("/models/moe", config, tmp_path / f"e{rank}.log", version=0,
+                          node_rank=rank,
+                          dist_init_addr="10.0.0.1:29500")  # fmt: skip
+        argv, _ = host.command()
+        launch.append({"argv": argv[3:], "expect": {
+            "tp_size": 16, "ep_size": 16, "nnodes": 2, "node_rank": rank,
+            "dist_init_addr": "10.0.0.1:29500"}})  # fmt: skip
+    single, _ = EngineHost("/models/qwen", EngineConfig(backend="sglang", tensor_parallel=8),
+                           tmp_path / "s.log", version=0).command()  # fmt: skip
+    assert "--nnodes" not in single and "--dist-init-addr" not in single
+    launch.append({"argv": single[3:], "expect": {"tp_size": 8, "nnodes": 1, "node_rank": 0,
+                                                  "dist_init_addr": None}})  # fmt: skip
+    report = _check({"launch": launch})
+    assert report["launch"] == [[], [], []], report["launch"]
+
+
 SENT = [[n, str(t.dtype), list(t.shape), t.double().flatten().tolist()] for n, t in NAMED]
 
 

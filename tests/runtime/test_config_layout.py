@@ -420,7 +420,7 @@ def test_render_names_both_backends_and_the_cell_layout() -> None:
     spec = job_spec(load_launch(ROOT / "templates" / "cluster-cpu.yaml",
                                 ["train.backend=megatron"]))  # fmt: skip
     assert ("cells: train megatron (tensor 2 x pipeline 1 x data 1 per cell), engine embedded "
-            "(TP 1)") in spec.footprint()  # fmt: skip
+            "(TP 1, 1 per cell)") in spec.footprint()  # fmt: skip
 
 
 def test_every_training_backend_the_config_allows_has_a_builder() -> None:

@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 from gyre.errors import ConfigError, TrainingError
 from gyre.runtime.cell.residency import TrainerResidency
 from gyre.runtime.shared.layout import Component
-from gyre.runtime.shared.placement import EngineGpus, RankDevice, local_rank, node_ranks, plan_node
+from gyre.runtime.shared.placement import (
+    EngineGpus,
+    RankDevice,
+    engine_hosts,
+    local_rank,
+    node_ranks,
+    plan_node,
+)
 from gyre.train.cell import CoreOptimizer, OptimConfig, TorchCell
 from gyre.train.config import ObjectiveConfig
 
@@ -115,6 +122,78 @@ def test_placement_properties(cells, standalone, tp, gpus, mode, data) -> None:
         if mode == "disjoint":
             assert gpu not in engine_gpus and not r.offload
     assert plan.used == need
+
+
+def _cell_engines_reference(
+    ranks: int, nodes_per_cell: int, tp: int, nodes: int, per_cell: int
+) -> dict[int, set[tuple[int, int]]]:
+    """Each engine's (node, GPU) pairs, the obvious way for a colocated cell whose node holds
+    one GPU per rank: engine j sits on the GPUs of its own ranks j*tp*nodes .. +tp*nodes."""
+    per_node = ranks // nodes_per_cell
+    span = tp * nodes
+    return {j: {(s // per_node, s % per_node) for s in range(j * span, (j + 1) * span)}
+            for j in range(per_cell)}  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tp=st.sampled_from([1, 2, 4, 8]),
+    nodes=st.sampled_from([1, 2, 3]),
+    nodes_per_cell=st.sampled_from([1, 2, 3, 6]),
+    engines=st.integers(1, 6),
+    extra_gpus=st.integers(0, 3),
+    mode=st.sampled_from(["colocated", "disjoint"]),
+    data=st.data(),
+)
+def test_a_cells_engines_get_disjoint_gpus_on_the_nodes_that_hold_them(
+    tp, nodes, nodes_per_cell, engines, extra_gpus, mode, data
+) -> None:
+    """Every engine of a cell (`engine.per_cell`, each `engine.nodes` nodes of `tensor_parallel`
+    GPUs) on every node of the cell: engines never share a GPU, each spans at most `nodes`
+    nodes with tensor_parallel GPUs on each, and colocated cells that fill their ranks use
+    every GPU, each engine on its own ranks' GPUs (`_cell_engines_reference`)."""
+    per_node = tp if nodes > 1 else tp * data.draw(st.integers(1, 3))
+    ranks = per_node * nodes_per_cell
+    if engines * tp * nodes > ranks:
+        return
+    gpus = per_node + extra_gpus + (engines * tp * nodes if mode == "disjoint" else 0)
+    found: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    for n in range(nodes_per_cell):
+        comps = [cell(0, s) for s in range(n * per_node, (n + 1) * per_node)]
+        comps = data.draw(st.permutations(comps))
+        plan = plan_node(gpus, comps, tensor_parallel=tp, mode=mode, per_cell=engines,
+                         nodes=nodes)  # fmt: skip
+        trainer_gpus = [int(r.device.removeprefix("cuda:")) for r in plan.ranks]
+        assert len(set(trainer_gpus)) == per_node and max(trainer_gpus) < gpus
+        for r in plan.ranks:
+            if r.engine is not None:
+                assert r.engine.gpus == tuple(
+                    range(r.engine.base_gpu_id, r.engine.base_gpu_id + tp)
+                )
+                assert r.engine.gpus[-1] < gpus
+                found.setdefault(r.engine.engine, []).append((n, r.engine.gpus))
+                if mode == "disjoint":
+                    assert not set(r.engine.gpus) & set(trainer_gpus)
+    assert sorted(found) == list(range(engines))
+    pairs = [(n, g) for parts in found.values() for n, gs in parts for g in gs]
+    assert len(set(pairs)) == len(pairs)  # no GPU serves two engines (or one twice)
+    for parts in found.values():
+        assert len(parts) == nodes and len({n for n, _ in parts}) == nodes
+    if mode == "colocated":
+        reference = _cell_engines_reference(ranks, nodes_per_cell, tp, nodes, engines)
+        assert {
+            j: {(n, g) for n, gs in parts for g in gs} for j, parts in found.items()
+        } == reference
+        if engines * tp * nodes == ranks:  # auto where it divides: every GPU serves
+            assert set(pairs) == {(n, g) for n in range(nodes_per_cell) for g in range(per_node)}
+
+
+def test_engine_hosts_and_node_ranks() -> None:
+    assert engine_hosts(2, 8) == {0: (0, 0), 8: (1, 0)}
+    assert engine_hosts(2, 8, nodes=2) == {0: (0, 0), 8: (0, 1), 16: (1, 0), 24: (1, 1)}
+    plan = plan_node(8, [cell(0, s) for s in range(8, 16)], tensor_parallel=8,
+                     mode="colocated", per_cell=2, nodes=2)  # fmt: skip
+    assert plan[0].engine == EngineGpus(0, tuple(range(8)), engine=0, node_rank=1)
 
 
 class FakeWorld:
@@ -263,3 +342,43 @@ def test_training_after_release_and_restore_equals_a_cell_never_released() -> No
     assert torch.equal(cell_.flat_grads, ref_cell.flat_grads)  # accumulated grads kept
     x = torch.randn(5, 4, dtype=torch.float64)
     assert torch.equal(cell_.model(x), ref_cell.model(x))  # the model computes with them
+
+
+class GatherWorld:
+    """A world seen from `rank` whose allgather returns `offers` with this rank's own offer."""
+
+    def __init__(self, rank: int, offers: list[str | None]) -> None:
+        self.rank, self.offers = rank, offers
+
+    def Get_rank(self) -> int:
+        return self.rank
+
+    def allgather(self, value: str | None) -> list[str | None]:
+        self.offers[self.rank] = value
+        return list(self.offers)
+
+
+def test_each_node_rank_of_a_multi_node_engine_meets_at_its_node_rank_0() -> None:
+    """`rendezvous`: node rank 0's host offers its address and a free port; the rank that
+    launches node rank 1 of the same engine (tensor_parallel ranks further on) gets exactly
+    that, other ranks nothing; on one node no collective runs at all."""
+    from types import SimpleNamespace
+
+    from gyre.runtime.roles import rendezvous
+
+    tp, comps = 2, [COORD, PROXY] + [cell(0, s) for s in range(8)]
+    cfg = SimpleNamespace(engine=SimpleNamespace(nodes=2, tensor_parallel=tp))
+    hosts = engine_hosts(2, tp, nodes=2)  # shards 0, 2 (engine 0), 4, 6 (engine 1)
+    offers: list[str | None] = [None] * len(comps)
+    got = {}
+    for rank, c in enumerate(comps):
+        j, k = hosts.get(c.shard, (0, 0)) if c.kind == "cell" else (0, 0)
+        launches = c.kind == "cell" and c.shard in hosts
+        placed = RankDevice(0, c, "cuda:0", EngineGpus(0, (0, 1), j, k) if launches else None)
+        got[rank] = rendezvous(cfg, GatherWorld(rank, offers), comps, "127.0.0.1", placed)  # type: ignore[arg-type]
+    first0, first1 = got[2], got[6]  # shards 0 and 4: node rank 0 of engines 0 and 1
+    assert first0.startswith("127.0.0.1:") and first1.startswith("127.0.0.1:")
+    assert got[4] == first0 and got[8] == first1  # shards 2 and 6: their node rank 1
+    assert [got[r] for r in (0, 1, 3, 5, 7, 9)] == [""] * 6
+    single = SimpleNamespace(engine=SimpleNamespace(nodes=1, tensor_parallel=tp))
+    assert rendezvous(single, None, comps, "127.0.0.1", RankDevice(0, cell(0, 0), "cuda:0")) == ""  # type: ignore[arg-type]

@@ -86,7 +86,15 @@ class ServerConfig:
     port: int = 0
     """TCP port; 0 picks a free one at start."""
     tensor_parallel: int = 1
-    """SGLang --tp-size: GPUs of this server (the cell's ranks)."""
+    """SGLang --tp-size: GPUs of this server (the cell's ranks), on all its nodes together."""
+    nodes: int = 1
+    """SGLang --nnodes: the nodes this server spans, tensor_parallel / nodes GPUs on each."""
+    node_rank: int = 0
+    """SGLang --node-rank: which of them this process runs (0 serves HTTP; the others run
+    their schedulers and take their work from node rank 0)."""
+    dist_init_addr: str = ""
+    """SGLang --dist-init-addr, `host:port` of node rank 0 where every node rank
+    rendezvouses (nodes > 1)."""
     expert_parallel: int = 1
     """SGLang --ep-size: of those GPUs, how many an MoE model's routed experts are split over
     (divides tensor_parallel)."""
@@ -123,6 +131,17 @@ class ServerConfig:
             raise ConfigError(f"port: {self.port}; allowed 0..65535 (0 = pick a free port)")
         if self.tensor_parallel < 1:
             raise ConfigError(f"tensor_parallel: {self.tensor_parallel}; allowed >= 1")
+        if (
+            self.nodes < 1
+            or self.tensor_parallel % self.nodes
+            or not 0 <= self.node_rank < self.nodes
+        ):
+            raise ConfigError(f"nodes: {self.nodes}, node_rank: {self.node_rank}; allowed: nodes a "
+                              f"divisor of tensor_parallel {self.tensor_parallel}, node_rank "
+                              f"0..nodes-1")  # fmt: skip
+        if self.nodes > 1 and ":" not in self.dist_init_addr:
+            raise ConfigError(f"dist_init_addr: {self.dist_init_addr!r} with nodes {self.nodes}; "
+                              "allowed: host:port of node rank 0")  # fmt: skip
         if self.expert_parallel < 1 or self.tensor_parallel % self.expert_parallel:
             raise ConfigError(f"expert_parallel: {self.expert_parallel}; allowed a divisor of "
                               f"tensor_parallel {self.tensor_parallel}")  # fmt: skip
@@ -149,7 +168,18 @@ class ServerConfig:
             "weight_version": self.weight_version, "api_key": engine_key() or "",
             "dtype": self.dtype,
         }  # fmt: skip
-        return [arg.format(**values) for arg in self.template()] + list(self.extra_args)
+        argv = [arg.format(**values) for arg in self.template()]
+        return argv + self.multinode_args() + list(self.extra_args)
+
+    def multinode_args(self) -> list[str]:
+        """SGLang's flags of a server on several nodes (none on one): every node rank starts
+        the same command but its --node-rank, and rendezvouses at node rank 0's
+        --dist-init-addr (sglang/srt/arg_groups/fields/parallel.py, 0.5.21; its tp_size counts
+        every node's GPUs, `entrypoints/engine.py` `_calculate_rank_ranges`)."""
+        if self.nodes == 1:
+            return []
+        return ["--nnodes", str(self.nodes), "--node-rank", str(self.node_rank),
+                "--dist-init-addr", self.dist_init_addr]  # fmt: skip
 
 
 def _check_template(template: list[str]) -> None:

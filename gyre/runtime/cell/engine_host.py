@@ -76,8 +76,11 @@ class EngineHost(EngineProcess):
         host: str = "127.0.0.1",
         base_gpu_id: int = 0,
         routed_experts: bool = False,
+        node_rank: int = 0,
+        dist_init_addr: str = "",
     ) -> None:
         self.model, self.engine_config = model, config
+        self.node_rank, self.dist_init_addr = node_rank, dist_init_addr  # engine.nodes > 1
         self.routed_experts = routed_experts  # SGLang: capture them (routing replay)
         self.host = host  # bound and advertised: the rank's address (gyre.runtime.shared.address)
         self.base_gpu_id = base_gpu_id  # its first GPU (gyre.runtime.shared.placement)
@@ -90,7 +93,9 @@ class EngineHost(EngineProcess):
     def _server(self) -> ServerConfig:
         server = self.engine_config.server(self.model, self.version, host=self.host,
                                            base_gpu_id=self.base_gpu_id,
-                                           routed_experts=self.routed_experts)  # fmt: skip
+                                           routed_experts=self.routed_experts,
+                                           node_rank=self.node_rank,
+                                           dist_init_addr=self.dist_init_addr)  # fmt: skip
         if self.pace is not None:
             if server.launch != "embedded":
                 raise ConfigError("pace: only the embedded engine is paced (engine.backend)")
@@ -152,8 +157,8 @@ def route(config: EngineConfig, engine_host: str, host: str, *, nbytes: int) -> 
     sends every engine through an update group, http every engine by value."""
     if config.publication == "http":
         return "value"
-    if config.publication == "distributed":
-        return "group"
+    if config.publication == "distributed" or config.nodes > 1:
+        return "group"  # a multi-node engine's other nodes hold no handle of this node's
     if engine_host == host and handle_device(config) != "none":
         return "handle"
     return "group" if config.distributed(nbytes) else "value"

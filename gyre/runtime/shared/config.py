@@ -165,11 +165,13 @@ class EngineConfig:
     ranks rendezvous at --dist-init-addr, the engine's first rank). The embedded engine: 1."""
     per_cell: int | Literal["auto"] = "auto"
     """Rollout engines of one cell, each on tensor_parallel x nodes of the cell's ranks
-    (engine j on the cell's rank j x tensor_parallel x nodes); auto: 1 for now
-    (`RunConfig.engines_per_cell`); more than 1 on the CPU only so far."""
+    (engine j launched by the cell's rank j x tensor_parallel x nodes, on GPUs of its own:
+    `gyre.runtime.shared.placement`); auto: engines on GPUs fill the cell, one per
+    tensor_parallel x nodes of its ranks (one GPU each), an embedded engine on the CPU is 1
+    (`RunConfig.engines_per_cell`)."""
     expert_parallel: int = 1
     """sglang: --ep-size, of one server's GPUs how many an MoE model's routed experts are
-    split over (a divisor of tensor_parallel and of the model's expert count; 1: every GPU
+    split over (a divisor of tensor_parallel x nodes and of the model's expert count; 1: every GPU
     holds a TP slice of every expert). The embedded engine is one rank: 1."""
     mem_fraction_static: float = 0.8
     """sglang: --mem-fraction-static, share of GPU memory for weights + KV cache."""
@@ -220,9 +222,11 @@ class EngineConfig:
             raise ConfigError(f"engine.expert_parallel: {self.expert_parallel} with engine.backend "
                               f"{self.backend}: the embedded engine is one rank; allowed: 1, or "
                               "engine.backend sglang")  # fmt: skip
-        if self.expert_parallel < 1 or self.tensor_parallel % self.expert_parallel:
+        gpus, nodes = self.tensor_parallel * self.nodes, (f" x engine.nodes {self.nodes}"
+                                                          if self.nodes > 1 else "")  # fmt: skip
+        if self.expert_parallel < 1 or gpus % self.expert_parallel:
             raise ConfigError(f"engine.expert_parallel: {self.expert_parallel}; allowed: a "
-                              f"divisor of engine.tensor_parallel {self.tensor_parallel}")  # fmt: skip
+                              f"divisor of engine.tensor_parallel {self.tensor_parallel}{nodes}")  # fmt: skip
 
     def distributed(self, nbytes: int) -> bool:
         """Whether `nbytes` of tensors go to an engine on another node through an update
@@ -237,13 +241,14 @@ class EngineConfig:
 
     def server(
         self, model: str, version: int, host: str = "127.0.0.1", base_gpu_id: int = 0,
-        routed_experts: bool = False,
+        routed_experts: bool = False, node_rank: int = 0, dist_init_addr: str = "",
     ) -> Any:  # fmt: skip
         """The `ServerConfig` that launches this engine for `model` at weight `version`, bound
         to and reached at `host` (the rank's address: `gyre.runtime.shared.address`), on the GPUs
         from `base_gpu_id` on (`gyre.runtime.shared.placement`; SGLang only), able to return
         each call's `routed_experts` (SGLang captures them only when launched so; the
-        embedded engine always can)."""
+        embedded engine always can). An engine of `nodes` > 1 runs tensor_parallel GPUs on
+        each: this process is its `node_rank`, all meeting at node rank 0's `dist_init_addr`."""
         from gyre.rollout.serving.config import ServerConfig
 
         embedded = [  # the embedded engine's own knobs (SGLang sizes itself)
@@ -261,7 +266,8 @@ class EngineConfig:
         return ServerConfig(
             model_path=model, launch="embedded-cuda" if on_gpu else self.backend,
             weight_version=str(version), host=host, dtype=self.dtype,
-            base_gpu_id=base_gpu_id, tensor_parallel=self.tensor_parallel,
+            base_gpu_id=base_gpu_id, tensor_parallel=self.tensor_parallel * self.nodes,
+            nodes=self.nodes, node_rank=node_rank, dist_init_addr=dist_init_addr,
             expert_parallel=self.expert_parallel, mem_fraction_static=self.mem_fraction_static,
             extra_args=embedded if self.backend == "embedded" else sglang,
         )  # fmt: skip
@@ -460,11 +466,14 @@ class RunConfig:
 
     @property
     def engines_per_cell(self) -> int:
-        """E: the rollout engines of one cell (`engine.per_cell`; auto: 1 for now — every
-        tensor_parallel x nodes ranks of a cell once GPU placement takes several). Engine j of a cell
-        runs on its rank j x `engine_ranks` (`gyre.runtime.shared.layout.Component.engine`)."""
-        # auto stays 1 until `plan_node` places a cell's further engines on GPUs
-        return 1 if self.engine.per_cell == "auto" else self.engine.per_cell
+        """E: the rollout engines of one cell (`engine.per_cell`; auto: on GPUs one per
+        `engine_ranks` of the cell's ranks, so they hold every GPU of a colocated cell; an
+        embedded engine on the CPU, 1). Engine j of a cell is launched by its rank
+        j x `engine_ranks` (`gyre.runtime.shared.placement.engine_hosts`)."""
+        if self.engine.per_cell != "auto":
+            return self.engine.per_cell
+        on_gpu = self.engine.backend == "sglang" or self.engine.device == "cuda"
+        return max(1, self.topology.ranks_per_cell // self.engine_ranks) if on_gpu else 1
 
     @property
     def engine_ranks(self) -> int:
@@ -473,9 +482,6 @@ class RunConfig:
 
     def _check_engines_per_cell(self) -> None:
         e, r = self.engines_per_cell, self.topology.ranks_per_cell
-        if e > 1 and self.uses_gpus:
-            raise ConfigError(f"engine.per_cell: {e} on GPUs; allowed: 1 (a cell's engines "
-                              "after the first are placed on the CPU only so far)")  # fmt: skip
         if e > 1 and e * self.engine_ranks > r:
             raise ConfigError(
                 f"engine.per_cell: {e} engines x tensor_parallel {self.engine.tensor_parallel} "

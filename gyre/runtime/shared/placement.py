@@ -68,10 +68,14 @@ runs 5 ranks + 3 engine processes on 2 CPUs, 2-rank cells 8 + 3)."""
 
 @dataclass(frozen=True, slots=True)
 class EngineGpus:
-    """The GPUs of one engine: SGLang's `--base-gpu-id` and the `tensor_parallel` GPUs it uses."""
+    """The GPUs of one engine on one node: SGLang's `--base-gpu-id` and the `tensor_parallel`
+    GPUs it uses there; `engine` is its index in the cell (j), `node_rank` which of its
+    `engine.nodes` nodes this is (`--node-rank`: 0 serves HTTP, the others only compute)."""
 
     base_gpu_id: int
     gpus: tuple[int, ...]
+    engine: int = 0
+    node_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +87,10 @@ class RankDevice:
     device: str
     """cuda:N or cpu: the rank's torch device (`torch.cuda.set_device` when cuda)."""
     engine: EngineGpus | None = None
-    """The GPUs of the engine this rank hosts (cell leaders and standalone engines)."""
+    """The GPUs of the engine (or the node rank of one) this rank hosts: a cell's engine hosts
+    (`engine_hosts`) and standalone engines."""
     offload: bool = False
-    """The trainer shares its GPU with the engine: release on to_rollout, restore on to_train."""
+    """The trainer shares its GPU with an engine: release on to_rollout, restore on to_train."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,29 +107,47 @@ class NodePlan:
         return self.ranks[local_rank]
 
 
+def engine_hosts(per_cell: int, tensor_parallel: int, nodes: int = 1) -> dict[int, tuple[int, int]]:
+    """The cell ranks (shards) that launch its engines, each with (engine j, node rank k):
+    engine j spans the cell's ranks j x tensor_parallel x nodes on, and its node rank k is
+    launched by the rank tensor_parallel x k further on (`engine.nodes` > 1: one node each)."""
+    span = tensor_parallel * nodes
+    return {j * span + k * tensor_parallel: (j, k) for j in range(per_cell) for k in range(nodes)}
+
+
 @dataclass(slots=True)
 class _Group:
     """A cell's ranks on this node, or one standalone engine: one contiguous block of GPUs."""
 
     trainers: list[int] = field(default_factory=list)  # local ranks, by shard
-    engine: int | None = None  # local rank hosting the engine
+    engines: list[tuple[int, int, int]] = field(default_factory=list)
+    """(position among `trainers`, engine j, node rank k) of each engine part launched here."""
+    standalone: int | None = None  # local rank of a standalone / judge engine
 
-    def size(self, tensor_parallel: int, mode: Mode) -> int:
-        tp = tensor_parallel if self.engine is not None else 0
-        return len(self.trainers) + tp if mode == "disjoint" else max(len(self.trainers), tp)
+    def offsets(self, tp: int, mode: Mode) -> list[int]:
+        """Each engine part's first GPU, from the block's start: colocated on the GPUs of its
+        host rank and the ranks after it, disjoint after the trainers' GPUs."""
+        if mode == "colocated" or not self.trainers:
+            return [p for p, _, _ in self.engines]
+        return [len(self.trainers) + i * tp for i in range(len(self.engines))]
+
+    def size(self, tp: int, mode: Mode) -> int:
+        ends = [o + tp for o in self.offsets(tp, mode)]
+        return max([len(self.trainers), *ends])
 
 
 def plan_node(
-    gpus: int, ranks: Sequence[Component], *, tensor_parallel: int, mode: Mode
-) -> NodePlan:
-    """The devices of the node's ranks (`ranks[i]` is local rank i's component)."""
+    gpus: int, ranks: Sequence[Component], *, tensor_parallel: int, mode: Mode,
+    per_cell: int = 1, nodes: int = 1,
+) -> NodePlan:  # fmt: skip
+    """The devices of the node's ranks (`ranks[i]` is local rank i's component); a cell runs
+    `per_cell` engines of `nodes` nodes each (`engine_hosts`)."""
     if mode not in MODES:
         raise ConfigError(f"placement mode: {mode!r}; allowed: {', '.join(MODES)}")
-    if tensor_parallel < 1 or gpus < 0:
-        raise ConfigError(
-            f"tensor_parallel: {tensor_parallel}, gpus: {gpus}; allowed: >= 1 and >= 0"
-        )
-    groups = _groups(ranks)
+    if tensor_parallel < 1 or gpus < 0 or per_cell < 1 or nodes < 1:
+        raise ConfigError(f"tensor_parallel: {tensor_parallel}, gpus: {gpus}, per_cell: "
+                          f"{per_cell}, nodes: {nodes}; allowed: >= 1, >= 0, >= 1, >= 1")  # fmt: skip
+    groups = _groups(ranks, engine_hosts(per_cell, tensor_parallel, nodes))
     out = {i: RankDevice(i, c, "cpu") for i, c in enumerate(ranks)}
     if gpus == 0:
         return NodePlan(mode=mode, gpus=0, ranks=tuple(out[i] for i in range(len(ranks))))
@@ -138,54 +161,57 @@ def plan_node(
     return NodePlan(mode=mode, gpus=gpus, ranks=tuple(out[i] for i in range(len(ranks))), used=base)
 
 
-def _groups(ranks: Sequence[Component]) -> list[_Group]:
-    """Cells (by id, trainers by shard) then the pool's engines: standalone, then judge
-    engines (by index)."""
+def _groups(ranks: Sequence[Component], hosts: dict[int, tuple[int, int]]) -> list[_Group]:
+    """Cells (by id, trainers by shard, the engine parts their ranks launch) then the pool's
+    engines: standalone, then judge engines (by index)."""
     cells: dict[int, _Group] = {}
     standalone: dict[tuple[bool, int], _Group] = {}
     for i in sorted(range(len(ranks)), key=lambda i: (ranks[i].index, ranks[i].shard)):
         c = ranks[i]
         if c.kind == "cell":
             g = cells.setdefault(c.index, _Group())
+            if c.shard in hosts:
+                g.engines.append((len(g.trainers), *hosts[c.shard]))
             g.trainers.append(i)
-            if c.shard == 0:
-                g.engine = i
         elif c.kind in ("standalone", "judge"):
             key = (c.kind == "judge", c.index)
             if key in standalone:
                 raise ConfigError(f"{c.kind} engine {c.index}: on two local ranks")
-            standalone[key] = _Group(engine=i)
+            standalone[key] = _Group(engines=[(0, 0, 0)], standalone=i)
     return [cells[k] for k in sorted(cells)] + [standalone[k] for k in sorted(standalone)]
 
 
 def _place_group(
     g: _Group, base: int, tensor_parallel: int, mode: Mode, out: dict[int, RankDevice]
 ) -> None:
-    trainer_gpus = [base + k for k in range(len(g.trainers))]
-    engine_base = base + len(g.trainers) if mode == "disjoint" else base
-    engine = EngineGpus(engine_base, tuple(range(engine_base, engine_base + tensor_parallel)))
-    for rank, gpu in zip(g.trainers, trainer_gpus):
-        shared = g.engine is not None and gpu in engine.gpus
-        out[rank] = RankDevice(rank, out[rank].component, f"cuda:{gpu}", offload=shared)
-    if g.engine is not None:
-        r = out[g.engine]
-        device = r.device if g.trainers else f"cuda:{engine_base}"
-        out[g.engine] = RankDevice(r.local_rank, r.component, device, engine, r.offload)
+    parts = [EngineGpus(base + o, tuple(range(base + o, base + o + tensor_parallel)), j, k)
+             for o, (_, j, k) in zip(g.offsets(tensor_parallel, mode), g.engines)]  # fmt: skip
+    engine_gpus = {gpu for e in parts for gpu in e.gpus}
+    for pos, rank in enumerate(g.trainers):
+        gpu = base + pos
+        out[rank] = RankDevice(rank, out[rank].component, f"cuda:{gpu}",
+                               offload=gpu in engine_gpus)  # fmt: skip
+    for (pos, _, _), engine in zip(g.engines, parts):
+        rank = g.trainers[pos] if g.standalone is None else g.standalone
+        r = out[rank]
+        device = r.device if g.standalone is None else f"cuda:{engine.base_gpu_id}"
+        out[rank] = RankDevice(r.local_rank, r.component, device, engine, r.offload)
 
 
 def _too_few(gpus: int, need: int, groups: list[_Group], tp: int, mode: Mode) -> str:
     trainers = sum(len(g.trainers) for g in groups)
-    engines = sum(g.engine is not None for g in groups)
+    engines = sum(len(g.engines) for g in groups)
     rule = (
         "trainer ranks + engines x tensor_parallel"
         if mode == "disjoint"
-        else "per cell max(its trainer ranks, tensor_parallel), plus standalone engines x "
-        "tensor_parallel"
+        else "per cell its trainer ranks, or more where its engines reach past them, plus "
+        "standalone engines x tensor_parallel"
     )
     return (
         f"this node has {gpus} GPUs but {mode} placement of its {trainers} trainer ranks and "
         f"{engines} engines with tensor_parallel {tp} needs {need} ({rule}); put fewer ranks "
-        f"on the node, use colocated placement, or lower engine.tensor_parallel"
+        f"or engines on the node (engine.per_cell), use colocated placement, or lower "
+        f"engine.tensor_parallel"
     )
 
 
@@ -252,12 +278,33 @@ def check_gpus(cfg: RunConfig, gpus: int, nodes_per_cell: int, standalone_nodes:
         return  # the layout's own check names it (gyre.launch.spec.job_spec)
     if t.pool:  # the engine pool's busiest node: standalone and judge engines alike
         nodes.append([Component("standalone", i) for i in range(t.pool // standalone_nodes)])
+    check_engine_nodes(cfg, per_node)
     for ranks in nodes:
         try:
-            plan_node(gpus, ranks, tensor_parallel=cfg.engine.tensor_parallel,
-                      mode=cfg.topology.placement)  # fmt: skip
+            plan_node(gpus, ranks, **_engines(cfg))
         except ConfigError as e:
             raise ConfigError(f"slurm.gpus_per_node {gpus}: {e} ({why})") from None
+
+
+def check_engine_nodes(cfg: RunConfig, per_node: int) -> None:
+    """Each node rank of a cell's multi-node engine (`engine.nodes` > 1) is launched on a node
+    of its own, with a cell's ranks `per_node` to a node (shard s on node s // per_node)."""
+    e = cfg.engine
+    for shard, (j, k) in engine_hosts(cfg.engines_per_cell, e.tensor_parallel, e.nodes).items():
+        if k and shard // per_node == (shard - e.tensor_parallel) // per_node:
+            raise ConfigError(
+                f"engine.nodes {e.nodes}: node ranks {k - 1} and {k} of a cell's engine {j} "
+                f"(launched by its ranks {shard - e.tensor_parallel} and {shard}) fall on one node, "
+                f"which holds {per_node} of the cell's ranks; allowed: engine.tensor_parallel "
+                f"{per_node} (the ranks of one node) with engine.nodes > 1, or engine.nodes 1 "
+                f"with engine.tensor_parallel up to {per_node}"
+            )
+
+
+def _engines(cfg: RunConfig) -> dict[str, Any]:
+    """`plan_node`'s engine arguments for the run's cells."""
+    return {"tensor_parallel": cfg.engine.tensor_parallel, "mode": cfg.topology.placement,
+            "per_cell": cfg.engines_per_cell, "nodes": cfg.engine.nodes}  # fmt: skip
 
 
 def check_ranks_here(cfg: RunConfig, site: Site) -> list[str]:
@@ -293,8 +340,10 @@ def check_devices_here(cfg: RunConfig, site: Site) -> list[str]:
         raise ConfigError(f"train.device: {cfg.train.device!r}, but this machine has no CUDA "
                           "GPU (torch.cuda.device_count() is 0); allowed here: train.device=cpu")  # fmt: skip
     try:
-        plan_node(gpus, Layout(cfg.topology).components,
-                  tensor_parallel=cfg.engine.tensor_parallel, mode=cfg.topology.placement)  # fmt: skip
+        if cfg.engine.nodes > 1:
+            raise ConfigError(f"engine.nodes {cfg.engine.nodes}: an engine on several nodes, but "
+                              "gyre run starts every rank on this one; allowed here: 1")  # fmt: skip
+        plan_node(gpus, Layout(cfg.topology).components, **_engines(cfg))
     except ConfigError as e:
         raise ConfigError(f"{_why_gpus(cfg)} on this machine's {gpus} GPUs: {e}") from None
     return []
