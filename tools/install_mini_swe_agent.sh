@@ -23,6 +23,10 @@ if [[ -x "$bin" && "$version" != "latest" ]] && "$venv/bin/python" -c \
 fi
 
 python3 -m venv "$venv"
-"$venv/bin/python" -m pip install -q --disable-pip-version-check "$spec" >&2
+if [[ -n "${GYRE_UV:-}" ]]; then  # tools/setup.sh's uv
+  "$GYRE_UV" pip install -q --python "$venv/bin/python" "$spec" >&2
+else
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "$spec" >&2
+fi
 MSWEA_CONFIGURED=true MSWEA_SILENT_STARTUP=1 "$bin" --help >/dev/null
 echo "$bin"

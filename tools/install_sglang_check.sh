@@ -34,6 +34,10 @@ rm -rf "$venv"
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 parent=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "import site; site.addsitedir('$parent')" > "$site/_gyre_parent.pth"
-"$py" -m pip --python "$venv/bin/python" install -q --disable-pip-version-check \
-  --root-user-action=ignore --no-deps --no-compile "${pkgs[@]}" >&2
+if [[ -n "${GYRE_UV:-}" ]]; then  # tools/setup.sh's uv
+  "$GYRE_UV" pip install -q --python "$venv/bin/python" --no-deps "${pkgs[@]}" >&2
+else
+  "$py" -m pip --python "$venv/bin/python" install -q --disable-pip-version-check \
+    --root-user-action=ignore --no-deps --no-compile "${pkgs[@]}" >&2
+fi
 echo "$venv/bin/python"
