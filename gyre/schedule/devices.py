@@ -7,7 +7,7 @@ cells hold each piece of real work until its modelled duration has passed:
 * `EngineModel` / `EnginePool`: rollout engines under processor sharing (below);
 * `CallCost`: one model call's nominal seconds from its prompt, cached and output tokens;
 * `CostConfig`: everything that is not rollout — role switches, publication, the optimizer
-  update, pipeline fill and the training passes (`pass_s`).
+  update and the training passes (`pass_s`; a window of them through a pipeline: `window_s`).
 
 Rollout engines under processor sharing: generation slows down as concurrency grows.
 
@@ -143,8 +143,10 @@ class CostConfig:
     """Weight publication from the core to every rollout engine."""
     update_s: float = 30.0
     """Gradient reduction, clipping and the optimizer update (+ broadcast to satellites)."""
-    pipeline_fill_s: float = 20.0
-    """One pipeline startup + final drain per cell per batch."""
+    pipeline_stages: int = 1
+    """P: pipeline stages of a modelled cell; a pass's window of micro-steps runs 1F1B
+    through them and idles (P - 1) micro-step passes' time filling and draining
+    (`window_s`)."""
     train_tokens_per_node_s: float = 3_000.0
     """Gradient-pass (forward + backward) throughput of one node, tokens per second."""
     prepass_ratio: float = 1 / 3
@@ -161,6 +163,8 @@ class CostConfig:
             value = getattr(self, f.name)
             if not value >= 0:
                 raise ConfigError(f"{f.name}: {value}; allowed >= 0")
+        if self.pipeline_stages < 1:
+            raise ConfigError(f"pipeline_stages: {self.pipeline_stages}; allowed >= 1")
         if not self.train_tokens_per_node_s > 0:
             raise ConfigError(
                 f"train_tokens_per_node_s: {self.train_tokens_per_node_s}; allowed > 0"
@@ -175,6 +179,30 @@ class CostConfig:
         + backward), or a prepass (one forward, `prepass_ratio` of that)."""
         seconds = tokens / (nodes * self.train_tokens_per_node_s)
         return seconds * self.prepass_ratio if prepass else seconds
+
+    def window_s(self, tokens: Sequence[float], nodes: int, *, prepass: bool) -> float:
+        """A cell's pass over a window of micro-steps (`tokens` each), 1F1B through
+        `pipeline_stages` stages: what the runtime's pipeline takes (`pipeline_s`)."""
+        return pipeline_s([self.pass_s(t, nodes, prepass=prepass) for t in tokens],
+                          self.pipeline_stages)  # fmt: skip
+
+
+def pipeline_s(passes: Sequence[float], stages: int) -> float:
+    """Seconds of a window of micro-steps through `stages` pipeline stages, micro-step i
+    taking `passes[i]` on every stage (a stage holds 1/P of the layers on 1/P of the cell's
+    nodes, so a stage's share of a pass takes the whole cell's pass time):
+    sum + (P - 1) x max. Each stage works through every micro-step once and waits for the
+    first to reach it and the last to leave it, P - 1 passes in all; the bubble share of a
+    window of m equal micro-steps is (P - 1) / (m + P - 1). Exact for forward-only windows
+    and for equal micro-steps run 1F1B (a forward then its backward, tests/schedule)."""
+    if not passes:
+        return 0.0
+    return sum(passes) + (stages - 1) * max(passes)
+
+
+def bubble_share(stages: int, microsteps: int) -> float:
+    """The share of a window's time a stage idles, for `microsteps` equal micro-steps."""
+    return (stages - 1) / (microsteps + stages - 1)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -236,7 +264,7 @@ class PaceConfig:
     calls: CallCost = field(default_factory=CallCost)
     """What one model call costs."""
     costs: CostConfig = field(default_factory=CostConfig)
-    """Switches, publication, update, pipeline fill and training passes."""
+    """Switches, publication, update and training passes (through pipeline stages)."""
 
     def __post_init__(self) -> None:
         if not self.scale >= 0:
