@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gyre.errors import ConfigError
+from gyre.schedule import pipeline
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,9 +145,9 @@ class CostConfig:
     update_s: float = 30.0
     """Gradient reduction, clipping and the optimizer update (+ broadcast to satellites)."""
     pipeline_stages: int = 1
-    """P: pipeline stages of a modelled cell; a pass's window of micro-steps runs 1F1B
-    through them and idles (P - 1) micro-step passes' time filling and draining
-    (`window_s`)."""
+    """P: pipeline stages of a modelled cell; a pass's window of m micro-steps runs 1F1B
+    through them, each stage idle (P - 1) / (m + P - 1) of it for equal micro-steps
+    (`window_s`, `gyre.schedule.pipeline`)."""
     train_tokens_per_node_s: float = 3_000.0
     """Gradient-pass (forward + backward) throughput of one node, tokens per second."""
     prepass_ratio: float = 1 / 3
@@ -181,28 +182,17 @@ class CostConfig:
         return seconds * self.prepass_ratio if prepass else seconds
 
     def window_s(self, tokens: Sequence[float], nodes: int, *, prepass: bool) -> float:
-        """A cell's pass over a window of micro-steps (`tokens` each), 1F1B through
-        `pipeline_stages` stages: what the runtime's pipeline takes (`pipeline_s`)."""
-        return pipeline_s([self.pass_s(t, nodes, prepass=prepass) for t in tokens],
-                          self.pipeline_stages)  # fmt: skip
-
-
-def pipeline_s(passes: Sequence[float], stages: int) -> float:
-    """Seconds of a window of micro-steps through `stages` pipeline stages, micro-step i
-    taking `passes[i]` on every stage (a stage holds 1/P of the layers on 1/P of the cell's
-    nodes, so a stage's share of a pass takes the whole cell's pass time):
-    sum + (P - 1) x max. Each stage works through every micro-step once and waits for the
-    first to reach it and the last to leave it, P - 1 passes in all; the bubble share of a
-    window of m equal micro-steps is (P - 1) / (m + P - 1). Exact for forward-only windows
-    and for equal micro-steps run 1F1B (a forward then its backward, tests/schedule)."""
-    if not passes:
-        return 0.0
-    return sum(passes) + (stages - 1) * max(passes)
-
-
-def bubble_share(stages: int, microsteps: int) -> float:
-    """The share of a window's time a stage idles, for `microsteps` equal micro-steps."""
-    return (stages - 1) / (microsteps + stages - 1)
+        """A cell's pass over a window of micro-steps (`tokens` each) through
+        `pipeline_stages` stages in the runtime's 1F1B order (`gyre.schedule.pipeline`): a
+        stage's share of a micro-step takes the whole cell's pass time (1/P of the layers on
+        1/P of the nodes), a gradient pass's forward `prepass_ratio` of it."""
+        if prepass:
+            return pipeline.window_s([self.pass_s(t, nodes, prepass=True) for t in tokens],
+                                     None, self.pipeline_stages)  # fmt: skip
+        passes = [self.pass_s(t, nodes, prepass=False) for t in tokens]
+        forward = [p * min(1.0, self.prepass_ratio) for p in passes]
+        backward = [p - f for p, f in zip(passes, forward, strict=True)]
+        return pipeline.window_s(forward, backward, self.pipeline_stages)
 
 
 @dataclass(kw_only=True, slots=True)

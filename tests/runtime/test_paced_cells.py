@@ -44,10 +44,11 @@ def test_a_cell_holds_switches_and_windows_through_its_pipeline() -> None:
     held = []
     for work in (
         lambda: pace.switch(to_train=True),  # 10 s
-        lambda: pace.train_pass([_step(0, [300, 100])], prepass=True),  # 1 s, x 3 (P - 1 fill)
-        lambda: pace.train_pass([_step(0, [300, 100]), _step(1, [200])], prepass=False),  # 2 + 1
-        # s, + 2 x 2 s: the fill and drain of the window's longest
-        lambda: pace.train_pass([_step(0, [200])], prepass=False),  # 1 s x 3
+        # a window through 3 stages (gyre.schedule.pipeline): one micro-step crosses all 3
+        lambda: pace.train_pass([_step(0, [300, 100])], prepass=True),  # 1 s a stage: 3
+        # 2 s and 1 s, forward = backward (prepass_ratio 0.5): stage 0 F0 F1 ... ends at 6.5
+        lambda: pace.train_pass([_step(0, [300, 100]), _step(1, [200])], prepass=False),
+        lambda: pace.train_pass([_step(0, [200])], prepass=False),  # 1 s a stage: 3
         lambda: pace.hold(costs.update_s),  # 3 s
         lambda: pace.switch(to_train=False),  # 4 s
     ):
@@ -55,7 +56,7 @@ def test_a_cell_holds_switches_and_windows_through_its_pipeline() -> None:
         pace.begin()
         work()
         held.append(round((pace.pacer.stats.modelled_s - before) * cfg.scale, 6))
-    assert held == [10, 3, 7, 3, 3, 4]
+    assert held == [10, 3, 6.5, 3, 3, 4]
     assert time.monotonic() - t0 >= sum(held) / cfg.scale
     assert pace.pacer.stats.overruns == 0
 

@@ -356,7 +356,8 @@ class MegatronCell(TorchCell):
         only (`scalars` None), or forward and backward 1F1B, the last stage's loss the
         objective of each micro-step with `scalars`. Returns each micro-step's log-probs
         (detached) and tensors, on every stage; `self.timing` is this stage's clock."""
-        from gyre.train.megatron.pipeline import Sends, one_f_one_b, run_window, tied_gradients
+        from gyre.schedule.pipeline import one_f_one_b
+        from gyre.train.megatron.pipeline import Sends, run_window, tied_gradients
 
         stage, grad = self.stage, scalars is not None
         sts = [step_tensors(step, self.device) for step in steps]

@@ -7,7 +7,8 @@ B apart): the first stage runs its layers on a micro-step and sends the hidden s
 ``[seq, rows, hidden]`` to the next stage (Megatron's `set_input_tensor`), the last stage
 computes the target log-probs (and, in phase B, the loss), and the backward runs the other
 way, each stage sending the gradient of its input to the previous. The stages keep each
-other busy in Megatron's non-interleaved 1F1B order (`one_f_one_b`: P - 1 - stage warm-up
+other busy in Megatron's non-interleaved 1F1B order (`gyre.schedule.pipeline.one_f_one_b`,
+the order the cost model times: P - 1 - stage warm-up
 forwards, then a forward and a backward in turn, then the cool-down backwards), so a window
 of m micro-steps idles a stage (P - 1) / (m + P - 1) of its time, not (P - 1) / P. Once the
 window is through, the last stage's log-probs go to every stage (each stage then computes
@@ -24,7 +25,8 @@ p2p receive buffers on `torch.cuda.current_device()`); the same order over plain
 `torch.distributed` sends and receives needs none of that (docs/gpu.md).
 
     stage = Stage.current()              # after init_model_parallel
-    timing = run_window(stage, one_f_one_b(stage.index, stage.size, m), forward, backward)
+    order = one_f_one_b(stage.index, stage.size, m)    # gyre.schedule.pipeline
+    timing = run_window(stage, order, forward, backward, sends)
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
+
+from gyre.schedule.pipeline import Pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,23 +129,6 @@ def _send(tensor: torch.Tensor, dst: int, sends: Sends | None) -> None:
         torch.distributed.send(tensor, dst=dst)
     else:
         sends.append((torch.distributed.isend(tensor, dst=dst), tensor))
-
-
-Pass = tuple[Literal["F", "B"], int]  # a forward or a backward of the window's i-th micro-step
-
-
-def one_f_one_b(stage: int, stages: int, microsteps: int, *, backward: bool = True) -> list[Pass]:
-    """Stage `stage`'s order of passes over a window (Megatron's non-interleaved 1F1B):
-    warm-up forwards until the first backward can come back (P - 1 - stage of them), then a
-    forward and the oldest backward in turn, then the remaining backwards. Without a
-    backward (a prepass) the forwards in order."""
-    if not backward:
-        return [("F", i) for i in range(microsteps)]
-    warmup = min(stages - stage - 1, microsteps)
-    order: list[Pass] = [("F", i) for i in range(warmup)]
-    for i in range(microsteps - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    return order + [("B", i) for i in range(microsteps - warmup, microsteps)]
 
 
 @dataclass(frozen=True, slots=True)
