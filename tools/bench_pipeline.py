@@ -3,14 +3,17 @@
     python tools/bench_pipeline.py [--stages 2 4] [--windows 1 4 8] [--repeats 3] [--json]
 
 For each pipeline size P it starts P gloo processes on this machine (TP 1, CPU), each one
-stage of `tiny:128x4` (four layers) in a `MegatronCell`, and runs phase-B windows of m equal
-micro-steps (4 rows x 128 tokens each) through `MegatronCell.accumulate_window`, the
+stage of `tiny:256x16` (16 layers, so the last stage's output layer over the vocabulary is
+a small part of its work) in a `MegatronCell`, and runs phase-B windows of m equal
+micro-steps (2 rows x 128 tokens each) through `MegatronCell.accumulate_window`, the
 runtime's own 1F1B pass. A stage's idle share of a window is 1 - its busy seconds (the
 cell's `WindowTiming`: the passes it ran, without the time it sat in a receive or waited
 for its sends) / the window's wall seconds (barrier to barrier, so the fill and the drain
 count on every stage). Printed per (P, m): the mean idle share over the stages and the
-repeats, its spread (min-max over repeats of the stage mean), and the closed form
-(P - 1) / (m + P - 1) the cost model charges for equal micro-steps
+repeats, its spread (min-max over repeats of the stage mean), the busiest stage's idle
+share, the stages' imbalance (the busiest stage's busy seconds over the least busy one's:
+the closed form assumes equal stages, and a faster stage also waits on a slower one), and
+the closed form (P - 1) / (m + P - 1) the cost model charges for equal micro-steps
 (`gyre.schedule.pipeline`). One warm-up window per m is not counted.
 
 With more stages than cores the stages share cores: a waiting stage blocks in its receive,
@@ -33,8 +36,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = "tiny:128x4"
-ROWS, WIDTH = 4, 128
+MODEL = "tiny:256x16"
+ROWS, WIDTH = 2, 128
 
 
 def _steps(count: int) -> list:
@@ -134,8 +137,14 @@ def table(rows: list[dict]) -> list[dict]:
         per_repeat = [statistics.mean(1 - r["busy_s"] / r["wall_s"] for r in mine
                                       if r["repeat"] == k)
                       for k in sorted({r["repeat"] for r in mine})]  # fmt: skip
+        busy = [statistics.mean(r["busy_s"] for r in mine if r["stage"] == s)
+                for s in range(stages)]  # fmt: skip
+        busiest = max(range(stages), key=busy.__getitem__)
         out.append({"stages": stages, "m": m, "idle": statistics.mean(per_repeat),
                     "low": min(per_repeat), "high": max(per_repeat),
+                    "busiest_idle": statistics.mean(1 - r["busy_s"] / r["wall_s"] for r in mine
+                                                    if r["stage"] == busiest),
+                    "imbalance": max(busy) / min(busy),
                     "formula": bubble_share(stages, m),
                     "window_s": statistics.mean(r["wall_s"] for r in mine)})  # fmt: skip
     return out
@@ -153,11 +162,15 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print("| P | m | idle share, measured (min-max) | (P-1)/(m+P-1) | window s |")
-    print("|---|---|---|---|---|")
+    print(
+        "| P | m | idle share, stage mean (min-max) | busiest stage | (P-1)/(m+P-1) "
+        "| imbalance | window s |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in result:
         print(f"| {r['stages']} | {r['m']} | {r['idle']:.2f} ({r['low']:.2f}-{r['high']:.2f}) "
-              f"| {r['formula']:.2f} | {r['window_s']:.3f} |")  # fmt: skip
+              f"| {r['busiest_idle']:.2f} | {r['formula']:.2f} | {r['imbalance']:.2f} "
+              f"| {r['window_s']:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ class TrainingPlane:
         self.stats = BatchStats()
         self.updaters: set[int] = set()
         self.passes: dict[int, dict[str, int]] = {}  # step -> {"prepass": cell, "gradient": cell}
+        self.windows: list[tuple[str, int, tuple[int, ...]]] = []  # (work, cell, micro-steps)
         self.t_first: float | None = None  # when the batch's first pass was sent
         self.t_update: float | None = None  # when its update began (every pass done)
         self.t_done: float | None = None  # when its update finished
@@ -207,6 +208,7 @@ class TrainingPlane:
         st.passes_by_cell[cell] = st.passes_by_cell.get(cell, 0) + len(indices)
         for index in indices:
             self.passes.setdefault(index, {})[work.value] = cell
+        self.windows.append((work.value, cell, indices))
         if work is Work.GRADIENT:
             st.gradient_s += seconds
         else:
@@ -227,7 +229,8 @@ class TrainingPlane:
             audit.record_steps(self.audit_dir, self.batch, {
                 "version": self.version, "steps": [self.steps[i] for i in sorted(self.steps)],
                 "executions": dict(info.executions), "num_executions": e, "cells": cells,
-                "passes": self.passes, "scalars": dict(self.scalars)})  # fmt: skip
+                "passes": self.passes, "windows": self.windows,
+                "scalars": dict(self.scalars)})  # fmt: skip
         for c in cells:
             self.send(c, msg.Reduce(batch=self.batch, cells=len(cells), num_executions=e))
 

@@ -13,8 +13,9 @@ unchanged. With tensor parallelism the logits are
 vocabulary-sharded and the chunked target log-probs all-reduce each chunk's statistics over
 the tensor-parallel group (`target_logprobs(..., vocab_shard=...)`); with pipeline
 parallelism a pass's window of micro-steps runs 1F1B through the stages
-(`gyre.train.megatron.pipeline`) and every stage gets the last stage's log-probs. `ModelParallelOptimizer` is the core's optimizer: AdamW on
-each rank's shard, with the global gradient norm summed over the cell's model-parallel group
+(`gyre.train.megatron.pipeline`) and every stage gets the last stage's log-probs.
+`ModelParallelOptimizer` is the core's optimizer: AdamW on each rank's shard, with the
+global gradient norm summed over the cell's model-parallel group
 (replicated parameters and the last stage's copy of a tied embedding counted once), so
 clipping matches a single-device run.
 
