@@ -47,6 +47,9 @@ class ScheduleConfig:
     join_payback: float = 1.0
     """Cost-aware join: a satellite's share of the batch's work left when it arrives must be
     at least this many times its round-trip switch time (0: the count check alone)."""
+    window: int = 1
+    """Micro-steps a training cell takes per pass, at most: the ones queued when it claims,
+    run as one window (1F1B through a Megatron cell's pipeline stages; docs/gpu.md)."""
 
     def __post_init__(self) -> None:
         _positive("concurrency_per_cell", self.concurrency_per_cell)
@@ -62,6 +65,7 @@ class ScheduleConfig:
         if self.join_min_microsteps < 0:
             raise ConfigError(f"join_min_microsteps: {self.join_min_microsteps}; allowed >= 0")
         _finite("join_payback", self.join_payback)
+        _positive("window", self.window)
 
     @property
     def executions_per_group(self) -> int:

@@ -7,7 +7,7 @@ cells hold each piece of real work until its modelled duration has passed:
 * `EngineModel` / `EnginePool`: rollout engines under processor sharing (below);
 * `CallCost`: one model call's nominal seconds from its prompt, cached and output tokens;
 * `CostConfig`: everything that is not rollout — role switches, publication, the optimizer
-  update, pipeline fill and the training passes (`pass_s`).
+  update and the training passes (`pass_s`; a window of them through a pipeline: `window_s`).
 
 Rollout engines under processor sharing: generation slows down as concurrency grows.
 
@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gyre.errors import ConfigError
+from gyre.schedule import pipeline
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +144,10 @@ class CostConfig:
     """Weight publication from the core to every rollout engine."""
     update_s: float = 30.0
     """Gradient reduction, clipping and the optimizer update (+ broadcast to satellites)."""
-    pipeline_fill_s: float = 20.0
-    """One pipeline startup + final drain per cell per batch."""
+    pipeline_stages: int = 1
+    """P: pipeline stages of a modelled cell; a pass's window of m micro-steps runs 1F1B
+    through them, each stage idle (P - 1) / (m + P - 1) of it for equal micro-steps
+    (`window_s`, `gyre.schedule.pipeline`)."""
     train_tokens_per_node_s: float = 3_000.0
     """Gradient-pass (forward + backward) throughput of one node, tokens per second."""
     prepass_ratio: float = 1 / 3
@@ -161,6 +164,8 @@ class CostConfig:
             value = getattr(self, f.name)
             if not value >= 0:
                 raise ConfigError(f"{f.name}: {value}; allowed >= 0")
+        if self.pipeline_stages < 1:
+            raise ConfigError(f"pipeline_stages: {self.pipeline_stages}; allowed >= 1")
         if not self.train_tokens_per_node_s > 0:
             raise ConfigError(
                 f"train_tokens_per_node_s: {self.train_tokens_per_node_s}; allowed > 0"
@@ -175,6 +180,19 @@ class CostConfig:
         + backward), or a prepass (one forward, `prepass_ratio` of that)."""
         seconds = tokens / (nodes * self.train_tokens_per_node_s)
         return seconds * self.prepass_ratio if prepass else seconds
+
+    def window_s(self, tokens: Sequence[float], nodes: int, *, prepass: bool) -> float:
+        """A cell's pass over a window of micro-steps (`tokens` each) through
+        `pipeline_stages` stages in the runtime's 1F1B order (`gyre.schedule.pipeline`): a
+        stage's share of a micro-step takes the whole cell's pass time (1/P of the layers on
+        1/P of the nodes), a gradient pass's forward `prepass_ratio` of it."""
+        if prepass:
+            return pipeline.window_s([self.pass_s(t, nodes, prepass=True) for t in tokens],
+                                     None, self.pipeline_stages)  # fmt: skip
+        passes = [self.pass_s(t, nodes, prepass=False) for t in tokens]
+        forward = [p * min(1.0, self.prepass_ratio) for p in passes]
+        backward = [p - f for p, f in zip(passes, forward, strict=True)]
+        return pipeline.window_s(forward, backward, self.pipeline_stages)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -236,7 +254,7 @@ class PaceConfig:
     calls: CallCost = field(default_factory=CallCost)
     """What one model call costs."""
     costs: CostConfig = field(default_factory=CostConfig)
-    """Switches, publication, update, pipeline fill and training passes."""
+    """Switches, publication, update and training passes (through pipeline stages)."""
 
     def __post_init__(self) -> None:
         if not self.scale >= 0:

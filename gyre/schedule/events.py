@@ -100,7 +100,7 @@ class GradientsReady:
 
 @dataclass(frozen=True, slots=True)
 class MicroStepDone:
-    """A training cell finished the micro-step pass it claimed.
+    """A training cell finished the micro-step pass (the window of them) it claimed.
 
     `seconds`, when the driver measured it, is the cell's compute time of that pass; the
     scheduler keeps a running estimate per kind of pass from it (cost-aware joins).
@@ -264,7 +264,8 @@ class AdmitGroup:
 
 @dataclass(frozen=True, slots=True)
 class ClaimMicroStep:
-    """`cell` claims the next micro-step pass `work` of `batch`; answer with `MicroStepDone`.
+    """`cell` claims the next `count` micro-step passes `work` of `batch` (a window, run as one
+    pass); answer with one `MicroStepDone`.
 
     A GRADIENT claim goes only to a cell of the training prefix 0..m-1 (its gradient must
     reach the core over the prefix communicator); any training cell may claim a PREPASS.
@@ -273,6 +274,7 @@ class ClaimMicroStep:
     cell: int
     batch: int
     work: Work
+    count: int = 1
 
 
 @dataclass(frozen=True, slots=True)

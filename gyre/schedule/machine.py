@@ -141,6 +141,7 @@ class Scheduler:
         self.publishing = False
         self.started = False
         self.busy: list[Work | None] = [None] * k  # the pass each cell is computing
+        self.claimed: list[int] = [0] * k  # how many micro-steps that pass holds (its window)
         self.microsteps_packed = 0
         self.groups_packed = 0
         self.wasted_switches = 0
@@ -298,14 +299,16 @@ class Scheduler:
         work = self.busy[c] if 0 <= c < len(self.busy) else None
         if work is None:
             raise SchedulerError(f"MicroStepDone: cell {c} claimed nothing")
-        self.costs.passed(work, event.seconds)
+        count = self.claimed[c]
+        seconds = None if event.seconds is None else event.seconds / count  # per micro-step
+        self.costs.passed(work, seconds)
         self.busy[c] = None
         if self.roles[c] is Role.TRAIN:
             self._make_idle(c)
         if work is Work.PREPASS:
-            batch.done += 1
+            batch.done += count
         else:
-            batch.grad_done += 1
+            batch.grad_done += count
 
     def _on_batch_done(self, event: BatchDone, out: list[Action]) -> None:
         batch = self._current(event.batch, "BatchDone")
@@ -472,8 +475,10 @@ class Scheduler:
         )
 
     def _claim(self, out: list[Action]) -> None:
-        """Idle training cells claim a pass, in cell order: a ready gradient if they are in
-        the training prefix (prefix cells prefer it: it is most of the work), else a prepass."""
+        """Idle training cells claim a pass, in cell order: ready gradients if they are in
+        the training prefix (prefix cells prefer them: they are most of the work), else
+        prepasses; each pass a window of what is queued, at most `window` micro-steps (one
+        queued later joins a later window)."""
         batch = self.batch
         if batch is None or not self._idle:
             return
@@ -487,19 +492,22 @@ class Scheduler:
             if c not in idle:  # it left TRAIN, or claimed, since it was pushed
                 heapq.heappop(heap)
                 continue
+            window = self.config.window
             if c < self._prefix and gradients > 0:
-                work, gradients = Work.GRADIENT, gradients - 1
-                batch.grad_claimed += 1
+                work, count = Work.GRADIENT, min(window, gradients)
+                gradients -= count
+                batch.grad_claimed += count
             elif prepasses > 0:
-                work, prepasses = Work.PREPASS, prepasses - 1
-                batch.claimed += 1
+                work, count = Work.PREPASS, min(window, prepasses)
+                prepasses -= count
+                batch.claimed += count
             else:
                 return  # only gradient passes left, and every idle cell is past the prefix
             heapq.heappop(heap)
             idle.discard(c)
-            self.busy[c] = work
+            self.busy[c], self.claimed[c] = work, count
             self._worked[c] = True
-            out.append(ClaimMicroStep(cell=c, batch=batch.index, work=work))
+            out.append(ClaimMicroStep(cell=c, batch=batch.index, work=work, count=count))
 
     def _maybe_update(self, out: list[Action]) -> None:
         batch = self.batch

@@ -325,7 +325,7 @@ def fit_costs(run: RecordedRun) -> dict[str, Any]:
         "switch_to_rollout_s": _mean(run.switch_to_rollout_s, 0.0),
         "publish_s": _mean(run.publish_s, 0.0),
         "update_s": statistics.median(beyond) if beyond else 0.0,
-        "pipeline_fill_s": 0.0,
+        "pipeline_stages": 1,
         "train_tokens_per_node_s": sum(tokens) / gradient_s if gradient_s > 0 else 1e9,
         "prepass_ratio": prepass_s / gradient_s if gradient_s > 0 else 1 / 3,
         "microstep_tokens": sum(tokens) / microsteps if microsteps > 0 else 0.0,

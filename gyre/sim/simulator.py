@@ -103,9 +103,8 @@ class Simulator:
         self.batch_tokens: dict[int, deque[float]] = {}  # micro-steps awaiting their prepass
         self.batch_gradients: dict[int, deque[float]] = {}  # ... awaiting their gradient pass
         self.packing: dict[int, list[float]] = {}  # batch -> [groups admitted, tokens held]
-        self.prepassing: dict[int, float] = {}  # cell -> tokens of the prepass it computes
+        self.prepassing: dict[int, list[float]] = {}  # cell -> tokens of the prepasses it runs
         self.running: dict[int, float] = {}  # cell -> seconds of the pass it computes
-        self.filled: set[tuple[int, int]] = set()
         self.recomputed: dict[int, float] = {}  # execution -> reroute penalties, seconds
         # records
         self.step_end: list[float] = []
@@ -286,18 +285,16 @@ class Simulator:
         return steps
 
     def _claim(self, a: ev.ClaimMicroStep) -> None:
-        """A prepass costs one forward (`prepass_ratio` of forward + backward), a gradient
-        pass a forward + backward, both of the micro-step's tokens (docs/training.md)."""
-        if a.work is ev.Work.PREPASS:
-            tokens = self.batch_tokens[a.batch].popleft()
+        """A window of `count` micro-steps, 1F1B through the cell's pipeline stages
+        (`CostConfig.window_s`, the paced runtime's charge): a prepass costs one forward
+        (`prepass_ratio` of forward + backward), a gradient pass a forward + backward, both of
+        the micro-steps' tokens (docs/training.md)."""
+        prepass = a.work is ev.Work.PREPASS
+        queue = self.batch_tokens[a.batch] if prepass else self.batch_gradients[a.batch]
+        tokens = [queue.popleft() for _ in range(a.count)]
+        if prepass:
             self.prepassing[a.cell] = tokens
-            duration = self.config.costs.pass_s(tokens, self.nodes_per_cell, prepass=True)
-        else:
-            tokens = self.batch_gradients[a.batch].popleft()
-            duration = self.config.costs.pass_s(tokens, self.nodes_per_cell, prepass=False)
-        if (a.cell, a.batch) not in self.filled:
-            self.filled.add((a.cell, a.batch))
-            duration += self.config.costs.pipeline_fill_s
+        duration = self.config.costs.window_s(tokens, self.nodes_per_cell, prepass=prepass)
         self.running[a.cell] = duration
         self._at(duration, MICRO, a.cell, a.batch)
 
@@ -307,8 +304,8 @@ class Simulator:
         tokens = self.prepassing.pop(cell, None)
         self.feed(ev.MicroStepDone(cell=cell, batch=batch, seconds=self.running.pop(cell)))
         if tokens is not None:
-            self.batch_gradients.setdefault(batch, deque()).append(tokens)
-            self.feed(ev.GradientsReady(batch=batch, count=1))
+            self.batch_gradients.setdefault(batch, deque()).extend(tokens)
+            self.feed(ev.GradientsReady(batch=batch, count=len(tokens)))
 
     def _update(self, a: ev.OptimizerUpdate) -> None:
         self.batch_tokens.pop(a.batch, None)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,8 +204,19 @@ class TorchCell:
         return StepStats(targets=int(st.targets.sum()), objective=float(coeff.sum()))
 
     def _backward(self, loss: torch.Tensor) -> None:
-        """The micro-step's backward (a pipeline stage's differs: `MegatronCell`)."""
+        """The micro-step's backward."""
         loss.backward()
+
+    def prepass_window(self, steps: Sequence[MicroStep]) -> list[dict[str, float]]:
+        """A pass's window of micro-steps prepassed (`prepass` of each, in order; a
+        pipeline's stages run them 1F1B: `MegatronCell`)."""
+        return [self.prepass(step) for step in steps]
+
+    def accumulate_window(
+        self, steps: Sequence[MicroStep], scalars: Mapping[str, ExecutionScalar]
+    ) -> list[StepStats]:
+        """A pass's window of micro-steps accumulated (`accumulate` of each, in order)."""
+        return [self.accumulate(step, scalars) for step in steps]
 
 
 class CoreOptimizer:

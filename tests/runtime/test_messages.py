@@ -211,10 +211,19 @@ class CoordinatorWorld:
                 msg.Switched(cell, Role.TRAIN if isinstance(m, msg.ToTrain) else Role.ROLLOUT, 0.1)
             ]
         if isinstance(m, msg.Prepass):
-            sums = {r.execution_id: 0.0 for r in m.step.rows}
-            return [msg.Prepassed(cell, m.batch, m.step.index, sums, 0.1)]
+            sums = tuple({r.execution_id: 0.0 for r in s.rows} for s in m.steps)
+            return [msg.Prepassed(cell, m.batch, tuple(s.index for s in m.steps), sums, 0.1)]
         if isinstance(m, msg.Accumulate):
-            return [msg.Accumulated(cell, m.batch, m.step.index, 1.0, m.step.num_targets, 0.1)]
+            return [
+                msg.Accumulated(
+                    cell,
+                    m.batch,
+                    tuple(s.index for s in m.steps),
+                    1.0,
+                    sum(s.num_targets for s in m.steps),
+                    0.1,
+                )
+            ]
         if isinstance(m, msg.Reduce):
             return [msg.Updated(cell, m.batch, 1.0 if cell == 0 else None, 0.1)]
         if isinstance(m, msg.Publish):
@@ -323,12 +332,14 @@ def test_switched_to_rollout_lets_the_proxy_route_to_the_engine_again(tmp_path: 
 @delivers(msg.Prepassed)
 def test_prepassed_makes_its_gradient_pass_ready(world: CoordinatorWorld) -> None:
     rank, prepass = world.play(msg.Prepass)
-    executions = {r.execution_id for r in prepass.step.rows}
+    (step,) = prepass.steps
+    executions = {r.execution_id for r in step.rows}
     sums = {e: -0.5 for e in executions}
-    world.handle(msg.Prepassed(rank - 2, prepass.batch, prepass.step.index, sums, 0.3))
+    world.handle(msg.Prepassed(rank - 2, prepass.batch, (step.index,), (sums,), 0.3))
     assert world.c.train.stats.prepass_s == 0.3
     accumulate = world.one(msg.Accumulate, rank)
-    assert accumulate.step.index == prepass.step.index and set(accumulate.scalars) == executions
+    assert [s.index for s in accumulate.steps] == [step.index]
+    assert set(accumulate.scalars) == executions
     assert all(s.log_ratio != 0.0 for s in accumulate.scalars.values())  # the sums went in
 
 
@@ -337,7 +348,7 @@ def test_accumulated_counts_the_pass_and_the_last_one_starts_the_update(
     world: CoordinatorWorld,
 ) -> None:
     rank, acc = world.play(msg.Accumulate)
-    world.handle(msg.Accumulated(rank - 2, acc.batch, acc.step.index, 2.5, 7, 0.4))
+    world.handle(msg.Accumulated(rank - 2, acc.batch, (acc.steps[0].index,), 2.5, 7, 0.4))
     assert world.c.train.stats.objective == 2.5 and world.c.train.stats.targets == 7
     assert world.c.train.stats.gradient_s == 0.4
     _, reduce = world.play(msg.Reduce)  # the remaining passes, answered as the cells would
@@ -632,14 +643,15 @@ def test_training_messages_prepass_accumulate_and_update_the_replica(rig: CellRi
     prepass = sent.pop()
     rig.deliver(prepass)
     prepassed = rig.reply(msg.Prepassed)
-    assert prepassed.sums == pytest.approx(replica.cell.prepass(prepass.step))
-    assert set(prepassed.sums) == {"g0-e0", "g0-e1"}
+    (step,) = prepass.steps
+    assert prepassed.sums[0] == pytest.approx(replica.cell.prepass(step))
+    assert set(prepassed.sums[0]) == {"g0-e0", "g0-e1"}
     assert plane.prepassed(prepassed) == 1
 
     plane.claim(0, Work.GRADIENT)
     rig.deliver(sent.pop())
     accumulated = rig.reply(msg.Accumulated)
-    assert accumulated.targets == prepass.step.num_targets == 10
+    assert accumulated.targets == step.num_targets == 10
     assert float(replica.cell.flat_grads.norm()) > 0  # the gradient went into the buffer
 
     before, version = replica.cell.flat_params.clone(), rig.cell.version

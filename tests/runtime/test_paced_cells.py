@@ -34,9 +34,9 @@ def _step(index: int, lengths: list[int]) -> MicroStep:
     return MicroStep(index=index, rows=tuple(rows))
 
 
-def test_a_cell_holds_switches_passes_and_one_pipeline_fill_per_batch() -> None:
+def test_a_cell_holds_switches_and_windows_through_its_pipeline() -> None:
     costs = CostConfig(switch_to_train_s=10, switch_to_rollout_s=4, update_s=3,
-                       pipeline_fill_s=20, train_tokens_per_node_s=100, prepass_ratio=0.5)  # fmt: skip
+                       pipeline_stages=3, train_tokens_per_node_s=100, prepass_ratio=0.5)  # fmt: skip
     cfg = PaceConfig(scale=100, nodes_per_cell=2, costs=costs)
     pace = Pace(cfg, Pacer(cfg.scale))
     assert pace.pacer is not None
@@ -44,9 +44,11 @@ def test_a_cell_holds_switches_passes_and_one_pipeline_fill_per_batch() -> None:
     held = []
     for work in (
         lambda: pace.switch(to_train=True),  # 10 s
-        lambda: pace.train_pass(0, _step(0, [300, 100]), prepass=True),  # 400/200*0.5 + 20 fill
-        lambda: pace.train_pass(0, _step(0, [300, 100]), prepass=False),  # 2 s, filled already
-        lambda: pace.train_pass(1, _step(0, [200]), prepass=False),  # 1 s + 20: a new batch
+        # a window through 3 stages (gyre.schedule.pipeline): one micro-step crosses all 3
+        lambda: pace.train_pass([_step(0, [300, 100])], prepass=True),  # 1 s a stage: 3
+        # 2 s and 1 s, forward = backward (prepass_ratio 0.5): stage 0 F0 F1 ... ends at 6.5
+        lambda: pace.train_pass([_step(0, [300, 100]), _step(1, [200])], prepass=False),
+        lambda: pace.train_pass([_step(0, [200])], prepass=False),  # 1 s a stage: 3
         lambda: pace.hold(costs.update_s),  # 3 s
         lambda: pace.switch(to_train=False),  # 4 s
     ):
@@ -54,7 +56,7 @@ def test_a_cell_holds_switches_passes_and_one_pipeline_fill_per_batch() -> None:
         pace.begin()
         work()
         held.append(round((pace.pacer.stats.modelled_s - before) * cfg.scale, 6))
-    assert held == [10, 21, 2, 21, 3, 4]
+    assert held == [10, 3, 6.5, 3, 3, 4]
     assert time.monotonic() - t0 >= sum(held) / cfg.scale
     assert pace.pacer.stats.overruns == 0
 
@@ -64,7 +66,7 @@ def test_an_unpaced_cell_holds_nothing() -> None:
     t0 = time.monotonic()
     pace.begin()
     pace.switch(to_train=True)
-    pace.train_pass(0, _step(0, [10_000]), prepass=False)
+    pace.train_pass([_step(0, [10_000])], prepass=False)
     assert time.monotonic() - t0 < 0.05
 
 

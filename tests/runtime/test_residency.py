@@ -155,7 +155,7 @@ def _batch(seed: int) -> tuple[list[MicroStep], dict[str, ExecutionScalar]]:
 
 
 def _accumulate(leader: Leader, step: MicroStep, scalars: dict[str, ExecutionScalar]) -> None:
-    leader.handle(msg.Accumulate(batch=0, version=leader.cell.version, step=step,
+    leader.handle(msg.Accumulate(batch=0, version=leader.cell.version, steps=(step,),
                                  scalars=scalars))  # fmt: skip
 
 

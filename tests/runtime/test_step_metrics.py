@@ -58,16 +58,17 @@ def _run_batch() -> TrainingPlane:
         plane.admit(group, 0, 1, outcomes, trees, task=task)
     while plane.prepass_queue:
         plane.claim(0, Work.PREPASS)
-        step = sent.pop().step  # type: ignore[attr-defined]
+        (step,) = sent.pop().steps  # type: ignore[attr-defined]
         sums = {}
         for row in step.rows:  # sum_t (l_t - b_t) = S_i * L_i, spread over rows by targets
             eid = row.execution_id
             sums[eid] = sums.get(eid, 0.0) + BATCH[eid][4] * row.num_targets
-        plane.prepassed(msg.Prepassed(cell=0, batch=0, index=step.index, sums=sums, seconds=0.1))
+        plane.prepassed(msg.Prepassed(cell=0, batch=0, indices=(step.index,), sums=(sums,),
+                                      seconds=0.1))  # fmt: skip
     while plane.gradient_queue:
         plane.claim(0, Work.GRADIENT)
-        step = sent.pop().step  # type: ignore[attr-defined]
-        plane.accumulated(msg.Accumulated(cell=0, batch=0, index=step.index, objective=0.5,
+        (step,) = sent.pop().steps  # type: ignore[attr-defined]
+        plane.accumulated(msg.Accumulated(cell=0, batch=0, indices=(step.index,), objective=0.5,
                                           targets=step.num_targets, seconds=0.2))  # fmt: skip
     plane.update((0,))
     plane.updated(msg.Updated(cell=0, batch=0, grad_norm=0.7, seconds=0.3))

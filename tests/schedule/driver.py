@@ -30,7 +30,7 @@ class World:
         self.cancelled: set[int] = set()
         self.withdrawn: set[int] = set()
         self.packing: list[tuple[int, int]] = []
-        self.micro: list[tuple[int, int, ev.Work]] = []
+        self.micro: list[tuple[int, int, ev.Work, int]] = []  # cell, batch, work, window
         self.unready: list[int] = []  # batch of each prepassed micro-step not yet ready
         self.switching: list[int] = []
         self.update: list[int] = []
@@ -83,7 +83,8 @@ class World:
             assert self.s.roles[a.cell].value == "train"
             if a.work is ev.Work.GRADIENT:
                 assert a.cell < len(self.s.update_cells()), "gradient claim outside the prefix"
-            self.micro.append((a.cell, a.batch, a.work))
+            assert 1 <= a.count <= self.s.config.window, f"{a!r}: window {self.s.config.window}"
+            self.micro.append((a.cell, a.batch, a.work, a.count))
         elif isinstance(a, ev.OpenJoinWindow):
             self.window_open[a.batch] = True
         elif isinstance(a, ev.CloseJoinWindow):
@@ -136,9 +137,9 @@ class World:
             batch, group = item
             self.feed(ev.MicroStepsQueued(batch=batch, group=group, count=self.rng.randrange(4)))
         elif pool is self.micro:
-            cell, batch, work = item
+            cell, batch, work, count = item
             if work is ev.Work.PREPASS:
-                self.unready.append(batch)
+                self.unready += [batch] * count
             self.feed(ev.MicroStepDone(cell=cell, batch=batch, seconds=self.seconds(30.0)))
         elif pool is self.unready:  # release it and any others of its batch, at random
             extra = [b for b in self.unready if b == item and self.rng.random() < 0.5]

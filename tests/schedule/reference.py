@@ -150,7 +150,7 @@ class JoinReference:
         self.switches: list[tuple[int, Role, float]] = []  # (cell, to, seconds)
         self.passes: list[tuple[ev.Work, float]] = []
         self.pending_switch: dict[int, Role] = {}
-        self.claims: dict[int, ev.Work] = {}
+        self.claims: dict[int, tuple[ev.Work, int]] = {}  # cell -> (work, window)
         self.dispatched = self.terminated = 0
         self.groups = GroupsReference(config)
         self.batch: dict[str, int] | None = None
@@ -179,9 +179,9 @@ class JoinReference:
             assert self.batch is not None
             self.batch["ready"] += e.count
         elif isinstance(e, ev.MicroStepDone):
-            work = self.claims.pop(e.cell)
+            work, count = self.claims.pop(e.cell)
             if e.seconds is not None:
-                self.passes.append((work, e.seconds))
+                self.passes.append((work, e.seconds / count))  # a window's, per micro-step
         elif isinstance(e, ev.SwitchDone):
             to = self.pending_switch.pop(e.cell)
             self.roles[e.cell] = to
@@ -224,8 +224,8 @@ class JoinReference:
             self.batch["admitted"] += 1
         elif isinstance(a, ev.ClaimMicroStep):
             assert self.batch is not None
-            self.claims[a.cell] = a.work
-            self.batch["claimed" if a.work is ev.Work.PREPASS else "grad_claimed"] += 1
+            self.claims[a.cell] = (a.work, a.count)
+            self.batch["claimed" if a.work is ev.Work.PREPASS else "grad_claimed"] += a.count
             self.worked[a.cell] = True
         return complaint
 

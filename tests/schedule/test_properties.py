@@ -40,6 +40,7 @@ def setups(draw: st.DrawFn) -> tuple[Config, PolicyConfig, float]:
         supply_fraction=draw(st.sampled_from([0.25, 0.5, 1.0])),
         join_min_microsteps=draw(st.integers(0, 3)),
         join_payback=draw(st.sampled_from([0.0, 0.25, 1.0, 3.0])),
+        window=draw(st.sampled_from([1, 1, 2, 4])),
         cost_smoothing=draw(st.sampled_from([0.25, 1.0])),
     )
     train_cells = draw(st.integers(1, max(1, cells - 1 if standalone == 0 else cells)))

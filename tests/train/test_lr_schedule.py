@@ -195,11 +195,11 @@ def test_a_training_step_uses_the_scheduled_lr_of_the_update_it_makes(
     steps, info = _batch(replica.cell.model, version)
     sums: dict[str, float] = {}
     for step in steps:
-        for eid, value in (trainer.prepass(msg.Prepass(0, version, step)) or {}).items():
+        for eid, value in (trainer.prepass(msg.Prepass(0, version, (step,))) or [{}])[0].items():
             sums[eid] = sums.get(eid, 0.0) + value
     scalars = execution_scalars(sums, info.executions, cfg.train.objective)
     for step in steps:
-        trainer.accumulate(msg.Accumulate(0, version, step, scalars))
+        trainer.accumulate(msg.Accumulate(0, version, (step,), scalars))
     grad = batch_gradient(replica.cell.flat_grads.clone(), info.num_executions)
     trainer.reduce(msg.Reduce(batch=0, cells=1, num_executions=info.num_executions))
 

@@ -177,16 +177,19 @@ class CellProcess:
     def prepass(self, m: msg.Prepass) -> None:
         t0 = time.perf_counter()
         sums = self._trainer().prepass(m)
-        self.pace.train_pass(m.batch, m.step, prepass=True)
+        self.pace.train_pass(m.steps, prepass=True)
         assert sums is not None  # the leader holds the cell's sums
-        self._up(msg.Prepassed(self.index, m.batch, m.step.index, sums, time.perf_counter() - t0))
+        indices = tuple(step.index for step in m.steps)
+        self._up(msg.Prepassed(self.index, m.batch, indices, tuple(sums),
+                               time.perf_counter() - t0))  # fmt: skip
 
     def accumulate(self, m: msg.Accumulate) -> None:
         t0 = time.perf_counter()
         stats = self._trainer().accumulate(m)
-        self.pace.train_pass(m.batch, m.step, prepass=False)
+        self.pace.train_pass(m.steps, prepass=False)
         assert stats is not None
-        self._up(msg.Accumulated(self.index, m.batch, m.step.index, stats.objective,
+        indices = tuple(step.index for step in m.steps)
+        self._up(msg.Accumulated(self.index, m.batch, indices, stats.objective,
                                  stats.targets, time.perf_counter() - t0))  # fmt: skip
 
     def reduce(self, m: msg.Reduce) -> None:

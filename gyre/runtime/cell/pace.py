@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from gyre.rollout.pacing import Pacer
@@ -15,14 +16,13 @@ class Pace:
     """A cell's device work held to the modelled cluster's time (`pace:`, docs/pacing.md).
 
     Each message's work is timed from `begin` (the message's arrival): a role switch, a
-    training pass (the first of a batch on this cell also fills the pipeline), the update, a
+    training pass (a window of micro-steps through the modelled pipeline), the update, a
     publication. Unpaced (`pace.scale` 0), every call returns at once.
     """
 
     def __init__(self, cfg: PaceConfig, pacer: Pacer | None) -> None:
         self.cfg, self.pacer = cfg, pacer
         self.began = time.monotonic()
-        self.filled: set[int] = set()  # batches whose pipeline this cell has filled
 
     @classmethod
     def of(cls, cfg: RunConfig, report: Path) -> Pace:
@@ -41,10 +41,8 @@ class Pace:
     def switch(self, *, to_train: bool) -> None:
         self.hold(self.cfg.costs.switch_s(to_train))
 
-    def train_pass(self, batch: int, step: MicroStep, *, prepass: bool) -> None:
-        tokens = sum(row.length for row in step.rows)
-        seconds = self.cfg.costs.pass_s(tokens, self.cfg.nodes_per_cell, prepass=prepass)
-        if batch not in self.filled:
-            self.filled.add(batch)
-            seconds += self.cfg.costs.pipeline_fill_s
-        self.hold(seconds)
+    def train_pass(self, steps: Sequence[MicroStep], *, prepass: bool) -> None:
+        """A pass over a window of micro-steps, 1F1B through the modelled cell's pipeline
+        stages (`CostConfig.window_s`, the simulator's charge)."""
+        tokens = [sum(row.length for row in step.rows) for step in steps]
+        self.hold(self.cfg.costs.window_s(tokens, self.cfg.nodes_per_cell, prepass=prepass))

@@ -118,32 +118,40 @@ class CellTrainer:
     def _leader(self) -> bool:
         return self.comms.shard == 0
 
-    def prepass(self, m: msg.Prepass) -> dict[str, float] | None:
-        """This replica's rows' ratio sums; on the leader the cell's (gathered over its
-        replicas)."""
+    def prepass(self, m: msg.Prepass) -> list[dict[str, float]] | None:
+        """This replica's rows' ratio sums of each micro-step of the window; on the leader
+        the cell's (gathered over its replicas)."""
         self._sync(m.version)
-        mine = self._mine(m.step)
-        sums = self.replica.cell.prepass(mine) if mine.rows else {}
+        mine = self._window(m.steps)
+        done = iter(self.replica.cell.prepass_window([s for s in mine if s.rows]))
+        sums = [next(done) if step.rows else {} for step in mine]
         parts = self.comms.replicas.gather(sums, root=0)
         if not self._leader():
             return None
-        total: dict[str, float] = {}
-        for part in parts:
-            for eid, value in part.items():
-                total[eid] = total.get(eid, 0.0) + value
-        return total
+        totals: list[dict[str, float]] = []
+        for each in zip(*parts, strict=True):  # one micro-step's sums from every replica
+            total: dict[str, float] = {}
+            for part in each:
+                for eid, value in part.items():
+                    total[eid] = total.get(eid, 0.0) + value
+            totals.append(total)
+        return totals
 
     def accumulate(self, m: msg.Accumulate) -> StepStats | None:
-        """Forward + backward of this replica's rows; on the leader the cell's stats,
-        gathered over its replicas."""
+        """Forward + backward of this replica's rows of the window; on the leader the
+        cell's stats, summed over the window and gathered over its replicas."""
         self._sync(m.version)
-        mine = self._mine(m.step)
-        stats = (self.replica.cell.accumulate(mine, m.scalars) if mine.rows
-                 else StepStats(targets=0, objective=0.0))  # fmt: skip
-        parts = self.comms.replicas.gather((stats.targets, stats.objective), root=0)
+        mine = [s for s in self._window(m.steps) if s.rows]
+        stats = self.replica.cell.accumulate_window(mine, m.scalars)
+        local = (sum(s.targets for s in stats), sum(s.objective for s in stats))
+        parts = self.comms.replicas.gather(local, root=0)
         if not self._leader():
             return None
         return StepStats(targets=sum(p[0] for p in parts), objective=sum(p[1] for p in parts))
+
+    def _window(self, steps: tuple[MicroStep, ...]) -> list[MicroStep]:
+        """This replica's rows of each micro-step of a window (a step may leave it none)."""
+        return [self._mine(step) for step in steps]
 
     def reduce(self, m: msg.Reduce) -> float | None:
         """Sum gradients over the cell's replicas, then prefix[m] into the core, 1/E, clip,

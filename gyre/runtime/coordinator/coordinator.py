@@ -144,7 +144,7 @@ class Coordinator(CoordinatorState):
         self.feed(ev.MicroStepsQueued(batch=a.batch, group=a.group, count=count))
 
     def claim(self, a: ev.ClaimMicroStep) -> None:
-        self.train.claim(a.cell, a.work)
+        self.train.claim(a.cell, a.work, a.count)
 
     def update(self, a: ev.OptimizerUpdate) -> None:
         self.train.update(a.cells)

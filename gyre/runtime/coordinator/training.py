@@ -6,13 +6,14 @@ decides *who* works *when*; this object decides *what* the work is:
 
 * `admit` — a ready group enters the `StreamPackingBuffer` (admission ≤ J_max, packing);
   its new micro-steps queue for their **prepass**;
-* `claim(cell, PREPASS)` — the cell gets the next micro-step for a no-grad forward and
-  returns per-execution sums of l_t − b_t (`prepassed`);
+* `claim(cell, PREPASS, count)` — the cell gets a window of the next `count` micro-steps
+  (the scheduler's `window`: what is queued, at most) for a no-grad forward and returns each
+  one's per-execution sums of l_t − b_t (`prepassed`);
 * once every micro-step holding rows of an execution is prepassed, that execution's
   sequence ratio and gate are final; a micro-step whose executions are all final is
   **ready** for its gradient pass (`prepassed` returns how many became ready);
-* `claim(cell, GRADIENT)` — a cell of the training prefix gets the next ready micro-step
-  with its executions' scalars and accumulates its gradient (`accumulated`);
+* `claim(cell, GRADIENT, count)` — a cell of the training prefix gets a window of ready
+  micro-steps with their executions' scalars and accumulates their gradient (`accumulated`);
 * `update(cells)` — when every pass is done, cells 0..m−1 sum their gradients at the core,
   which scales by 1/E, clips, steps AdamW once and broadcasts (`updated`).
 
@@ -95,6 +96,7 @@ class TrainingPlane:
         self.stats = BatchStats()
         self.updaters: set[int] = set()
         self.passes: dict[int, dict[str, int]] = {}  # step -> {"prepass": cell, "gradient": cell}
+        self.windows: list[tuple[str, int, tuple[int, ...]]] = []  # (work, cell, micro-steps)
         self.t_first: float | None = None  # when the batch's first pass was sent
         self.t_update: float | None = None  # when its update began (every pass done)
         self.t_done: float | None = None  # when its update finished
@@ -147,35 +149,39 @@ class TrainingPlane:
         st.oversize_rows += oversize((r for step in new for r in step.rows), self.cfg.token_budget)
         return len(new)
 
-    def claim(self, cell: int, work: Work) -> None:
-        """Send `cell` its pass: the next prepass, or the next ready gradient pass."""
+    def claim(self, cell: int, work: Work, count: int = 1) -> None:
+        """Send `cell` its pass: a window of the next `count` prepasses, or of the next
+        `count` ready gradient passes."""
         if self.t_first is None:
             self.t_first = time.time()
         if work is Work.PREPASS:
-            step = self._pop(self.prepass_queue, "prepass")
-            self.send(cell, msg.Prepass(batch=self.batch, version=self.version, step=step))
+            steps = self._pop(self.prepass_queue, "prepass", count)
+            self.send(cell, msg.Prepass(batch=self.batch, version=self.version, steps=steps))
             return
-        step = self._pop(self.gradient_queue, "gradient")
-        mine = {e: self.scalars[e] for e in {r.execution_id for r in step.rows}}
-        self.send(cell, msg.Accumulate(batch=self.batch, version=self.version, step=step,
+        steps = self._pop(self.gradient_queue, "gradient", count)
+        mine = {e: self.scalars[e] for step in steps for e in {r.execution_id for r in step.rows}}
+        self.send(cell, msg.Accumulate(batch=self.batch, version=self.version, steps=steps,
                                        scalars=mine))  # fmt: skip
 
-    def _pop(self, queue: deque[MicroStep], what: str) -> MicroStep:
-        if not queue:
-            raise TrainingError(f"batch {self.batch}: a {what} claim found nothing queued")
-        return queue.popleft()
+    def _pop(self, queue: deque[MicroStep], what: str, count: int) -> tuple[MicroStep, ...]:
+        if len(queue) < count:
+            raise TrainingError(f"batch {self.batch}: a {what} claim of {count} found "
+                                f"{len(queue)} queued")  # fmt: skip
+        return tuple(queue.popleft() for _ in range(count))
 
     def prepassed(self, m: msg.Prepassed) -> int:
-        """Record a prepass; returns how many micro-steps became ready for their gradient."""
-        step = self.steps[m.index]
-        self._count(m.cell, m.index, m.seconds, Work.PREPASS)
-        for eid, value in sorted(m.sums.items()):
-            self.sums[eid] = self.sums.get(eid, 0.0) + value
-        for row in step.rows:
-            self.rows_left[row.execution_id] -= 1
-        final = {r.execution_id for r in step.rows if self.rows_left[r.execution_id] == 0}
-        if final:
-            self._finalize(final)
+        """Record a window's prepasses; returns how many micro-steps became ready for their
+        gradient."""
+        self._count(m.cell, m.indices, m.seconds, Work.PREPASS)
+        for index, sums in zip(m.indices, m.sums, strict=True):
+            step = self.steps[index]
+            for eid, value in sorted(sums.items()):
+                self.sums[eid] = self.sums.get(eid, 0.0) + value
+            for row in step.rows:
+                self.rows_left[row.execution_id] -= 1
+            final = {r.execution_id for r in step.rows if self.rows_left[r.execution_id] == 0}
+            if final:
+                self._finalize(final)
         ready = [i for i, left in self.waiting.items() if not (left - self.scalars.keys())]
         for i in sorted(ready):
             del self.waiting[i]
@@ -193,14 +199,16 @@ class TrainingPlane:
         self.stats.gated += sum(1 for s in new.values() if s.gate == 0.0)
 
     def accumulated(self, m: msg.Accumulated) -> None:
-        self._count(m.cell, m.index, m.seconds, Work.GRADIENT)
+        self._count(m.cell, m.indices, m.seconds, Work.GRADIENT)
         self.stats.objective += m.objective
         self.stats.targets += m.targets
 
-    def _count(self, cell: int, index: int, seconds: float, work: Work) -> None:
+    def _count(self, cell: int, indices: tuple[int, ...], seconds: float, work: Work) -> None:
         st = self.stats
-        st.passes_by_cell[cell] = st.passes_by_cell.get(cell, 0) + 1
-        self.passes.setdefault(index, {})[work.value] = cell
+        st.passes_by_cell[cell] = st.passes_by_cell.get(cell, 0) + len(indices)
+        for index in indices:
+            self.passes.setdefault(index, {})[work.value] = cell
+        self.windows.append((work.value, cell, indices))
         if work is Work.GRADIENT:
             st.gradient_s += seconds
         else:
@@ -221,7 +229,8 @@ class TrainingPlane:
             audit.record_steps(self.audit_dir, self.batch, {
                 "version": self.version, "steps": [self.steps[i] for i in sorted(self.steps)],
                 "executions": dict(info.executions), "num_executions": e, "cells": cells,
-                "passes": self.passes, "scalars": dict(self.scalars)})  # fmt: skip
+                "passes": self.passes, "windows": self.windows,
+                "scalars": dict(self.scalars)})  # fmt: skip
         for c in cells:
             self.send(c, msg.Reduce(batch=self.batch, cells=len(cells), num_executions=e))
 

@@ -184,24 +184,26 @@ class Switched(Message):
 
 @dataclass(frozen=True)
 class Prepassed(Message):
-    """The prepass of micro-step `index`: per-execution sums of l_t - b_t over its targets."""
+    """The prepass of a window of micro-steps (`indices`): per micro-step, per-execution sums
+    of l_t - b_t over its targets."""
 
     up, route = True, (CELL, COORDINATOR)
     cell: int
     batch: int
-    index: int
-    sums: dict[str, float]
+    indices: tuple[int, ...]
+    sums: tuple[dict[str, float], ...]
     seconds: float
 
 
 @dataclass(frozen=True)
 class Accumulated(Message):
-    """The gradient pass of micro-step `index` added into the cell's gradient buffer."""
+    """The gradient pass of a window of micro-steps (`indices`) added into the cell's
+    gradient buffer; their objective and targets summed."""
 
     up, route = True, (CELL, COORDINATOR)
     cell: int
     batch: int
-    index: int
+    indices: tuple[int, ...]
     objective: float
     targets: int
     seconds: float
@@ -355,22 +357,24 @@ class ToRollout(Message):
 
 @dataclass(frozen=True)
 class Prepass(Message):
-    """No-grad forward of `step` at the weights of `version` (pull them first if behind)."""
+    """No-grad forward of a window of micro-steps, `steps`, at the weights of `version` (pull
+    them first if behind)."""
 
     up, route = False, (COORDINATOR, CELL)
     batch: int
     version: int
-    step: Any
+    steps: tuple[Any, ...]
 
 
 @dataclass(frozen=True)
 class Accumulate(Message):
-    """Forward + backward of `step` with its executions' scalars, at `version`."""
+    """Forward + backward of a window of micro-steps, `steps`, with their executions'
+    scalars, at `version`."""
 
     up, route = False, (COORDINATOR, CELL)
     batch: int
     version: int
-    step: Any
+    steps: tuple[Any, ...]
     scalars: dict[str, Any]
 
 

@@ -12,9 +12,10 @@ protocol (`gyre.runtime.coordinator.training`, docs/training.md) and transports 
 unchanged. With tensor parallelism the logits are
 vocabulary-sharded and the chunked target log-probs all-reduce each chunk's statistics over
 the tensor-parallel group (`target_logprobs(..., vocab_shard=...)`); with pipeline
-parallelism a micro-step runs stage by stage (`gyre.train.megatron.pipeline`) and every stage
-gets the last stage's log-probs. `ModelParallelOptimizer` is the core's optimizer: AdamW on
-each rank's shard, with the global gradient norm summed over the cell's model-parallel group
+parallelism a pass's window of micro-steps runs 1F1B through the stages
+(`gyre.train.megatron.pipeline`) and every stage gets the last stage's log-probs.
+`ModelParallelOptimizer` is the core's optimizer: AdamW on each rank's shard, with the
+global gradient norm summed over the cell's model-parallel group
 (replicated parameters and the last stage's copy of a tied embedding counted once), so
 clipping matches a single-device run.
 
@@ -33,17 +34,29 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gyre.errors import TrainingError
-from gyre.train.cell import CoreOptimizer, TorchCell, main_dtype
+from gyre.train.cell import CoreOptimizer, StepStats, TorchCell, main_dtype
 from gyre.train.config import ObjectiveConfig, OptimConfig
 from gyre.train.megatron.config import MegatronConfig, gpt_kwargs, transformer_kwargs
-from gyre.train.objective import VocabShard, check_finite, step_tensors, target_logprobs
+from gyre.train.objective import (
+    ExecutionScalar,
+    VocabShard,
+    check_finite,
+    ratio_sums,
+    step_loss,
+    step_tensors,
+    target_logprobs,
+    token_coefficients,
+)
 from gyre.train.packing import MicroStep
+
+if TYPE_CHECKING:
+    from gyre.train.megatron.pipeline import WindowTiming
 
 
 def init_model_parallel(cfg: MegatronConfig, device: str | torch.device) -> None:
@@ -238,8 +251,9 @@ class MegatronCell(TorchCell):
     """A cell rank running its tensor-parallel shard of one pipeline stage of a GPTModel.
 
     Every rank runs every row. With pipeline stages (`gyre.train.megatron.pipeline`) a
-    micro-step's forward runs stage by stage, every stage gets the last stage's log-probs,
-    and `_backward` sends the input gradients back stage by stage."""
+    pass's window of micro-steps runs 1F1B through the stages and every stage gets the last
+    stage's log-probs; one micro-step alone runs forward stage by stage (`_logprobs`) and
+    `_backward` sends the input gradients back stage by stage."""
 
     def __init__(self, model: torch.nn.Module, *, objective: ObjectiveConfig) -> None:
         from gyre.train.megatron.pipeline import Stage
@@ -253,6 +267,7 @@ class MegatronCell(TorchCell):
         self._explicit_mask = any(_materialises_scores(m) for m in model.modules())
         # this stage's (received input, output) of the latest forward with grad: the backward's
         self._io: tuple[torch.Tensor | None, torch.Tensor] | None = None
+        self.timing: WindowTiming | None = None  # this stage's clock over the latest window
 
     def free_scratch(self) -> None:
         """megatron-core's scratch kept between passes: the global memory buffer
@@ -268,9 +283,22 @@ class MegatronCell(TorchCell):
         RotaryEmbedding.forward.cache_clear()
 
     def _logprobs(self, step: MicroStep, *, grad: bool) -> tuple[torch.Tensor, Any]:
+        """One micro-step alone through the stages (a tool's or test's single pass; a cell's
+        passes run windows: `prepass_window`, `accumulate_window`)."""
         st = step_tensors(step, self.device)
-        n, width = st.ids.shape
-        dtype, stage, config = self.flat_params.dtype, self.stage, self._config
+        received, out, logp, padded = self._stage_forward(step, st, grad=grad)
+        self.stage.send_forward(out)
+        self._io = (received, out) if grad else None
+        return self._final_logprobs(step, st, logp, padded), st
+
+    def _stage_forward(
+        self, step: MicroStep, st: Any, *, grad: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, int]:
+        """This stage's forward of a micro-step: (the input received from the previous stage,
+        this stage's output, the target log-probs on the last stage else None, the padded
+        width)."""
+        n, _ = st.ids.shape
+        stage, config = self.stage, self._config
         # Under sequence parallelism the rows are cut into TP slices along the sequence: the
         # width is padded to a multiple of TP, on the right, where (causal attention) no
         # real position sees it; its log-probs are dropped, so it adds no gradient.
@@ -282,6 +310,7 @@ class MegatronCell(TorchCell):
         mask = None
         if self._explicit_mask:
             mask = torch.ones(padded, padded, dtype=torch.bool, device=self.device).triu(1)
+        dtype = self.flat_params.dtype
         received = stage.receive_forward(self._hidden_shape(n, padded), dtype, self.device)
         if received is not None:
             received.requires_grad_(grad)
@@ -289,12 +318,90 @@ class MegatronCell(TorchCell):
         with torch.set_grad_enabled(grad), self._routing(step, padded):
             out = self.model(ids, positions, None if mask is None else mask[None, None])
             logp = self._target_logprobs(out, ids) if stage.last else None
-        stage.send_forward(out)
-        self._io = (received, out) if grad else None
-        logp = stage.broadcast_from_last(logp, (n, padded), main_dtype(dtype), self.device)
-        logp = logp[:, :width]
+        return received, out, logp, padded
+
+    def _final_logprobs(
+        self, step: MicroStep, st: Any, logp: torch.Tensor | None, padded: int
+    ) -> torch.Tensor:
+        """The last stage's log-probs of a micro-step on every stage (the last keeps its
+        own, graph and all), cut to the rows' width and checked."""
+        n, width = st.ids.shape
+        dtype = main_dtype(self.flat_params.dtype)
+        logp = self.stage.broadcast_from_last(logp, (n, padded), dtype, self.device)[:, :width]
         check_finite(logp, st, f"micro-step {step.index}")
-        return logp, st
+        return logp
+
+    def prepass_window(self, steps: Sequence[MicroStep]) -> list[dict[str, float]]:
+        """Phase A of a window: its forwards through the stages back to back."""
+        if self.stage.size == 1:
+            return super().prepass_window(steps)
+        return [ratio_sums(logp, st) for logp, st in self._pipelined(steps, None)]
+
+    def accumulate_window(
+        self, steps: Sequence[MicroStep], scalars: Mapping[str, ExecutionScalar]
+    ) -> list[StepStats]:
+        """Phase B of a window, 1F1B through the stages; every stage's stats from the last
+        stage's log-probs."""
+        if self.stage.size == 1:
+            return super().accumulate_window(steps, scalars)
+        stats = []
+        for logp, st in self._pipelined(steps, scalars):
+            coeff = token_coefficients(logp.detach(), st, scalars, self.objective)
+            stats.append(StepStats(targets=int(st.targets.sum()), objective=float(coeff.sum())))
+        return stats
+
+    def _pipelined(
+        self, steps: Sequence[MicroStep], scalars: Mapping[str, ExecutionScalar] | None
+    ) -> list[tuple[torch.Tensor, Any]]:
+        """A window through the pipeline stages (`gyre.train.megatron.pipeline`): forwards
+        only (`scalars` None), or forward and backward 1F1B, the last stage's loss the
+        objective of each micro-step with `scalars`. Returns each micro-step's log-probs
+        (detached) and tensors, on every stage; `self.timing` is this stage's clock."""
+        from gyre.schedule.pipeline import one_f_one_b
+        from gyre.train.megatron.pipeline import Sends, run_window, tied_gradients
+
+        stage, grad = self.stage, scalars is not None
+        sts = [step_tensors(step, self.device) for step in steps]
+        live: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = {}
+        last: dict[int, tuple[torch.Tensor, int]] = {}  # the last stage's log-probs, width
+        sends: Sends = []
+
+        def forward(i: int) -> None:
+            received, out, logp, padded = self._stage_forward(steps[i], sts[i], grad=grad)
+            stage.send_forward(out, sends)
+            loss = None
+            if logp is not None:
+                last[i] = (logp.detach(), padded)
+                if scalars is not None:
+                    mine = logp[:, : sts[i].ids.shape[1]]
+                    coeff = token_coefficients(mine, sts[i], scalars, self.objective)
+                    loss = step_loss(mine, coeff)
+            if grad:
+                live[i] = (received, out, loss)
+
+        def backward(i: int) -> None:
+            received, out, loss = live.pop(i)
+            if loss is not None:
+                loss.backward()
+            else:
+                torch.autograd.backward(out, stage.receive_backward(out))
+            stage.send_backward(received.grad if received is not None else None, sends)
+
+        order = one_f_one_b(stage.index, stage.size, len(steps), backward=grad)
+        with contextlib.ExitStack() as summed:
+            if grad:
+                summed.enter_context(tied_gradients(self.model, self.grad_of))
+                summed.enter_context(tp_summed_gradients(self.model, self.grad_of))
+            self.timing = run_window(stage, order, forward, backward, sends)
+        width = [self._padded(st) for st in sts]
+        return [(self._final_logprobs(step, st, last.get(i, (None, 0))[0], width[i]), st)
+                for i, (step, st) in enumerate(zip(steps, sts, strict=True))]  # fmt: skip
+
+    def _padded(self, st: Any) -> int:
+        """A micro-step's width as the stages run it (a multiple of TP under sequence
+        parallelism)."""
+        multiple = _tp_size() if self._config.sequence_parallel else 1
+        return int(st.ids.shape[1] + -st.ids.shape[1] % multiple)
 
     def _routing(self, step: MicroStep, width: int) -> contextlib.AbstractContextManager[None]:
         """The step's recorded routed experts replayed by this rank's routers
