@@ -49,7 +49,8 @@ from gyre.models import load_model
 from gyre.rollout import transport
 from gyre.rollout.client import blocking
 from gyre.runtime.cell import engine_host
-from gyre.runtime.cell.engine_host import EngineHost, publish
+from gyre.runtime.cell.engine_host import EngineHost
+from gyre.runtime.cell.publication import publish
 from gyre.runtime.shared.config import EngineConfig
 
 WIRE = {"json": 0, "group": 0}

@@ -211,11 +211,13 @@ class EngineClient:
         by_handle: bool = False,
         bucket_bytes: int = DEFAULT_BUCKET_MB << 20,
         device: str | None = None,
+        session: bool = True,
     ) -> None:
         """Publish named tensors as `version` the way SGLang takes them: generation paused,
-        inside one weight-update session, one flattened bucket of at most `bucket_bytes` per
-        call (`gyre.rollout.weights.bucket_call`), packed only when its turn comes and kept
-        alive until the engine answered; by handle (same node) or by value; packed on
+        inside one weight-update session (`session` False: inside the one the caller opened,
+        for a publication of several parts), one flattened bucket of at most `bucket_bytes`
+        per call (`gyre.rollout.weights.bucket_call`), packed only when its turn comes and
+        kept alive until the engine answered; by handle (same node) or by value; packed on
         `device` (default: the tensors')."""
         from gyre.rollout.buckets import bucketed
         from gyre.rollout.weights import bucket_call, release_handles
@@ -228,7 +230,7 @@ class EngineClient:
                                                by_handle=by_handle))  # fmt: skip
 
         try:
-            await self.update_session(each_bucket)
+            await (self.update_session(each_bucket) if session else each_bucket())
         finally:
             if by_handle:
                 release_handles()

@@ -235,7 +235,8 @@ class FollowerRole:
                                 up=lambda m: link.send(m, COORDINATOR_RANK))  # fmt: skip
         self.wiring.report_startup(self.me)
         try:
-            return CellFollower(trainer, served, self.cfg.engines_per_cell).serve(link)
+            return CellFollower(trainer, served, self.cfg.engines_per_cell,
+                                host=self.wiring.address).serve(link)  # fmt: skip
         finally:
             if self.node_rank is not None:  # node rank 0's shutdown stops it first
                 self.node_rank.stop()

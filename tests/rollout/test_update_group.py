@@ -14,7 +14,8 @@ import torch
 from gyre.rollout.client import EngineClient
 from gyre.rollout.protocol import SamplingParams, distributed_update_body, tensor_specs
 from gyre.rollout.testing import running_engine
-from gyre.runtime.cell.engine_host import push_weights, push_weights_distributed
+from gyre.runtime.cell.engine_host import push_weights
+from gyre.runtime.cell.publication import push_weights_distributed
 
 from .conftest import post_json as _post
 from .conftest import run

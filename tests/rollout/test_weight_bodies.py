@@ -1,8 +1,9 @@
 """No weight bytes in JSON bodies: every movement a cell makes to a real embedded engine,
 watched on the wire.
 
-A recording forwarder on the loopback sits between the cell's code and a real engine
-process: it keeps each request's route and body size and passes the request on unchanged.
+A recording forwarder on the loopback (`gyre.rollout.testing.recording_forwarder`) sits
+between the cell's code and a real engine process: it keeps each request's route and body
+size and passes the request on unchanged.
 The cell's own functions then move a model larger than the body limit every way a run does —
 a publication (`engine_host.publish`, `engine.publication` auto: the engine is on this
 node, so by handle), a reload / respawn / resume (`EngineHost.load_weights`), and a
@@ -13,11 +14,7 @@ Before buckets by handle, each of these posted the whole model as base64 in one 
 
 from __future__ import annotations
 
-import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +23,9 @@ import torch
 
 from gyre.rollout.client import EngineClient
 from gyre.rollout.protocol import SamplingParams
-from gyre.rollout.testing import running_engine
-from gyre.runtime.cell.engine_host import EngineHost, publish
+from gyre.rollout.testing import recording_forwarder, running_engine
+from gyre.runtime.cell.engine_host import EngineHost
+from gyre.runtime.cell.publication import publish
 from gyre.runtime.shared.config import EngineConfig
 
 from .conftest import run
@@ -36,55 +34,11 @@ BODY_LIMIT = 64 << 10  # a body above this carries weights (the tiny model is 1.
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-class _Forward(BaseHTTPRequestHandler):
-    """Records (method, route, body bytes); forwards the request to `target` as it came."""
-
-    target: str
-    seen: list[tuple[str, str, int]]
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        self._forward("GET")
-
-    def do_POST(self) -> None:
-        self._forward("POST")
-
-    def _forward(self, method: str) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.seen.append((method, self.path, len(body)))
-        headers = {k: v for k, v in self.headers.items() if k.lower() in
-                   ("authorization", "content-type")}  # fmt: skip
-        req = urllib.request.Request(self.target + self.path, data=body if method == "POST"
-                                     else None, headers=headers, method=method)  # fmt: skip
-        try:
-            with urllib.request.urlopen(req, timeout=300) as r:
-                status, data = r.status, r.read()
-        except urllib.error.HTTPError as e:
-            status, data = e.code, e.read()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
 @pytest.fixture(scope="module")
 def watched() -> Iterator[tuple[str, str, list[tuple[str, str, int]]]]:
     """(the forwarder's url, the engine's own url, what the forwarder saw)."""
-    seen: list[tuple[str, str, int]] = []
-    with running_engine("tiny") as url:
-        handler = type("Forward", (_Forward,), {"target": url, "seen": seen})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        try:
-            yield f"http://127.0.0.1:{server.server_address[1]}", url, seen
-        finally:
-            server.shutdown()
-            thread.join(10)
+    with running_engine("tiny") as url, recording_forwarder(url) as (forward, seen):
+        yield forward, url, seen
 
 
 def _perturbed(model: Any, seed: int) -> list[tuple[str, torch.Tensor]]:

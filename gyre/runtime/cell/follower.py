@@ -28,20 +28,22 @@ class CellFollower:
     The coordinator sends the cell's training messages (Prepass, Accumulate, Reduce), its
     role switches (ToTrain, ToRollout: a trainer sharing its GPU with the engine moves its
     state; an engine here is released or resumed with the cell's), the core's SaveCheckpoint
-    and Stop to every rank of the cell; only the leader answers them. Respawn and Reload come
+    and Publish (each rank sends the weights it holds) and Stop to every rank of the cell;
+    only the leader answers them. Respawn and Reload come
     to the rank of the engine they name; engine readiness and losses go up from here.
     """
 
     def __init__(self, trainer: CellTrainer, served: CellEngine | None = None,
-                 engines: int = 1) -> None:  # fmt: skip
-        """`served`: the engine this rank hosts, if any; `engines`: how many the cell has."""
-        self.trainer, self.served, self.engines = trainer, served, engines
+                 engines: int = 1, host: str = "127.0.0.1") -> None:  # fmt: skip
+        """`served`: the engine this rank hosts, if any; `engines`: how many the cell has;
+        `host`: this rank's address (what it sends a publication's part from)."""
+        self.trainer, self.served, self.engines, self.host = trainer, served, engines, host
 
     def serve(self, link: wire.Link) -> int:
         t, served = self.trainer, self.served
         handlers: dict[type, Callable[[Any], object]] = {
             msg.Prepass: t.prepass, msg.Accumulate: t.accumulate, msg.Reduce: t.reduce,
-            msg.SaveCheckpoint: t.save_checkpoint,
+            msg.SaveCheckpoint: t.save_checkpoint, msg.Publish: self.publish,
             msg.ToTrain: self.to_train, msg.ToRollout: self.to_rollout,
         }  # fmt: skip
         if served is not None:
@@ -65,9 +67,19 @@ class CellFollower:
                 raise TrainingError(
                     f"cell {t.comms.cell_id} rank {t.comms.shard}: got {type(m).__name__}; "
                     "a follower only takes Prepass, Accumulate, Reduce, SaveCheckpoint, "
-                    "ToTrain, ToRollout, Stop and, hosting an engine, Respawn and Reload"
+                    "Publish, ToTrain, ToRollout, Stop and, hosting an engine, Respawn and Reload"
                 )
             handler(m)
+
+    def publish(self, m: msg.Publish) -> None:
+        """The core's publication: this rank sends the part of the weights it holds, if any
+        (`Replica.part`: a Megatron stage's sender its stage), when its turn comes; the
+        leader answers (`gyre.runtime.cell.publication`)."""
+        from gyre.runtime.cell.publication import publish_parts
+
+        t = self.trainer
+        publish_parts(t.comms.cell, t.replica.part(t.comms.shard), m.targets, m.version,
+                      t.cfg.engine, self.host)  # fmt: skip
 
     def to_train(self, m: msg.ToTrain) -> None:
         if self.served is not None:

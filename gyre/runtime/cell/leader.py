@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from gyre.errors import TrainingError
-from gyre.runtime.cell.engine_host import EngineHost, publish
+from gyre.runtime.cell.engine_host import EngineHost
 from gyre.runtime.cell.follower import IDLE_S, cell_engines
 from gyre.runtime.cell.pace import Pace
+from gyre.runtime.cell.publication import publish, publish_parts
 from gyre.runtime.cell.residency import TrainerResidency
 from gyre.runtime.cell.serving import CellEngine
 from gyre.runtime.cell.trainer import CellTrainer
@@ -204,12 +205,19 @@ class CellProcess:
         The policy directory is written first, so an engine that dies around the
         publication (its push fails, or it restarts before it) loads this version when it
         comes back. Engines whose push failed are reported, never fatal: the coordinator has
-        them reload. The weights go as HTTP bodies to each engine, or through one update
-        group per publication broadcast to all (`engine.publication`, by size when auto).
+        them reload. Every rank of the cell takes part: each sends the weights it holds
+        (`Replica.part`: a Megatron stage's from that stage's ranks) by its own route
+        (`gyre.runtime.cell.publication`).
         """
         t0 = time.perf_counter()
         self._save(policies.version_name(m.version), keep=self.cfg.train.keep_policies)
-        missed = publish(m.targets, self._named(), m.version, self.cfg.engine, self.engine.host)
+        if self.comms is None:  # no cell: the one rank holds it all
+            missed = publish(m.targets, self._named(), m.version, self.cfg.engine,
+                             self.engine.host)  # fmt: skip
+        else:  # from the ranks that hold the weights (Publish came to every rank of the cell)
+            missed = publish_parts(self.comms.cell, self._replica().part(self.comms.shard),
+                                   m.targets, m.version, self.cfg.engine, self.engine.host)  # fmt: skip
+            assert missed is not None
         self.pace.hold(self.cfg.pace.costs.publish_s)
         self._up(msg.Published(m.version, time.perf_counter() - t0, missed))
 

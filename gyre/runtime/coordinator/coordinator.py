@@ -152,7 +152,7 @@ class Coordinator(CoordinatorState):
     def publish(self, a: ev.Publish) -> None:
         targets = [(e, self.fleet[e].url) for e in a.engines]
         self.published_to[a.version] = [url for _, url in targets]
-        self.to_rank(self.ranks.core, msg.Publish(version=a.version, targets=targets))
+        self.to_cell(0, msg.Publish(version=a.version, targets=targets))  # each rank sends its part
 
     # ------------------------------------------------------------------ messages
 

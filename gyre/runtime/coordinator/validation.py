@@ -93,7 +93,7 @@ def _serve_final(c: CoordinatorState, version: int) -> None:
     if c.sched.roles[core] is Role.ROLLOUT:
         targets = [(e, c.fleet[e].url) for e in c.fleet.of_cell(core)]
         c.published_to[version] = [url for _, url in targets]
-        c.to_rank(c.ranks.core, msg.Publish(version=version, targets=targets))
+        c.to_cell(core, msg.Publish(version=version, targets=targets))
         _await(c, lambda m: isinstance(m, msg.Published) and m.version == version)
         return
     c.to_cell(core, msg.ToRollout(version))

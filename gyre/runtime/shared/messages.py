@@ -390,7 +390,8 @@ class Reduce(Message):
 
 @dataclass(frozen=True)
 class Publish(Message):
-    """Core: push policy `version` to these (engine, url) targets; keep it as a policy."""
+    """Core, every rank of the cell: push policy `version` to these (engine, url) targets,
+    each rank the part of the weights it holds; keep it as a policy."""
 
     up, route = False, (COORDINATOR, CELL)
     version: int

@@ -92,6 +92,39 @@ class MegatronReplica(TorchReplica):
                 off += p.numel()
         return out
 
+    def part(self, shard: int) -> list[tuple[str, torch.Tensor]] | None:
+        """A publication's part (collective over the cell), sent from the ranks that hold
+        the weights: on each stage's sender — TP rank 0 of data replica 0 — that stage's
+        HF-layout tensors (`stage_to_hf`, the conversion a whole-cell gather uses), its TP
+        ranks' shards gathered inside Megatron's tensor-parallel group (gloo on CPU, NCCL
+        on GPU: they stay on the device); None on every other rank. No rank holds another
+        stage's tensors, the leader included."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from gyre.train.megatron.weights import module_names, stage_to_hf
+
+        if self.data_rank != 0:  # replica 0 holds the same weights
+            return None
+        tp, tp_rank = self.dims.tensor, ps.get_tensor_model_parallel_rank()
+        shards: list[dict[str, torch.Tensor]] | None = [{} for _ in range(tp)] if tp_rank == 0 else None
+        for name, t in self._views(self.cell.flat_params).items():
+            got = [torch.empty_like(t) for _ in range(tp)] if shards is not None else None
+            if tp == 1:
+                got = [t.detach()]
+            else:
+                dist.gather(t.detach(), got, group=ps.get_tensor_model_parallel_group(),
+                            group_dst=0)  # fmt: skip
+            for r, g in enumerate(got or ()):
+                assert shards is not None
+                shards[r][name] = g
+        if shards is None:
+            return None
+        hf = stage_to_hf(shards, self.layout, stage=ps.get_pipeline_model_parallel_rank(),
+                         stages=self.dims.pipeline)  # fmt: skip
+        return list(module_names(hf, self.layout).items())
+
     def refresh(self) -> None:
         from gyre.rollout.weights import load_named_tensors
 

@@ -46,6 +46,11 @@ class Replica(Protocol):
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """The leader's HF-layout weights (what engines load), in `train.params_dtype`."""
 
+    def part(self, shard: int) -> list[tuple[str, torch.Tensor]] | None:
+        """This rank's part of the HF-layout weights engines load (collective over the cell;
+        `shard`: the rank's position in it): what the rank itself sends in a publication
+        (`gyre.runtime.cell.publication`), None where it sends nothing."""
+
     def main_named(self) -> list[tuple[str, torch.Tensor]] | None:
         """The HF-layout weights a checkpoint keeps, on the leader (collective over the cell;
         None elsewhere): the core's float32 main weights under mixed precision."""

@@ -50,6 +50,11 @@ class TorchReplica:
         """The leader's HF-layout weights (what engines load), in `train.params_dtype`."""
         return [(n, p.detach()) for n, p in self.policy_model.named_parameters()]
 
+    def part(self, shard: int) -> list[tuple[str, torch.Tensor]] | None:
+        """A publication's part (collective over the cell): the leader holds the whole model
+        and sends it all; the other ranks (data-parallel copies) send nothing."""
+        return self.named() if shard == 0 else None
+
     def main_named(self) -> list[tuple[str, torch.Tensor]] | None:
         """The weights a checkpoint keeps, HF layout, on the leader (collective over the
         cell; None elsewhere): a core's optimizer's main weights (float32 where the cell is

@@ -40,6 +40,7 @@ files (`gyre.train.megatron.shard_files`), the same bytes either way.
     hf_state_again = mcore_to_hf([shard0, shard1], layout)        # exact round trip
     stage = stage_to_mcore(hf_state, layout, tp_rank=0, tp_size=1, stage=1, stages=2)
     hf_state_again = stages_to_hf([stage0, stage1], layout, tp_size=1)   # pipeline stages
+    stage1_hf = stage_to_hf([stage1], layout, stage=1, stages=2)         # one stage's part
     for name, t in iter_stage_to_mcore(SafetensorsFiles(model_dir), layout, tp_rank=1,
                                        tp_size=2, stage=0, stages=1): ...  # one at a time
 """
@@ -205,14 +206,22 @@ def iter_stage_to_mcore(hf: Source, layout: WeightLayout, *, tp_rank: int, tp_si
 def stages_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: WeightLayout, *,
                  tp_size: int) -> Tensors:  # fmt: skip
     """HF tensors from every rank's state dict of a TP x PP cell (rank s: TP rank
-    s % tp_size of stage s // tp_size)."""
+    s % tp_size of stage s // tp_size): `stage_to_hf` of each stage."""
     stages = len(shards) // tp_size
     out: Tensors = {}
     for stage in range(stages):
-        out.update(mcore_to_hf(shards[stage * tp_size : (stage + 1) * tp_size], layout,
-                               layers=stage_layers(layout, stage, stages),
-                               first_stage=stage == 0, last_stage=stage == stages - 1))  # fmt: skip
+        out.update(stage_to_hf(shards[stage * tp_size : (stage + 1) * tp_size], layout,
+                               stage=stage, stages=stages))  # fmt: skip
     return out
+
+
+def stage_to_hf(tp_shards: Sequence[Mapping[str, torch.Tensor]], layout: WeightLayout, *,
+                stage: int, stages: int) -> Tensors:  # fmt: skip
+    """HF tensors of pipeline stage `stage` of `stages` from its TP ranks' state dicts (in TP
+    order): its layers, the embedding on the first stage, the final norm (and an untied
+    output layer) on the last. What a stage's sender publishes; `stages_to_hf` of a cell."""
+    return mcore_to_hf(tp_shards, layout, layers=stage_layers(layout, stage, stages),
+                       first_stage=stage == 0, last_stage=stage == stages - 1)  # fmt: skip
 
 
 def _norm_names(layout: WeightLayout, i: int) -> tuple[str, str]:

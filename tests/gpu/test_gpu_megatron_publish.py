@@ -1,0 +1,71 @@
+"""A Megatron cell publishes from the ranks that hold the weights: in a real 4-rank MPI world
+(gloo), a core cell at TP 2 x PP 2 and at TP 1 x PP 2 x data 2 publishes the tiny model to
+a real embedded engine with the cell's own `publish_parts`, through update groups (one per
+stage sender) and by handle (`megatron_publish_worker.py`).
+
+* Each pipeline stage's part leaves from that stage's TP rank 0 of data replica 0, and
+  from no other rank: the leader sends only stage 0's tensors (the embedding and the first
+  half of the layers), stage 1's sender only its layers and the final norm.
+* The engine then serves exactly the one-process gather (`stages_to_hf` of every shard at
+  the leader, loaded by value): the same greedy tokens and bit-equal log-probs.
+* No request body carries weight bytes (a recording forwarder sees every body).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core not installed (extra gyre[gpu])")
+WORKER = Path(__file__).with_name("megatron_publish_worker.py")
+BODY_LIMIT = 64 << 10  # a body above this carries weights (the tiny model is 1.3 MB)
+LAYERS = 2  # the tiny model's
+
+
+def _stage(name: str) -> int:
+    """The pipeline stage (of 2) that holds HF tensor `name`."""
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2]) // (LAYERS // 2)
+    return 0 if name == "model.embed_tokens.weight" else 1
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_each_stage_publishes_its_own_weights_from_its_own_ranks(tmp_path: Path) -> None:
+    from gyre.models import load_model
+    from gyre.rollout.testing import recording_forwarder, running_engine
+    from gyre.runtime.cli import find_mpiexec
+
+    hf, _ = load_model("tiny")
+    assert hf.config.num_hidden_layers == LAYERS
+    every = {n for n, _ in hf.named_parameters()}
+    with running_engine("tiny") as url, recording_forwarder(url) as (watched, seen):
+        proc = subprocess.run([find_mpiexec(), "-n", "4", sys.executable, str(WORKER), watched,
+                               url, str(tmp_path)], capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for layout, senders in (("tp2pp2d1", {0: 0, 2: 1}), ("tp1pp2d2", {0: 0, 1: 1})):
+        records = [torch.load(tmp_path / f"{layout}-rank{r}.pt", weights_only=False)
+                   for r in range(4)]  # fmt: skip
+        for how in ("group", "handle"):
+            sent = {r: rec["sent"][how] for r, rec in enumerate(records) if rec["sent"][how]}
+            assert set(sent) == set(senders), (layout, how, sorted(sent))
+            for r, stage in senders.items():  # a stage's tensors, from its own sender only
+                assert {_stage(n) for n in sent[r]} == {stage}, (layout, how, r)
+            assert sorted(n for names in sent.values() for n in names) == sorted(every)
+            lead = records[0]
+            assert lead["missed"][how] == [], (layout, how)
+            tokens, logprobs, version = lead["published"][how]
+            ref_tokens, ref_logprobs, _ = lead["reference"][how]
+            assert version is not None and int(version) < 100  # the publication's, not the reference's
+            assert tokens == ref_tokens, (layout, how)
+            assert logprobs == ref_logprobs, (layout, how)  # the same weights, exactly
+    routes = {route for _, route, _ in seen}
+    assert {"/update_weights_from_tensor", "/update_weights_from_distributed",
+            "/init_weights_update_group"} <= routes  # fmt: skip
+    heavy = [s for s in seen if s[2] > BODY_LIMIT]
+    assert heavy == [], heavy
