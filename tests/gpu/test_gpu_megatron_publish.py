@@ -61,7 +61,7 @@ def test_each_stage_publishes_its_own_weights_from_its_own_ranks(tmp_path: Path)
             assert lead["missed"][how] == [], (layout, how)
             tokens, logprobs, version = lead["published"][how]
             ref_tokens, ref_logprobs, _ = lead["reference"][how]
-            assert version is not None and int(version) < 100  # the publication's, not the reference's
+            assert version is not None and int(version) < 100  # not the reference's
             assert tokens == ref_tokens, (layout, how)
             assert logprobs == ref_logprobs, (layout, how)  # the same weights, exactly
     routes = {route for _, route, _ in seen}

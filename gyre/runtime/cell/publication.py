@@ -168,7 +168,7 @@ async def _each(clients: dict[int, EngineClient], call: Any) -> list[int]:
     return [e for e, d in zip(clients, done) if isinstance(d, BaseException)]
 
 
-async def _open(targets: Targets, timeout: float = TIMEOUT_S) -> tuple[list[tuple[int, str]], list[int]]:
+async def _open(targets: Targets, timeout: float = TIMEOUT_S) -> tuple[Targets, list[int]]:
     """Open a weight-update session (pause "retract", begin) on every target that answers
     /health: (the live targets, the engines missed)."""
     clients = _clients(targets, timeout)

@@ -107,19 +107,17 @@ class MegatronReplica(TorchReplica):
 
         if self.data_rank != 0:  # replica 0 holds the same weights
             return None
-        tp, tp_rank = self.dims.tensor, ps.get_tensor_model_parallel_rank()
-        shards: list[dict[str, torch.Tensor]] | None = [{} for _ in range(tp)] if tp_rank == 0 else None
+        tp, lead = self.dims.tensor, ps.get_tensor_model_parallel_rank() == 0
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         for name, t in self._views(self.cell.flat_params).items():
-            got = [torch.empty_like(t) for _ in range(tp)] if shards is not None else None
-            if tp == 1:
-                got = [t.detach()]
-            else:
+            got: list[torch.Tensor] | None = [t.detach()]
+            if tp > 1:
+                got = [torch.empty_like(t) for _ in range(tp)] if lead else None
                 dist.gather(t.detach(), got, group=ps.get_tensor_model_parallel_group(),
                             group_dst=0)  # fmt: skip
             for r, g in enumerate(got or ()):
-                assert shards is not None
                 shards[r][name] = g
-        if shards is None:
+        if not lead:
             return None
         hf = stage_to_hf(shards, self.layout, stage=ps.get_pipeline_model_parallel_rank(),
                          stages=self.dims.pipeline)  # fmt: skip
