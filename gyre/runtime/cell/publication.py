@@ -50,6 +50,7 @@ from gyre.rollout.serving.nccl import broadcast_tensors, open_update_group, rank
 from gyre.rollout.weights import BUCKET
 from gyre.runtime.cell.engine_host import engine_names, handle_device, push_weights, route
 from gyre.runtime.shared.config import EngineConfig
+from gyre.train.comm import arrive
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ Named = list[tuple[str, torch.Tensor]]
 Targets = Sequence[tuple[int, str]]
 TIMEOUT_S = 120.0
 """The update group's rendezvous and each broadcast; HTTP control calls get 5x that."""
+POLL_S = 0.005
+"""The longest sleep of a rank waiting for the others to finish their part (`arrive`)."""
 
 
 class Alone:
@@ -74,8 +77,11 @@ class Alone:
     def gather(self, obj: Any, root: int = 0) -> list[Any]:
         return [obj]
 
-    def Barrier(self) -> None:
-        pass
+    def Ibarrier(self) -> Alone:
+        return self
+
+    def Test(self) -> bool:  # the request `Ibarrier` returns: complete at once
+        return True
 
 
 def publish(targets: Targets, named: Named, version: int, config: EngineConfig,
@@ -95,14 +101,15 @@ def publish_parts(comm: Any, part: Named | None, targets: Targets, version: int,
     missed the publication; the other ranks None."""
     leader = comm.Get_rank() == 0
     opened = asyncio.run(_open(targets)) if leader else None
+    arrive(comm, POLL_S)  # the others sleep meanwhile (MPICH's collectives spin a core)
     live = comm.bcast(opened[0] if opened is not None else None, root=0)
     failed: list[int] = []
     for sender, sends in enumerate(comm.allgather(part is not None)):
         if sends and sender == comm.Get_rank():
             assert part is not None
             failed = send_part(live, part, version, config, host)
-        if sends:
-            comm.Barrier()  # one sender at a time: each engine loads one part after another
+        if sends:  # one sender at a time: each engine loads one part after another
+            arrive(comm, POLL_S)
     failures = comm.gather(failed, root=0)
     if opened is None:
         return None

@@ -108,17 +108,14 @@ class MegatronReplica(TorchReplica):
         if self.data_rank != 0:  # replica 0 holds the same weights
             return None
         tp, lead = self.dims.tensor, ps.get_tensor_model_parallel_rank() == 0
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-        for name, t in self._views(self.cell.flat_params).items():
-            got: list[torch.Tensor] | None = [t.detach()]
-            if tp > 1:
-                got = [torch.empty_like(t) for _ in range(tp)] if lead else None
-                dist.gather(t.detach(), got, group=ps.get_tensor_model_parallel_group(),
-                            group_dst=0)  # fmt: skip
-            for r, g in enumerate(got or ()):
-                shards[r][name] = g
-        if not lead:
+        flat = self.cell.flat_params.detach()
+        flats: list[torch.Tensor] | None = [flat]
+        if tp > 1:  # one collective: the stage's TP ranks' flat buffers are the same size
+            flats = [torch.empty_like(flat) for _ in range(tp)] if lead else None
+            dist.gather(flat, flats, group=ps.get_tensor_model_parallel_group(), group_dst=0)
+        if flats is None:
             return None
+        shards = [self._views(f) for f in flats]
         hf = stage_to_hf(shards, self.layout, stage=ps.get_pipeline_model_parallel_rank(),
                          stages=self.dims.pipeline)  # fmt: skip
         return list(module_names(hf, self.layout).items())
