@@ -6,7 +6,7 @@
 What: for each model an embedded engine is launched the way a cell launches it
 (`EngineHost`), and the weights as a bf16 replica holds them (`train.params_dtype`
 bfloat16; `named_parameters()`, tied weights once) are moved to it `--repeats` times by each
-path, with the cell's own calls (`engine_host.publish` for a publication, `EngineHost.
+path, with the cell's own calls (`publication.publish` for a publication, `EngineHost.
 load_weights` for a reload — the core back to rollout, a respawn, a resume):
 
 * before — `engine.publication: http` with one bucket as large as the model: the weights by

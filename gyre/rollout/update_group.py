@@ -14,7 +14,7 @@ in one broadcast. The embedded engine is one CPU rank, so it
 joins with gloo at `rank_offset`; `gyre.rollout.server` serves the routes and
 `Engine.join_update_group` / `update_weights_from_distributed` / `leave_update_group` run
 these functions. The publisher's side is `gyre.rollout.serving.nccl` (the same
-`open_update_group`), driven by `gyre.runtime.cell.engine_host.push_weights_distributed`.
+`open_update_group`), driven by `gyre.runtime.cell.publication.push_weights_distributed`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A recording forwarder on the loopback (`gyre.rollout.testing.recording_forwarder
 between the cell's code and a real engine process: it keeps each request's route and body
 size and passes the request on unchanged.
 The cell's own functions then move a model larger than the body limit every way a run does —
-a publication (`engine_host.publish`, `engine.publication` auto: the engine is on this
+a publication (`publication.publish`, `engine.publication` auto: the engine is on this
 node, so by handle), a reload / respawn / resume (`EngineHost.load_weights`), and a
 publication to an engine on another node (the same engine, reached at an address that is not
 the rank's own: through an update group) — and the engine must serve the moved weights.

@@ -4,7 +4,7 @@ For each publication the core (group rank 0) and every engine rank (ranks `rank_
 meet in a process group of their own, created beside any other torch.distributed state (a
 TCP store at `master_address:master_port`, namespaced by the group name, the way SGLang's
 engines build their side); the core posts each bucket's tensor specs to every engine and
-broadcasts the bucket's flat buffer (`gyre.runtime.cell.engine_host.push_weights_distributed`
+broadcasts the bucket's flat buffer (`gyre.runtime.cell.publication.push_weights_distributed`
 drives it):
 
     pg = open_update_group(group)                  # while the engines join
