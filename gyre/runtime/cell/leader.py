@@ -211,13 +211,14 @@ class CellProcess:
         """
         t0 = time.perf_counter()
         self._save(policies.version_name(m.version), keep=self.cfg.train.keep_policies)
+        missed: list[int] | None
         if self.comms is None:  # no cell: the one rank holds it all
             missed = publish(m.targets, self._named(), m.version, self.cfg.engine,
                              self.engine.host)  # fmt: skip
         else:  # from the ranks that hold the weights (Publish came to every rank of the cell)
             missed = publish_parts(self.comms.cell, self._replica().part(self.comms.shard),
                                    m.targets, m.version, self.cfg.engine, self.engine.host)  # fmt: skip
-            assert missed is not None
+        assert missed is not None  # the leader's answer
         self.pace.hold(self.cfg.pace.costs.publish_s)
         self._up(msg.Published(m.version, time.perf_counter() - t0, missed))
 
