@@ -390,8 +390,10 @@ class Reduce(Message):
 
 @dataclass(frozen=True)
 class Publish(Message):
-    """Core, every rank of the cell: push policy `version` to these (engine, url) targets,
-    each rank the part of the weights it holds; keep it as a policy."""
+    """Core: push policy `version` to these (engine, url) targets; keep it as a policy.
+
+    Sent to every rank of the core cell: each rank sends the part of the weights it holds
+    (`gyre.runtime.cell.publication`)."""
 
     up, route = False, (COORDINATOR, CELL)
     version: int
