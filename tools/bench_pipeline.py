@@ -44,22 +44,10 @@ def _steps(count: int) -> list:
     """`count` equal micro-steps of random ids, the second half of each row targets."""
     import numpy as np
 
-    from gyre.train.packing import MicroStep, TokenRow
+    from gyre.train.synthetic import random_step
 
     gen = np.random.default_rng(0)
-    steps = []
-    for i in range(count):
-        rows = []
-        for k in range(ROWS):
-            targets = np.arange(WIDTH) >= WIDTH // 2
-            rows.append(TokenRow(
-                execution_id=f"e{i}-{k}", group_id="g0", policy_version=0,
-                ids=gen.integers(0, 256, WIDTH).astype(np.int64), targets=targets,
-                behaviour_logprobs=np.where(targets, -1.0, 0.0), advantage=1.0,
-                execution_targets=int(targets.sum()), weights=targets / targets.sum(),
-            ))  # fmt: skip
-        steps.append(MicroStep(index=i, rows=tuple(rows)))
-    return steps
+    return [random_step(gen, (WIDTH,) * ROWS, vocab=256, index=i) for i in range(count)]
 
 
 def stage(rank: int, stages: int, port: int, windows: list[int], repeats: int, out: str) -> None:

@@ -1,5 +1,7 @@
 """Synthetic training data: token rows and branching trajectory trees (tests and benchmarks).
 
+* `random_step` — one micro-step of rows of random ids, each row's second half (or from a
+  given position) the target: the Megatron pass tests and `tools/bench_pipeline.py`.
 * `random_batch` — rows of several executions with random lengths, targets and behaviour
   log-probs near a given centre, plus the batch's execution table (for objective and
   split-invariance checks).
@@ -16,9 +18,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gyre.train.packing import TokenRow, make_row
+from gyre.train.packing import MicroStep, TokenRow, make_row
 from gyre.train.stream import BatchInfo
 from gyre.trajectory.tree import Provenance, TrajectoryTree
+
+
+def random_step(
+    rng: np.random.Generator, lengths: tuple[int, ...], *, vocab: int, index: int = 0,
+    first_target: int | None = None,
+) -> MicroStep:  # fmt: skip
+    """Micro-step `index`: one row of random ids per length (one execution each, advantage
+    1), targets from `first_target` on (None: each row's second half), behaviour log-probs
+    -1."""
+    rows = []
+    for k, n in enumerate(lengths):
+        targets = np.arange(n) >= (n // 2 if first_target is None else first_target)
+        rows.append(TokenRow(
+            execution_id=f"e{index}-{k}", group_id="g0", policy_version=0,
+            ids=rng.integers(0, vocab, n).astype(np.int64), targets=targets,
+            behaviour_logprobs=np.where(targets, -1.0, 0.0), advantage=1.0,
+            execution_targets=int(targets.sum()), weights=targets / targets.sum(),
+        ))  # fmt: skip
+    return MicroStep(index=index, rows=tuple(rows))
 
 
 def random_batch(

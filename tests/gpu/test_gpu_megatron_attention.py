@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gyre.train.packing import MicroStep, TokenRow
+from gyre.train.packing import MicroStep
+from gyre.train.synthetic import random_step
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (extra gyre[gpu])")
 
@@ -69,17 +70,7 @@ def test_sdpa_matches_megatrons_dot_product_attention(
 
 
 def _step(lengths: tuple[int, ...]) -> MicroStep:
-    gen = np.random.default_rng(0)
-    rows = []
-    for k, n in enumerate(lengths):
-        targets = np.arange(n) >= 1
-        rows.append(TokenRow(
-            execution_id=f"e{k}", group_id="g0", policy_version=0,
-            ids=gen.integers(0, HF["vocab_size"], n).astype(np.int64), targets=targets,
-            behaviour_logprobs=np.where(targets, -1.0, 0.0), advantage=1.0,
-            execution_targets=int(targets.sum()), weights=targets / targets.sum(),
-        ))  # fmt: skip
-    return MicroStep(index=0, rows=tuple(rows))
+    return random_step(np.random.default_rng(0), lengths, vocab=HF["vocab_size"], first_target=1)
 
 
 def _cell(attention: str, weights: dict[str, torch.Tensor] | None = None) -> Any:

@@ -41,7 +41,8 @@ from gyre.train.megatron.weights import (
     stage_to_mcore,
     stages_to_hf,
 )
-from gyre.train.packing import MicroStep, TokenRow
+from gyre.train.packing import MicroStep
+from gyre.train.synthetic import random_step
 
 WORKER = Path(__file__).with_name("megatron_family_worker.py")
 sys.path.insert(0, str(WORKER.parent))
@@ -220,18 +221,8 @@ def test_a_checkpoint_of_expert_parallel_shards_reassembles_as_the_model(tmp_pat
 # --- against transformers, through Megatron's GPTModel --------------------------------------
 
 
-def _step(vocab: int) -> MicroStep:
-    gen = np.random.default_rng(0)
-    rows = []
-    for k, n in enumerate((13, 7, 9)):  # an odd width: sequence parallelism pads it
-        targets = np.arange(n) >= n // 2
-        rows.append(TokenRow(
-            execution_id=f"e{k}", group_id="g0", policy_version=0,
-            ids=gen.integers(0, vocab, n).astype(np.int64), targets=targets,
-            behaviour_logprobs=np.where(targets, -1.0, 0.0), advantage=1.0,
-            execution_targets=int(targets.sum()), weights=targets / targets.sum(),
-        ))  # fmt: skip
-    return MicroStep(index=0, rows=tuple(rows))
+def _step(vocab: int) -> MicroStep:  # an odd width: sequence parallelism pads it
+    return random_step(np.random.default_rng(0), (13, 7, 9), vocab=vocab)
 
 
 def _free_port() -> int:
