@@ -48,6 +48,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("torch_chain"))  # the same
         elif "megatron_chain" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("megatron_chain"))  # the same
+        elif "replicas_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("replicas"))  # the same
         elif "smollm2_policy" in getattr(item, "fixturenames", ()):
             # one conversion of the GGUF file (~30 CPU-s) and one engine for them all
             item.add_marker(pytest.mark.xdist_group("smollm2"))
@@ -133,6 +135,16 @@ def megatron_chain(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
     from worlds import megatron_world
 
     return megatron_world(tmp_path_factory.mktemp("megatron-chain"))
+
+
+@pytest.fixture(scope="session")
+def replicas_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Two 4-rank Megatron cells at TP 2 x DP 2 serving from two engines each (tests/worlds.py
+    `replicas_world`), run once for the session."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (gyre[gpu])")
+    from worlds import replicas_world
+
+    return replicas_world(tmp_path_factory.mktemp("replicas"))
 
 
 @pytest.fixture(scope="session")

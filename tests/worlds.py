@@ -16,6 +16,12 @@ test_learning.py: the held-out reward rises) and the validation tests (tests/run
 test_validation.py: the held-out points never train, the report shows them), on one
 pytest-xdist worker.
 
+`replicas_world(base)` is one `gyre run` of two 4-rank Megatron cells at TP 2 x DP 2, each
+serving from two engines, under colocate, batches recorded: the `replicas_run` fixture hands it
+to the cell-engine test (tests/runtime/test_cell_engines.py: every engine served, was released
+and came back on the published policy) and the data-parallel invariance test (every update
+equals the one-process reference), on one pytest-xdist worker.
+
 `megatron_world(base)` is a chain of `gyre run`s over one run directory with Megatron cells
 (train.backend megatron, 2-rank cells, batches recorded, the invariance tests' objective
 overrides): preempted under tensor parallelism (TP 2 x PP 1; SIGUSR1: checkpoint, exit 75),
@@ -163,6 +169,47 @@ def learning_world(base: Path) -> Learned:
     shutil.copytree(run_dir / "tensorboard", tensorboard)
     ev = gyre("eval", str(run_dir), "--initial", "--instances", "48", "--json", timeout=600)
     return Learned(run_dir, run, ev, tensorboard)
+
+
+# ------------------------------------------------------------- cells of several engines and replicas
+
+INVARIANCE_STEPS = 3
+"""Updates of the invariance worlds (tests/runtime/test_training_invariance.py's runs too)."""
+REPLICA_BUDGET = 1600
+"""The replicas world's token budget: two rows (~750 tokens each) packed into a micro-step,
+so each data-parallel replica gets rows (at 256 each row trains alone and the second replica
+gets none)."""
+
+
+@dataclass(frozen=True)
+class Ran:
+    run_dir: Path
+    returncode: int
+    output: str  # the tail of `gyre run`'s stdout and stderr
+
+
+@functools.cache
+def replicas_world(base: Path) -> Ran:
+    """Two 4-rank Megatron cells at TP 2 x DP 2 (DP implied by `train.parallel.tensor=2`),
+    each serving from two engines (`engine.per_cell=2`: engine j on the cell's rank j), under
+    colocate (every cell trains every batch, so both split its micro-steps and both switch
+    back to rollout after each update), batches recorded under the invariance objective, six
+    groups of four on `notes` a batch. The `replicas_run` fixture hands it to the cell-engine
+    test (tests/runtime/test_cell_engines.py) and the data-parallel invariance test."""
+    cfg = small_config(base, steps=INVARIANCE_STEPS)
+    cfg["topology"].update(cells=2, ranks_per_cell=4)
+    cfg["engine"]["per_cell"] = 2
+    cfg["harness"].update({"suite": "learn", "tasks": ["notes"]})
+    cfg["harness"]["params"].update({"max_turns": "3", "max_tokens": "96"})
+    cfg["schedule"].update(policy="colocate", phi=0.0, mu=1, group_size=4, batch_groups=6)
+    cfg["train"].update(record_batches=True, token_budget=REPLICA_BUDGET, backend="megatron",
+                        parallel={"tensor": 2}, **OBJECTIVE)  # fmt: skip
+    run_dir = base / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "gyre", "run", str(write_config(base, cfg)), "--run-dir",
+         str(run_dir), "--quiet"], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    return Ran(run_dir, out.returncode, (out.stdout + out.stderr)[-4000:])
 
 
 # --------------------------------------------------------------------------- chains of runs

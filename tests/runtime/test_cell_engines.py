@@ -1,31 +1,27 @@
 """Cells that serve from several engines (`engine.per_cell`): a `gyre run` whose 2 cells of
 4 ranks each serve from two engines (engine j on the cell's rank j: e0, e1 for cell 0, e2, e3
-for cell 1) and train as Megatron at TP 2 x DP 2. Every engine gets calls, every engine of a
+for cell 1) and train as Megatron at TP 2 x DP 2 (the shared `replicas_run`, tests/worlds.py,
+whose updates the invariance test replays). Every engine gets calls, every engine of a
 cell is released on its switch to training, and each comes back serving the policy
 published meanwhile."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from worlds import INVARIANCE_STEPS, Ran
 
 from gyre.trajectory.store import TraceReader
-
-from .conftest import run_to_end, small_config
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_four_rank_cells_serve_from_two_engines_each(tmp_path: Path) -> None:
-    cfg = small_config(tmp_path, steps=2)
-    cfg["topology"].update(cells=2, ranks_per_cell=4)
-    cfg["engine"]["per_cell"] = 2
-    cfg["schedule"].update(policy="colocate", phi=0.0, mu=1)
-    cfg["train"].update(backend="megatron", parallel={"tensor": 2})  # DP 2 implied
-    run_dir = run_to_end(tmp_path, cfg, timeout=500)
+def test_four_rank_cells_serve_from_two_engines_each(replicas_run: Ran) -> None:
+    assert replicas_run.returncode == 0, replicas_run.output
+    run_dir = replicas_run.run_dir
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps_done"] == INVARIANCE_STEPS
     assert summary["engines_per_cell"] == 2 and summary["train_backend"] == "megatron"
     assert (summary["parallel"]["tensor"], summary["parallel"]["data"]) == (2, 2)
     with TraceReader(run_dir / "trace.h5") as r:

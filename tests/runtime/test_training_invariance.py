@@ -26,10 +26,11 @@ reference, one chain of weights and Adam state across the layouts; a batch a res
 is replayed from the record of the segment that the final weights descend from. Expert
 parallelism has a run of its own: a tiny Qwen3-MoE model directory with two 2-rank cells at
 TP 2 and EP 2, replayed against transformers' model of it in one process (the reference is
-always the run's own `model`). So has data parallelism inside a Megatron cell: two 4-rank
-cells at TP 2 x DP 2 (each replica of the model half of every micro-step's rows, the
-replicas' gradients summed in the cell before the cells' reduce). And so have pipelines
-that stay full: two 4-rank cells at TP 2 x PP 2 whose passes are windows of up to four
+always the run's own `model`). Data parallelism inside a Megatron cell is replayed from the
+shared `replicas_run` (tests/worlds.py): two 4-rank cells at TP 2 x DP 2 serving from two
+engines each (each replica of the model half of every micro-step's rows, the replicas'
+gradients summed in the cell before the cells' reduce). And pipelines that stay full have a
+run of their own: two 4-rank cells at TP 2 x PP 2 whose passes are windows of up to two
 micro-steps (`schedule.window`), run 1F1B through the stages.
 """
 
@@ -45,7 +46,15 @@ import pytest
 import torch
 import yaml
 from train.reference import batch_gradient_sum
-from worlds import CHAIN_STEPS, OBJECTIVE, TORCH_BUDGET, Chain
+from worlds import (
+    CHAIN_STEPS,
+    INVARIANCE_STEPS,
+    OBJECTIVE,
+    REPLICA_BUDGET,
+    TORCH_BUDGET,
+    Chain,
+    Ran,
+)
 
 from gyre.runtime.shared import audit
 from gyre.train.cell import CoreOptimizer, TorchCell
@@ -55,7 +64,7 @@ from gyre.trajectory.reader import TraceReader
 
 from .conftest import small_config, write_config
 
-STEPS = 3
+STEPS = INVARIANCE_STEPS
 
 
 def test_a_batch_with_nothing_to_train_has_no_core_record(tmp_path: Path) -> None:
@@ -284,23 +293,19 @@ def test_every_expert_parallel_update_equals_the_single_process_reference(tmp_pa
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_every_update_of_megatron_cells_with_data_parallel_replicas_equals_the_reference(
-    tmp_path: Path,
+    replicas_run: Ran,
 ):
-    """Two 4-rank Megatron cells at TP 2 x DP 2 (DP implied by `train.parallel.tensor=2`):
+    """Two 4-rank Megatron cells at TP 2 x DP 2 (DP implied by `train.parallel.tensor=2`;
+    the shared `replicas_run`, tests/worlds.py, which also serves from two engines a cell):
     each replica of the model runs half of every micro-step's rows, each cell sums its
     replicas' gradients before the cells' reduce, the core's first replica steps and the
     weights go back to every replica. Every update, gathered into the Hugging Face layout,
     equals the one-process torch reference; the clip norm counts each element once."""
-    # a budget that packs two rows (~750 tokens each) into a micro-step (at 256 each trains
-    # alone and the second replica gets none), six groups a batch so there are still twelve
-    # micro-steps for the satellite to join (at four, beside other work, the core once took
-    # all eight before the satellite arrived)
-    budget = 1600
-    run_dir = _run(tmp_path, "mpi", 4, budget, "train.backend=megatron",
-                   "train.parallel.tensor=2", "schedule.batch_groups=6", cells=2)  # fmt: skip
+    assert replicas_run.returncode == 0, replicas_run.output
+    run_dir = replicas_run.run_dir
     split = [len(s.rows) >= 2 for b in range(STEPS) for s in audit.load(run_dir, b)[0]["steps"]]
     assert sum(split) >= 2, f"{sum(split)} of {len(split)} micro-steps gave both replicas rows"
-    _replay(run_dir, STEPS, budget, rel=5e-5)
+    _replay(run_dir, STEPS, REPLICA_BUDGET, rel=5e-5)
     _summary(run_dir, STEPS, 4, "megatron", (2, 1))
 
 
