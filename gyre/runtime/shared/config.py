@@ -530,6 +530,13 @@ class RunConfig:
                 f"micro-step of its own length (up to {self.proxy.max_context_tokens} tokens); "
                 "one must fit in a cell's memory"
             )
+        modelled, stages = self.pace.costs.pipeline_stages, self.dims.pipeline
+        if self.pace.enabled and modelled != stages:
+            out.append(
+                f"pace.costs.pipeline_stages {modelled} != train.parallel.pipeline {stages}: "
+                f"the cells claim windows of {self.schedule.window_for(stages)} micro-steps "
+                f"for their {stages} stages, but a paced pass is charged through {modelled}"
+            )
         return out
 
 
