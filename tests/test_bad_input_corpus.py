@@ -115,6 +115,12 @@ CASES: list[Case] = [
     Case("gyre run", ("run", "{local}", "engine.per_cell=3", "topology.ranks_per_cell=3",
                       "--dry-run"),
          ("concurrency_per_cell: 4 does not split over 3 engines", "a multiple of 3")),
+    Case("gyre run", ("run", "{local}", "schedule.window=autoo", "--dry-run"),
+         ("schedule.window: 'autoo'", "allowed: an integer or 'auto'")),
+    Case("gyre run", ("run", "{local}", "schedule.window=0", "--dry-run"),
+         ("schedule.window: 0", "allowed: auto or an integer >= 1")),
+    Case("gyre run", ("run", "{local}", "schedule.window=1.5", "--dry-run"),
+         ("schedule.window: 1.5", "allowed: an integer or 'auto'")),
     # ---- gyre run: harness, trackers, the run directory ------------------------------------
     Case("gyre run", ("run", "{local}", "harness.params.max_turns=lots", "--dry-run"),
          ("harness.params.max_turns: 'lots'", "allowed: an integer >= 0", "adapter 'reference'")),

@@ -159,9 +159,11 @@ def plan(args: argparse.Namespace) -> int:
     found = memory_plan(load_run_config(args.memory, args.overrides))
     problem = found.rank_problem() or found.engine_problem()
     if args.json:
-        print(json.dumps({"fits": problem is None, "problem": problem,
+        lay = found.layout
+        print(json.dumps({"fits": problem is None, "problem": problem, "window": lay.window,
                           "ranks": [{"shard": r.shard, "parameters": r.parameters,
-                                     "peak": r.peak, "device": found.device_bytes(r), **r.parts}
+                                     "peak": r.peak, "device": found.device_bytes(r),
+                                     "in_flight": lay.in_flight(lay.stage(r.shard)), **r.parts}
                                     for r in found.ranks]}))  # fmt: skip
     else:
         print("\n".join(render(found)))

@@ -47,9 +47,11 @@ class ScheduleConfig:
     join_payback: float = 1.0
     """Cost-aware join: a satellite's share of the batch's work left when it arrives must be
     at least this many times its round-trip switch time (0: the count check alone)."""
-    window: int = 1
+    window: int | Literal["auto"] = "auto"
     """Micro-steps a training cell takes per pass, at most: the ones queued when it claims,
-    run as one window (1F1B through a Megatron cell's pipeline stages; docs/gpu.md)."""
+    run as one window (1F1B through a Megatron cell's pipeline stages; docs/gpu.md). auto:
+    2 x the cell's pipeline stages P when P > 1 (each stage then idles (P - 1) / (3P - 1) of
+    a full window, not (P - 1) / P), else 1 (`window_for`)."""
 
     def __post_init__(self) -> None:
         _positive("concurrency_per_cell", self.concurrency_per_cell)
@@ -65,7 +67,8 @@ class ScheduleConfig:
         if self.join_min_microsteps < 0:
             raise ConfigError(f"join_min_microsteps: {self.join_min_microsteps}; allowed >= 0")
         _finite("join_payback", self.join_payback)
-        _positive("window", self.window)
+        if self.window != "auto":
+            _positive("window", self.window, also="auto or ")
 
     @property
     def executions_per_group(self) -> int:
@@ -76,6 +79,16 @@ class ScheduleConfig:
     def extra_groups(self) -> int:
         """φB rounded to whole groups."""
         return math.floor(self.phi * self.batch_groups + 0.5)
+
+    def window_for(self, stages: int) -> int:
+        """The window a cell of `stages` pipeline stages claims: `window` when it is a
+        number; auto, 2 x stages when the cell is pipelined (enough micro-steps to fill the
+        stages' 1F1B warm-up twice over), else 1. The one place auto is resolved: the run
+        passes its training layout's stages (`RunSchedule.scheduler`), the simulator its
+        modelled ones (`SimConfig.scheduler_for`)."""
+        if self.window != "auto":
+            return self.window
+        return 2 * stages if stages > 1 else 1
 
     def shape(self) -> dict[str, Any]:
         """This schedule's own fields by name (to build a `Config` around them)."""
@@ -184,9 +197,9 @@ class PolicyConfig:
         _positive("train_cells", self.train_cells)
 
 
-def _positive(name: str, value: int) -> None:
+def _positive(name: str, value: int, also: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}: {value!r}; allowed: an integer >= 1")
+        raise ConfigError(f"{name}: {value!r}; allowed: {also}an integer >= 1")
 
 
 def _finite(name: str, value: float) -> None:

@@ -142,6 +142,10 @@ class Scheduler:
         self.started = False
         self.busy: list[Work | None] = [None] * k  # the pass each cell is computing
         self.claimed: list[int] = [0] * k  # how many micro-steps that pass holds (its window)
+        self.window = config.window_for(1)
+        """Micro-steps a pass claims at most. Whoever builds the config resolves auto for its
+        cells' pipeline stages (`RunSchedule.scheduler`, `SimConfig.scheduler_for`); a
+        config left at auto stands for cells of one stage."""
         self.microsteps_packed = 0
         self.groups_packed = 0
         self.wasted_switches = 0
@@ -492,7 +496,7 @@ class Scheduler:
             if c not in idle:  # it left TRAIN, or claimed, since it was pushed
                 heapq.heappop(heap)
                 continue
-            window = self.config.window
+            window = self.window
             if c < self._prefix and gradients > 0:
                 work, count = Work.GRADIENT, min(window, gradients)
                 gradients -= count

@@ -84,6 +84,7 @@ class SimConfig:
         changes: dict[str, Any] = {
             "phi": spec.phi if spec.phi is not None else phi,
             "mu": spec.mu if spec.mu is not None else mu,
+            "window": self.scheduler.window_for(self.costs.pipeline_stages),  # modelled cells'
         }
         for key in ("nodes", "cells", "standalone_nodes", "concurrency_per_cell"):
             if getattr(spec, key) is not None:

@@ -258,8 +258,10 @@ def _scheduler(run: RecordedRun) -> dict[str, Any]:
     topo = run.section("topology")
     cells = int(topo.get("cells", 1))
     out: dict[str, Any] = run.schedule.shape()
+    stages = int((run.section("train").get("parallel") or {}).get("pipeline", 1))  # the run's
     out.update(nodes=cells, cells=cells, train_layout_nodes=1,
-               standalone_nodes=int(topo.get("standalone_engines", 0)))  # fmt: skip
+               standalone_nodes=int(topo.get("standalone_engines", 0)),
+               window=run.schedule.window_for(stages))  # fmt: skip
     return out
 
 

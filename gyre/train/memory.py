@@ -25,7 +25,10 @@ float32, 2 for bfloat16):
   attention (`sdpa`: a log-sum-exp per head, linear in the row; `local`: the probabilities,
   rows x heads x len x len per layer, plus the scores buffer, the mask and two gradients),
   then the last stage's logits and their gradient (tokens x vocabulary / TP, b each) and one
-  float32 chunk of the chunked log-probs (`gyre.train.objective.CHUNK_ELEMENTS`);
+  float32 chunk of the chunked log-probs (`gyre.train.objective.CHUNK_ELEMENTS`); a pass's
+  window of m micro-steps (`schedule.window`) runs 1F1B through P pipeline stages, so stage s
+  holds the activations of min(m, P - s) of them at once (`TrainLayout.in_flight`), and the
+  hidden states and input gradients its sends hold until the window ends;
 * the update: the batch gradient summed, scaled by 1/E and copied (three float32 copies of
   P), and AdamW's two float32 temporaries (its denominator): 20·P above the resident state.
 
@@ -40,7 +43,7 @@ between stages — is this rank's slice of the sequence: those terms are divided
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -143,6 +146,9 @@ class TrainLayout:
     sequence: bool = False
     """Megatron's sequence parallelism (`train.parallel.sequence`, resolved: `ParallelDims`):
     the activations outside the tensor-parallel layers split over the TP ranks."""
+    window: int = 1
+    """Micro-steps a pass runs 1F1B through the pipeline stages (`schedule.window`, resolved
+    for the run's stages: `ScheduleConfig.window_for`); stage s holds `in_flight(s)` of them."""
 
     @property
     def ranks(self) -> int:
@@ -152,6 +158,16 @@ class TrainLayout:
     def step_tokens(self) -> int:
         """Tokens of the largest micro-step."""
         return max(self.token_budget, self.row_tokens)
+
+    def stage(self, shard: int) -> int:
+        """The pipeline stage of cell rank `shard` (the same in every data replica)."""
+        return shard // self.tensor % self.pipeline
+
+    def in_flight(self, stage: int) -> int:
+        """Micro-steps whose activations stage `stage` holds at once under 1F1B: its
+        P - 1 - stage warm-up forwards and the one before its first backward, at most the
+        window's (`gyre.schedule.pipeline.one_f_one_b`)."""
+        return max(1, min(self.window, self.pipeline - stage))
 
     @property
     def sequence_split(self) -> int:
@@ -249,8 +265,11 @@ def attention_scores_bytes(shape: ModelShape, layout: TrainLayout) -> tuple[int,
 
 
 def micro_step_bytes(shape: ModelShape, layout: TrainLayout, stage: int = 0) -> int:
-    """Peak transient bytes of one phase-B micro-step (forward, log-probs, backward) on a
-    rank of pipeline stage `stage`."""
+    """Peak transient bytes of a phase-B window (forwards, log-probs, backwards) on a rank of
+    pipeline stage `stage`: the saved activations of the micro-steps it holds at once
+    (`TrainLayout.in_flight`), the hidden states and input gradients of the window's earlier
+    micro-steps that their sends hold until the window ends (`run_window`), and one
+    micro-step's transients. A window of one: one micro-step's peak."""
     b, tp, pp, tokens = (
         dtype_bytes(layout.dtype),
         layout.tensor,
@@ -261,8 +280,11 @@ def micro_step_bytes(shape: ModelShape, layout: TrainLayout, stage: int = 0) -> 
     saved_scores, scratch = attention_scores_bytes(shape, layout)
     acts = layers * (layer_activation_bytes(shape, layout, tokens) + saved_scores)
     acts += outer_activation_bytes(shape, layout, tokens)
+    hidden = tokens * b * shape.hidden // layout.sequence_split
+    sent = (layout.window - 1) * hidden * ((stage < pp - 1) + (stage > 0))
+    acts = acts * layout.in_flight(stage) + sent
     if stage != pp - 1:  # a middle stage: its output and the gradient it receives
-        return acts + max(scratch, 2 * tokens * b * shape.hidden // layout.sequence_split)
+        return acts + max(scratch, 2 * hidden)
     logits = tokens * (shape.vocab // tp) * b
     chunk = min(CHUNK_ELEMENTS, tokens * (shape.vocab // tp)) * 4
     head_grad = (shape.vocab // tp) * shape.hidden * b + tokens * shape.hidden * b
@@ -271,7 +293,7 @@ def micro_step_bytes(shape: ModelShape, layout: TrainLayout, stage: int = 0) -> 
 
 def plan_rank(shape: ModelShape, layout: TrainLayout, shard: int = 0, *, steps: bool) -> RankMemory:
     """Cell rank `shard`'s bytes; `steps`: it holds the optimizer (moments, main weights)."""
-    stage = shard // layout.tensor % layout.pipeline  # the same in every data replica
+    stage = layout.stage(shard)
     if layout.backend == "torch":
         params = shape.parameters
     else:
@@ -345,19 +367,22 @@ def describe(rank: RankMemory) -> str:
     return ", ".join(f"{k} {gb(rank.parts[k])}" for k in PART_ORDER if rank.parts.get(k))
 
 
-def layouts_that_fit(shape: ModelShape, layout: TrainLayout, limit: int,
-                     most_ranks: int = 64) -> list[TrainLayout]:  # fmt: skip
+def layouts_that_fit(shape: ModelShape, layout: TrainLayout, limit: int, most_ranks: int = 64,
+                     window_for: Callable[[int], int] | None = None) -> list[TrainLayout]:  # fmt: skip
     """Megatron layouts (TP up to 8, one node's GPUs; PP dividing the layers; sequence
     parallel at TP > 1, the default) of the fewest ranks whose every rank fits in `limit`
-    bytes, TP preferred; the same dtype, attention and micro-step."""
+    bytes, TP preferred; the same dtype, attention and micro-step, and the window
+    `window_for(stages)` (`ScheduleConfig.window_for`; None: the layout's)."""
     found: list[TrainLayout] = []
     for ranks in range(1, most_ranks + 1):
         for tp in (8, 4, 2, 1):
             if ranks % tp or not _shards(shape, tp) or shape.layers % (ranks // tp):
                 continue
-            cand = replace(
-                layout, backend="megatron", tensor=tp, pipeline=ranks // tp, data=1, sequence=tp > 1
-            )  # train.parallel.sequence's default
+            pp = ranks // tp
+            window = window_for(pp) if window_for is not None else layout.window
+            cand = replace(layout, backend="megatron", tensor=tp, pipeline=pp, data=1,
+                           sequence=tp > 1, window=window)  # fmt: skip
+            # (sequence: train.parallel.sequence's default)
             if max(r.peak for r in plan_ranks(shape, cand)) <= limit:
                 found.append(cand)
         if found:
@@ -383,6 +408,15 @@ def largest_budget(shape: ModelShape, layout: TrainLayout, limit: int) -> int | 
     return None
 
 
+def largest_window(shape: ModelShape, layout: TrainLayout, limit: int) -> int | None:
+    """The largest window below the layout's with which every rank fits in `limit`; None
+    when none does (or the layout's is 1)."""
+    for window in range(layout.window - 1, 0, -1):
+        if max(r.peak for r in plan_ranks(shape, replace(layout, window=window))) <= limit:
+            return window
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
     """A cell's memory on its devices: every core rank, the engine, the limit they meet."""
@@ -397,6 +431,9 @@ class MemoryPlan:
     """The SGLang engine of the cell (None: the embedded engine, another process on the CPU)."""
     colocated: bool = True
     """The engine shares the trainer's GPUs (they take turns: `topology.placement`)."""
+    window_for: Callable[[int], int] | None = None
+    """The window at a number of pipeline stages (`ScheduleConfig.window_for`), for the
+    layouts `what_fits` proposes; None: they keep `layout.window`."""
 
     @property
     def ranks(self) -> list[RankMemory]:
@@ -443,7 +480,11 @@ class MemoryPlan:
         budget = limit - (GPU_RUNTIME_BYTES if self.gpu else 0)
         options = [f"train.parallel tensor {c.tensor} x pipeline {c.pipeline} "
                    f"({c.ranks} ranks per cell)"
-                   for c in layouts_that_fit(self.shape, self.layout, budget)[:3]]  # fmt: skip
+                   for c in layouts_that_fit(self.shape, self.layout, budget,
+                                             window_for=self.window_for)[:3]]  # fmt: skip
+        window = largest_window(self.shape, self.layout, budget)
+        if window is not None:
+            options.append(f"schedule.window {window}")
         tokens = largest_budget(self.shape, self.layout, budget)
         if tokens is not None:
             options.append(f"train.token_budget {tokens} with rows of at most {tokens} tokens "
@@ -475,6 +516,7 @@ def render(plan: MemoryPlan) -> list[str]:
         f"train: backend {lay.backend}, tensor {lay.tensor} x pipeline {lay.pipeline} x data "
         f"{lay.data}, {lay.dtype}, attention {lay.attention if lay.backend == 'megatron' else 'sdpa'}; "
         f"micro-step {lay.step_tokens} tokens, longest row {lay.row_tokens}",
+        _window_line(lay),
         "per rank of the core cell, GB (1e9 bytes); peak = resident + max(micro-step, update)",
         f"{'ranks':>5} {'params':>8} " + " ".join(f"{k:>10}" for k in PART_ORDER)
         + f" {'peak':>8} {'device':>8}",
@@ -498,6 +540,24 @@ def render(plan: MemoryPlan) -> list[str]:
     lines.append(f"limit per {where}: {limit}; " + (f"DOES NOT FIT: {problem}" if problem
                                                    else "fits"))  # fmt: skip
     return lines
+
+
+def _window_line(lay: TrainLayout) -> str:
+    """`window 8 (schedule.window), 1F1B: micro-steps in flight by stage, min(window, 4 -
+    stage): 4 on stage 0, 3 on stage 1, ...` (stages alike as first-last)."""
+    if lay.pipeline == 1:
+        return f"window {lay.window} (schedule.window): one micro-step in flight"
+    runs: list[list[int]] = []  # [first stage, last stage, count]
+    for s in range(lay.pipeline):
+        if runs and runs[-1][2] == lay.in_flight(s):
+            runs[-1][1] = s
+        else:
+            runs.append([s, s, lay.in_flight(s)])
+    where = [f"{n} on stage{f' {a}' if a == b else f's {a}-{b}'}" for a, b, n in runs]
+    return (
+        f"window {lay.window} (schedule.window), 1F1B: micro-steps in flight by stage, "
+        f"min(window, {lay.pipeline} - stage): " + ", ".join(where)
+    )
 
 
 def _mlp(s: ModelShape) -> str:

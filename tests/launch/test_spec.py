@@ -68,6 +68,7 @@ def test_gpu_templates_fit_their_memory_plan_and_serve_on_every_gpu(
     assert plan.gpu and plan.limit == 80e9 and plan.layout.backend == "megatron"
     assert plan.layout.sequence and plan.layout.dtype == "bfloat16"
     assert plan.rank_problem() is None and plan.engine_problem() is None
+    assert plan.layout.window == cfg.scheduler()[0].window  # planned as the scheduler claims
     assert cfg.engines_per_cell == engines
     spec = job_spec(load_launch(CLUSTER / f"{name}.yaml"))
     assert {c.nodes for c in spec.components if c.role == "cell"} == {nodes_per_cell}

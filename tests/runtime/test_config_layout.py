@@ -391,6 +391,21 @@ def test_a_parallel_layout_the_cells_cannot_hold_is_refused(overrides: list[str]
     assert says in str(e.value)
 
 
+def test_the_run_resolves_window_auto_for_its_pipeline_stages(tmp_path: Path) -> None:
+    """The scheduler of a run claims windows of 2 x its training layout's pipeline stages
+    (`schedule.window` auto), of 1 without a pipeline (as before windows), or the number the
+    config gives; a bad value is refused naming the key."""
+    path = write_config(tmp_path, small_config(tmp_path))
+    assert load_run_config(path).scheduler()[0].window == 1
+    pp2 = ["train.backend=megatron", "topology.ranks_per_cell=2", "train.parallel.pipeline=2"]
+    assert load_run_config(path, pp2).scheduler()[0].window == 4
+    assert load_run_config(path, [*pp2, "schedule.window=3"]).scheduler()[0].window == 3
+    for bad, says in (("autoo", "'autoo'; allowed: an integer or 'auto'"),
+                      ("0", "0; allowed: auto or an integer >= 1")):  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"^run\.schedule\.window: {says}"):
+            load_run_config(path, [f"schedule.window={bad}"])
+
+
 def test_pipeline_stages_that_cannot_split_the_layers_are_refused_in_one_line(
     tmp_path: Path,
 ) -> None:

@@ -82,3 +82,21 @@ def test_the_pace_section_is_checked(tmp_path: Path) -> None:
         load_run_config(path, ["pace.speed=2"])
     with pytest.raises(ConfigError, match=r"pacing the embedded engine only"):
         load_run_config(path, ["pace.scale=10", "engine.backend=sglang"])
+
+
+def test_a_paced_run_warns_when_its_modelled_stages_are_not_its_own(tmp_path: Path) -> None:
+    """The scheduler sizes windows for the cells' own pipeline stages; a paced pass is charged
+    through the modelled cluster's (`pace.costs.pipeline_stages`): where they differ, said."""
+    path = write_config(tmp_path, small_config(tmp_path))
+    pp2 = ["train.backend=megatron", "topology.ranks_per_cell=2", "train.parallel.pipeline=2"]
+
+    def paced(*overrides: str) -> list[str]:
+        cfg = load_run_config(path, ["pace.scale=600", *overrides])
+        return [w for w in cfg.warnings() if w.startswith("pace.")]
+
+    assert paced() == [] and paced(*pp2, "pace.costs.pipeline_stages=2") == []
+    assert paced(*pp2) == [
+        "pace.costs.pipeline_stages 1 != train.parallel.pipeline 2: the cells claim windows "
+        "of 4 micro-steps for their 2 stages, but a paced pass is charged through 1"
+    ]
+    assert not [w for w in load_run_config(path, pp2).warnings() if w.startswith("pace.")]

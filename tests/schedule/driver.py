@@ -83,7 +83,7 @@ class World:
             assert self.s.roles[a.cell].value == "train"
             if a.work is ev.Work.GRADIENT:
                 assert a.cell < len(self.s.update_cells()), "gradient claim outside the prefix"
-            assert 1 <= a.count <= self.s.config.window, f"{a!r}: window {self.s.config.window}"
+            assert 1 <= a.count <= self.s.window, f"{a!r}: window {self.s.window}"
             self.micro.append((a.cell, a.batch, a.work, a.count))
         elif isinstance(a, ev.OpenJoinWindow):
             self.window_open[a.batch] = True

@@ -193,6 +193,21 @@ def test_gradient_passes_go_to_the_training_prefix_only() -> None:
         s.handle(events.GradientsReady(batch=0, count=5))
 
 
+@pytest.mark.parametrize(("window", "claimed"), [("auto", 1), (6, 3), (2, 2)])
+def test_a_pass_claims_a_window_of_what_is_queued(window: object, claimed: int) -> None:
+    """The core's first pass takes the queued micro-steps, at most the window's: left at auto
+    (a cell of one stage) one, as before windows; resolved for 3 stages (6) all three."""
+    s = make(mu=1, phi=0.0, join_min_microsteps=0, window=window)
+    log = s.handle(events.Start())
+    for x in range(4):
+        log += s.handle(events.Terminated(x, Outcome.COMPLETED))
+    log += ready(s, 0) + s.handle(events.SwitchDone(0))
+    log += s.handle(events.MicroStepsQueued(batch=0, group=0, count=3))
+    assert [(c.cell, c.work, c.count) for c in of(log, events.ClaimMicroStep)] == [
+        (0, events.Work.PREPASS, claimed)
+    ]
+
+
 def test_unknown_event_is_rejected() -> None:
     s = make()
     with pytest.raises(SchedulerError, match="unknown event"):

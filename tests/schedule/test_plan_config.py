@@ -10,7 +10,15 @@ from hypothesis import strategies as st
 
 from gyre.cli import main
 from gyre.errors import ConfigError
-from gyre.schedule import Config, PolicyConfig, expected_staleness, plan, plan_for
+from gyre.schedule import (
+    Config,
+    PolicyConfig,
+    Scheduler,
+    expected_staleness,
+    make_policy,
+    plan,
+    plan_for,
+)
 
 
 def reference_elastic(e: float, min_phi: float) -> tuple[float, int]:
@@ -74,6 +82,11 @@ def test_plan_cli(capsys: pytest.CaptureFixture[str]) -> None:
         ({"oversample": -1}, "oversample: -1; allowed: an integer >= 0"),
         ({"oversample": 1.5}, "oversample: 1.5; allowed: an integer >= 0"),
         ({"oversample": True}, "oversample: True; allowed: an integer >= 0"),
+        ({"window": 0}, "window: 0; allowed: auto or an integer >= 1"),
+        ({"window": -1}, "window: -1; allowed: auto or an integer >= 1"),
+        ({"window": 1.5}, "window: 1.5; allowed: auto or an integer >= 1"),
+        ({"window": "autoo"}, "window: 'autoo'; allowed: auto or an integer >= 1"),
+        ({"window": True}, "window: True; allowed: auto or an integer >= 1"),
     ],
 )
 def test_bad_scheduler_config_names_key_and_allowed(changes: dict, message: str) -> None:
@@ -85,3 +98,16 @@ def test_bad_scheduler_config_names_key_and_allowed(changes: dict, message: str)
 def test_unknown_policy_is_rejected() -> None:
     with pytest.raises(ConfigError, match="name: 'fifo' is unknown; allowed: elastic, async"):
         PolicyConfig(name="fifo")  # type: ignore[arg-type]
+
+
+def test_window_auto_is_twice_the_pipeline_stages_and_a_number_is_kept() -> None:
+    """`schedule.window` auto (the default): a cell of P > 1 pipeline stages claims up to 2P
+    micro-steps a pass, an unpipelined one 1 (as before windows); a number is kept as given.
+    A scheduler built on a config left at auto runs cells of one stage."""
+    auto = Config()
+    assert auto.window == "auto"
+    assert [auto.window_for(p) for p in (1, 2, 4, 47)] == [1, 4, 8, 94]
+    assert [Config(window=3).window_for(p) for p in (1, 4)] == [3, 3]
+    assert Scheduler(auto, make_policy(auto, PolicyConfig())).window == 1
+    resolved = Config(window=auto.window_for(4))
+    assert Scheduler(resolved, make_policy(resolved, PolicyConfig())).window == 8

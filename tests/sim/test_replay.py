@@ -45,15 +45,18 @@ def write_run(
     dispatch: tuple[int, ...] = (0, 1, 2, 3),
     update_s: float | None = None,
     ended: float | None = None,
+    pipeline: int = 1,
 ) -> Path:
     """Two steps of a 2-cell run: 4 groups of 2; one execution (g3's) times out at 50 s.
     `dispatch`: the groups in the order the groups table says they were dispatched;
     `update_s`: each step's recorded update time (traces before 2026-12 have none);
-    `ended`: seconds after its open each harness ended (`t_ended`; older traces: none)."""
+    `ended`: seconds after its open each harness ended (`t_ended`; older traces: none);
+    `pipeline`: the cells' recorded pipeline stages (`train.parallel.pipeline`)."""
+    config = {**CONFIG, "train": {**CONFIG["train"], "parallel": {"pipeline": pipeline}}}
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "trace.h5"
     now = [T0]
-    with TraceWriter(path, run_meta={"config": yaml.safe_dump(CONFIG)},
+    with TraceWriter(path, run_meta={"config": yaml.safe_dump(config)},
                      clock=lambda: now[0]) as w:  # fmt: skip
         for g in range(4):
             start = T0 + 1.0 + 20.0 * g
@@ -115,6 +118,9 @@ def test_fit_reads_the_run_s_own_figures(tmp_path: Path) -> None:
     recorded = fit(read_run(write_run(tmp_path / "run2", update_s=0.2)))
     assert recorded.template["costs"]["update_s"] == pytest.approx(0.2)
     assert sched["cells"] == 2 and sched["concurrency_per_cell"] == 2
+    assert sched["window"] == 1  # window auto, no pipeline: one micro-step a pass
+    staged = fit(read_run(write_run(tmp_path / "run3", pipeline=3))).template["scheduler"]
+    assert staged["window"] == 6  # auto for the run's 3 stages: what its cells claimed
     assert f.template["workload"]["harness_timeout_h"] == pytest.approx(50 / 3600)
     assert f.recorded["wall_s"] == 120.0 and len(f.groups) == 4
     assert f.groups[3].nominal_s[1] > 50.0  # the timeout stays a timeout in the replay

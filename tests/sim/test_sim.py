@@ -204,3 +204,15 @@ def test_satellites_stay_in_rollout_when_a_switch_costs_more_than_it_saves() -> 
     assert blind.wasted_switches > 0
     assert aware.switches < blind.switches
     assert aware.total_h < blind.total_h
+
+
+def test_the_simulators_window_is_resolved_for_its_modelled_pipeline_stages() -> None:
+    """`window: auto` in a sim template: 2 x `costs.pipeline_stages` micro-steps a pass where
+    the modelled cells are pipelined, else 1; a number as given."""
+    cfg = load_sim_config(TEMPLATE)
+    assert cfg.scheduler.window == "auto" and cfg.costs.pipeline_stages == 1
+    assert cfg.scheduler_for("elastic")[0].window == 1
+    staged = dataclasses.replace(cfg, costs=dataclasses.replace(cfg.costs, pipeline_stages=3))
+    assert [staged.scheduler_for(p)[0].window for p in ("elastic", "async")] == [6, 6]
+    fixed = dataclasses.replace(staged, scheduler=dataclasses.replace(staged.scheduler, window=2))
+    assert fixed.scheduler_for("elastic")[0].window == 2

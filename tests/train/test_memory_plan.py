@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 from gyre.cli import main
 from gyre.errors import ConfigError
+from gyre.schedule.pipeline import one_f_one_b
 from gyre.train import memory
 from gyre.train.memory import (
     GB,
@@ -421,3 +422,79 @@ def test_gyre_plan_memory_bad_input_is_one_line_and_exit_2(
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+
+
+# ---- a window of micro-steps through the pipeline stages -------------------------------
+def live_forwards(stage: int, stages: int, microsteps: int) -> int:
+    """The reference: walk the stage's 1F1B order (what the Megatron cell runs) and count the
+    forwards whose backward has not run yet; the most at any point."""
+    live = most = 0
+    for kind, _ in one_f_one_b(stage, stages, microsteps):
+        live += 1 if kind == "F" else -1
+        most = max(most, live)
+    return most
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 16), st.integers(1, 40))
+def test_the_micro_steps_in_flight_are_the_1f1b_orders(stages: int, window: int) -> None:
+    layout = TrainLayout(backend="megatron", pipeline=stages, window=window)
+    for s in range(stages):
+        assert layout.in_flight(s) == live_forwards(s, stages, window) == min(window, stages - s)
+
+
+def test_a_windows_activations_count_once_a_micro_step_in_flight() -> None:
+    """Stage s's micro-step part grows with the window by one micro-step's activations per
+    micro-step it holds at once, and by the hidden states its sends hold until the window
+    ends (outputs on all but the last stage, input gradients on all but the first); without
+    a pipeline the window changes nothing."""
+    shape = ModelShape.from_hf(QWEN2_7B)
+    base = TrainLayout(backend="megatron", tensor=4, pipeline=4, dtype="bfloat16", sequence=True,
+                       row_tokens=16384, token_budget=16384)  # fmt: skip
+    tokens, hidden = base.step_tokens, 16384 * 2 * shape.hidden // 4
+    one_step = shape.layers // 4 * layer_activation_bytes(shape, base, tokens)
+    one_step += memory.outer_activation_bytes(shape, base, tokens)
+    alone = [memory.micro_step_bytes(shape, base, s) for s in range(4)]
+    for window in range(1, 11):
+        lay = replace(base, window=window)
+        for s in range(4):
+            sends = (s < 3) + (s > 0)
+            grown = (lay.in_flight(s) - 1) * one_step + (window - 1) * sends * hidden
+            assert memory.micro_step_bytes(shape, lay, s) - alone[s] == grown
+    stage0 = [plan_ranks(shape, replace(base, window=w))[0].parts["micro-step"] for w in (1, 2, 4)]
+    assert stage0[0] < stage0[1] < stage0[2]
+    flat = replace(base, pipeline=1)
+    assert plan_ranks(shape, replace(flat, window=8)) == plan_ranks(shape, flat)
+
+
+def test_a_window_that_cannot_fit_is_refused_with_the_window_that_would() -> None:
+    shape = ModelShape.from_hf(QWEN2_7B)
+    lay = TrainLayout(backend="megatron", tensor=4, pipeline=4, dtype="bfloat16", sequence=True,
+                      row_tokens=16384, token_budget=16384, window=8)  # fmt: skip
+    at_two = max(r.peak for r in plan_ranks(shape, replace(lay, window=2)))
+    plan = MemoryPlan(shape=shape, layout=lay, gpu=True,
+                      limit=at_two + memory.GPU_RUNTIME_BYTES + 1)  # fmt: skip
+    problem = plan.rank_problem()
+    assert problem is not None and "schedule.window 2" in problem, problem
+    assert replace(plan, layout=replace(lay, window=2)).rank_problem() is None
+
+
+def test_gyre_plan_memory_shows_the_window_and_what_each_stage_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _config(tmp_path)
+    pp2 = ["train.backend=megatron", "topology.ranks_per_cell=2", "train.parallel.pipeline=2"]
+    assert main(["plan", "--memory", str(path), *pp2]) == 0
+    assert (
+        "window 4 (schedule.window), 1F1B: micro-steps in flight by stage, "
+        "min(window, 2 - stage): 2 on stage 0, 1 on stage 1"
+    ) in capsys.readouterr().out
+    assert main(["plan", "--memory", str(path), *pp2, "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["window"] == 4 and [r["in_flight"] for r in auto["ranks"]] == [2, 1]
+    assert main(["plan", "--memory", str(path), *pp2, "schedule.window=1", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["window"] == 1 and [r["in_flight"] for r in one["ranks"]] == [1, 1]
+    assert one["ranks"][0]["micro-step"] < auto["ranks"][0]["micro-step"]
+    assert main(["plan", "--memory", str(path)]) == 0  # no pipeline: one in flight, as before
+    assert "window 1 (schedule.window): one micro-step in flight" in capsys.readouterr().out

@@ -49,7 +49,7 @@ class CoordinatorState:
             ranks = Ranks.one_per_cell(ranks, cfg.topology.cells)
         self.ranks = ranks  # each engine's rank and each cell's (`Layout.ranks`)
         self.hosts: list[str] = list(meta.get("hosts", []))  # per world rank: node or host
-        sc, pc = cfg.schedule.scheduler(cfg.topology, cfg.engines_per_cell)
+        sc, pc = cfg.scheduler()
         self.sched = Scheduler(sc, make_policy(sc, pc))
         self.n, self.k = sc.group_size, sc.cells
         self.per_group = sc.executions_per_group  # N + k (oversampling)

@@ -58,15 +58,18 @@ class RunSchedule(ScheduleConfig):
         ScheduleConfig.__post_init__(self)  # slots dataclass: no zero-argument super()
 
     def scheduler(
-        self, topology: TopologyConfig, engines_per_cell: int = 1
+        self, topology: TopologyConfig, engines_per_cell: int = 1, stages: int = 1
     ) -> tuple[SchedulerConfig, PolicyConfig]:
         """The pure scheduler's config and policy for this topology (validated there): this
         schedule on cells of one node each, serving from `engines_per_cell` engines each
-        (`RunConfig.engines_per_cell`); the cost priors keep the scheduler's defaults."""
+        (`RunConfig.engines_per_cell`), training in `stages` pipeline stages (the window:
+        `window_for`); the cost priors keep the scheduler's defaults. A run asks
+        `RunConfig.scheduler`, which passes its own."""
+        shape = self.shape() | {"window": self.window_for(stages)}
         sc = SchedulerConfig(
             nodes=topology.cells, cells=topology.cells, train_layout_nodes=1,
             standalone_nodes=topology.standalone_engines, engines_per_cell=engines_per_cell,
-            **self.shape(),
+            **shape,
         )  # fmt: skip
         streaming = self.streaming if self.streaming is not None else self.policy == "elastic"
         pc = PolicyConfig(name=self.policy, streaming=streaming, train_cells=self.train_cells)
@@ -451,9 +454,14 @@ class RunConfig:
             raise ConfigError(f"train.{e}") from None
         self._check_engines_per_cell()
         try:  # the scheduler validates both; its messages start with the field name
-            make_policy(*self.schedule.scheduler(self.topology, self.engines_per_cell))
+            make_policy(*self.scheduler())
         except ConfigError as e:
             raise ConfigError(f"schedule.{e}") from None
+
+    def scheduler(self) -> tuple[SchedulerConfig, PolicyConfig]:
+        """The scheduler's config and policy of this run: its schedule on its topology, its
+        cells' engines and their training layout's pipeline stages (`schedule.window` auto)."""
+        return self.schedule.scheduler(self.topology, self.engines_per_cell, self.dims.pipeline)
 
     def routing_top_k(self) -> int:
         """Experts per token of the model when the run records and replays its routing
@@ -521,6 +529,13 @@ class RunConfig:
                 f"{self.train.token_budget}: a path longer than the budget trains alone in a "
                 f"micro-step of its own length (up to {self.proxy.max_context_tokens} tokens); "
                 "one must fit in a cell's memory"
+            )
+        modelled, stages = self.pace.costs.pipeline_stages, self.dims.pipeline
+        if self.pace.enabled and modelled != stages:
+            out.append(
+                f"pace.costs.pipeline_stages {modelled} != train.parallel.pipeline {stages}: "
+                f"the cells claim windows of {self.schedule.window_for(stages)} micro-steps "
+                f"for their {stages} stages, but a paced pass is charged through {modelled}"
             )
         return out
 

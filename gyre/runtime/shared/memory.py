@@ -52,7 +52,8 @@ def hf_config(model: str) -> dict[str, Any]:
 def train_layout(cfg: RunConfig, hf: dict[str, Any]) -> TrainLayout:
     """The core cell's training layout of `cfg`: backend, TP x PP x data, dtype, attention,
     the longest row (`proxy.max_context_tokens`, or the model's context if shorter: the
-    proxy refuses longer calls) and the micro-step budget."""
+    proxy refuses longer calls), the micro-step budget and the window a pass runs through
+    the stages (`schedule.window`, resolved for them as the scheduler does)."""
     from gyre.train.megatron.config import MegatronConfig
 
     dims = cfg.dims
@@ -65,6 +66,7 @@ def train_layout(cfg: RunConfig, hf: dict[str, Any]) -> TrainLayout:
         tensor=dims.tensor, pipeline=dims.pipeline, data=dims.data,
         dtype=cfg.train.params_dtype, attention=MegatronConfig().attention,
         row_tokens=row, token_budget=cfg.train.token_budget, sequence=dims.sequence,
+        window=cfg.schedule.window_for(dims.pipeline),
     )  # fmt: skip
 
 
@@ -82,7 +84,8 @@ def memory_plan(cfg: RunConfig) -> MemoryPlan:
                              gpu_bytes=int(t.gpu_memory_gb * GB))  # fmt: skip
     return MemoryPlan(shape=shape, layout=train_layout(cfg, hf), gpu=gpu,
                       limit=None if limit_gb is None else int(limit_gb * GB), engine=engine,
-                      colocated=t.placement == "colocated")  # fmt: skip
+                      colocated=t.placement == "colocated",
+                      window_for=cfg.schedule.window_for)  # fmt: skip
 
 
 def check(cfg: RunConfig, site: Site) -> list[str]:

@@ -105,9 +105,7 @@ class Handover:
                 f"steps: {cfg.steps}, but the run has done {done} updates (its newest "
                 f"checkpoint); allowed: steps >= {done} (--steps N)"
             )
-        self.check_groups(
-            cfg.schedule.scheduler(cfg.topology, cfg.engines_per_cell)[0].executions_per_group
-        )
+        self.check_groups(cfg.scheduler()[0].executions_per_group)
         if self.state is not None or self.takeover is not None:
             from gyre.models import check_same_shape
 
