@@ -2,8 +2,9 @@
 `topology.judge_engines: 1`, a task scored by `rule: judge` with no endpoint, the tiny model as
 the judge (its answer constrained to the verdict schema, so it parses). Checked: every
 assessment in the trace carries the judge's critique and score, the judge engine's URL is in
-the summary and never among a publication's targets, and a run with no judge to ask is
-refused at preflight."""
+the summary and never among a publication's targets, a judge engine SIGKILLed mid-run is
+started again (one run, `judged_run`, read by both), and a run with no judge to ask is refused
+at preflight."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -51,18 +53,56 @@ def test_a_judge_without_endpoint_or_engine_is_refused(tmp_path: Path) -> None:
         preflight(cfg, Where.ANYWHERE)
 
 
+@dataclass(frozen=True)
+class Judged:
+    run_dir: Path
+    returncode: int
+    output: str
+
+
+@pytest.fixture(scope="module")
+def judged_run(tmp_path_factory: pytest.TempPathFactory) -> Judged:
+    """One judged `gyre run` (6 steps, a judge engine on its own rank) whose judge engine is
+    SIGKILLed once the run makes progress; read by both tests below (one xdist worker:
+    tests/conftest.py)."""
+    import signal
+    import time
+
+    from processes import child_of, wait_for
+
+    tmp_path = tmp_path_factory.mktemp("judged")
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "gyre", "run", str(_judged_config(tmp_path, judges=1)),
+         "--run-dir", str(run_dir), "--quiet", "--steps", "6"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        judge_rank = wait_for(run_dir, "rank", 3, timeout=120)  # coordinator, proxy, cell, judge
+        deadline = time.monotonic() + 120
+        while not (engine := child_of(judge_rank.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine, "the judge rank started no engine"
+        log = run_dir / "job.log"  # progress begins once every engine, the judge's too, serves
+        while "GYRE-PROGRESS" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.1)
+        os.kill(engine, signal.SIGKILL)
+        output, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    return Judged(run_dir, job.returncode, output[-4000:])
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_judge_engine_scores_the_run_and_is_never_published_to(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "gyre", "run", str(_judged_config(tmp_path, judges=1)),
-         "--run-dir", str(run_dir), "--quiet"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    (judge_url,) = summary["judge_engines"]
+def test_judge_engine_scores_the_run_and_is_never_published_to(judged_run: Judged) -> None:
+    """Every valid assessment is the judge's verdict (a score and its critique); no
+    publication targets the judge engine, neither as first started nor as started again."""
+    assert judged_run.returncode == 0, judged_run.output
+    run_dir = judged_run.run_dir
     with TraceReader(run_dir / "trace.h5") as r:
         assessments = r.rows("assessments")
         events = [(e["kind"], json.loads(e["detail"])) for e in r.rows("events")]
@@ -71,9 +111,10 @@ def test_judge_engine_scores_the_run_and_is_never_published_to(tmp_path: Path) -
     for a in valid:  # the verdict, parsed: a score in [0, 1] and the judge's critique
         assert 0.0 <= a["score"] <= 1.0 and isinstance(a["critique"], str), a
         assert json.loads(a["detail"])["validity"] == "valid"
-    assert ("judge_ready", {"judge": 0, "url": judge_url}) in events
+    judges = [d["url"] for k, d in events if k in ("judge_ready", "judge_restarted")]
+    assert [d["judge"] for k, d in events if k == "judge_ready"] == [0] and len(judges) == 2
     published = [d for k, d in events if k == "publish"]
-    assert published and all(judge_url not in d["urls"] for d in published), published
+    assert published and all(not set(judges) & set(d["urls"]) for d in published), published
     assert (run_dir / "logs" / "engine-judge0.log").exists()
 
 
@@ -115,38 +156,12 @@ def test_a_run_whose_judge_endpoint_is_down_scores_nothing_zero(tmp_path: Path) 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_a_judge_engine_killed_mid_run_is_started_again(tmp_path: Path) -> None:
+def test_a_judge_engine_killed_mid_run_is_started_again(judged_run: Judged) -> None:
     """SIGKILL the judge engine once it serves: its rank starts it again and reports the new
     URL, the proxy node's judge asks that one, verdicts made meanwhile are retried (never
     zero) and later ones are the judge's again; the run finishes."""
-    import signal
-    import time
-
-    from processes import child_of, wait_for
-
-    run_dir = tmp_path / "run"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "gyre", "run", str(_judged_config(tmp_path, judges=1)),
-         "--run-dir", str(run_dir), "--quiet", "--steps", "6"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        judge_rank = wait_for(run_dir, "rank", 3, timeout=120)  # coordinator, proxy, cell, judge
-        deadline = time.monotonic() + 120
-        while not (engine := child_of(judge_rank.pid)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert engine, "the judge rank started no engine"
-        log = run_dir / "job.log"  # progress begins once every engine, the judge's too, serves
-        while "GYRE-PROGRESS" not in (log.read_text() if log.exists() else ""):
-            assert time.monotonic() < deadline, "the run made no progress"
-            time.sleep(0.1)
-        os.kill(engine, signal.SIGKILL)
-        output, _ = job.communicate(timeout=300)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    assert job.returncode == 0, output[-4000:]
+    assert judged_run.returncode == 0, judged_run.output
+    run_dir = judged_run.run_dir
     with TraceReader(run_dir / "trace.h5") as r:
         events = [(e["kind"], e["t"], json.loads(e["detail"])) for e in r.rows("events")]
         assessments = r.rows("assessments")
