@@ -60,6 +60,14 @@ class MegatronReplica(TorchReplica):
     data_rank: int  # its data-parallel replica in the cell: 0 gathers, steps and saves
     mirror: Any  # the leader's Hugging Face model of the same weights (else None)
     layout: Any  # gyre.train.megatron.weights.WeightLayout of the model
+    hf_config: dict[str, Any]  # the Hugging Face model's config (`PretrainedConfig.to_dict`)
+
+    def hf_order(self) -> list[str]:
+        """The HF model's trainable parameter names in its flat order (a meta-device
+        skeleton's: `gyre.train.megatron.weights.hf_order`)."""
+        from gyre.train.megatron.weights import hf_order
+
+        return hf_order(self.hf_config)
 
     @property
     def policy_model(self) -> Any:
@@ -133,8 +141,7 @@ class MegatronReplica(TorchReplica):
         hf = self._gather(self._views(flat))
         if hf is None:
             return None
-        names = [n for n, p in self.mirror.named_parameters() if p.requires_grad]
-        return torch.cat([hf[n].reshape(-1) for n in names])
+        return torch.cat([hf[n].reshape(-1) for n in self.hf_order()])
 
     def optimizer_state(self) -> dict[str, Any] | None:
         if self.optimizer is None:
@@ -170,8 +177,8 @@ class MegatronReplica(TorchReplica):
                 "pipeline": self.dims.pipeline, "names": names,
                 "layout": dataclasses.asdict(self.layout),
                 "param_groups": state["param_groups"]}  # fmt: skip
-        if self.mirror is not None:  # the leader: the HF order an assembled state takes
-            meta["hf_order"] = [n for n, p in self.mirror.named_parameters() if p.requires_grad]
+        if self.comm.Get_rank() == 0:  # the leader: the HF order an assembled state takes
+            meta["hf_order"] = self.hf_order()
         return core_file.save_shard(folder, shard, flats, meta)
 
     def restore(self, folder: Path) -> int:
@@ -277,7 +284,8 @@ def build(
     optimizer = ModelParallelOptimizer(cell, train.optim) if core else None
     layout = WeightLayout.from_hf_config(hf_config, expert_parallel=dims.expert)
     return MegatronReplica(cell, tokenizer, optimizer, dims, comm=replica_comm,
-                           data_rank=place.data, mirror=hf, layout=layout)  # fmt: skip
+                           data_rank=place.data, mirror=hf, layout=layout,
+                           hf_config=hf_config)  # fmt: skip
 
 
 def _check_rank(comms: Communicators, dims: ParallelDims) -> None:

@@ -437,6 +437,28 @@ def mcore_to_hf(
     return out
 
 
+def hf_model_config(hf_config: Mapping[str, Any], dtype: str | None = None) -> Any:
+    """The transformers config object of an HF config dict (`PretrainedConfig.to_dict`'s),
+    saying `dtype` where given (the dtype of the weights a policy holds)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**dict(hf_config))
+    if dtype is not None:
+        config.dtype = dtype
+    return config
+
+
+def hf_order(hf_config: Mapping[str, Any]) -> list[str]:
+    """The trainable parameters' names of the Hugging Face model of `hf_config`, in its
+    `named_parameters()` order (the HF flat order; tied weights once, MoE experts as the
+    modules stack them), from a skeleton on the meta device: no weights are allocated."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_model_config(hf_config))
+    return [n for n, p in skeleton.named_parameters() if p.requires_grad]
+
+
 def tensor_state(module: torch.nn.Module) -> Tensors:
     """A module's state dict without Megatron's ``_extra_state`` entries (tensors only)."""
     return {
