@@ -12,8 +12,10 @@ at 127.0.0.2, so the engine is on "another node") and by handle (the senders at 
 engine's own address). After each, the leader asks the engine for a greedy completion with
 log-probs, then loads the one-process gather (`MegatronReplica._gather`: every shard of
 every stage to the leader, `stages_to_hf`) into the engine directly, by value, and asks
-again. Each rank writes OUT_DIR/<layout>-rank<R>.pt: the names it sent per publication,
-and (the leader) the missed engines and both completions.
+again. Then the cell writes a policy directory (`save_parts`: each stage's sender its own
+file) under OUT_DIR/<layout>/. Each rank writes OUT_DIR/<layout>-rank<R>.pt: the names it
+sent per publication, and (the leader) the missed engines, both completions, the policy's
+path and the one-process gather of the weights it holds.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def main(watched: str, engine_url: str, out: str) -> None:
     from gyre.runtime.cell.engine_host import push_weights
     from gyre.runtime.cell.publication import publish_parts
     from gyre.runtime.shared.config import EngineConfig
+    from gyre.runtime.shared.policies import save_parts
     from gyre.train.backends.megatron import MEGATRON
     from gyre.train.comm import build_communicators
     from gyre.train.config import ParallelDims, TrainConfig
@@ -87,6 +90,15 @@ def main(watched: str, engine_url: str, out: str) -> None:
                 push_weights(engine_url, sorted(reference.items()), 100 + version, tp_size=1)
                 record["reference"][how] = _completion(engine_url, f"ref-{version}")
             world.Barrier()
+        # the policy directory, each stage's file written by its sender (`save_parts`)
+        config, generation = replica.policy_configs()
+        name = f"tp{tp}pp{pp}d{data}"
+        saved = save_parts(comms.cell, replica.part(comms.shard), Path(out) / name, "v00001",
+                           version=version, config=config, tokenizer=replica.tokenizer,
+                           generation=generation)  # fmt: skip
+        gathered = replica._gather(replica._views(replica.cell.flat_params))
+        if rank == 0:
+            record["policy"], record["gathered"] = str(saved), gathered
         torch.save(record, Path(out) / f"tp{tp}pp{pp}d{data}-rank{rank}.pt")
         world.Barrier()
         parallel_state.destroy_model_parallel()

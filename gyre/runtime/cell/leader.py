@@ -27,7 +27,7 @@ from gyre.errors import TrainingError
 from gyre.runtime.cell.engine_host import EngineHost
 from gyre.runtime.cell.follower import IDLE_S, cell_engines
 from gyre.runtime.cell.pace import Pace
-from gyre.runtime.cell.publication import publish, publish_parts
+from gyre.runtime.cell.publication import publish_parts
 from gyre.runtime.cell.residency import TrainerResidency
 from gyre.runtime.cell.serving import CellEngine
 from gyre.runtime.cell.trainer import CellTrainer
@@ -205,31 +205,38 @@ class CellProcess:
         The policy directory is written first, so an engine that dies around the
         publication (its push fails, or it restarts before it) loads this version when it
         comes back. Engines whose push failed are reported, never fatal: the coordinator has
-        them reload. Every rank of the cell takes part: each sends the weights it holds
-        (`Replica.part`: a Megatron stage's from that stage's ranks) by its own route
+        them reload. Every rank of the cell takes part: each writes and sends the weights it
+        holds (`Replica.part`: a Megatron stage's from that stage's ranks), the policy as a
+        file of its own (`policies.save_parts`), the publication by its own route
         (`gyre.runtime.cell.publication`).
         """
         t0 = time.perf_counter()
-        self._save(policies.version_name(m.version), keep=self.cfg.train.keep_policies)
-        missed: list[int] | None
-        if self.comms is None:  # no cell: the one rank holds it all
-            missed = publish(m.targets, self._named(), m.version, self.cfg.engine,
-                             self.engine.host)  # fmt: skip
-        else:  # from the ranks that hold the weights (Publish came to every rank of the cell)
-            missed = publish_parts(self.comms.cell, self._replica().part(self.comms.shard),
-                                   m.targets, m.version, self.cfg.engine, self.engine.host)  # fmt: skip
+        comms = self._trainer().comms
+        part = self._replica().part(comms.shard)  # saved and sent by the ranks that hold it
+        self._save(policies.version_name(m.version), part, keep=self.cfg.train.keep_policies)
+        missed = publish_parts(comms.cell, part, m.targets, m.version, self.cfg.engine,
+                               self.engine.host)  # fmt: skip
         assert missed is not None  # the leader's answer
         self.pace.hold(self.cfg.pace.costs.publish_s)
         self._up(msg.Published(m.version, time.perf_counter() - t0, missed))
 
     def save_policy(self, m: msg.SavePolicy) -> None:
-        path = self._save(m.name, keep=None)
+        """Core: keep the weights as policy `m.name` (every rank of the cell writes its part)."""
+        path = self._save(m.name, self._replica().part(self._trainer().comms.shard), keep=None)
         self._up(msg.PolicySaved(self.version, str(path)))
 
-    def _save(self, name: str, keep: int | None) -> Path:
+    def _save(self, name: str, part: list[tuple[str, torch.Tensor]] | None,
+              keep: int | None) -> Path:  # fmt: skip
+        """The policy directory `name`, each part written by the rank that holds it
+        (`policies.save_parts`, collective over the cell)."""
         replica = self._replica()
-        return policies.save_policy(self.run_dir, name, replica.policy_model, replica.tokenizer,
-                                    version=self.version, keep=keep)  # fmt: skip
+        config, generation = replica.policy_configs()
+        path = policies.save_parts(self._trainer().comms.cell, part, self.run_dir, name,
+                                   version=self.version, config=config,
+                                   tokenizer=replica.tokenizer, generation=generation,
+                                   keep=keep)  # fmt: skip
+        assert path is not None  # the leader's
+        return path
 
     def _named(self) -> list[tuple[str, torch.Tensor]]:
         return self._replica().named()

@@ -50,7 +50,7 @@ from gyre.rollout.serving.nccl import broadcast_tensors, open_update_group, rank
 from gyre.rollout.weights import BUCKET
 from gyre.runtime.cell.engine_host import engine_names, handle_device, push_weights, route
 from gyre.runtime.shared.config import EngineConfig
-from gyre.train.comm import arrive
+from gyre.train.comm import Alone, arrive
 
 log = logging.getLogger(__name__)
 
@@ -60,28 +60,6 @@ TIMEOUT_S = 120.0
 """The update group's rendezvous and each broadcast; HTTP control calls get 5x that."""
 POLL_S = 0.005
 """The longest sleep of a rank waiting for the others to finish their part (`arrive`)."""
-
-
-class Alone:
-    """The communicator of a publication with one sender (this process): `publish`."""
-
-    def Get_rank(self) -> int:
-        return 0
-
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        return obj
-
-    def allgather(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def gather(self, obj: Any, root: int = 0) -> list[Any]:
-        return [obj]
-
-    def Ibarrier(self) -> Alone:
-        return self
-
-    def Test(self) -> bool:  # the request `Ibarrier` returns: complete at once
-        return True
 
 
 def publish(targets: Targets, named: Named, version: int, config: EngineConfig,

@@ -61,6 +61,12 @@ class MegatronReplica(TorchReplica):
     mirror: Any  # the leader's Hugging Face model of the same weights (else None)
     layout: Any  # gyre.train.megatron.weights.WeightLayout of the model
     hf_config: dict[str, Any]  # the Hugging Face model's config (`PretrainedConfig.to_dict`)
+    generation: Any  # the leader's: the model's generation config (else None)
+
+    def policy_configs(self) -> tuple[Any, Any]:
+        from gyre.train.megatron.weights import hf_model_config
+
+        return hf_model_config(self.hf_config), self.generation
 
     def hf_order(self) -> list[str]:
         """The HF model's trainable parameter names in its flat order (a meta-device
@@ -285,7 +291,8 @@ def build(
     layout = WeightLayout.from_hf_config(hf_config, expert_parallel=dims.expert)
     return MegatronReplica(cell, tokenizer, optimizer, dims, comm=replica_comm,
                            data_rank=place.data, mirror=hf, layout=layout,
-                           hf_config=hf_config)  # fmt: skip
+                           hf_config=hf_config,
+                           generation=getattr(hf, "generation_config", None))  # fmt: skip
 
 
 def _check_rank(comms: Communicators, dims: ParallelDims) -> None:

@@ -43,6 +43,10 @@ class Replica(Protocol):
     def policy_model(self) -> Any:
         """The Hugging Face model of the weights held (the leader's): saved as a policy."""
 
+    def policy_configs(self) -> tuple[Any, Any]:
+        """The leader's transformers config of the policy and its generation config (None
+        where the model has none): what a policy directory holds beside the weights."""
+
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """The leader's HF-layout weights (what engines load), in `train.params_dtype`."""
 

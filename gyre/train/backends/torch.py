@@ -46,6 +46,10 @@ class TorchReplica:
         """The Hugging Face model of the weights held (the leader's): saved as a policy."""
         return self.cell.model
 
+    def policy_configs(self) -> tuple[Any, Any]:
+        model = self.cell.model
+        return model.config, getattr(model, "generation_config", None)
+
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """The leader's HF-layout weights (what engines load), in `train.params_dtype`."""
         return [(n, p.detach()) for n, p in self.policy_model.named_parameters()]
