@@ -8,6 +8,8 @@ stage sender) and by handle (`megatron_publish_worker.py`).
   half of the layers), stage 1's sender only its layers and the final norm.
 * The engine then serves exactly the one-process gather (`stages_to_hf` of every shard at
   the leader, loaded by value): the same greedy tokens and bit-equal log-probs.
+* A reload of the leader's own engine (`reload_parts`: the core back in rollout, a resume)
+  goes the same way, from the stages' senders.
 * No request body carries weight bytes (a recording forwarder sees every body).
 * The cell's policy directory (`policies.save_parts`) holds one safetensors file per stage,
   written by that stage's sender (file k: stage k's tensors, an index over them), and
@@ -55,7 +57,7 @@ def test_each_stage_publishes_its_own_weights_from_its_own_ranks(tmp_path: Path)
     for layout, senders in (("tp2pp2d1", {0: 0, 2: 1}), ("tp1pp2d2", {0: 0, 1: 1})):
         records = [torch.load(tmp_path / f"{layout}-rank{r}.pt", weights_only=False)
                    for r in range(4)]  # fmt: skip
-        for how in ("group", "handle"):
+        for how in ("group", "handle", "reload"):
             sent = {r: rec["sent"][how] for r, rec in enumerate(records) if rec["sent"][how]}
             assert set(sent) == set(senders), (layout, how, sorted(sent))
             for r, stage in senders.items():  # a stage's tensors, from its own sender only

@@ -51,6 +51,8 @@ class CellFollower:
             handlers[msg.Respawn] = lambda m: served.respawn(m.role)
             handlers[msg.Reload] = lambda _: served.reload()
             served.announce(served.start())
+        if t.version > 0:  # resumed: the leader's engine gets the checkpoint's weights
+            self._reload()
         wait = IDLE_S if t.core or served is not None else 3600.0
         while True:
             if served is not None:
@@ -90,6 +92,15 @@ class CellFollower:
         policies.save_parts(t.comms.cell, t.replica.part(t.comms.shard), t.run_dir, m.name,
                             version=t.version)  # fmt: skip
 
+    def _reload(self) -> None:
+        """This rank's part of the leader's engine's reload (`reload_parts`, as a
+        publication: its weights if it holds a part and the leader's engine is behind)."""
+        from gyre.runtime.cell.publication import reload_parts
+
+        t = self.trainer
+        reload_parts(t.comms.cell, lambda: t.replica.part(t.comms.shard), [], t.version,
+                     t.cfg.engine, self.host)  # fmt: skip
+
     def to_train(self, m: msg.ToTrain) -> None:
         if self.served is not None:
             self.served.release(m.routes, time.perf_counter())
@@ -98,6 +109,8 @@ class CellFollower:
 
     def to_rollout(self, m: msg.ToRollout) -> None:
         self.trainer.to_rollout()
+        if self.trainer.core:  # the leader's engine: the weights the cell holds
+            self._reload()
         if self.served is not None:  # back after a publication: the newest saved policy
             self.served.resume(m.published)
         cell_engines(self.trainer.comms, self.served, self.engines)

@@ -57,6 +57,7 @@ class MegatronReplica(TorchReplica):
     """This rank's tensor-parallel shard of its pipeline stage of the model."""
 
     comm: Any  # MPI: its data-parallel replica's ranks in the cell (shard gathers to the leader)
+    stage_comm: Any  # MPI: its stage's TP ranks in its replica (a part's gather on the host)
     data_rank: int  # its data-parallel replica in the cell: 0 gathers, steps and saves
     mirror: Any  # the leader's Hugging Face model of the same weights (else None)
     layout: Any  # gyre.train.megatron.weights.WeightLayout of the model
@@ -110,29 +111,40 @@ class MegatronReplica(TorchReplica):
         """A publication's part (collective over the cell), sent from the ranks that hold
         the weights: on each stage's sender — TP rank 0 of data replica 0 — that stage's
         HF-layout tensors (`stage_to_hf`, the conversion a whole-cell gather uses), its TP
-        ranks' shards gathered inside Megatron's tensor-parallel group (gloo on CPU, NCCL
-        on GPU: they stay on the device); None on every other rank. No rank holds another
-        stage's tensors, the leader included."""
-        import torch
-        import torch.distributed as dist
+        ranks' shards gathered inside the stage: on a GPU by Megatron's tensor-parallel
+        group (NCCL: they stay on the device), on the host (a CPU cell, or a trainer parked
+        off its GPU for the engine) tensor by tensor over MPI (`stage_comm`); None on every
+        other rank. No rank holds another stage's tensors, the leader included."""
         from megatron.core import parallel_state as ps
 
         from gyre.train.megatron.weights import module_names, stage_to_hf
 
         if self.data_rank != 0:  # replica 0 holds the same weights
             return None
-        tp, lead = self.dims.tensor, ps.get_tensor_model_parallel_rank() == 0
-        flat = self.cell.flat_params.detach()
-        flats: list[torch.Tensor] | None = [flat]
-        if tp > 1:  # one collective: the stage's TP ranks' flat buffers are the same size
-            flats = [torch.empty_like(flat) for _ in range(tp)] if lead else None
-            dist.gather(flat, flats, group=ps.get_tensor_model_parallel_group(), group_dst=0)
-        if flats is None:
+        shards = self._stage_shards(self.cell.flat_params.detach())
+        if shards is None:
             return None
-        shards = [self._views(f) for f in flats]
         hf = stage_to_hf(shards, self.layout, stage=ps.get_pipeline_model_parallel_rank(),
                          stages=self.dims.pipeline)  # fmt: skip
         return list(module_names(hf, self.layout).items())
+
+    def _stage_shards(self, flat: torch.Tensor) -> list[dict[str, torch.Tensor]] | None:
+        """Every TP rank's tensors of this stage (views of `flat`), on the stage's TP rank 0;
+        None on the others."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        tp = self.dims.tensor
+        if tp == 1:
+            return [self._views(flat)]
+        if not flat.is_cuda:  # copies: a pickled view carries its whole flat buffer
+            mine = {k: v.to("cpu", copy=True) for k, v in self._views(flat).items()}
+            return self.stage_comm.gather(mine, root=0)
+        lead = ps.get_tensor_model_parallel_rank() == 0
+        flats = [torch.empty_like(flat) for _ in range(tp)] if lead else None
+        dist.gather(flat, flats, group=ps.get_tensor_model_parallel_group(), group_dst=0)
+        return None if flats is None else [self._views(f) for f in flats]
 
     def refresh(self) -> None:
         from gyre.rollout.weights import load_named_tensors
@@ -272,6 +284,7 @@ def build(
     split_replicas(comms, dims)  # collective over the cell, once
     place = dims.place(comms.shard)
     replica_comm = comms.cell.Split(place.data, comms.shard)
+    stage_comm = replica_comm.Split(place.stage, place.tensor)
     init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
     hf, tokenizer, hf_config, shard = _shard_source(model, dims, comms)
     mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
@@ -289,7 +302,7 @@ def build(
     cell = MegatronCell(gpt, objective=train.objective)
     optimizer = ModelParallelOptimizer(cell, train.optim) if core else None
     layout = WeightLayout.from_hf_config(hf_config, expert_parallel=dims.expert)
-    return MegatronReplica(cell, tokenizer, optimizer, dims, comm=replica_comm,
+    return MegatronReplica(cell, tokenizer, optimizer, dims, comm=replica_comm, stage_comm=stage_comm,
                            data_rank=place.data, mirror=hf, layout=layout,
                            hf_config=hf_config,
                            generation=getattr(hf, "generation_config", None))  # fmt: skip
