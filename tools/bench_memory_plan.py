@@ -6,11 +6,10 @@ What: for three model shapes, each case runs the runtime's own training code on 
 fresh `mpiexec` world of the cell's ranks — the backend's `build` (torch: the whole model
 per rank; Megatron: TP 1 and TP 2, gloo), then twice: a phase-B micro-step
 (`TorchCell.accumulate`), the core's update (`reduce_to_core`, `batch_gradient`,
-`CoreOptimizer.step`, as the cell's trainer calls them), `zero_grad`, `refresh` — and reads
+`CoreOptimizer.step`, as the cell's trainer calls them), `zero_grad` — and reads
 every rank's peak resident memory above its resident memory before the build (imports
 done). The prediction is `gyre.train.memory`'s, for the same shape and layout
-(`MemoryPlan.device_bytes`: the rank's peak, plus the leader's Hugging Face mirror for
-Megatron on CPU). A miss beyond 15 % is reported, not hidden.
+(`MemoryPlan.device_bytes`: the rank's peak). A miss beyond 15 % is reported, not hidden.
 
 Why: `gyre plan --memory` and the preflight refuse layouts by these predictions; the table
 in docs/gpu.md is this bench's output.
@@ -75,7 +74,7 @@ def _step(tokens: int, row: int, seed: int = 0) -> tuple[Any, dict[str, Any]]:
 
 
 def child(case: str, out: str) -> None:
-    """One rank of one case: build, then (micro-step, update, refresh) twice; rank 0 writes
+    """One rank of one case: build, then (micro-step, update) twice; rank 0 writes
     every rank's bytes above its pre-build RSS at the peak."""
     import warnings
 
@@ -137,7 +136,6 @@ def child(case: str, out: str) -> None:
             ),
         )
         replica.cell.zero_grad()
-        phase("refresh", replica.refresh)
     rows = world.gather({"rank": world.Get_rank(), "peak": peak, "build_peak": built,
                          "phases": phases}, root=0)  # fmt: skip
     if rows is not None:

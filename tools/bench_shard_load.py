@@ -8,13 +8,11 @@ their ``model.safetensors.index.json``, as `save_pretrained` lays out a checkpoi
 the tiny tokenizer into a temporary directory, then builds a Megatron core cell of it
 (`MEGATRON.build`: the runtime's own code, optimizer included) in an `mpiexec` world of
 TP = 1 and TP = 2 ranks, `--runs` times each, and reports every rank's peak RSS (the
-kernel's high-water mark, VmHWM) after the build and after the first `refresh` (what
-follows every update: the shards gathered into the leader's mirror), and build seconds:
-min / median / max over the runs. The cell's leader also holds the Hugging Face mirror the
-engines load (docs/gpu.md); every rank reads only its slices of the files. Gyre trains in
-float32 today; `--dtype bfloat16` writes the files as released checkpoints are (the
-ranks read half the bytes and cast; the leader's float32 mirror is then a converted copy,
-resident from the start, where a float32 file's is mapped and resident once touched).
+kernel's high-water mark, VmHWM) after the build and after the first publication's part
+(`Replica.part`: each stage's shards gathered to its sender), and build seconds: min /
+median / max over the runs. No rank holds the whole model (docs/gpu.md); every rank reads
+only its slices of the files. Gyre trains in float32 today; `--dtype bfloat16` writes the
+files as released checkpoints are (the ranks read half the bytes and cast).
 
 Shapes: ``qwen2-0.5b`` is Qwen2.5-0.5B's (hidden 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4864, vocabulary 151936, tied: 494 M parameters, 2.0 GB in float32);
@@ -23,9 +21,7 @@ quarter, the embedding's share of the model kept) for a machine where a whole-mo
 float32 rank of the larger one would not fit beside other work.
 
 `--code DIR` runs the ranks with another checkout's `gyre` (e.g. `git archive` of an older
-commit), for before/after numbers on the same model files; `--build-only` skips the refresh
-(before the gather copied each view out, a CPU refresh pickled the flat buffer once per
-tensor: tens of GB for this model).
+commit), for before/after numbers on the same model files; `--build-only` skips the part.
 """
 
 from __future__ import annotations
@@ -112,8 +108,8 @@ def child(model: str, tp: int, out: str, refresh: bool) -> None:
                              device="cpu", comms=comms, host="127.0.0.1")  # fmt: skip
     row = {"rank": world.Get_rank(), "build_s": time.perf_counter() - t0,
            "peak_rss_mb": peak_mb()}  # fmt: skip
-    if refresh:  # what follows every update: the shards gathered into the mirror
-        replica.refresh()
+    if refresh:  # what every publication does: a stage's shards gathered to its sender
+        replica.part(comms.shard)
         row["peak_after_refresh_mb"] = peak_mb()
     rows = world.gather(row, root=0)
     if rows is not None:

@@ -29,7 +29,7 @@ groups (the ranks at 127.0.0.2) and by handle:
 
 * before — what a Megatron cell did before publishing from the ranks that hold the weights:
   every shard of every stage gathered to the leader (`MegatronReplica._gather`, the gather
-  `refresh` made into the leader's mirror after every update), then the leader alone sends
+  that once refreshed the leader's whole-model mirror after every update), then the leader alone sends
   the whole model (`publish`);
 * stages — `Replica.part` (each stage's TP ranks gather to the stage's sender, which
   converts its stage: `stage_to_hf`) and `publish_parts`: each sender sends its own stage.
@@ -198,7 +198,6 @@ def cell_rank(model: str, url: str, cell: str, repeats: int, out: str) -> None:
     replica = MEGATRON.build(model, TrainConfig(backend="megatron", dtype="bfloat16"),
                              ParallelDims(tensor=tp, pipeline=pp, data=1), core=False,
                              device="cpu", comms=comms, host="127.0.0.1")  # fmt: skip
-    replica.mirror = None  # the mirror is what "before" gathers anew
 
     def before(version: int, config: EngineConfig, at: str) -> int:
         whole = replica._gather(replica._views(replica.cell.flat_params))

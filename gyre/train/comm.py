@@ -51,6 +51,29 @@ def arrive(comm: Any, max_poll_s: float = 0.05) -> None:
         delay = min(delay * 2, max_poll_s)
 
 
+class Alone:
+    """The communicator of one process (a publication or a policy with one sender: `publish`,
+    `save_policy`): every collective returns at once."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return obj
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def gather(self, obj: Any, root: int = 0) -> list[Any]:
+        return [obj]
+
+    def Ibarrier(self) -> Alone:
+        return self
+
+    def Test(self) -> bool:  # the request `Ibarrier` returns: complete at once
+        return True
+
+
 @dataclass(slots=True)
 class Communicators:
     """This process's view of the world, its cell and the prefix sets it belongs to."""

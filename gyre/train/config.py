@@ -251,7 +251,7 @@ class RankPlace:
     """Its pipeline stage."""
     data: int
     """Its data-parallel replica inside the cell (0: the one that reduces across cells,
-    steps the core's optimizer, writes checkpoint shards and gathers the mirror)."""
+    steps the core's optimizer, writes checkpoint shards and sends the weights)."""
     position: int
     """Its model-parallel position, tensor + TP x stage: its shard of the model, the same in
     every replica."""

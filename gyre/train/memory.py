@@ -315,15 +315,6 @@ def plan_ranks(shape: ModelShape, layout: TrainLayout) -> list[RankMemory]:
     return [plan_rank(shape, layout, s, steps=s < stepping) for s in range(layout.ranks)]
 
 
-def mirror_bytes(shape: ModelShape, layout: TrainLayout) -> int:
-    """The cell leader's host memory beyond its shard: the Hugging Face model engines load
-    (Megatron only; the torch backend's model is its policy) and, while a refresh gathers
-    every shard into it, two more copies of the model."""
-    if layout.backend != "megatron":
-        return 0
-    return 3 * shape.parameters * dtype_bytes(layout.dtype)
-
-
 @dataclass(frozen=True, slots=True)
 class EngineMemory:
     """One SGLang engine GPU: its static pool (`mem_fraction_static` of the GPU), the
@@ -441,11 +432,9 @@ class MemoryPlan:
 
     def device_bytes(self, rank: RankMemory) -> int:
         """What `rank`'s device holds at its peak: the trainer's peak on a GPU adds the CUDA
-        runtime; on the CPU the leader also holds the Hugging Face mirror. A colocated
-        engine's static pool takes the same GPU in turns (its own check: `engine_problem`)."""
-        if self.gpu:
-            return rank.peak + GPU_RUNTIME_BYTES
-        return rank.peak + (mirror_bytes(self.shape, self.layout) if rank.shard == 0 else 0)
+        runtime. A colocated engine's static pool takes the same GPU in turns (its own
+        check: `engine_problem`)."""
+        return rank.peak + (GPU_RUNTIME_BYTES if self.gpu else 0)
 
     def rank_problem(self) -> str | None:
         """The first rank that cannot fit, with its numbers and what would; None: all fit."""
@@ -462,7 +451,7 @@ class MemoryPlan:
         extra = self.device_bytes(rank) - rank.peak
         if not extra:
             return ""
-        return f", {'CUDA runtime' if self.gpu else 'HF mirror'} {gb(extra)}"
+        return f", CUDA runtime {gb(extra)}"
 
     def engine_problem(self) -> str | None:
         """An engine whose weights leave its static pool no room for one longest row."""
@@ -526,9 +515,6 @@ def render(plan: MemoryPlan) -> list[str]:
         lines.append(f"{ranks:>5} {r.parameters / 1e6:>7.1f}M "
                      + " ".join(f"{gb(r.parts.get(k, 0)):>10}" for k in PART_ORDER)
                      + f" {gb(r.peak):>8} {gb(plan.device_bytes(r)):>8}")  # fmt: skip
-    mirror = mirror_bytes(s, lay)
-    if mirror:
-        lines.append(f"cell leader's host memory: HF mirror + refresh {gb(mirror)} GB")
     if plan.engine is not None:
         e = plan.engine
         lines.append(f"engine GPU: static {gb(e.static)} GB = weights {gb(e.weights)} + KV pool "

@@ -6,9 +6,9 @@ test_gpu_megatron_shard_load.py.
 For each layout (TP 2, then PP 2) and each model (MODEL_DIR, the tiny model saved as
 safetensors: every rank reads its slice of the files; then ``tiny``, built in the leader's
 memory: the leader scatters the shards) this rank builds its shard of a core cell and
-writes OUT_DIR/tp<T>pp<P>-<dir|tiny>-rank<R>.pt: its Megatron tensors, whether it holds
-the mirror, whether transformers' Qwen2 model code was imported in this process by then,
-and (the leader) its mirror's tensors after a `refresh` (the shards gathered back).
+writes OUT_DIR/tp<T>pp<P>-<dir|tiny>-rank<R>.pt: its Megatron tensors, whether
+transformers' Qwen2 model code was imported in this process by then, and (the leader) the
+one-process gather of every shard (`MegatronReplica._gather`: the shards put back together).
 """
 
 from __future__ import annotations
@@ -41,12 +41,11 @@ def main(model_dir: str, out: str) -> None:
                                      device="cpu", comms=comms, host="127.0.0.1")  # fmt: skip
             record = {
                 "tensors": {k: v.clone() for k, v in tensor_state(replica.cell.model).items()},
-                "mirror": replica.mirror is not None,
                 "qwen2_code": "transformers.models.qwen2.modeling_qwen2" in sys.modules,
             }
-            replica.refresh()
-            if replica.mirror is not None:
-                record["refreshed"] = {k: v.clone() for k, v in replica.mirror.state_dict().items()}
+            gathered = replica._gather(replica._views(replica.cell.flat_params))
+            if gathered is not None:
+                record["gathered"] = {k: v.clone() for k, v in gathered.items()}
             torch.save(record, Path(out) / f"tp{tp}pp{pp}-{name}-rank{rank}.pt")
             world.Barrier()
         parallel_state.destroy_model_parallel()

@@ -10,15 +10,19 @@ it would show), and takes part in two publications (`publish_parts`, the cell's 
 the engine behind WATCHED_URL (a recording forwarder): through update groups (the senders
 at 127.0.0.2, so the engine is on "another node") and by handle (the senders at the
 engine's own address). After each, the leader asks the engine for a greedy completion with
-log-probs, then loads the one-process gather (`MegatronReplica._gather`: every shard of
+log-probs (a third time the leader's engine is reloaded from the cell: `reload_parts`, as
+the core's engine back in rollout), then loads the one-process gather (`MegatronReplica._gather`: every shard of
 every stage to the leader, `stages_to_hf`) into the engine directly, by value, and asks
-again. Each rank writes OUT_DIR/<layout>-rank<R>.pt: the names it sent per publication,
-and (the leader) the missed engines and both completions.
+again. Then the cell writes a policy directory (`save_parts`: each stage's sender its own
+file) under OUT_DIR/<layout>/. Each rank writes OUT_DIR/<layout>-rank<R>.pt: the names it
+sent per publication, and (the leader) the missed engines, both completions, the policy's
+path and the one-process gather of the weights it holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -53,8 +57,9 @@ def main(watched: str, engine_url: str, out: str) -> None:
     from mpi4py import MPI
 
     from gyre.runtime.cell.engine_host import push_weights
-    from gyre.runtime.cell.publication import publish_parts
+    from gyre.runtime.cell.publication import publish_parts, reload_parts
     from gyre.runtime.shared.config import EngineConfig
+    from gyre.runtime.shared.policies import save_parts
     from gyre.train.backends.megatron import MEGATRON
     from gyre.train.comm import build_communicators
     from gyre.train.config import ParallelDims, TrainConfig
@@ -71,6 +76,7 @@ def main(watched: str, engine_url: str, out: str) -> None:
         for how, host, config in (
             ("group", "127.0.0.2", EngineConfig(publication="distributed")),
             ("handle", "127.0.0.1", EngineConfig()),
+            ("reload", "127.0.0.1", EngineConfig()),
         ):
             version += 1
             gen = torch.Generator().manual_seed(1000 * version + rank)
@@ -78,7 +84,12 @@ def main(watched: str, engine_url: str, out: str) -> None:
             flat.add_(0.05 * torch.randn(flat.shape, generator=gen).to(flat.dtype))
             part = replica.part(comms.shard)
             record["sent"][how] = None if part is None else [n for n, _ in part]
-            missed = publish_parts(comms.cell, part, [(0, watched)], version, config, host)
+            if how == "reload":  # the leader's own engine behind the cell: `reload_parts`
+                missed = reload_parts(comms.cell, functools.partial(replica.part, comms.shard),
+                                      [(0, watched)] if rank == 0 else [], version, config,
+                                      host)  # fmt: skip
+            else:
+                missed = publish_parts(comms.cell, part, [(0, watched)], version, config, host)
             reference = replica._gather(replica._views(flat))  # the one-process gather
             if rank == 0:
                 assert reference is not None
@@ -87,6 +98,15 @@ def main(watched: str, engine_url: str, out: str) -> None:
                 push_weights(engine_url, sorted(reference.items()), 100 + version, tp_size=1)
                 record["reference"][how] = _completion(engine_url, f"ref-{version}")
             world.Barrier()
+        # the policy directory, each stage's file written by its sender (`save_parts`)
+        config, generation = replica.policy_configs()
+        name = f"tp{tp}pp{pp}d{data}"
+        saved = save_parts(comms.cell, replica.part(comms.shard), Path(out) / name, "v00001",
+                           version=version, config=config, tokenizer=replica.tokenizer,
+                           generation=generation)  # fmt: skip
+        gathered = replica._gather(replica._views(replica.cell.flat_params))
+        if rank == 0:
+            record["policy"], record["gathered"] = str(saved), gathered
         torch.save(record, Path(out) / f"tp{tp}pp{pp}d{data}-rank{rank}.pt")
         world.Barrier()
         parallel_state.destroy_model_parallel()

@@ -1,5 +1,5 @@
 """bf16 with the Megatron backend on CPU (one rank, in-process): the replica the backend builds
-for `train.dtype: bfloat16` holds bf16 parameters (and a bf16 Hugging Face mirror: what
+for `train.dtype: bfloat16` holds bf16 parameters (and sends bf16 Hugging Face tensors: what
 engines load), float32 gradients, main weights and moments; its checkpoint keeps the float32
 state in the Hugging Face layout, so a resume continues bit for bit and the torch backend
 resumes from it with exactly its main weights. TP x PP in bf16:
@@ -42,7 +42,6 @@ def _update(replica: Any, seed: int) -> None:
     for s in steps:
         cell.accumulate(s, scalars)
     replica.optimizer.step(batch_gradient(cell.flat_grads, info.num_executions))
-    replica.refresh()
 
 
 def _state(replica: Any) -> dict[str, torch.Tensor]:
@@ -62,9 +61,10 @@ def test_a_bf16_megatron_replica_resumes_exactly(megatron_world: None, tmp_path:
     _update(run, 0)
     assert all(p.grad is None for p in cell.model.parameters())  # added into flat_grads
     assert torch.equal(cell.flat_params, run.optimizer.main.detach().bfloat16())
-    assert {t.dtype for _, t in run.named()} == {torch.bfloat16}  # the mirror: what engines load
-    mirror = torch.cat([t.reshape(-1) for _, t in run.named()])
-    assert torch.equal(mirror, run.hf_flat(cell.flat_params))  # the model's weights, gathered
+    part = run.part(0)  # one stage, one rank: the whole model, what engines load
+    assert part is not None and {t.dtype for _, t in part} == {torch.bfloat16}
+    sent = torch.cat([dict(part)[n].reshape(-1) for n, _ in run.hf_shapes()])  # HF order
+    assert torch.equal(sent, run.hf_flat(cell.flat_params))  # the model's weights, gathered
     run.save(tmp_path, version=1, shard=0)
     data = core_file.load(tmp_path)
     flat = torch.cat([t.reshape(-1) for _, t in data["named"]])

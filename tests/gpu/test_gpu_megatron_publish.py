@@ -8,11 +8,17 @@ stage sender) and by handle (`megatron_publish_worker.py`).
   half of the layers), stage 1's sender only its layers and the final norm.
 * The engine then serves exactly the one-process gather (`stages_to_hf` of every shard at
   the leader, loaded by value): the same greedy tokens and bit-equal log-probs.
+* A reload of the leader's own engine (`reload_parts`: the core back in rollout, a resume)
+  goes the same way, from the stages' senders.
 * No request body carries weight bytes (a recording forwarder sees every body).
+* The cell's policy directory (`policies.save_parts`) holds one safetensors file per stage,
+  written by that stage's sender (file k: stage k's tensors, an index over them), and
+  loads with `AutoModelForCausalLM.from_pretrained` as exactly the one-process gather.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +57,7 @@ def test_each_stage_publishes_its_own_weights_from_its_own_ranks(tmp_path: Path)
     for layout, senders in (("tp2pp2d1", {0: 0, 2: 1}), ("tp1pp2d2", {0: 0, 1: 1})):
         records = [torch.load(tmp_path / f"{layout}-rank{r}.pt", weights_only=False)
                    for r in range(4)]  # fmt: skip
-        for how in ("group", "handle"):
+        for how in ("group", "handle", "reload"):
             sent = {r: rec["sent"][how] for r, rec in enumerate(records) if rec["sent"][how]}
             assert set(sent) == set(senders), (layout, how, sorted(sent))
             for r, stage in senders.items():  # a stage's tensors, from its own sender only
@@ -64,8 +70,26 @@ def test_each_stage_publishes_its_own_weights_from_its_own_ranks(tmp_path: Path)
             assert version is not None and int(version) < 100  # not the reference's
             assert tokens == ref_tokens, (layout, how)
             assert logprobs == ref_logprobs, (layout, how)  # the same weights, exactly
+        _check_policy(records[0], every)
     routes = {route for _, route, _ in seen}
     assert {"/update_weights_from_tensor", "/update_weights_from_distributed",
             "/init_weights_update_group"} <= routes  # fmt: skip
     heavy = [s for s in seen if s[2] > BODY_LIMIT]
     assert heavy == [], heavy
+
+
+def _check_policy(lead: dict, every: set[str]) -> None:
+    """The stages' files of the policy the cell wrote, loaded by transformers: the gather."""
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(lead["policy"])
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    files = sorted({f for f in index["weight_map"].values()})
+    assert files == [f"model-0000{k}-of-00002.safetensors" for k in (1, 2)]
+    for name, file in index["weight_map"].items():  # file k: stage k's tensors
+        assert file == files[_stage(name)], name
+    assert set(index["weight_map"]) == every
+    loaded = dict(AutoModelForCausalLM.from_pretrained(folder).named_parameters())
+    assert set(loaded) == set(lead["gathered"]) == every
+    for name, t in lead["gathered"].items():
+        assert torch.equal(loaded[name].detach(), t), name

@@ -18,6 +18,7 @@ from gyre.errors import TrainingError
 from gyre.train.megatron.weights import (
     WeightLayout,
     fuse_qkv,
+    hf_order,
     hf_to_mcore,
     mcore_to_hf,
     split_qkv,
@@ -398,3 +399,23 @@ def test_megatron_cell_and_optimizer_on_cpu(megatron_world):
     ref = CoreOptimizer(twin, cfg).step(grads)
     assert norm == pytest.approx(ref, rel=1e-6) and norm > 1
     assert torch.allclose(cell.flat_params, twin.flat_params, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["qwen2-tied", "qwen2", "qwen3_moe"])
+def test_the_hf_order_comes_from_a_skeleton_without_weights(kind):
+    """The HF flat order (what a checkpoint's `hf_order` and `hf_flat` use) is the real
+    model's `named_parameters()` order — tied weights once, a MoE layer's experts stacked as
+    its modules hold them — from the config alone: nothing is allocated."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)  # fmt: skip
+    if kind == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(moe_intermediate_size=16, num_experts=4,
+                                                   num_experts_per_tok=2, **small))  # fmt: skip
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(intermediate_size=48,
+                                             tie_word_embeddings=kind == "qwen2-tied", **small))  # fmt: skip
+    real = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert hf_order(model.config.to_dict()) == real
+    assert ("lm_head.weight" in real) == (kind != "qwen2-tied")

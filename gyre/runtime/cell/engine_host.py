@@ -156,8 +156,9 @@ def route(config: EngineConfig, engine_host: str, host: str, *, nbytes: int) -> 
 def handle_device(config: EngineConfig) -> str | None:
     """Where a bucket sent by handle is packed: the tensors' own device for the embedded
     engine (CPU shared memory, or CUDA IPC); CUDA for SGLang, whose processes cannot fetch a
-    CPU descriptor (they are not started with the run's authkey, `weights.share_key`), so a
-    CPU mirror's buckets are staged on the GPU; "none" where neither reaches it."""
+    CPU descriptor (they are not started with the run's authkey, `weights.share_key`), so
+    weights held on the host (a parked trainer's part) are staged on the GPU bucket by
+    bucket; "none" where neither reaches it."""
     if config.backend != "sglang":
         return None
     return "cuda" if torch.cuda.is_available() else "none"

@@ -27,7 +27,7 @@ from gyre.errors import TrainingError
 from gyre.runtime.cell.engine_host import EngineHost
 from gyre.runtime.cell.follower import IDLE_S, cell_engines
 from gyre.runtime.cell.pace import Pace
-from gyre.runtime.cell.publication import publish, publish_parts
+from gyre.runtime.cell.publication import publish_parts, reload_parts
 from gyre.runtime.cell.residency import TrainerResidency
 from gyre.runtime.cell.serving import CellEngine
 from gyre.runtime.cell.trainer import CellTrainer
@@ -88,7 +88,7 @@ class CellProcess:
         url = self.served.start()
         self.clock.mark("engine ready")
         if self.version > 0:  # resumed from a checkpoint: the engine serves its weights
-            self.engine.load_weights(self._checkpoint_weights(), self.version)
+            self._first_weights()
             self.clock.mark("first weights")
         if self.started is not None:
             self.started()
@@ -156,9 +156,11 @@ class CellProcess:
         t0 = time.perf_counter()
         # the leader's park: the trainer's state off the GPU before the engine takes it back
         parked = self.trainer.to_rollout() if self.trainer is not None else {}
-        # the core after a publication: its replica holds those weights; a satellite back
-        # after a publication it was released for (colocate) loads the saved policy
-        self.served.resume(m.published, self._weights if self.core else None)
+        # a satellite back after a publication it was released for (colocate) loads the
+        # saved policy; the core's replica holds the weights: its ranks send them
+        self.served.resume(m.published, latest=not self.core)
+        if self.core:
+            self._reload(m.published)
         self.pace.switch(to_train=False)
         detail = {"engine_version": self.engine.version,  # the weights it serves from now on
                   **parked, **self._cell_engines()}  # fmt: skip
@@ -170,8 +172,19 @@ class CellProcess:
             return {}
         return cell_engines(self.comms, self.served, self.cfg.engines_per_cell)
 
-    def _weights(self) -> tuple[list[tuple[str, torch.Tensor]], int]:
-        return self._named(), self.version
+    def _reload(self, published: int) -> None:
+        """Collective over the cell: its engine, if alive and behind `published`, gets the
+        weights the cell holds from the ranks that hold them (`reload_parts`: a Megatron
+        stage's from its sender); should that miss, the newest saved policy."""
+        t, engine = self._trainer(), self.engine
+        behind = engine.dead() is None and not engine.released and engine.version < published
+        targets = [(self.served.index, engine.url)] if behind else []
+        missed = reload_parts(t.comms.cell, lambda: t.replica.part(t.comms.shard), targets,
+                              t.version, self.cfg.engine, engine.host)  # fmt: skip
+        if behind and not missed:
+            engine.version = t.version
+        elif missed:
+            self.served.call(self.served.load_latest)
 
     # ------------------------------------------------------------------ training
 
@@ -205,41 +218,45 @@ class CellProcess:
         The policy directory is written first, so an engine that dies around the
         publication (its push fails, or it restarts before it) loads this version when it
         comes back. Engines whose push failed are reported, never fatal: the coordinator has
-        them reload. Every rank of the cell takes part: each sends the weights it holds
-        (`Replica.part`: a Megatron stage's from that stage's ranks) by its own route
+        them reload. Every rank of the cell takes part: each writes and sends the weights it
+        holds (`Replica.part`: a Megatron stage's from that stage's ranks), the policy as a
+        file of its own (`policies.save_parts`), the publication by its own route
         (`gyre.runtime.cell.publication`).
         """
         t0 = time.perf_counter()
-        self._save(policies.version_name(m.version), keep=self.cfg.train.keep_policies)
-        missed: list[int] | None
-        if self.comms is None:  # no cell: the one rank holds it all
-            missed = publish(m.targets, self._named(), m.version, self.cfg.engine,
-                             self.engine.host)  # fmt: skip
-        else:  # from the ranks that hold the weights (Publish came to every rank of the cell)
-            missed = publish_parts(self.comms.cell, self._replica().part(self.comms.shard),
-                                   m.targets, m.version, self.cfg.engine, self.engine.host)  # fmt: skip
+        comms = self._trainer().comms
+        part = self._replica().part(comms.shard)  # saved and sent by the ranks that hold it
+        self._save(policies.version_name(m.version), part, keep=self.cfg.train.keep_policies)
+        missed = publish_parts(comms.cell, part, m.targets, m.version, self.cfg.engine,
+                               self.engine.host)  # fmt: skip
         assert missed is not None  # the leader's answer
         self.pace.hold(self.cfg.pace.costs.publish_s)
         self._up(msg.Published(m.version, time.perf_counter() - t0, missed))
 
     def save_policy(self, m: msg.SavePolicy) -> None:
-        path = self._save(m.name, keep=None)
+        """Core: keep the weights as policy `m.name` (every rank of the cell writes its part)."""
+        path = self._save(m.name, self._replica().part(self._trainer().comms.shard), keep=None)
         self._up(msg.PolicySaved(self.version, str(path)))
 
-    def _save(self, name: str, keep: int | None) -> Path:
+    def _save(self, name: str, part: list[tuple[str, torch.Tensor]] | None,
+              keep: int | None) -> Path:  # fmt: skip
+        """The policy directory `name`, each part written by the rank that holds it
+        (`policies.save_parts`, collective over the cell)."""
         replica = self._replica()
-        return policies.save_policy(self.run_dir, name, replica.policy_model, replica.tokenizer,
-                                    version=self.version, keep=keep)  # fmt: skip
-
-    def _named(self) -> list[tuple[str, torch.Tensor]]:
-        return self._replica().named()
+        config, generation = replica.policy_configs()
+        path = policies.save_parts(self._trainer().comms.cell, part, self.run_dir, name,
+                                   version=self.version, config=config,
+                                   tokenizer=replica.tokenizer, generation=generation,
+                                   keep=keep)  # fmt: skip
+        assert path is not None  # the leader's
+        return path
 
     # ------------------------------------------------------------------ engine loss
 
     def respawn(self, m: msg.Respawn) -> None:
-        """Restart a lost engine with the newest weights this rank reaches (`CellEngine.respawn`):
-        its replica's, else the newest policy a publication saved."""
-        self.served.respawn(m.role, self._weights() if self.trainer is not None else None)
+        """Restart a lost engine with the newest policy a publication saved
+        (`CellEngine.respawn`)."""
+        self.served.respawn(m.role)
 
     def reload(self, m: msg.Reload) -> None:
         """Load the latest policy if this engine missed it (a failed push)."""
@@ -247,12 +264,15 @@ class CellProcess:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _checkpoint_weights(self) -> list[tuple[str, torch.Tensor]]:
+    def _first_weights(self) -> None:
+        """After a resume: a cell's engine gets the checkpoint's weights from the cell's
+        ranks (`reload_parts`, collective over the cell); a standalone engine reads them."""
         if self.trainer is not None:
-            return self._named()
+            self._reload(self.version)
+            return
         data = checkpoint.load_core(self.run_dir)
         assert data is not None, "a resumed standalone engine needs a checkpoint"
-        return list(data["named"])
+        self.engine.load_weights(list(data["named"]), self.version)
 
     def save_checkpoint(self, m: msg.SaveCheckpoint) -> None:
         """Core: weights + optimizer state into the checkpoint directory being written."""

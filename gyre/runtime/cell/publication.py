@@ -24,6 +24,10 @@ collective over the cell (`publish_parts`):
 
     missed = publish_parts(comms.cell, replica.part(shard), targets, version, cfg.engine, host)
     missed = publish(targets, named, version, cfg.engine, host)   # one sender: the whole model
+
+A cell's own engine behind the weights the cell holds (the core back in rollout, any cell's
+engine after a resume) is loaded the same way (`reload_parts`), never from a copy of the
+whole model on one rank.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -50,7 +54,7 @@ from gyre.rollout.serving.nccl import broadcast_tensors, open_update_group, rank
 from gyre.rollout.weights import BUCKET
 from gyre.runtime.cell.engine_host import engine_names, handle_device, push_weights, route
 from gyre.runtime.shared.config import EngineConfig
-from gyre.train.comm import arrive
+from gyre.train.comm import Alone, arrive
 
 log = logging.getLogger(__name__)
 
@@ -60,28 +64,6 @@ TIMEOUT_S = 120.0
 """The update group's rendezvous and each broadcast; HTTP control calls get 5x that."""
 POLL_S = 0.005
 """The longest sleep of a rank waiting for the others to finish their part (`arrive`)."""
-
-
-class Alone:
-    """The communicator of a publication with one sender (this process): `publish`."""
-
-    def Get_rank(self) -> int:
-        return 0
-
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        return obj
-
-    def allgather(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def gather(self, obj: Any, root: int = 0) -> list[Any]:
-        return [obj]
-
-    def Ibarrier(self) -> Alone:
-        return self
-
-    def Test(self) -> bool:  # the request `Ibarrier` returns: complete at once
-        return True
 
 
 def publish(targets: Targets, named: Named, version: int, config: EngineConfig,
@@ -115,6 +97,21 @@ def publish_parts(comm: Any, part: Named | None, targets: Targets, version: int,
         return None
     failed = sorted({e for f in failures for e in f})
     return sorted({*opened[1], *asyncio.run(_close(live, failed, str(version)))})
+
+
+def reload_parts(comm: Any, part: Callable[[], Named | None], targets: Targets, version: int,
+                 config: EngineConfig, host: str) -> list[int] | None:  # fmt: skip
+    """Collective over `comm` (a cell's communicator, rank 0 its leader): bring the engines
+    of `targets` (the leader's: its own engine where it is behind the cell's weights, else
+    none) to `version`, the weights the cell holds, by a publication from the ranks that hold
+    them (`publish_parts`). Every rank learns from the leader whether there is anything to
+    load, so `part()` (a stage's gather) runs only then. The leader returns the engines that
+    missed the weights; the others None."""
+    leader = comm.Get_rank() == 0
+    arrive(comm, POLL_S)  # the others sleep while the leader resumes or starts its engine
+    if not comm.bcast(bool(targets) if leader else None, root=0):
+        return [] if leader else None
+    return publish_parts(comm, part(), targets, version, config, host)
 
 
 def send_part(live: Targets, part: Named, version: int, config: EngineConfig,

@@ -13,7 +13,7 @@ engine of the cell is released and resumed with it; the leader alone answers (`S
     served = CellEngine(cfg, index=3, engine=host, run_dir=run_dir, up=send_to_coordinator)
     url = served.start(); served.announce(url)
     served.release(routes)        # ToTrain
-    served.resume(published)      # ToRollout
+    served.resume(published)      # ToRollout: the newest saved policy if behind
 """
 
 from __future__ import annotations
@@ -90,20 +90,14 @@ class CellEngine:
         self.call(switch)
         return detail
 
-    def resume(
-        self, published: int, weights: Callable[[], tuple[Named, int]] | None = None
-    ) -> None:
-        """ToRollout: resume; an engine older than `published` loads `weights()` (the core's
-        replica after a publication: its weights and their version) or else the newest
-        saved policy."""
+    def resume(self, published: int, latest: bool = True) -> None:
+        """ToRollout: resume; an engine older than `published` loads the newest saved policy
+        (`latest`; the core's leader instead has its cell's ranks send their weights:
+        `gyre.runtime.cell.publication.reload_parts`)."""
 
         def restore() -> None:
             self.engine.resume()
-            if self.engine.version >= published:
-                return
-            if weights is not None:
-                self.engine.load_weights(*weights())
-            else:  # back after a publication it was released for
+            if latest and self.engine.version < published:  # back after a publication
                 self.load_latest()
 
         self.call(restore)
@@ -124,22 +118,20 @@ class CellEngine:
             if self.engine.dead() is None:
                 raise
 
-    def respawn(self, role: Role, weights: tuple[Named, int] | None = None) -> None:
-        """Restart a lost engine with the newest weights this rank reaches; released again if
-        the cell trains.
+    def respawn(self, role: Role) -> None:
+        """Restart a lost engine with the newest policy a publication saved; released again
+        if the cell trains.
 
         A new engine process holds the base model, whatever version its predecessor served:
-        it is started as version 0 and brought to `weights` (a cell's replica holds the
-        version it last published or pulled) or the newest policy a publication saved.
-        (Started at the old version, an engine that had loaded version v came back with the
-        base weights reporting v.)
+        it is started as version 0 and brought to the newest saved policy (the version the
+        rollout engines serve; a cell's replica may hold a newer, unpublished one). (Started
+        at the old version, an engine that had loaded version v came back with the base
+        weights reporting v.)
         """
         self.engine.stop()
         self.engine.version = 0
         self.engine.spawn()
         url = self.start()
-        if weights is not None and weights[1] > 0:
-            self.engine.load_weights(*weights)
         self.load_latest()
         if role is not Role.ROLLOUT:
             self.engine.release()

@@ -103,7 +103,6 @@ class CellTrainer:
                 f"cell {self.comms.cell_id}: holds v{self.version}, the batch needs v{version}"
             )
         self.transport.pull(self.replica.cell.flat_params)
-        self.replica.refresh()
         self.version = version
 
     def idle(self) -> None:
@@ -173,7 +172,6 @@ class CellTrainer:
         if self.core and self.transport is not None:
             self.transport.expose(cell.flat_params)
         cell.zero_grad()
-        replica.refresh()
         self.version += 1
         return norm if self._leader() else None
 

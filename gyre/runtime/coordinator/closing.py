@@ -86,7 +86,7 @@ def finish(c: CoordinatorState) -> dict[str, Any]:
     # never stop a cell in the middle of restarting its engine: let the restart finish
     c.inbox.drain_until(lambda: not c.fleet.respawning, (msg.EngineReady,), timeouts.startup_s)
     if c.status == 0:
-        c.to_rank(c.ranks.core, msg.SavePolicy("final"))
+        c.to_cell(0, msg.SavePolicy("final"))  # every core rank writes its part
         saved = len(c.progress.policies)
         c.inbox.drain_until(lambda: len(c.progress.policies) > saved, REPORTS, timeouts.drain_s,
                       awaited=msg.PolicySaved)  # fmt: skip

@@ -402,7 +402,10 @@ class Publish(Message):
 
 @dataclass(frozen=True)
 class SavePolicy(Message):
-    """Core: write the current weights as policy directory `name` (e.g. "final")."""
+    """Core: write the current weights as policy directory `name` (e.g. "final").
+
+    Sent to every rank of the core cell: each rank writes the part of the weights it holds
+    (`gyre.runtime.shared.policies.save_parts`)."""
 
     up, route = False, (COORDINATOR, CELL)
     name: str

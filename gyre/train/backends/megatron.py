@@ -7,10 +7,10 @@ rank s of a cell is TP rank s % TP of stage s // TP % PP in replica s // (TP x P
 `ParallelDims.place`). Every rank of a replica runs the replica's share of a micro-step's
 rows (the stages one after the other); each core rank of replica 0 steps AdamW on its own
 shard with the whole model's gradient norm, the other replicas receive its weights
-(`gyre.runtime.cell.trainer`). After every change of weights (an update, a pull of the
-core's snapshot, a restore) the shards of every stage of replica 0 are gathered to the
-leader into a Hugging Face *mirror* of the policy, in the model's dtype: what the engines
-load and policies save. Checkpoints are written by every core rank of replica 0 in parallel,
+(`gyre.runtime.cell.trainer`). No rank holds the whole model: what the engines load and
+policies save leaves from the ranks that hold each stage (`MegatronReplica.part`), and the
+Hugging Face names and order come from a meta-device skeleton of the model's config
+(`gyre.train.megatron.weights.hf_order`). Checkpoints are written by every core rank of replica 0 in parallel,
 its own shard's main weights and AdamW moments (`gyre.train.core_file.save_shard`; the other
 replicas hold the same weights and no optimizer); a resume at other TP / PP sizes (or by the
 torch backend) reads them put together into the HF layout, one at other data sizes the same
@@ -18,7 +18,7 @@ shard files. docs/gpu.md.
 
     replica = MEGATRON.build(cfg.model, cfg.train, dims, core=True, device="cuda:0",
                              comms=comms, host="10.0.0.5")
-    replica.named()            # the leader: HF-layout weights of the version held
+    replica.part(shard)        # a stage's sender: its stage's HF-layout weights
 
 Torch and megatron-core are imported when a replica is built, not with this module.
 """
@@ -57,21 +57,33 @@ class MegatronReplica(TorchReplica):
     """This rank's tensor-parallel shard of its pipeline stage of the model."""
 
     comm: Any  # MPI: its data-parallel replica's ranks in the cell (shard gathers to the leader)
+    stage_comm: Any  # MPI: its stage's TP ranks in its replica (a part's gather on the host)
     data_rank: int  # its data-parallel replica in the cell: 0 gathers, steps and saves
-    mirror: Any  # the leader's Hugging Face model of the same weights (else None)
     layout: Any  # gyre.train.megatron.weights.WeightLayout of the model
+    hf_config: dict[str, Any]  # the Hugging Face model's config (`PretrainedConfig.to_dict`)
+    generation: Any  # the leader's: the model's generation config (else None)
 
-    @property
-    def policy_model(self) -> Any:
-        if self.mirror is None:
-            raise TrainingError("megatron replica: only a cell's leader holds the HF policy")
-        return self.mirror
+    def policy_configs(self) -> tuple[Any, Any]:
+        from gyre.train.megatron.weights import hf_model_config
+
+        return hf_model_config(self.hf_config), self.generation
+
+    def hf_shapes(self) -> list[tuple[str, torch.Size]]:
+        """The HF model's trainable parameters' names and shapes in its flat order (a
+        meta-device skeleton's: `gyre.train.megatron.weights.hf_shapes`)."""
+        from gyre.train.megatron.weights import hf_shapes
+
+        return hf_shapes(self.hf_config)
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        raise TrainingError("megatron replica: no rank holds the whole model; each stage's "
+                            "sender holds its part (Replica.part)")  # fmt: skip
 
     def _gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Every rank's shard tensors → the HF-layout tensors on the leader. Each is copied
         out of its flat buffer first: a pickled view carries its whole storage (on CPU, where
         `.cpu()` is the view itself, a cell's ~300 views pickled ~300 flat buffers). Named as
-        the mirror's modules name them (an MoE layer's experts stacked: `module_names`)."""
+        the HF model's modules name them (an MoE layer's experts stacked: `module_names`)."""
         from gyre.train.megatron.weights import module_names, stages_to_hf
 
         if self.data_rank != 0:  # replica 0 holds the same weights
@@ -96,36 +108,40 @@ class MegatronReplica(TorchReplica):
         """A publication's part (collective over the cell), sent from the ranks that hold
         the weights: on each stage's sender — TP rank 0 of data replica 0 — that stage's
         HF-layout tensors (`stage_to_hf`, the conversion a whole-cell gather uses), its TP
-        ranks' shards gathered inside Megatron's tensor-parallel group (gloo on CPU, NCCL
-        on GPU: they stay on the device); None on every other rank. No rank holds another
-        stage's tensors, the leader included."""
-        import torch
-        import torch.distributed as dist
+        ranks' shards gathered inside the stage: on a GPU by Megatron's tensor-parallel
+        group (NCCL: they stay on the device), on the host (a CPU cell, or a trainer parked
+        off its GPU for the engine) tensor by tensor over MPI (`stage_comm`); None on every
+        other rank. No rank holds another stage's tensors, the leader included."""
         from megatron.core import parallel_state as ps
 
         from gyre.train.megatron.weights import module_names, stage_to_hf
 
         if self.data_rank != 0:  # replica 0 holds the same weights
             return None
-        tp, lead = self.dims.tensor, ps.get_tensor_model_parallel_rank() == 0
-        flat = self.cell.flat_params.detach()
-        flats: list[torch.Tensor] | None = [flat]
-        if tp > 1:  # one collective: the stage's TP ranks' flat buffers are the same size
-            flats = [torch.empty_like(flat) for _ in range(tp)] if lead else None
-            dist.gather(flat, flats, group=ps.get_tensor_model_parallel_group(), group_dst=0)
-        if flats is None:
+        shards = self._stage_shards(self.cell.flat_params.detach())
+        if shards is None:
             return None
-        shards = [self._views(f) for f in flats]
         hf = stage_to_hf(shards, self.layout, stage=ps.get_pipeline_model_parallel_rank(),
                          stages=self.dims.pipeline)  # fmt: skip
         return list(module_names(hf, self.layout).items())
 
-    def refresh(self) -> None:
-        from gyre.rollout.weights import load_named_tensors
+    def _stage_shards(self, flat: torch.Tensor) -> list[dict[str, torch.Tensor]] | None:
+        """Every TP rank's tensors of this stage (views of `flat`), on the stage's TP rank 0;
+        None on the others."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
 
-        hf = self._gather(self._views(self.cell.flat_params))
-        if hf is not None:
-            load_named_tensors(self.mirror, sorted(hf.items()))
+        tp = self.dims.tensor
+        if tp == 1:
+            return [self._views(flat)]
+        if not flat.is_cuda:  # copies: a pickled view carries its whole flat buffer
+            mine = {k: v.to("cpu", copy=True) for k, v in self._views(flat).items()}
+            return self.stage_comm.gather(mine, root=0)
+        lead = ps.get_tensor_model_parallel_rank() == 0
+        flats = [torch.empty_like(flat) for _ in range(tp)] if lead else None
+        dist.gather(flat, flats, group=ps.get_tensor_model_parallel_group(), group_dst=0)
+        return None if flats is None else [self._views(f) for f in flats]
 
     def hf_flat(self, flat: torch.Tensor) -> torch.Tensor | None:
         import torch
@@ -133,8 +149,7 @@ class MegatronReplica(TorchReplica):
         hf = self._gather(self._views(flat))
         if hf is None:
             return None
-        names = [n for n, p in self.mirror.named_parameters() if p.requires_grad]
-        return torch.cat([hf[n].reshape(-1) for n in names])
+        return torch.cat([hf[n].reshape(-1) for n, _ in self.hf_shapes()])
 
     def optimizer_state(self) -> dict[str, Any] | None:
         if self.optimizer is None:
@@ -170,8 +185,8 @@ class MegatronReplica(TorchReplica):
                 "pipeline": self.dims.pipeline, "names": names,
                 "layout": dataclasses.asdict(self.layout),
                 "param_groups": state["param_groups"]}  # fmt: skip
-        if self.mirror is not None:  # the leader: the HF order an assembled state takes
-            meta["hf_order"] = [n for n, p in self.mirror.named_parameters() if p.requires_grad]
+        if self.comm.Get_rank() == 0:  # the leader: the HF order an assembled state takes
+            meta["hf_order"] = [n for n, _ in self.hf_shapes()]
         return core_file.save_shard(folder, shard, flats, meta)
 
     def restore(self, folder: Path) -> int:
@@ -180,7 +195,7 @@ class MegatronReplica(TorchReplica):
         size); else (other sizes, an HF-layout core
         file from either backend, either dtype) the HF layout split to this rank's shard of
         its stage.
-        Collective over the cell (the leader's mirror is refreshed)."""
+        Collective over the cell."""
         first = core_file.shard_meta(folder)
         if first is not None and (first["tensor"], first["pipeline"], core_file.expert(first)) == (
             self.dims.tensor,
@@ -188,13 +203,8 @@ class MegatronReplica(TorchReplica):
             self.dims.expert,
         ):
             return self._restore_own_shard(folder)
-        from gyre.rollout.weights import load_named_tensors
-
         data = core_file.load(folder)
-        named = dict(data["named"])
-        if self.mirror is not None:
-            load_named_tensors(self.mirror, sorted(named.items()))
-        self._load_weights(named)
+        self._load_weights(dict(data["named"]))
         state = data["optimizer"]
         if self.optimizer is not None and state is not None:
             shapes = [(n, t.shape) for n, t in data["named"]]
@@ -220,7 +230,6 @@ class MegatronReplica(TorchReplica):
                 self.optimizer.opt.load_state_dict({
                     "state": {0: {"step": flats["step"], **moments}},
                     "param_groups": meta["param_groups"]})  # fmt: skip
-        self.refresh()  # the leader's mirror: the engines' weights
         return int(meta["version"])
 
     def _mine(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -259,8 +268,9 @@ def build(
     split_replicas(comms, dims)  # collective over the cell, once
     place = dims.place(comms.shard)
     replica_comm = comms.cell.Split(place.data, comms.shard)
+    stage_comm = replica_comm.Split(place.stage, place.tensor)
     init_backend_world(comms, host, "gloo" if device == "cpu" else "nccl")
-    hf, tokenizer, hf_config, shard = _shard_source(model, dims, comms)
+    tokenizer, hf_config, generation, shard = _shard_source(model, dims, comms)
     mcfg = MegatronConfig(tensor_parallel=dims.tensor, pipeline_parallel=dims.pipeline,
                           sequence_parallel=dims.sequence, expert_parallel=dims.expert,
                           dtype=train.params_dtype,
@@ -269,15 +279,12 @@ def build(
     # init; the shard streamed in one tensor at a time
     gpt = build_rank_model(hf_config, shard, mcfg, device=device)
     _check_rank(comms, dims)
-    if hf is not None:  # the mirror holds what engines load: the model's dtype
-        import torch
-
-        hf.to(getattr(torch, train.params_dtype))
     cell = MegatronCell(gpt, objective=train.objective)
     optimizer = ModelParallelOptimizer(cell, train.optim) if core else None
     layout = WeightLayout.from_hf_config(hf_config, expert_parallel=dims.expert)
-    return MegatronReplica(cell, tokenizer, optimizer, dims, comm=replica_comm,
-                           data_rank=place.data, mirror=hf, layout=layout)  # fmt: skip
+    return MegatronReplica(cell, tokenizer, optimizer, dims, comm=replica_comm, stage_comm=stage_comm,
+                           data_rank=place.data, layout=layout, hf_config=hf_config,
+                           generation=generation)  # fmt: skip
 
 
 def _check_rank(comms: Communicators, dims: ParallelDims) -> None:
@@ -372,30 +379,33 @@ def interface_of(address: str) -> str:
 
 def _shard_source(
     model: str, dims: ParallelDims, comms: Communicators
-) -> tuple[Any, Any, dict[str, Any], Iterable[tuple[str, torch.Tensor]]]:
-    """Collective over the cell: (HF model, tokenizer, HF config, this rank's Megatron
-    tensors, read one at a time as they are iterated; the model's `train.dtype` rounds them).
+) -> tuple[Any, dict[str, Any], Any, Iterable[tuple[str, torch.Tensor]]]:
+    """Collective over the cell: (tokenizer, HF config, generation config — the leader's,
+    else None —, this rank's Megatron tensors, read one at a time as they are iterated; the
+    model's `train.dtype` rounds them).
 
-    Only the leader loads the Hugging Face model, as the mirror the engines load (the
-    others get None). Every rank, the leader too, reads only its slice of the model
-    directory's safetensors files (`SafetensorsFiles`), so no other rank holds the whole
-    model or imports transformers' model code, and the leader's shard does not touch the
-    mirror (transformers maps a float32 file's tensors: its pages become resident only when
-    read or written). A model that is not a directory of safetensors files (the built-in
-    `tiny` family, built from a config under a seed; SmolLM2, de-quantized from GGUF)
-    exists only in the leader's memory, and is small: the leader cuts every rank's shard
-    from it and scatters them (a copy written to a temporary directory would be on the
-    leader's node only, and a cell's stages may span nodes)."""
-    from gyre.models import load_model
+    Every rank, the leader too, reads only its slice of the model directory's safetensors
+    files (`SafetensorsFiles`), so no rank holds the whole model or imports transformers'
+    model code; the leader reads the tokenizer and configs. A model that is not a directory
+    of safetensors files (the built-in `tiny` family, built from a config under a seed;
+    SmolLM2, de-quantized from GGUF) exists only in the leader's memory, and is small: the
+    leader loads it, cuts every rank's shard from it, scatters them and lets it go (a copy
+    written to a temporary directory would be on the leader's node only, and a cell's
+    stages may span nodes)."""
+    from gyre.models import load_model, load_tokenizer, model_config
     from gyre.train.comm import arrive
     from gyre.train.megatron.shard_files import SafetensorsFiles
     from gyre.train.megatron.weights import WeightLayout, iter_stage_to_mcore
 
-    hf = tokenizer = head = None
+    hf = tokenizer = head = generation = None
     if comms.shard == 0:
-        hf, tokenizer = load_model(model)
-        files = SafetensorsFiles.find(model) is not None
-        head = (hf.config.to_dict(), files)
+        if SafetensorsFiles.find(model) is not None:
+            tokenizer, generation = load_tokenizer(model), _generation_config(model)
+            head = (model_config(model).to_dict(), True)
+        else:
+            hf, tokenizer = load_model(model)
+            generation = hf.generation_config
+            head = (hf.config.to_dict(), False)
     arrive(comms.cell)  # the other ranks sleep while the leader loads
     hf_config, files = comms.cell.bcast(head, root=0)
     layout = WeightLayout.from_hf_config(hf_config, expert_parallel=dims.expert)
@@ -406,11 +416,22 @@ def _shard_source(
                                    stage=place.stage, stages=dims.pipeline)  # fmt: skip
 
     if not files:
-        return hf, tokenizer, hf_config, _scattered(hf, slices, comms, dims.model_parallel)
+        shard = _scattered(hf, slices, comms, dims.model_parallel)
+        return tokenizer, hf_config, generation, shard
     # every rank holds the broadcast before the leader moves on to torch's rendezvous (a
     # netmod without asynchronous progress delivers only while the sender is inside MPI)
     arrive(comms.cell)
-    return hf, tokenizer, hf_config, slices(comms.shard, SafetensorsFiles(Path(model)))
+    return tokenizer, hf_config, generation, slices(comms.shard, SafetensorsFiles(Path(model)))
+
+
+def _generation_config(model: str) -> Any:
+    """The model directory's generation config (None where it has none)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model, local_files_only=True)
+    except OSError:
+        return None
 
 
 def _scattered(

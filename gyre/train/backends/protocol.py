@@ -39,12 +39,9 @@ class Replica(Protocol):
     optimizer: CoreOptimizer | None  # the core's: its leader's, or each model-parallel rank's
     dims: ParallelDims
 
-    @property
-    def policy_model(self) -> Any:
-        """The Hugging Face model of the weights held (the leader's): saved as a policy."""
-
-    def named(self) -> list[tuple[str, torch.Tensor]]:
-        """The leader's HF-layout weights (what engines load), in `train.params_dtype`."""
+    def policy_configs(self) -> tuple[Any, Any]:
+        """The leader's transformers config of the policy and its generation config (None
+        where the model has none): what a policy directory holds beside the weights."""
 
     def part(self, shard: int) -> list[tuple[str, torch.Tensor]] | None:
         """This rank's part of the HF-layout weights engines load (collective over the cell;
@@ -54,9 +51,6 @@ class Replica(Protocol):
     def main_named(self) -> list[tuple[str, torch.Tensor]] | None:
         """The HF-layout weights a checkpoint keeps, on the leader (collective over the cell;
         None elsewhere): the core's float32 main weights under mixed precision."""
-
-    def refresh(self) -> None:
-        """After the weights changed (collective over the cell): bring the HF view up to date."""
 
     def hf_flat(self, flat: torch.Tensor) -> torch.Tensor | None:
         """A flat buffer (parameters or gradients) in the HF model's flat order, on the

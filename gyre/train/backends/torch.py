@@ -41,14 +41,13 @@ class TorchReplica:
     optimizer: CoreOptimizer | None
     dims: ParallelDims
 
-    @property
-    def policy_model(self) -> Any:
-        """The Hugging Face model of the weights held (the leader's): saved as a policy."""
-        return self.cell.model
+    def policy_configs(self) -> tuple[Any, Any]:
+        model = self.cell.model
+        return model.config, getattr(model, "generation_config", None)
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """The leader's HF-layout weights (what engines load), in `train.params_dtype`."""
-        return [(n, p.detach()) for n, p in self.policy_model.named_parameters()]
+        return [(n, p.detach()) for n, p in self.cell.model.named_parameters()]
 
     def part(self, shard: int) -> list[tuple[str, torch.Tensor]] | None:
         """A publication's part (collective over the cell): the leader holds the whole model
@@ -64,15 +63,14 @@ class TorchReplica:
         if hf is None:
             return None
         named, off = [], 0
-        for name, p in self.policy_model.named_parameters():
-            if p.requires_grad:
-                named.append((name, hf[off : off + p.numel()].view(p.shape)))
-                off += p.numel()
+        for name, shape in self.hf_shapes():
+            named.append((name, hf[off : off + shape.numel()].view(shape)))
+            off += shape.numel()
         return named
 
-    def refresh(self) -> None:
-        """After the weights changed (collective over the cell): the torch replica is its
-        own policy model, nothing to gather."""
+    def hf_shapes(self) -> list[tuple[str, torch.Size]]:
+        """The HF model's trainable parameters' names and shapes in its flat order."""
+        return [(n, p.shape) for n, p in self.cell.model.named_parameters() if p.requires_grad]
 
     def hf_flat(self, flat: torch.Tensor) -> torch.Tensor | None:
         """A flat buffer (parameters or gradients) in the HF model's flat order, on the

@@ -24,7 +24,7 @@ separate tensors; Megatron fuses them:
   ``mlp.shared_experts.gate_weight``. transformers 5 holds a layer's experts in memory as two
   stacked tensors (``mlp.experts.gate_up_proj`` ``[E, 2F, H]``, ``mlp.experts.down_proj``
   ``[E, H, F]``): `InMemory` reads expert j's tensors out of them, and `module_names` stacks
-  them back for such a model (the mirror, the embedded engine).
+  them back for such a model (a part sent to the embedded engine).
 
 Names follow Megatron's *local* layer spec (``input_layernorm``, ``pre_mlp_layernorm``) or,
 with ``fused_norms=True``, the Transformer-Engine spec (``linear_qkv.layer_norm_weight``,
@@ -435,6 +435,33 @@ def mcore_to_hf(
         if not layout.tied:
             out["lm_head.weight"] = _cat(shards, "output_layer.weight", 0)
     return out
+
+
+def hf_model_config(hf_config: Mapping[str, Any], dtype: str | None = None) -> Any:
+    """The transformers config object of an HF config dict (`PretrainedConfig.to_dict`'s),
+    saying `dtype` where given (the dtype of the weights a policy holds)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**dict(hf_config))
+    if dtype is not None:
+        config.dtype = dtype
+    return config
+
+
+def hf_shapes(hf_config: Mapping[str, Any]) -> list[tuple[str, torch.Size]]:
+    """The trainable parameters' names and shapes of the Hugging Face model of `hf_config`,
+    in its `named_parameters()` order (the HF flat order; tied weights once, MoE experts as
+    the modules stack them), from a skeleton on the meta device: no weights are allocated."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_model_config(hf_config))
+    return [(n, p.shape) for n, p in skeleton.named_parameters() if p.requires_grad]
+
+
+def hf_order(hf_config: Mapping[str, Any]) -> list[str]:
+    """The names of `hf_shapes`, in order."""
+    return [n for n, _ in hf_shapes(hf_config)]
 
 
 def tensor_state(module: torch.nn.Module) -> Tensors:
