@@ -593,6 +593,11 @@ def megatron_world(base: Path) -> Chain:
     # taken them all (at 1024 the SDPA core's faster micro-steps often left it none, at 512
     # it still did on a loaded machine)
     cfg["train"].update({"record_batches": True, "token_budget": 256})
+    # the satellite joins whenever passes are left (the count check alone): the tiny model's
+    # batch trains in 1-2 s, and the cost-aware check, weighing that against the satellite's
+    # measured round trip of switches, often (and since reloads leave from the stages, in
+    # every batch of a run) kept it out, so nothing was split
+    cfg["schedule"]["join_payback"] = 0
     cfg["checkpoint"] = {"every_steps": 1, "keep": 2}
     config = write_config(base, cfg)
     run_dir = base / "run"
