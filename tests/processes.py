@@ -1,7 +1,8 @@
 """The processes of one `gyre run`, found in /proc by what they carry (tests only).
 
 Ranks carry the run directory on their command line and PMI_RANK in their environment;
-engines carry GYRE_RUN_DIR / GYRE_ENGINE_INDEX; harnesses and scorers carry the run's
+engines carry GYRE_RUN_DIR / GYRE_ENGINE_INDEX, or, forked by their rank's zygote (whose
+command line and environment they keep), the name ``gyre-engine-<index>``; harnesses and scorers carry the run's
 workspace paths on their command line. A kill test finds its victim here and, afterwards,
 checks by pid that it is really gone.
 """
@@ -18,22 +19,23 @@ from pathlib import Path
 @dataclass(frozen=True, slots=True)
 class Proc:
     pid: int
-    kind: str  # rank | engine | harness | scorer | other
+    kind: str  # rank | engine | zygote | harness | scorer | other
     index: int  # world rank, engine index, or -1
     cmdline: str
 
 
-def _read(pid: str) -> tuple[list[bytes], dict[bytes, bytes]] | None:
+def _read(pid: str) -> tuple[list[bytes], dict[bytes, bytes], str] | None:
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return None
     if state == "Z":
         return None  # a zombie has already died
     env = dict(kv.split(b"=", 1) for kv in raw if b"=" in kv)
-    return cmd, env
+    return cmd, env, name
 
 
 def scan(run_dir: Path) -> list[Proc]:
@@ -47,17 +49,21 @@ def scan(run_dir: Path) -> list[Proc]:
         got = _read(entry.name)
         if got is None:
             continue
-        cmd, env = got
+        cmd, env, name = got
         joined = b" ".join(cmd)
         mine = mark in joined or mark_rel in joined or env.get(b"GYRE_RUN_DIR") == mark
         if not mine or any(c.endswith(b"mpiexec") for c in cmd[:1]):
             continue
-        out.append(_classify(int(entry.name), joined, env))
+        out.append(_classify(int(entry.name), joined, env, name))
     return out
 
 
-def _classify(pid: int, joined: bytes, env: dict[bytes, bytes]) -> Proc:
+def _classify(pid: int, joined: bytes, env: dict[bytes, bytes], name: str) -> Proc:
     text = joined.decode(errors="replace")
+    if name.startswith("gyre-engine-"):  # forked by a zygote (gyre.rollout.serving.zygote)
+        return Proc(pid, "engine", int(name.rsplit("-", 1)[1]), text)
+    if name == "gyre-zygote":
+        return Proc(pid, "zygote", -1, text)
     if b"gyre.runtime.main" in joined and b"PMI_RANK" in env:
         return Proc(pid, "rank", int(env[b"PMI_RANK"]), text)
     if b"gyre.rollout.cli" in joined and b"GYRE_ENGINE_INDEX" in env:

@@ -1,6 +1,6 @@
 """How long a job takes to start: `gyre run` to its first step, per phase and rank.
 
-    python tools/bench_startup.py [--runs 3] [--configs default megatron] [--json]
+    python tools/bench_startup.py [--runs 3] [--configs default megatron] [--set K=V ...] [--json]
 
 Runs `gyre run --steps 1 --profile-startup --quiet` `--runs` times for each config — the
 default (`templates/local.yaml`: coordinator, proxy node, three single-rank cells) and the
@@ -9,6 +9,8 @@ prints each config's phase x rank table of the summaries' `startup` (docs/runtim
 "Start-up"): every cell min/median/max seconds over the runs, the first step's too. Also
 the whole command's wall time and the CPU seconds of all its processes (ranks, engines,
 harnesses): on a machine with few cores, start-up is CPU-bound and that is the number to cut.
+`--set` adds overrides to every config (`--set engine.zygote=false`: engines started as new
+interpreters, the way to measure what the engine zygote saves).
 Numbers, not a test; run it on an otherwise idle machine.
 """
 
@@ -73,19 +75,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="runs per config")
     ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--set", nargs="*", default=[], metavar="K=V", help="overrides for all")
     ap.add_argument("--json", action="store_true", help="every run's numbers as JSON")
     args = ap.parse_args()
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="gyre-bench-startup-") as tmp:
         for name in args.configs:
-            results[name] = [run_again(CONFIGS[name], Path(tmp) / f"{name}-{i}")
+            results[name] = [run_again([*CONFIGS[name], *args.set], Path(tmp) / f"{name}-{i}")
                              for i in range(args.runs)]  # fmt: skip
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
     for name, runs in results.items():
         first = [r["startup"]["first_step_s"] for r in runs]
-        print(f"\n{name} ({' '.join(CONFIGS[name]) or 'templates/local.yaml'}), {len(runs)} "
+        given = " ".join([*CONFIGS[name], *args.set]) or "templates/local.yaml"
+        print(f"\n{name} ({given}), {len(runs)} "
               f"runs, seconds min/median/max")  # fmt: skip
         print(table([r["startup"] for r in runs]))
         print(f"first step {spread(first)} s; whole command {spread([r['wall_s'] for r in runs])}"

@@ -32,6 +32,8 @@ from gyre.runtime.shared.config import RunConfig, dump_run_config, load_run_conf
 from gyre.runtime.shared.layout import (
     Component,
     cell_members,
+    engine_shards,
+    hosts_engine,
     layout,
 )
 from gyre.runtime.shared.startup import StartupClock
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         components = layout(world.Get_size(), cfg.topology)
         component = components[rank]
         clock.mark("config")
+        if fork_engine_zygote(cfg, component):  # before any other thread of ours starts
+            clock.mark("zygote")
         _debug(f"rank {rank} is {component} (pid {os.getpid()})")
         run_dir = Path(args.run_dir) if args.run_dir else None
         from gyre.train.comm import arrive  # barriers that sleep instead of spinning a core
@@ -94,6 +98,25 @@ def main(argv: list[str] | None = None) -> int:
         wire.abort_world(rank, component.kind if component else "startup", e)
         return 1
     return status
+
+
+def fork_engine_zygote(cfg: RunConfig, me: Component) -> bool:
+    """A rank that hosts an embedded engine imports what the engine needs and forks its
+    engine zygote (`gyre.rollout.serving.zygote`): its engines are then forked from it rather
+    than started as new interpreters that import torch and transformers again. Done right
+    after MPI_Init, while the rank has no thread of its own: the zygote holds no lock another
+    thread took, and never calls MPI (MPICH and Open MPI allow a child that does not). Only
+    for the embedded engine on the CPU (`EngineProcess.spawn`); `engine.zygote: false` starts
+    none. Returns whether it started one."""
+    shards = engine_shards(cfg.engines_per_cell, cfg.engine_ranks)
+    cpu = cfg.engine.backend == "embedded" and cfg.engine.device != "cuda"
+    if not (cpu and cfg.engine.zygote and hosts_engine(me, shards)):
+        return False
+    from gyre.rollout import cli
+    from gyre.rollout.serving import zygote
+
+    zygote.start(cli.preload)
+    return True
 
 
 RESUME_CONFIG = "config.resume.yaml"
@@ -169,6 +192,9 @@ def exit_process(status: int) -> None:
     destructors that abort while gloo's threads live ("terminate called without an active
     exception", tests/gpu/test_gpu_serving.py).
     """
+    from gyre.rollout.serving import zygote
+
+    zygote.close()  # reaped here: its engines' CPU time counts as this rank's children's
     sys.stdout.flush()
     sys.stderr.flush()
     pmi_finalize()

@@ -248,8 +248,10 @@ def _startup_profile_covers_every_rank(startup: dict, output: str) -> None:
     for r in ranks.values():
         assert {"gyre run", "launch", "imports", "rendezvous", "transport"} <= set(r["phases"])
         assert all(v >= 0 for v in r["phases"].values()), r
-    for cell in (2, 3, 4):
-        assert {"engine spawn", "model build", "engine ready"} <= set(ranks[cell]["phases"])
+    for cell in (2, 3, 4):  # each forks its engine from its zygote (engine.zygote)
+        assert {"zygote", "engine spawn", "model build", "engine ready"} <= set(
+            ranks[cell]["phases"]
+        )
     assert "proxy start" in ranks[1]["phases"]
     coordinator = ranks[0]["phases"]
     assert list(coordinator)[-2:] == ["first group", "first batch"]

@@ -12,7 +12,10 @@ do other work while it loads.
 
 The embedded engine, launched on port 0, binds a port the OS picks and prints ``... listening
 on URL`` as its first stdout line, which `wait_ready` reads; any other server gets a free
-port on its command line. The server runs in its own session (process group), so SGLang's
+port on its command line. An engine-hosting rank forks the embedded engine on the CPU from
+its zygote (`gyre.rollout.serving.zygote`: no second import of torch and transformers); any
+other server is a new process — on a GPU node too: a CUDA-aware MPI may have created a CUDA
+context before the zygote was forked, and CUDA does not survive a fork. The server runs in its own session (process group), so SGLang's
 scheduler and detokenizer children stop with it, and gets SIGKILL when the process that
 started it dies (`gyre.lifetime.die_with_parent`). Its environment is this process's, the
 config's `env`, and `config.SERVER_ENV` (SGLANG_RETURN_ORIGINAL_LOGPROB=1: behaviour
@@ -37,7 +40,11 @@ from typing import IO
 
 from gyre.errors import EngineError
 from gyre.lifetime import die_with_parent
+from gyre.rollout.serving import zygote
 from gyre.rollout.serving.config import SERVER_ENV, ServerConfig
+
+EMBEDDED = ("embedded", "embedded-cuda")
+"""The launches of Gyre's own engine (`gyre.rollout.cli`, `gyre.gpu.engine`)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -53,7 +60,7 @@ class EngineProcess:
     def __init__(self, config: ServerConfig, *, log_path: str | Path | None = None) -> None:
         self.config = config
         self.log_path = Path(log_path) if log_path is not None else None
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | zygote.Forked | None = None
         self.url = ""
         self._log: IO[bytes] | None = None
         self._started = 0.0
@@ -63,7 +70,7 @@ class EngineProcess:
     def command(self) -> tuple[list[str], str]:
         """The argv that starts this server, and its URL ("" when the server picks its port
         and prints the URL: the embedded engine on port 0)."""
-        if self.config.launch in ("embedded", "embedded-cuda") and self.config.port == 0:
+        if self.config.launch in EMBEDDED and self.config.port == 0:
             return self.config.command(0), ""
         port = self.config.port or free_port(self.config.host)
         return self.config.command(port), f"http://{self.config.host}:{port}"
@@ -88,14 +95,23 @@ class EngineProcess:
         env = {**os.environ, **self.config.env, **SERVER_ENV}
         self._started, self.startup_seconds = time.monotonic(), None
         self._stopped = False
-        self.proc = subprocess.Popen(
-            die_with_parent(cmd),
-            stdout=subprocess.PIPE if not url else self._log,  # the URL line, or the log
-            stderr=self._log,
-            env=env,
-            start_new_session=True,
-        )
+        stdout = subprocess.PIPE if not url else self._log  # the URL line, or the log
+        if self.config.launch == "embedded" and zygote.forks(cmd):  # the CPU engine only
+            out = subprocess.PIPE if not url else self._log.fileno()
+            self.proc = zygote.launch(cmd, env=env, stdout=out, stderr=self._log.fileno(),
+                                      name=self.process_name())  # fmt: skip
+        else:
+            self.proc = subprocess.Popen(
+                die_with_parent(cmd), stdout=stdout, stderr=self._log, env=env,
+                start_new_session=True,
+            )  # fmt: skip
         self.url = url
+
+    def process_name(self) -> str:
+        """What `ps` shows for an engine forked by the zygote: ``gyre-engine-<id>``, the id
+        its cell gave it (`GYRE_ENGINE_INDEX` in its environment) where it has one."""
+        index = self.config.env.get("GYRE_ENGINE_INDEX")
+        return "gyre-engine" + (f"-{index}" if index is not None else "")
 
     def wait_ready(self, timeout: float | None = None) -> str:
         """Block until the server has a URL and answers /health (within `timeout` seconds,
@@ -185,7 +201,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _stop_group(proc: subprocess.Popen[bytes], grace: float) -> None:
+def _stop_group(proc: subprocess.Popen[bytes] | zygote.Forked, grace: float) -> None:
     if proc.poll() is None:
         _signal_group(proc, signal.SIGTERM)
         try:
@@ -197,6 +213,6 @@ def _stop_group(proc: subprocess.Popen[bytes], grace: float) -> None:
         _signal_group(proc, signal.SIGKILL)
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(proc: subprocess.Popen[bytes] | zygote.Forked, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)  # the group this Popen created (start_new_session)

@@ -151,6 +151,9 @@ class EngineConfig:
     launched from `gyre.rollout.serving.config` presets and driven over the same routes."""
     threads: int = 1
     """embedded: torch threads of one engine process."""
+    zygote: bool = True
+    """embedded on the CPU: fork engines from a process of the rank that already imported
+    torch and transformers (`gyre.rollout.serving.zygote`); false: each a new interpreter."""
     max_batch_size: int = 8
     """embedded: sequences decoded together."""
     prefix_cache_mb: int = 64

@@ -258,6 +258,14 @@ def engine_shards(per_cell: int, stride: int) -> tuple[int, ...]:
     return tuple(j * stride for j in range(per_cell))
 
 
+def hosts_engine(component: Component, shards: tuple[int, ...]) -> bool:
+    """Whether the rank running `component` starts an engine: a cell's leader and its other
+    engine-hosting shards (`engine_shards`), a standalone or a judge engine."""
+    if component.kind == "cell":
+        return component.shard == 0 or component.shard in shards
+    return component.kind in ("standalone", "judge")
+
+
 def engine_of(cell: int, shard: int, shards: tuple[int, ...]) -> int | None:
     """The engine id a cell rank hosts (None if it hosts none)."""
     return cell * len(shards) + shards.index(shard) if shard in shards else None
