@@ -11,6 +11,7 @@ the test command relies on.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -223,6 +224,12 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
             tr.write_line(f"{wall:8.1f} {cpu:8.1f}  {nodeid}")
         total_cpu = sum(c for _, c in _timings.values())
         tr.write_line(f"all {len(_timings)} tests: {total_cpu:.0f} CPU s")
+        if path := os.environ.get("GYRE_TEST_TIMINGS"):  # every test's, for a profile
+            Path(path).write_text(
+                json.dumps(
+                    {k: {"wall_s": w, "cpu_s": c} for k, (w, c) in _timings.items()}, indent=1
+                )
+            )
     if _bad_skips:
         terminalreporter.section("skips that are not allowed (GYRE_NO_SKIP=1)", red=True)
         for line in _bad_skips:
