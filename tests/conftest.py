@@ -104,6 +104,21 @@ def resumable_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engine_zygote():  # type: ignore[no-untyped-def]
+    """The engines a test process starts itself (`running_engine`, `EngineHost`) are forked
+    from one zygote per process, as a cell rank's are (`gyre.rollout.serving.zygote`): a
+    new interpreter, since a pytest worker already runs threads, spawned at its first engine;
+    each engine after it skips ~6 CPU-s of imports. A test's CPU seconds include its
+    engines' as the zygote reports them (`zygote.reaped_cpu_s`); the zygote's own go to the
+    process's last test."""
+    from gyre.rollout.serving import zygote
+
+    zygote.on_demand("gyre.rollout.server:preload")
+    yield
+    zygote.close()
+
+
 @pytest.fixture(scope="session")
 def e2e_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """The shared end-to-end `gyre run` (tests/worlds.py), run once for the session."""
@@ -177,11 +192,13 @@ def smollm2_url(smollm2_policy):  # type: ignore[no-untyped-def]
 
 
 def _cpu_s() -> float:
+    from gyre.rollout.serving import zygote
+
     own, kids = (
         resource.getrusage(resource.RUSAGE_SELF),
         resource.getrusage(resource.RUSAGE_CHILDREN),
     )
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + zygote.reaped_cpu_s()
 
 
 @pytest.hookimpl(tryfirst=True)

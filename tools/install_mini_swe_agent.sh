@@ -17,11 +17,15 @@ bin="$venv/bin/mini"
 spec="mini-swe-agent==$version"
 [[ "$version" == "latest" ]] && spec="mini-swe-agent"
 
-if [[ -x "$bin" && "$version" != "latest" ]] && "$venv/bin/python" -c \
+# the venv is kept if it holds the version and `mini` can start: its shebang names this
+# venv's python (a venv copied or made in another checkout names that one's)
+if [[ -x "$bin" && "$version" != "latest" ]] && [[ "$(head -1 "$bin")" == "#!$venv/bin/python"* ]] \
+    && "$venv/bin/python" -c \
     "import importlib.metadata as m, sys; sys.exit(m.version('mini-swe-agent') != '$version')" 2>/dev/null; then
   echo "$bin"; exit 0
 fi
 
+rm -rf "$venv"
 python3 -m venv "$venv"
 if [[ -n "${GYRE_UV:-}" ]]; then  # tools/setup.sh's uv
   "$GYRE_UV" pip install -q --python "$venv/bin/python" "$spec" >&2

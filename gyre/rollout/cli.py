@@ -116,19 +116,6 @@ def _reachable(host: str) -> str:
     return host
 
 
-def preload() -> None:
-    """Import what an engine imports on its way to serving (torch, transformers' model code,
-    the server): what an engine zygote holds before it forks engines
-    (`gyre.rollout.serving.zygote`)."""
-    import transformers
-
-    from gyre.rollout import server  # noqa: F401  (torch, tornado, the engine)
-
-    for name in ("AutoModelForCausalLM", "AutoTokenizer", "PreTrainedTokenizerFast",
-                 "Qwen2Config", "Qwen2ForCausalLM", "DynamicCache"):  # fmt: skip
-        getattr(transformers, name)  # transformers imports its modules on first use
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m gyre.rollout.cli ...`: the same command without the other subcommands."""
     parser = argparse.ArgumentParser(prog="gyre")

@@ -427,3 +427,14 @@ async def serve(
         server.stop()
         await loop.run_in_executor(None, engine.stop)
         print("gyre engine stopped", file=sys.stderr, flush=True)
+
+
+def preload() -> None:
+    """Import what an engine imports on its way to serving (this module: torch, tornado, the
+    engine; transformers' model code): what an engine zygote holds before it forks engines
+    (`gyre.rollout.serving.zygote`)."""
+    import transformers
+
+    for name in ("AutoModelForCausalLM", "AutoTokenizer", "PreTrainedTokenizerFast",
+                 "Qwen2Config", "Qwen2ForCausalLM", "DynamicCache"):  # fmt: skip
+        getattr(transformers, name)  # transformers imports its modules on first use

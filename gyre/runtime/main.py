@@ -112,10 +112,10 @@ def fork_engine_zygote(cfg: RunConfig, me: Component) -> bool:
     cpu = cfg.engine.backend == "embedded" and cfg.engine.device != "cuda"
     if not (cpu and cfg.engine.zygote and hosts_engine(me, shards)):
         return False
-    from gyre.rollout import cli
+    from gyre.rollout import server
     from gyre.rollout.serving import zygote
 
-    zygote.start(cli.preload)
+    zygote.start(server.preload)
     return True
 
 

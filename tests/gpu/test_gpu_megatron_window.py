@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# each test starts a world of 2-4 Megatron worker processes (16-31 s here): not the --fast loop
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("megatron.core", reason="megatron-core not installed (extra gyre[gpu])")
 WORKER = Path(__file__).with_name("megatron_window_worker.py")
 MICROSTEPS = 4

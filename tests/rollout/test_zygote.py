@@ -15,17 +15,23 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = [sys.executable, "-m", "tests.rollout.test_zygote", "child"]
 
 
-def _rank(log: str, then: str) -> int:
-    """The rank: a zygote, then three children, reported as JSON lines on stdout; `then`
+def _rank(log: str, then: str, how: str) -> int:
+    """The rank: a zygote (`how`: forked as a cell rank forks it, or a new interpreter as a
+    test worker starts it), then three children, reported as JSON lines on stdout; `then`
     "close": it ends its zygote itself, as a rank does before it exits."""
     from gyre.rollout.serving import zygote
 
     os.environ["RANK_ONLY"] = "1"  # the rank's own environment: not its children's
-    zygote.start(lambda: None)
+    if how == "fork":
+        zygote.start(lambda: None)
+    else:
+        zygote.spawn("os:getpid")  # a preload that imports nothing
     with open(log, "ab") as err:
         fd = err.fileno()
         env = {"GIVEN": "yes", "PATH": os.environ["PATH"]}
@@ -41,6 +47,8 @@ def _rank(log: str, then: str) -> int:
         os.killpg(slow.pid, signal.SIGTERM)  # its own session, as an engine's
         _say(terminated=slow.wait(timeout=30))
         left = zygote.launch([*CHILD, "sleep"], env=env, stdout=fd, stderr=fd, name="gyre-t-3")
+        while "gyre-t-3" not in Path(log).read_text():
+            time.sleep(0.05)
         _say(child=left.pid, zygote=zygote._zygote.pid if zygote._zygote else 0)
         if then == "close":
             sys.stdin.readline()  # once the test has seen them running
@@ -78,10 +86,10 @@ def _gone(pid: int, within: float) -> bool:
     return False
 
 
-def _start_rank(log: Path, then: str) -> tuple[subprocess.Popen[str], dict[str, int]]:
+def _start_rank(log: Path, then: str, how: str) -> tuple[subprocess.Popen[str], dict[str, int]]:
     """The rank, once it checked its first two children: its third child's and zygote's pids."""
     rank = subprocess.Popen(
-        [sys.executable, "-m", "tests.rollout.test_zygote", "rank", str(log), then],
+        [sys.executable, "-m", "tests.rollout.test_zygote", "rank", str(log), then, how],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -101,13 +109,16 @@ def _start_rank(log: Path, then: str) -> tuple[subprocess.Popen[str], dict[str, 
     return rank, pids
 
 
-def test_zygote_children_get_their_own_world_and_die_with_the_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["fork", "spawn"])
+def test_zygote_children_get_their_own_world_and_die_with_the_rank(
+    tmp_path: Path, how: str
+) -> None:
     """A forked engine gets the environment, output, session and name it was launched with
     (not the rank's environment); the rank learns its exit status and the signal that
     stopped it; and when the rank is SIGKILLed, the zygote and every child die with it, as
     an engine started by `setpriv --pdeathsig` does."""
     log = tmp_path / "children.log"
-    rank, pids = _start_rank(log, "sleep")
+    rank, pids = _start_rank(log, "sleep", how)
     try:
         rank.kill()
         rank.wait(timeout=30)
@@ -120,11 +131,12 @@ def test_zygote_children_get_their_own_world_and_die_with_the_rank(tmp_path: Pat
     assert [s["name"] for s in said] == ["gyre-t-2", "gyre-t-3"]  # their stdout: the file
 
 
-def test_a_closed_zygote_leaves_nothing_behind(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["fork", "spawn"])
+def test_a_closed_zygote_leaves_nothing_behind(tmp_path: Path, how: str) -> None:
     """A rank that ends its zygote (before it exits) ends the children still running and
     reaps the zygote, at once (a rank does so as it exits): no process, not even a zombie, is
     left, and the children's CPU time is the rank's children's, as a Popen'd engine's is."""
-    rank, pids = _start_rank(tmp_path / "children.log", "close")
+    rank, pids = _start_rank(tmp_path / "children.log", "close", how)
     try:
         assert rank.stdin is not None and rank.stdout is not None
         rank.stdin.write("close\n")
@@ -139,4 +151,4 @@ def test_a_closed_zygote_leaves_nothing_behind(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     role = sys.argv[1]
-    sys.exit(_rank(sys.argv[2], sys.argv[3]) if role == "rank" else _child(sys.argv[2]))
+    sys.exit(_rank(*sys.argv[2:5]) if role == "rank" else _child(sys.argv[2]))

@@ -10,6 +10,8 @@ engine the rank asks for. The child becomes the engine as
 it was given.
 
     zygote.start(preload)                       # the rank, before it starts threads
+    zygote.on_demand("gyre.rollout.server:preload")  # or a new process at the first engine
+                                                  # (a process with threads: a test worker)
     ...
     if zygote.forks(argv):                      # [sys.executable, "-m", module, ...]
         proc = zygote.launch(argv, env=env, stdout=PIPE, stderr=log.fileno(), name="gyre-engine-3")
@@ -141,11 +143,22 @@ class Zygote:
             return None
         message: dict[str, Any] = json.loads(data)
         if "exit" in message:
+            global _reaped_cpu_s
             self.exits[int(message["exit"])] = int(message["status"])
+            _reaped_cpu_s += float(message["cpu_s"])
         return message
 
 
 _zygote: Zygote | None = None
+_on_demand: str | None = None  # the preload of a zygote to spawn at the first engine
+_spawning = threading.Lock()
+_reaped_cpu_s = 0.0  # CPU seconds of the children reported ended, until their zygote is reaped
+
+
+def reaped_cpu_s() -> float:
+    """CPU seconds of this process's zygote's children that ended so far: what
+    `resource.getrusage(RUSAGE_CHILDREN)` will count only once the zygote is reaped."""
+    return _reaped_cpu_s
 
 
 def start(preload: Callable[[], None]) -> Zygote:
@@ -166,28 +179,57 @@ def start(preload: Callable[[], None]) -> Zygote:
     return _zygote
 
 
+def spawn(preload: str) -> Zygote:
+    """Start this process's zygote as a new interpreter that imports `preload`
+    (``module:function``) and serves as a forked one does: for a process that already runs
+    threads (a test worker), which must not fork itself. It costs one more import of what
+    engines need, repaid from the second engine on."""
+    global _zygote
+    from gyre.lifetime import die_with_parent
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with theirs:
+        argv = [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid()), preload]
+        pid = subprocess.Popen(die_with_parent(argv), pass_fds=[theirs.fileno()]).pid
+    _zygote = Zygote(pid, ours)
+    return _zygote
+
+
 def close(timeout: float = 10.0) -> None:
     """End this process's zygote, if it has one: its children still running are killed,
     and the zygote reaped (so its children's CPU time is this process's children's, as a
     Popen'd engine's is)."""
-    global _zygote
-    z, _zygote = _zygote, None
+    global _zygote, _reaped_cpu_s, _on_demand
+    z, _zygote, _on_demand = _zygote, None, None
     if z is None:
         return
     z.sock.close()  # the zygote reads the end: it kills and reaps its children, then exits
     deadline = time.monotonic() + timeout
-    while os.waitpid(z.pid, os.WNOHANG) == (0, 0):
-        if time.monotonic() > deadline:
-            os.kill(z.pid, signal.SIGKILL)
-            os.waitpid(z.pid, 0)
-            return
-        time.sleep(0.01)
+    with contextlib.suppress(ChildProcessError):  # reaped already (subprocess's own cleanup)
+        while os.waitpid(z.pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(z.pid, signal.SIGKILL)
+                os.waitpid(z.pid, 0)
+                break
+            time.sleep(0.01)
+    _reaped_cpu_s = 0.0  # in this process's RUSAGE_CHILDREN now, with the zygote's own
+
+
+def on_demand(preload: str) -> None:
+    """Spawn this process's zygote (`spawn(preload)`) when it first starts an engine."""
+    global _on_demand
+    _on_demand = preload
 
 
 def forks(argv: list[str]) -> bool:
-    """Whether this process has a zygote alive that can start `argv` (``python -m ...``)."""
-    return (_zygote is not None and _zygote.alive and len(argv) >= 3
-            and argv[0] == sys.executable and argv[1] == "-m")  # fmt: skip
+    """Whether this process has a zygote alive (or `on_demand`, spawned now) that can start
+    `argv` (``python -m ...``)."""
+    if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
+        return False
+    with _spawning:
+        if _zygote is None and _on_demand is not None:
+            spawn(_on_demand)
+    return _zygote is not None and _zygote.alive
 
 
 def launch(argv: list[str], *, env: dict[str, str], stdout: int, stderr: int, name: str) -> Forked:
@@ -233,13 +275,14 @@ def _serve(sock: socket.socket, parent: int) -> None:
 def _report_exits(sock: socket.socket, running: set[int]) -> None:
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
         running.discard(pid)
-        message = {"exit": pid, "status": os.waitstatus_to_exitcode(status)}
+        message = {"exit": pid, "status": os.waitstatus_to_exitcode(status),
+                   "cpu_s": usage.ru_utime + usage.ru_stime}  # fmt: skip
         with contextlib.suppress(OSError):
             sock.send(json.dumps(message).encode())
 
@@ -304,6 +347,17 @@ def _run_module(module: str) -> int:
     return 0
 
 
+def _main(fd: str, parent: str, preload: str) -> None:
+    """`spawn`'s zygote: import `preload`'s, then serve the socket `fd` until `parent` goes."""
+    import importlib
+
+    module, function = preload.split(":")
+    getattr(importlib.import_module(module), function)()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _serve(socket.socket(fileno=int(fd)), int(parent))
+
+
 def _libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
@@ -318,3 +372,7 @@ def _die_with_parent(parent: int) -> None:
 def _set_name(name: str) -> None:
     """This process's name in `/proc/PID/comm` (15 bytes at most)."""
     _libc().prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:4])
