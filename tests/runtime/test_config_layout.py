@@ -29,7 +29,15 @@ from gyre.runtime.shared.config import (
     load_run_config,
 )
 from gyre.runtime.shared.harness import check_adapter
-from gyre.runtime.shared.layout import cell_members, cell_of_rank, cell_ranks, engine_ranks, layout
+from gyre.runtime.shared.layout import (
+    cell_members,
+    cell_of_rank,
+    cell_ranks,
+    engine_ranks,
+    engine_shards,
+    hosts_engine,
+    layout,
+)
 from gyre.schedule.config import Config as SchedulerConfig
 from gyre.schedule.config import ScheduleConfig
 from gyre.vocabulary import RoleRule
@@ -169,6 +177,27 @@ def test_layout_maps_every_rank_once(cells: int, ranks: int, standalone: int, ex
     assert cell_ranks(comps) == [m[0] for m in members]  # the leaders
     first_standalone = 2 + cells * ranks
     assert engine_ranks(comps) == [m[0] for m in members] + list(range(first_standalone, size))
+
+
+@given(
+    cells=st.integers(1, 4), per_cell=st.integers(1, 3), stride=st.integers(1, 2),
+    spare=st.integers(0, 2), standalone=st.integers(0, 2), judges=st.integers(0, 1),
+)  # fmt: skip
+def test_the_ranks_that_fork_an_engine_zygote_are_the_ranks_that_host_engines(
+    cells: int, per_cell: int, stride: int, spare: int, standalone: int, judges: int
+) -> None:
+    """A rank forks an engine zygote (`gyre.runtime.main.fork_engine_zygote`) exactly when it
+    hosts an engine: each cell's engine ranks (`engine_ranks`), the standalone and the judge
+    engines; never the coordinator, the proxy node or a cell rank that only trains."""
+    ranks = per_cell * stride + spare
+    topo = TopologyConfig(cells=cells, ranks_per_cell=ranks, standalone_engines=standalone,
+                          judge_engines=judges)  # fmt: skip
+    comps = layout(topo.world_size, topo)
+    shards = engine_shards(per_cell, stride)
+    forking = {r for r, c in enumerate(comps) if hosts_engine(c, shards)}
+    judge_ranks = {r for r, c in enumerate(comps) if c.kind == "judge"}
+    assert forking == set(engine_ranks(comps, shards)) | judge_ranks
+    assert len(judge_ranks) == judges and not forking & {0, 1}
 
 
 def test_a_cluster_config_is_refused_by_gyre_run_before_anything_starts(tmp_path: Path) -> None:
