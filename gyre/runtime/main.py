@@ -32,7 +32,6 @@ from gyre.runtime.shared.config import RunConfig, dump_run_config, load_run_conf
 from gyre.runtime.shared.layout import (
     Component,
     cell_members,
-    engine_shards,
     hosts_engine,
     layout,
 )
@@ -108,9 +107,10 @@ def fork_engine_zygote(cfg: RunConfig, me: Component) -> bool:
     thread took, and never calls MPI (MPICH and Open MPI allow a child that does not). Only
     for the embedded engine on the CPU (`EngineProcess.spawn`); `engine.zygote: false` starts
     none. Returns whether it started one."""
-    shards = engine_shards(cfg.engines_per_cell, cfg.engine_ranks)
+    from gyre.runtime.roles import shards
+
     cpu = cfg.engine.backend == "embedded" and cfg.engine.device != "cuda"
-    if not (cpu and cfg.engine.zygote and hosts_engine(me, shards)):
+    if not (cpu and cfg.engine.zygote and hosts_engine(me, shards(cfg))):
         return False
     from gyre.rollout import server
     from gyre.rollout.serving import zygote

@@ -97,7 +97,7 @@ class EngineProcess:
         self._stopped = False
         stdout = subprocess.PIPE if not url else self._log  # the URL line, or the log
         if self.config.launch == "embedded" and zygote.forks(cmd):  # the CPU engine only
-            out = subprocess.PIPE if not url else self._log.fileno()
+            out = stdout if stdout == subprocess.PIPE else self._log.fileno()
             self.proc = zygote.launch(cmd, env=env, stdout=out, stderr=self._log.fileno(),
                                       name=self.process_name())  # fmt: skip
         else:
