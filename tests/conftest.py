@@ -107,12 +107,12 @@ def resumable_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def engine_zygote():  # type: ignore[no-untyped-def]
     """The engines a test process starts itself (`running_engine`, `EngineHost`) are forked
-    from one zygote per process, as a cell rank's are (`gyre.rollout.serving.zygote`): a
+    from one zygote per process, as a cell rank's are (`gyre.zygote`): a
     new interpreter, since a pytest worker already runs threads, spawned at its first engine;
     each engine after it skips ~6 CPU-s of imports. A test's CPU seconds include its
     engines' as the zygote reports them (`zygote.reaped_cpu_s`); the zygote's own go to the
     process's last test."""
-    from gyre.rollout.serving import zygote
+    from gyre import zygote
 
     zygote.on_demand("gyre.rollout.server:preload")
     yield
@@ -192,7 +192,7 @@ def smollm2_url(smollm2_policy):  # type: ignore[no-untyped-def]
 
 
 def _cpu_s() -> float:
-    from gyre.rollout.serving import zygote
+    from gyre import zygote
 
     own, kids = (
         resource.getrusage(resource.RUSAGE_SELF),

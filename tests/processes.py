@@ -1,6 +1,8 @@
 """The processes of one `gyre run`, found in /proc by what they carry (tests only).
 
-Ranks carry the run directory on their command line and PMI_RANK in their environment;
+Ranks carry the run directory on their command line and PMI_RANK in their environment (a
+rank forked by `gyre run`'s rank zygote is named ``gyre-rank-<rank>``, beside the process
+mpiexec started for it, which carries both);
 engines carry GYRE_RUN_DIR / GYRE_ENGINE_INDEX, or, forked by their rank's zygote (whose
 command line and environment they keep), the name ``gyre-engine-<index>``; harnesses and scorers carry the run's
 workspace paths on their command line. A kill test finds its victim here and, afterwards,
@@ -60,8 +62,10 @@ def scan(run_dir: Path) -> list[Proc]:
 
 def _classify(pid: int, joined: bytes, env: dict[bytes, bytes], name: str) -> Proc:
     text = joined.decode(errors="replace")
-    if name.startswith("gyre-engine-"):  # forked by a zygote (gyre.rollout.serving.zygote)
+    if name.startswith("gyre-engine-"):  # forked by a zygote (gyre.zygote)
         return Proc(pid, "engine", int(name.rsplit("-", 1)[1]), text)
+    if name.startswith("gyre-rank-"):  # forked by gyre run's rank zygote
+        return Proc(pid, "rank", int(name.rsplit("-", 1)[1]), text)
     if name == "gyre-zygote":
         return Proc(pid, "zygote", -1, text)
     if b"gyre.runtime.main" in joined and b"PMI_RANK" in env:

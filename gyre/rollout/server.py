@@ -432,7 +432,7 @@ async def serve(
 def preload() -> None:
     """Import what an engine imports on its way to serving (this module: torch, tornado, the
     engine; transformers' model code): what an engine zygote holds before it forks engines
-    (`gyre.rollout.serving.zygote`)."""
+    (`gyre.zygote`)."""
     import transformers
 
     for name in ("AutoModelForCausalLM", "AutoTokenizer", "PreTrainedTokenizerFast",

@@ -182,7 +182,7 @@ def find_mpiexec() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gyre.runtime.main import default_run_dir, ranks_config
+    from gyre.runtime.main import default_run_dir, forks_ranks, ranks_config
     from gyre.runtime.preflight import Where, preflight
     from gyre.runtime.shared.config import dump_run_config, load_run_config
     from gyre.runtime.shared.startup import environ, table
@@ -202,8 +202,10 @@ def run(args: argparse.Namespace) -> int:
     text = dump_run_config(cfg)  # what every rank reads: the file plus the overrides
     merged = ranks_config(run_dir, text)  # rank 0 keeps it as the run's own config.yaml
     write = not (merged.is_file() and merged.read_text() == text)
+    forked = forks_ranks(cfg)  # each rank `gyre.zygote`'s fork of one warm process
     cmd = [find_mpiexec(), "-n", str(cfg.topology.world_size), sys.executable, "-m",
-           "gyre.runtime.main", str(merged), "--run-dir", str(run_dir)]  # fmt: skip
+           *(["gyre.zygote"] if forked else []), "gyre.runtime.main", str(merged),
+           "--run-dir", str(run_dir)]  # fmt: skip
     if args.dry_run:
         t = cfg.topology
         first = f", writing the merged config to {merged} first" if write else ""
@@ -218,7 +220,21 @@ def run(args: argparse.Namespace) -> int:
     # environ(): when gyre run started, which the ranks' start-up phases count from
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "HF_HUB_OFFLINE": "1", **environ()}  # fmt: skip
-    rc, summary, tail = _supervise(cmd, env, run_dir, quiet=args.quiet, limit=cfg.timeouts.run_s)
+    warm = None
+    if forked:  # imports what the ranks import while mpiexec starts them
+        from gyre import zygote
+
+        # one OpenMP thread while it imports: a fork copies no thread (ranks set their own)
+        warm = zygote.serve_ranks("gyre.runtime.main:preload", str(merged),
+                                  ranks=cfg.topology.world_size,
+                                  env={**env, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        env[zygote.ENV] = warm.address
+    try:
+        rc, summary, tail = _supervise(cmd, env, run_dir, quiet=args.quiet,
+                                       limit=cfg.timeouts.run_s)  # fmt: skip
+    finally:
+        if warm is not None:
+            warm.close()  # what is left of the ranks, and the zygote reaped
     if rc == EXIT_CHECKPOINTED and summary is not None:
         print(f"gyre run: checkpointed after {summary['steps_done']} steps; resume with "
               f"gyre run --resume {run_dir}")  # fmt: skip

@@ -188,12 +188,22 @@ def run_eval(
     base = _work_base(out, run_dir, cfg, config_file, todo)
     limit = concurrency or cfg.engine.max_batch_size
     hide = (base,) + ((run_dir,) if run_dir is not None else ())  # the run's policies, trace
-    results = [
-        evaluate(
-            cfg, t, base / t.name, tasks=names, instances=instances, concurrency=limit, hide=hide
-        )
-        for t in todo
-    ]
+    from gyre import zygote
+
+    cpu = cfg.engine.backend == "embedded" and cfg.engine.device != "cuda"
+    # one import of the engine's code for every policy (unless this process has a zygote)
+    ours = cpu and cfg.engine.zygote and len(todo) > 1 and not zygote.active()
+    if ours:
+        zygote.on_demand("gyre.rollout.server:preload")
+    try:
+        results = [
+            evaluate(cfg, t, base / t.name, tasks=names, instances=instances,
+                     concurrency=limit, hide=hide)  # fmt: skip
+            for t in todo
+        ]
+    finally:
+        if ours:
+            zygote.close()
     if run_dir is not None:
         with fsafe.writing(run_dir / EVAL_FILE):
             _merge(run_dir / EVAL_FILE, results, names, instances)

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def fork_engine_zygote(cfg: RunConfig, me: Component) -> bool:
     """A rank that hosts an embedded engine imports what the engine needs and forks its
-    engine zygote (`gyre.rollout.serving.zygote`): its engines are then forked from it rather
+    engine zygote (`gyre.zygote`): its engines are then forked from it rather
     than started as new interpreters that import torch and transformers again. Done right
     after MPI_Init, while the rank has no thread of its own: the zygote holds no lock another
     thread took, and never calls MPI (MPICH and Open MPI allow a child that does not). Only
@@ -112,11 +112,43 @@ def fork_engine_zygote(cfg: RunConfig, me: Component) -> bool:
     cpu = cfg.engine.backend == "embedded" and cfg.engine.device != "cuda"
     if not (cpu and cfg.engine.zygote and hosts_engine(me, shards(cfg))):
         return False
+    from gyre import zygote
     from gyre.rollout import server
-    from gyre.rollout.serving import zygote
 
     zygote.start(server.preload)
     return True
+
+
+def preload(config: str) -> None:
+    """Import what the ranks of `config` import, once, in `gyre run`'s rank zygote
+    (`gyre.zygote`): mpiexec's ranks are then forked from it rather than each importing torch,
+    transformers, tornado, h5py (and megatron-core) as a new interpreter. Not MPI itself:
+    each rank initialises its own, after the fork."""
+    import importlib
+
+    cfg = load_run_config(config)
+    modules = ["gyre.runtime.roles", "gyre.runtime.coordinator.coordinator",
+               "gyre.runtime.proxy_node.node", "gyre.runtime.cell.engine_host",
+               "gyre.runtime.cell.leader", "gyre.runtime.cell.follower",
+               "gyre.runtime.shared.wire", "gyre.train.comm", "gyre.train.transfer"]  # fmt: skip
+    if cfg.train.backend == "megatron":
+        modules += ["torch.distributed", "megatron.core.parallel_state",
+                    "gyre.train.megatron.model", "gyre.train.megatron.weights",
+                    "gyre.train.megatron.shard_files"]  # fmt: skip
+    for module in modules:
+        importlib.import_module(module)
+    from gyre.rollout import server
+
+    server.preload()
+    if "mpi4py.MPI" in sys.modules:
+        raise RuntimeError("the rank zygote imported mpi4py.MPI: its ranks could not start MPI")
+
+
+def forks_ranks(cfg: RunConfig) -> bool:
+    """Whether `gyre run` forks this config's ranks from a rank zygote: `topology.zygote`,
+    and nothing of the run on a GPU (CUDA does not survive a fork)."""
+    gpu = cfg.train.device.startswith("cuda") or cfg.engine.backend == "sglang"
+    return cfg.topology.zygote and not gpu and cfg.engine.device != "cuda"
 
 
 RESUME_CONFIG = "config.resume.yaml"
@@ -192,7 +224,7 @@ def exit_process(status: int) -> None:
     destructors that abort while gloo's threads live ("terminate called without an active
     exception", tests/gpu/test_gpu_serving.py).
     """
-    from gyre.rollout.serving import zygote
+    from gyre import zygote
 
     zygote.close()  # reaped here: its engines' CPU time counts as this rank's children's
     sys.stdout.flush()

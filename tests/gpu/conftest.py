@@ -2,16 +2,24 @@
 
 `cuda` skips a test with a clear reason when no CUDA device is present (CI has none);
 `megatron_world` initializes a one-rank gloo world with Megatron's parallel_state (TP = PP = 1)
-for the test module and tears it down afterwards.
+for the test module and tears it down afterwards. `workers` starts the processes of the
+multi-rank worlds (gloo or mpiexec) as forks of one process per test process that has
+imported torch, megatron-core and Gyre's Megatron model — a rank zygote, as `gyre run`'s ranks
+are forked (`gyre.zygote`) — instead of new interpreters that import them again.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
+
+from gyre import zygote
 
 
 @pytest.fixture
@@ -45,3 +53,35 @@ def megatron_world() -> Iterator[None]:
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+WORKER_IMPORTS = ("torch.distributed", "megatron.core.parallel_state",
+                  "megatron.core.tensor_parallel", "gyre.train.megatron.model",
+                  "gyre.train.megatron.weights", "gyre.train.megatron.pipeline", "gyre.models",
+                  "gyre.rollout.server")  # fmt: skip
+"""What a worker of a Megatron world imports (what it imports besides is imported there)."""
+
+
+@dataclass(frozen=True)
+class Workers:
+    """How a test starts a worker: `command(SCRIPT, *args)` with `env()` (a new interpreter
+    running ``python SCRIPT ARGS``, forked from the zygote at `address`)."""
+
+    address: str
+
+    def command(self, script: object, *args: object) -> list[str]:
+        return [sys.executable, "-m", "gyre.zygote", str(script), *map(str, args)]
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, zygote.ENV: self.address}
+
+
+@pytest.fixture(scope="session")
+def workers() -> Iterator[Workers]:
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (extra gyre[gpu])")
+    warm = zygote.serve_ranks("gyre.zygote:imports", *WORKER_IMPORTS, ranks=1 << 30,
+                              env=dict(os.environ))  # fmt: skip
+    try:
+        yield Workers(warm.address)
+    finally:
+        warm.close()

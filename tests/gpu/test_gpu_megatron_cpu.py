@@ -57,6 +57,7 @@ def _free_port() -> int:
 
 
 def _run_world(
+    workers: Any,
     tmp_path: Path,
     step: MicroStep,
     tp: int,
@@ -68,9 +69,9 @@ def _run_world(
     """Every rank's results of one micro-step through a TP x PP world of gloo processes."""
     torch.save(step, tmp_path / "step.pt")
     port, world = _free_port(), tp * pp
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port),
-                               str(tmp_path), str(pp), dtype, attention, sequence],
-                              stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(workers.command(WORKER, r, world, port, tmp_path, pp, dtype,
+                                              attention, sequence),
+                              env=workers.env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for r in range(world)]  # fmt: skip
     for p in procs:
@@ -104,12 +105,12 @@ def _hf_grads(ranks: list[dict], tp: int) -> dict[str, torch.Tensor]:
                          [(2, 1, "sdpa", "auto"), (2, 1, "sdpa", "off"), (1, 2, "sdpa", "auto"),
                           (2, 2, "sdpa", "auto"), (2, 1, "local", "auto")])  # fmt: skip
 def test_megatron_tp_matches_transformers_on_cpu(
-    tmp_path: Path, tp: int, pp: int, attention: str, sequence: str
+    workers: Any, tmp_path: Path, tp: int, pp: int, attention: str, sequence: str
 ) -> None:
     """Log-probs and gradients of one micro-step within 2e-5 / 1e-4 relative of transformers';
     sequence parallelism ("auto": on at TP 2) pads the 13-token rows to 14."""
     step = _step()
-    ranks = _run_world(tmp_path, step, tp, pp, "float32", attention, sequence)
+    ranks = _run_world(workers, tmp_path, step, tp, pp, "float32", attention, sequence)
     assert {r["sequence_parallel"] for r in ranks} == {tp > 1 and sequence != "off"}
     want_logp, want_grads = _hf_reference(step)
     targets = _targets(step, tuple(want_logp.shape))
@@ -135,7 +136,9 @@ def cuda_path(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_megatron_bf16_tp_and_pp_match_transformers_within_bf16_tolerance(tmp_path: Path) -> None:
+def test_megatron_bf16_tp_and_pp_match_transformers_within_bf16_tolerance(
+    workers: Any, tmp_path: Path
+) -> None:
     """bf16 at TP 2 x PP 2 (mixed precision: float32 log-probs from the vocab-parallel
     cross-entropy, bf16 hidden states between the stages, gradients added up in float32, the
     tied embedding's two float32 copies summed) against transformers in float32, within
@@ -145,7 +148,7 @@ def test_megatron_bf16_tp_and_pp_match_transformers_within_bf16_tolerance(tmp_pa
     from gyre.train.objective import step_tensors
 
     step = _step()
-    ranks = _run_world(tmp_path, step, 2, 2, "bfloat16")
+    ranks = _run_world(workers, tmp_path, step, 2, 2, "bfloat16")
     want_logp, want_grads = _hf_reference(step)
     targets = _targets(step, tuple(want_logp.shape))
     hf, st = load_model("tiny")[0], step_tensors(step)

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -232,6 +233,7 @@ def _free_port() -> int:
 
 
 def _run_world(
+    workers: Any,
     tmp_path: Path,
     step: MicroStep,
     family: str,
@@ -243,9 +245,10 @@ def _run_world(
 ) -> list:
     torch.save(step, tmp_path / "step.pt")
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(tp * pp), str(port),
-                               str(tmp_path), family, attention, str(pp), sequence, str(ep)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen(workers.command(WORKER, r, tp * pp, port, tmp_path, family,
+                                              attention, pp, sequence, ep),
+                              env=workers.env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
              for r in range(tp * pp)]  # fmt: skip
     for p in procs:
         out, _ = p.communicate(timeout=300)
@@ -267,7 +270,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     ("qwen3_moe_plain_topk", 2, "local", 1, "auto", 1), ("qwen2_moe", 2, "sdpa", 1, "auto", 1),
     ("qwen3_moe", 2, "sdpa", 1, "auto", 2), ("qwen2_moe", 2, "sdpa", 1, "auto", 2),
 ])  # fmt: skip
-def test_a_family_matches_transformers(tmp_path, family, tp, attention, pp, sequence, ep):
+def test_a_family_matches_transformers(workers, tmp_path, family, tp, attention, pp, sequence, ep):
     """Gyre's Megatron model of the family, TP ranks (and pipeline stages) over gloo, against
     transformers' model of the same weights: logits (PP 1: gathered over the vocabulary
     shards), target log-probs on every rank and every parameter's gradient (gathered back to
@@ -281,7 +284,7 @@ def test_a_family_matches_transformers(tmp_path, family, tp, attention, pp, sequ
 
     hf = tiny_family(family)
     step = _step(hf.config.vocab_size)
-    ranks = _run_world(tmp_path, step, family, tp, attention, pp, sequence, ep)
+    ranks = _run_world(workers, tmp_path, step, family, tp, attention, pp, sequence, ep)
     assert {r["sequence_parallel"] for r in ranks} == {tp > 1 and sequence != "off"}
     experts = num_experts(hf.config.to_dict()) // ep  # a rank's routed experts in a layer
     assert all(sum(".local_experts." in n and "fc2" in n for n in r["grads"]) == 2 * experts // pp

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,7 +41,9 @@ def _stage(name: str) -> int:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_each_stage_publishes_its_own_weights_from_its_own_ranks(tmp_path: Path) -> None:
+def test_each_stage_publishes_its_own_weights_from_its_own_ranks(
+    workers: Any, tmp_path: Path
+) -> None:
     from gyre.models import load_model
     from gyre.rollout.testing import recording_forwarder, running_engine
     from gyre.runtime.cli import find_mpiexec
@@ -50,8 +52,9 @@ def test_each_stage_publishes_its_own_weights_from_its_own_ranks(tmp_path: Path)
     assert hf.config.num_hidden_layers == LAYERS
     every = {n for n, _ in hf.named_parameters()}
     with running_engine("tiny") as url, recording_forwarder(url) as (watched, seen):
-        proc = subprocess.run([find_mpiexec(), "-n", "4", sys.executable, str(WORKER), watched,
-                               url, str(tmp_path)], capture_output=True, text=True,
+        proc = subprocess.run([find_mpiexec(), "-n", "4",
+                               *workers.command(WORKER, watched, url, tmp_path)],
+                              env=workers.env(), capture_output=True, text=True,
                               timeout=900)  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for layout, senders in (("tp2pp2d1", {0: 0, 2: 1}), ("tp1pp2d2", {0: 0, 1: 1})):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,11 +34,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(tmp_path: Path, tp: int, pp: int, order: str = "same") -> list[dict]:
+def _run(workers: Any, tmp_path: Path, tp: int, pp: int, order: str = "same") -> list[dict]:
     port, world = _free_port(), tp * pp
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port),
-                               str(tmp_path), str(pp), str(MICROSTEPS), order],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen(workers.command(WORKER, r, world, port, tmp_path, pp, MICROSTEPS,
+                                              order),
+                              env=workers.env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
              for r in range(world)]  # fmt: skip
     for p in procs:
         out, _ = p.communicate(timeout=300)
@@ -64,13 +65,13 @@ def _same(ranks: list[dict]) -> None:
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)], ids=["pp2", "pp2xtp2"])
 def test_a_window_run_1f1b_equals_its_micro_steps_one_at_a_time(
-    tmp_path: Path, tp: int, pp: int
+    workers: Any, tmp_path: Path, tp: int, pp: int
 ) -> None:
-    _same(_run(tmp_path, tp, pp))
+    _same(_run(workers, tmp_path, tp, pp))
 
 
-def test_the_comparison_sees_a_window_out_of_order(tmp_path: Path) -> None:
+def test_the_comparison_sees_a_window_out_of_order(workers: Any, tmp_path: Path) -> None:
     """The check above is not vacuous: the same window handed over in reverse gives each
     micro-step another's sums."""
     with pytest.raises(AssertionError):
-        _same(_run(tmp_path, 1, 2, order="reversed"))
+        _same(_run(workers, tmp_path, 1, 2, order="reversed"))

@@ -200,6 +200,24 @@ def test_the_ranks_that_fork_an_engine_zygote_are_the_ranks_that_host_engines(
     assert len(judge_ranks) == judges and not forking & {0, 1}
 
 
+@pytest.mark.parametrize("override,forked", [
+    ({}, True), ({"topology": {"zygote": False}}, False),
+    ({"train": {"device": "cuda"}}, False), ({"engine": {"device": "cuda"}}, False),
+    ({"engine": {"backend": "sglang"}}, False),
+])  # fmt: skip
+def test_gyre_run_forks_its_ranks_only_where_nothing_is_on_a_gpu(
+    override: dict, forked: bool
+) -> None:
+    """`gyre run` forks the ranks from its rank zygote (`forks_ranks`) unless
+    `topology.zygote` is off or anything of the run is on a GPU: CUDA does not survive a
+    fork, and a rank on a GPU may touch it while it starts."""
+    from gyre.config import load
+    from gyre.runtime.main import forks_ranks
+    from gyre.runtime.shared.config import RunConfig
+
+    assert forks_ranks(load(RunConfig, override, path="run")) is forked
+
+
 def test_a_cluster_config_is_refused_by_gyre_run_before_anything_starts(tmp_path: Path) -> None:
     """`gyre run` starts every rank here: a 194-rank cluster template is refused, naming the
     way to run it (it used to start 194 ranks on this machine)."""

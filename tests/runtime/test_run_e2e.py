@@ -245,8 +245,9 @@ def _startup_profile_covers_every_rank(startup: dict, output: str) -> None:
     assert sorted(ranks) == list(range(5)), ranks  # coordinator, proxy, three cells
     assert [ranks[r]["component"] for r in range(5)] == [
         "coordinator", "proxy", "cell0", "cell1", "cell2"]  # fmt: skip
-    for r in ranks.values():
-        assert {"gyre run", "launch", "imports", "rendezvous", "transport"} <= set(r["phases"])
+    for r in ranks.values():  # each forked from gyre run's rank zygote (topology.zygote)
+        assert {"gyre run", "launch", "rank zygote", "imports", "rendezvous",
+                "transport"} <= set(r["phases"])  # fmt: skip
         assert all(v >= 0 for v in r["phases"].values()), r
     for cell in (2, 3, 4):  # each forks its engine from its zygote (engine.zygote)
         assert {"zygote", "engine spawn", "model build", "engine ready"} <= set(

@@ -13,7 +13,7 @@ do other work while it loads.
 The embedded engine, launched on port 0, binds a port the OS picks and prints ``... listening
 on URL`` as its first stdout line, which `wait_ready` reads; any other server gets a free
 port on its command line. An engine-hosting rank forks the embedded engine on the CPU from
-its zygote (`gyre.rollout.serving.zygote`: no second import of torch and transformers); any
+its zygote (`gyre.zygote`: no second import of torch and transformers); any
 other server is a new process — on a GPU node too: a CUDA-aware MPI may have created a CUDA
 context before the zygote was forked, and CUDA does not survive a fork. The server runs in its own session (process group), so SGLang's
 scheduler and detokenizer children stop with it, and gets SIGKILL when the process that
@@ -38,9 +38,9 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
+from gyre import zygote
 from gyre.errors import EngineError
 from gyre.lifetime import die_with_parent
-from gyre.rollout.serving import zygote
 from gyre.rollout.serving.config import SERVER_ENV, ServerConfig
 
 EMBEDDED = ("embedded", "embedded-cuda")

@@ -153,7 +153,7 @@ class EngineConfig:
     """embedded: torch threads of one engine process."""
     zygote: bool = True
     """embedded on the CPU: fork engines from a process of the rank that already imported
-    torch and transformers (`gyre.rollout.serving.zygote`); false: each a new interpreter."""
+    torch and transformers (`gyre.zygote`); false: each a new interpreter."""
     max_batch_size: int = 8
     """embedded: sequences decoded together."""
     prefix_cache_mb: int = 64

@@ -53,6 +53,9 @@ class TopologyConfig:
     cpu_memory_gb: float | None = None
     """On the CPU: the memory one cell rank may use (GB); None: the plan is printed, not
     enforced."""
+    zygote: bool = True
+    """`gyre run` on one machine without a GPU: every rank forked from one process that has
+    imported what ranks import (`gyre.zygote`), not each a new interpreter; false: new ones."""
 
     def __post_init__(self) -> None:
         if self.cells < 1:

@@ -10,6 +10,7 @@ as `startup`. `gyre run --profile-startup` prints it as a table (`table`);
 `tools/bench_startup.py` compares runs.
 
     clock = StartupClock()        # first thing in a rank: "gyre run" and "launch" are known
+                                  # (and "rank zygote": the warm imports it was forked from)
     ...; clock.mark("imports")    # each phase closed where it ends
     link.send(clock.report(rank, "cell"), COORDINATOR_RANK)
 
@@ -25,6 +26,8 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from gyre.zygote import ENTERED
 
 START_ENV = "GYRE_START_T"
 """Unix seconds `gyre run`'s process started (its Python start and config checks included)."""
@@ -57,7 +60,11 @@ class StartupClock:
         self.phases: dict[str, float] = {}
         if SPAWN_ENV in env:
             self.mark("gyre run", float(env[SPAWN_ENV]))  # its imports and config checks
-        self.mark("launch", process_start())  # mpiexec (srun) and the interpreter's start
+        if ENTERED in env:  # forked by gyre run's rank zygote: mpiexec, then the warm imports
+            self.mark("launch", float(env[ENTERED]))
+            self.mark("rank zygote", process_start())
+        else:
+            self.mark("launch", process_start())  # mpiexec (srun) and the interpreter's start
 
     def mark(self, phase: str, now: float | None = None) -> None:
         """Close `phase` at `now` (default: now); a phase marked again adds up."""

@@ -1,6 +1,6 @@
 """An engine zygote forks children that behave as the process a rank would have started.
 
-The rank here is this module run as a program (`python -m tests.rollout.test_zygote rank`):
+The rank here is this module run as a program (`python -m tests.test_zygote rank`):
 a zygote is forked from a process without threads, as a cell rank forks it, never from a
 pytest worker. Its children are this module again (`child`): each reports what it was given.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,15 +18,17 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CHILD = [sys.executable, "-m", "tests.rollout.test_zygote", "child"]
+from gyre import zygote
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = [sys.executable, "-m", "tests.test_zygote", "child"]
 
 
 def _rank(log: str, then: str, how: str) -> int:
     """The rank: a zygote (`how`: forked as a cell rank forks it, or a new interpreter as a
     test worker starts it), then three children, reported as JSON lines on stdout; `then`
     "close": it ends its zygote itself, as a rank does before it exits."""
-    from gyre.rollout.serving import zygote
+    from gyre import zygote
 
     os.environ["RANK_ONLY"] = "1"  # the rank's own environment: not its children's
     if how == "fork":
@@ -62,9 +65,12 @@ def _rank(log: str, then: str, how: str) -> int:
 def _child(how: str) -> int:
     """A child: tells what it got, then exits with `how` or sleeps until signalled."""
     comm = Path("/proc/self/comm").read_text().strip()
+    if os.environ.get("PMI_FD", "").isdigit():  # a rank: it speaks to mpiexec on this one
+        os.write(int(os.environ["PMI_FD"]), f"cmd=hello from {comm}\n".encode())
     _say(given=os.environ.get("GIVEN"), rank_only=os.environ.get("RANK_ONLY"), name=comm,
          session=os.getsid(0) == os.getpid(), argv=sys.argv[1:])  # fmt: skip
     if how == "sleep":
+        signal.signal(signal.SIGUSR1, lambda *_: os._exit(75))  # a preempted rank's status
         time.sleep(600)
     return int(how)
 
@@ -89,7 +95,7 @@ def _gone(pid: int, within: float) -> bool:
 def _start_rank(log: Path, then: str, how: str) -> tuple[subprocess.Popen[str], dict[str, int]]:
     """The rank, once it checked its first two children: its third child's and zygote's pids."""
     rank = subprocess.Popen(
-        [sys.executable, "-m", "tests.rollout.test_zygote", "rank", str(log), then, how],
+        [sys.executable, "-m", "tests.test_zygote", "rank", str(log), then, how],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -147,6 +153,76 @@ def test_a_closed_zygote_leaves_nothing_behind(tmp_path: Path, how: str) -> None
     finally:
         rank.kill()
         rank.wait(timeout=30)
+
+
+def _enter(address: str, how: str, rank: int) -> tuple[subprocess.Popen[str], socket.socket]:
+    """A rank as mpiexec starts one, through `python -m gyre.zygote`: its PMI socket's other
+    end is returned (as mpiexec keeps it)."""
+    ours, theirs = socket.socketpair()
+    env = {**os.environ, zygote.ENV: address, "PMI_FD": str(theirs.fileno()),
+           "PMI_RANK": str(rank), "GIVEN": "yes"}  # fmt: skip
+    with theirs:
+        proc = subprocess.Popen([sys.executable, "-m", "gyre.zygote", *CHILD[2:], how], cwd=ROOT,
+                                env=env, pass_fds=[theirs.fileno()], stdout=subprocess.PIPE,
+                                text=True)  # fmt: skip
+    return proc, ours
+
+
+def test_ranks_entered_through_a_rank_zygote_are_its_forks_and_stay_what_mpiexec_sees(
+    tmp_path: Path,
+) -> None:
+    """`gyre run`'s ranks: each process mpiexec starts hands its streams and its PMI socket
+    to the rank zygote, which forks the rank from its imports, named for its rank, with that
+    process's environment; the process leaves with the rank's exit status, passes its
+    signals on (killed by the same one), takes its rank down when it is killed itself, and
+    once every rank has entered no one else gets in (a later one runs as a new interpreter)."""
+    env = {**os.environ, "ZYGOTE_ONLY": "1"}
+    warm = zygote.serve_ranks("os:getpid", ranks=4, env=env)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        exits, pmi = _enter(warm.address, "3", rank=4)
+        procs.append(exits)
+        assert exits.stdout is not None
+        said = json.loads(exits.stdout.readline())
+        assert said == {"given": "yes", "rank_only": None, "name": "gyre-rank-4", "session": True,
+                        "argv": ["child", "3"]}  # fmt: skip
+        assert pmi.recv(64) == b"cmd=hello from gyre-rank-4\n"  # the PMI socket is the rank's
+        assert exits.wait(timeout=30) == 3
+
+        sleepers = {rank: _enter(warm.address, "sleep", rank) for rank in (5, 6, 7)}
+        ranks = {}
+        for rank, (proc, _) in sleepers.items():
+            procs.append(proc)
+            assert proc.stdout is not None and json.loads(proc.stdout.readline())
+            ranks[rank] = next(int(p) for p in os.listdir("/proc") if p.isdigit() and
+                               _comm(p) == f"gyre-rank-{rank}")  # fmt: skip
+        sleepers[5][0].send_signal(signal.SIGUSR1)
+        assert sleepers[5][0].wait(timeout=30) == 75  # the rank got it, and said how it left
+        sleepers[6][0].send_signal(signal.SIGTERM)
+        assert sleepers[6][0].wait(timeout=30) == -signal.SIGTERM  # killed by the same signal
+        assert _gone(ranks[6], 10)
+        sleepers[7][0].kill()
+        sleepers[7][0].wait(timeout=30)
+        assert _gone(ranks[7], 10), "a rank outlived the process mpiexec started"
+
+        late, _pmi = _enter(warm.address, "0", rank=8)  # every rank entered: the listener is shut
+        procs.append(late)
+        assert late.stdout is not None
+        assert json.loads(late.stdout.readline())["name"] != "gyre-rank-8"
+        assert late.wait(timeout=30) == 0
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=30)
+        warm.close()
+    assert not Path(f"/proc/{warm.pid}").exists() and not Path(warm.address).exists()
+
+
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 if __name__ == "__main__":
