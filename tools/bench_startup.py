@@ -10,7 +10,8 @@ prints each config's phase x rank table of the summaries' `startup` (docs/runtim
 the whole command's wall time and the CPU seconds of all its processes (ranks, engines,
 harnesses): on a machine with few cores, start-up is CPU-bound and that is the number to cut.
 `--set` adds overrides to every config (`--set engine.zygote=false`: engines started as new
-interpreters, the way to measure what the engine zygote saves).
+interpreters, the way to measure what the engine zygote saves; `--set topology.zygote=false`:
+ranks started as new interpreters, not forked from `gyre run`'s rank zygote).
 Numbers, not a test; run it on an otherwise idle machine.
 """
 

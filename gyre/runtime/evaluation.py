@@ -196,11 +196,8 @@ def run_eval(
     if ours:
         zygote.on_demand("gyre.rollout.server:preload")
     try:
-        results = [
-            evaluate(cfg, t, base / t.name, tasks=names, instances=instances,
-                     concurrency=limit, hide=hide)  # fmt: skip
-            for t in todo
-        ]
+        results = [evaluate(cfg, t, base / t.name, tasks=names, instances=instances,
+                            concurrency=limit, hide=hide) for t in todo]  # fmt: skip
     finally:
         if ours:
             zygote.close()
