@@ -317,12 +317,16 @@ def _serve(sock: socket.socket, parent: int, listener: socket.socket | None = No
                     listener = None
             for fd in [fd for fd in ready if fd in conns]:
                 conn = conns[fd]
-                data, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 8)
+                try:
+                    data, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 8)
+                except OSError:
+                    data = b""
                 if data:
                     ours = [sock, *conns.values(), *([listener] if listener else [])]
                     pid = _fork_child(json.loads(data), fds, (wake_r, wake_w), ours, exits)
                     asked[pid] = conn
-                    conn.send(json.dumps({"pid": pid}).encode())
+                    with contextlib.suppress(OSError):  # one gone already: its EOF is next
+                        conn.send(json.dumps({"pid": pid}).encode())
                     continue
                 if conn is sock:
                     raise _Closed  # the rank closed its end

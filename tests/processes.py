@@ -1,8 +1,8 @@
 """The processes of one `gyre run`, found in /proc by what they carry (tests only).
 
 Ranks carry the run directory on their command line and PMI_RANK in their environment (a
-rank forked by `gyre run`'s rank zygote is named ``gyre-rank-<rank>``, beside the process
-mpiexec started for it, which carries both);
+rank forked by `gyre run`'s rank zygote is named ``gyre-rank-<rank>``; the process mpiexec
+started for it, which carries both, is its ``enter``);
 engines carry GYRE_RUN_DIR / GYRE_ENGINE_INDEX, or, forked by their rank's zygote (whose
 command line and environment they keep), the name ``gyre-engine-<index>``; harnesses and scorers carry the run's
 workspace paths on their command line. A kill test finds its victim here and, afterwards,
@@ -21,7 +21,7 @@ from pathlib import Path
 @dataclass(frozen=True, slots=True)
 class Proc:
     pid: int
-    kind: str  # rank | engine | zygote | harness | scorer | other
+    kind: str  # rank | enter | engine | zygote | harness | scorer | other
     index: int  # world rank, engine index, or -1
     cmdline: str
 
@@ -68,6 +68,8 @@ def _classify(pid: int, joined: bytes, env: dict[bytes, bytes], name: str) -> Pr
         return Proc(pid, "rank", int(name.rsplit("-", 1)[1]), text)
     if name == "gyre-zygote":
         return Proc(pid, "zygote", -1, text)
+    if b"-m gyre.zygote gyre.runtime.main" in joined and b"PMI_RANK" in env:
+        return Proc(pid, "enter", int(env[b"PMI_RANK"]), text)  # mpiexec's; the rank: its fork
     if b"gyre.runtime.main" in joined and b"PMI_RANK" in env:
         return Proc(pid, "rank", int(env[b"PMI_RANK"]), text)
     if b"gyre.rollout.cli" in joined and b"GYRE_ENGINE_INDEX" in env:

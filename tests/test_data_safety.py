@@ -364,3 +364,26 @@ def test_safe_name_is_one_path_component() -> None:
         "tiny-64x2",
         "final",
     ]
+
+
+def test_a_policy_that_fails_mid_write_leaves_no_partial_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publication whose write fails (here its model card, as on a full disk) raises, and
+    neither a half-written policy nor its temporary directory stays beside the policies
+    already there, which are untouched."""
+    from gyre.models import load_model
+
+    model, tokenizer = load_model("tiny")
+    run_dir = tmp_path / "run"
+    first = policies.save_policy(run_dir, policies.version_name(1), model, tokenizer, version=1)
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+
+    def full(*_: object) -> str:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(policies, "model_card", full)
+    with pytest.raises(OSError, match="No space left"):
+        policies.save_policy(run_dir, policies.version_name(2), model, tokenizer, version=2)
+    assert [p.name for p in (run_dir / policies.POLICIES).iterdir()] == [first.name]
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before

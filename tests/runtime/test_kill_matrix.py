@@ -32,13 +32,14 @@ same pieces (`preempt`, `kill_during`, `resume`, each a `Segment` record).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from processes import Proc, gone, wait_for
+from processes import Proc, gone, scan, wait_for
 from worlds import (
     CHAIN_STEPS,
     FATAL,
@@ -111,6 +112,7 @@ def test_engine_harness_and_scorer_kills_are_absorbed(tmp_path: Path) -> None:
     proc = start_run([str(write_config(tmp_path, cfg)), "--run-dir", str(run_dir)])
     killed: list[int] = []
     harnesses: list[Proc] = []
+    victims: list[tuple[str, float, list[str]]] = []  # the scorers killed, for a failure's message
     try:
         for phase in ("startup", "midrun"):
             if phase == "startup":  # the very first of each, as soon as it exists
@@ -120,7 +122,11 @@ def test_engine_harness_and_scorer_kills_are_absorbed(tmp_path: Path) -> None:
                 killed += kill([wait_for(run_dir, "engine", 1)])
             harnesses.append(wait_for(run_dir, "harness", exclude=killed))
             killed += kill(harnesses[-1:])
-            killed += kill([wait_for(run_dir, "scorer", exclude=killed)])
+            wait_for(run_dir, "scorer", exclude=killed)  # one runs: every process of it dies
+            scorers = [p for p in scan(run_dir) if p.kind == "scorer" and p.pid not in killed]
+            killed += kill(scorers)
+            victims.append((phase, time.time(), [p.cmdline for p in scorers]))
+            assert gone([p.pid for p in scorers]), "a killed scorer is still alive"
         rc, out = finish(proc)
     finally:
         if proc.poll() is None:
@@ -138,10 +144,12 @@ def test_engine_harness_and_scorer_kills_are_absorbed(tmp_path: Path) -> None:
         killed_eid = next(e for e in execs if f"/{e}/" in harness.cmdline)
         assert execs[killed_eid].status == "failed"  # its harness died; the workspace was scored
         assert execs[killed_eid].meta["verdict"] in ("scored", "placeholder")
-    # one unresolved row per killed scorer; the mid-run victim may be the start-up victim's
-    # retry, so two rows can name one execution
+    # at least one unresolved attempt per round of scorer kills (a scorer is a sandbox and
+    # the program in it: two processes of one attempt); the mid-run round may kill the
+    # start-up round's retry, so two attempts can name one execution
     unresolved = [(r["execution_id"], r["state_ref"], r["attempt"]) for r in rows if not r["valid"]]
-    assert len(set(unresolved)) >= 2, "each killed scorer's attempt is recorded unresolved"
+    assert len(set(unresolved)) >= 2, (victims, [(r["execution_id"], r["attempt"], r["valid"],
+                                                  r["t"], r["detail"]) for r in rows])  # fmt: skip
     for eid in {u[0] for u in unresolved}:
         assert any(r["valid"] and r["execution_id"] == eid for r in rows), f"{eid} not retried"
     assert events.count("engine_lost") >= 1 and summary["engine_losses"] >= 1

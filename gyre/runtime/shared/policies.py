@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -90,20 +91,24 @@ def save_parts(
         except OSError as e:
             written = e
     parts = comm.gather(written, root=0)
-    if isinstance(written, OSError):
-        raise written
     if not leader:
+        if isinstance(written, OSError):
+            raise written
         return None
-    failed = [p for p in parts if isinstance(p, OSError)]
-    if failed:
-        raise failed[0]
-    _write_head(folder, [p for p in parts if p is not None], config, tokenizer, generation)
-    (folder / META).write_text(json.dumps({"version": version, "run": run_dir.name,
-                                           "name": name}))  # fmt: skip
-    (folder / "README.md").write_text(model_card(run_dir, name, version))
     final = root / name
-    fsafe.adopt(final, MADE_BY, WRITTEN)  # an older Gyre's, written before markers
-    fsafe.move_into_place(folder, final, MADE_BY)  # readable as the umask allows
+    try:  # a policy written in part is not left behind (the leader made its directory)
+        failed = [p for p in parts if isinstance(p, OSError)]
+        if failed:
+            raise failed[0]
+        _write_head(folder, [p for p in parts if p is not None], config, tokenizer, generation)
+        (folder / META).write_text(json.dumps({"version": version, "run": run_dir.name,
+                                               "name": name}))  # fmt: skip
+        (folder / "README.md").write_text(model_card(run_dir, name, version))
+        fsafe.adopt(final, MADE_BY, WRITTEN)  # an older Gyre's, written before markers
+        fsafe.move_into_place(folder, final, MADE_BY)  # readable as the umask allows
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     if keep is not None:
         prune(run_dir, keep)
     return final
