@@ -445,7 +445,8 @@ def _run_main(what: str) -> int:
         if what.endswith(".py"):
             sys.path[0] = os.path.dirname(os.path.abspath(what))
             runpy.run_path(what, run_name="__main__")
-        else:
+        else:  # as a new interpreter has it: the module only as __main__ (no runpy warning)
+            sys.modules.pop(what, None)
             runpy.run_module(what, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):

@@ -95,6 +95,16 @@ def wait_for(
     raise AssertionError(f"no {kind} {index} of {run_dir} within {timeout}s")
 
 
+def age(pid: int) -> float:
+    """Seconds since process `pid` started (infinite once it is gone)."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return float("inf")
+    return uptime - ticks / os.sysconf("SC_CLK_TCK")
+
+
 def child_of(pid: int) -> int | None:
     """A live child process of `pid` (a rank's engine, say), if any."""
     for entry in os.scandir("/proc"):

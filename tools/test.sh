@@ -20,7 +20,7 @@ if [[ "${1:-}" == --fast ]]; then
 fi
 bash tools/setup.sh --test
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GYRE_NO_SKIP=1
-workers="${GYRE_TEST_WORKERS:-3}"
+workers="${GYRE_TEST_WORKERS:-2}"
 
 lint_log=$(mktemp)
 trap 'rm -f "$lint_log"' EXIT

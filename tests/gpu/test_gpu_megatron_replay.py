@@ -184,7 +184,7 @@ def forced_step() -> MicroStep:
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
 def test_every_layout_replays_the_same_routing(
-    megatron_world: None, forced_step: MicroStep, tmp_path: Path, tp: int, pp: int
+    megatron_world: None, workers: Any, forced_step: MicroStep, tmp_path: Path, tp: int, pp: int
 ) -> None:
     """Forced routing: at TP 2 (sequence parallel: each rank replays its slice of the padded
     sequence) and over two pipeline stages (each stage its own layers) the ranks' log-probs
@@ -197,7 +197,7 @@ def test_every_layout_replays_the_same_routing(
     hf = tiny_family("qwen3_moe")
     with torch.no_grad():
         one, _ = _trainer(hf)._logprobs(forced_step, grad=False)
-    for rank in _run_world(tmp_path, forced_step, "qwen3_moe", tp, "sdpa", pp):
+    for rank in _run_world(workers, tmp_path, forced_step, "qwen3_moe", tp, "sdpa", pp):
         torch.testing.assert_close(rank["logp"].detach(), one, rtol=1e-5, atol=1e-6)
     st = step_tensors(forced_step)
     with torch.no_grad():
