@@ -241,8 +241,8 @@ def _spawn(preload: str, args: tuple[str, ...], listen: int, env: dict[str, str]
         fds.append(listener.fileno())
     with theirs:
         argv = [sys.executable, "-m", __name__, "--serve", str(os.getpid()),
-                ",".join(map(str, fds[1:])) or "-", str(listen), str(theirs.fileno()), preload,
-                *args]  # fmt: skip
+                str(listener.fileno()) if listener else "-", str(listen), str(theirs.fileno()),
+                preload, *args]  # fmt: skip
         pid = subprocess.Popen(die_with_parent(argv), pass_fds=fds, env=env).pid
     if listener is not None:
         listener.close()  # the zygote's now
@@ -492,8 +492,7 @@ when the zygote has imported what it preloads)."""
 
 def enter(argv: list[str]) -> None:
     """Run ``python -m MODULE ARGS`` (`argv`: MODULE ARGS; or ``python SCRIPT.py ARGS``)
-    forked from the zygote `$GYRE_ZYGOTE`
-    names, as this process: its standard streams and PMI socket (`PMI_FD`, which MPICH's
+    forked from the zygote `$GYRE_ZYGOTE` names, as this process: its standard streams and PMI socket (`PMI_FD`, which MPICH's
     mpiexec gives a rank) are the child's, its signals are passed on, and it leaves with the
     child's exit status or is killed by the signal that killed the child. Without a zygote
     (none named, gone, or it never answered), this process execs the module itself."""

@@ -190,9 +190,10 @@ def run_eval(
     hide = (base,) + ((run_dir,) if run_dir is not None else ())  # the run's policies, trace
     from gyre import zygote
 
-    cpu = cfg.engine.backend == "embedded" and cfg.engine.device != "cuda"
     # one import of the engine's code for every policy (unless this process has a zygote)
-    ours = cpu and cfg.engine.zygote and len(todo) > 1 and not zygote.active()
+    ours = (
+        cfg.engine.embedded_on_cpu and cfg.engine.zygote and len(todo) > 1 and not zygote.active()
+    )
     if ours:
         zygote.on_demand("gyre.rollout.server:preload")
     try:

@@ -109,8 +109,7 @@ def fork_engine_zygote(cfg: RunConfig, me: Component) -> bool:
     none. Returns whether it started one."""
     from gyre.runtime.roles import shards
 
-    cpu = cfg.engine.backend == "embedded" and cfg.engine.device != "cuda"
-    if not (cpu and cfg.engine.zygote and hosts_engine(me, shards(cfg))):
+    if not (cfg.engine.embedded_on_cpu and cfg.engine.zygote and hosts_engine(me, shards(cfg))):
         return False
     from gyre import zygote
     from gyre.rollout import server
@@ -147,8 +146,8 @@ def preload(config: str) -> None:
 def forks_ranks(cfg: RunConfig) -> bool:
     """Whether `gyre run` forks this config's ranks from a rank zygote: `topology.zygote`,
     and nothing of the run on a GPU (CUDA does not survive a fork)."""
-    gpu = cfg.train.device.startswith("cuda") or cfg.engine.backend == "sglang"
-    return cfg.topology.zygote and not gpu and cfg.engine.device != "cuda"
+    trains_on_gpu = cfg.train.device.startswith("cuda")
+    return cfg.topology.zygote and cfg.engine.embedded_on_cpu and not trains_on_gpu
 
 
 RESUME_CONFIG = "config.resume.yaml"

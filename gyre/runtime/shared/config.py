@@ -154,6 +154,12 @@ class EngineConfig:
     zygote: bool = True
     """embedded on the CPU: fork engines from a process of the rank that already imported
     torch and transformers (`gyre.zygote`); false: each a new interpreter."""
+
+    @property
+    def embedded_on_cpu(self) -> bool:
+        """Gyre's engine on the CPU: one a zygote may fork (CUDA does not survive a fork)."""
+        return self.backend == "embedded" and self.device != "cuda"
+
     max_batch_size: int = 8
     """embedded: sequences decoded together."""
     prefix_cache_mb: int = 64
