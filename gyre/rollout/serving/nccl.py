@@ -7,7 +7,8 @@ engines build their side); the core posts each bucket's tensor specs to every en
 broadcasts the bucket's flat buffer (`gyre.runtime.cell.publication.push_weights_distributed`
 drives it):
 
-    pg = open_update_group(group)                  # while the engines join
+    store = listen(host, world, timeout)           # the port: store.port
+    pg = open_update_group(group, store=store)     # while the engines join
     broadcast_tensors(pg, [bucket.flat])           # while they receive it
 """
 
@@ -34,15 +35,28 @@ def rank_offsets(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, nxt
 
 
-def open_update_group(group: UpdateGroup, *, rank: int = 0, timeout: float = 600.0) -> Any:
-    """Create (collectively with the other members) a standalone process group."""
+def listen(host: str, world_size: int, timeout: float) -> Any:
+    """Group rank 0's TCP store, listening at `host` on the port the bind picks (`.port`): no
+    window between choosing a free port and binding it in which another process takes it."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, 0, world_size, True, timeout=timedelta(seconds=timeout),
+                    wait_for_workers=False)  # fmt: skip
+
+
+def open_update_group(group: UpdateGroup, *, rank: int = 0, timeout: float = 600.0,
+                      store: Any = None) -> Any:  # fmt: skip
+    """Create (collectively with the other members) a standalone process group; rank 0 gives
+    the store it listens on (`listen`), the others meet it at the group's master address."""
     import inspect
 
     from torch.distributed import distributed_c10d as c10d
 
     td = timedelta(seconds=timeout)
-    url = f"tcp://{group.master_address}:{group.master_port}"
-    store, rank, world = next(c10d.rendezvous(url, rank, group.world_size, timeout=td))
+    world = group.world_size
+    if store is None:
+        url = f"tcp://{group.master_address}:{group.master_port}"
+        store, rank, world = next(c10d.rendezvous(url, rank, world, timeout=td))
     store.set_timeout(td)
     store = c10d.PrefixStore(group.group_name, store)
     params = inspect.signature(c10d._new_process_group_helper).parameters

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -50,7 +49,7 @@ from gyre.rollout.protocol import (
     UpdateGroup,
     update_session_procedure,
 )
-from gyre.rollout.serving.nccl import broadcast_tensors, open_update_group, rank_offsets
+from gyre.rollout.serving.nccl import broadcast_tensors, listen, open_update_group, rank_offsets
 from gyre.rollout.weights import BUCKET
 from gyre.runtime.cell.engine_host import engine_names, handle_device, push_weights, route
 from gyre.runtime.shared.config import EngineConfig
@@ -219,12 +218,15 @@ async def _group_send(
     and leave. Returns the engines that did not get all of it (all, once anything failed)."""
     clients = _clients(targets, timeout)
     offsets, world = rank_offsets([tp_size] * len(clients))
-    port = _free_port(host)
+    store = listen(host, world, timeout)
+    port = store.port
     group = UpdateGroup(master_address=host, master_port=port, world_size=world,
                         group_name=f"gyre_weights_v{version}_{port}",
                         backend="nccl" if named and named[0][1].is_cuda else "gloo")  # fmt: skip
     loop = asyncio.get_running_loop()
-    core = loop.run_in_executor(None, lambda: open_update_group(group, timeout=timeout))
+    core = loop.run_in_executor(
+        None, lambda: open_update_group(group, timeout=timeout, store=store)
+    )
     try:
         joins = await asyncio.gather(
             *(c.init_update_group(group, o) for c, o in zip(clients.values(), offsets)), core,
@@ -248,12 +250,6 @@ async def _group_send(
     finally:
         for c in clients.values():
             c.close()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _destroy(pg: Any) -> None:
