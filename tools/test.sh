@@ -20,6 +20,10 @@ if [[ "${1:-}" == --fast ]]; then
 fi
 bash tools/setup.sh --test
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GYRE_NO_SKIP=1
+# bytecode is cached (__pycache__/, git-ignored): the suite starts Python processes by the
+# hundred, each compiling Gyre's modules without it, and pytest's collection rewrites every
+# test module's asserts again (13 s of a worker's 21 s collection, once cached)
+unset PYTHONDONTWRITEBYTECODE
 workers="${GYRE_TEST_WORKERS:-2}"
 
 lint_log=$(mktemp)

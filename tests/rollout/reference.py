@@ -29,15 +29,20 @@ def slow_distribution(logits: list[float], temperature: float, top_p: float) -> 
 
 
 def nucleus_is_ambiguous(logits: list[float], temperature: float, top_p: float) -> bool:
-    """True if some token's preceding mass is within rounding of top_p (either side wins)."""
+    """True if either side of the nucleus edge is right within float rounding: some token's
+    preceding mass is within rounding of top_p, or the last token kept and the first one cut
+    tie within rounding (which of two equal tokens is kept is arbitrary; seen: logits
+    [1, -7e-29, 0] at T 0.3, whose last two tie once shifted by the maximum)."""
     t = temperature if temperature > 0 else 1.0
     m = max(x / t for x in logits)
     exps = sorted((math.exp(x / t - m) for x in logits), reverse=True)
     total = sum(exps)
     mass = 0.0
-    for e in exps:
+    for k, e in enumerate(exps):
         if abs(mass - top_p) < 1e-9:
             return True
+        if top_p < 1.0 and mass >= top_p:  # k is the first token cut
+            return math.isclose(exps[k - 1], e, rel_tol=1e-12)
         mass += e / total
     return False
 

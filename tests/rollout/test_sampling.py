@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gyre.rollout.protocol import SamplingParams, parse_sampling
@@ -24,6 +24,9 @@ logit_rows = st.lists(
     temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5]),
     top_p=st.sampled_from([1.0, 0.95, 0.8, 0.5, 0.1]),
 )
+@example(
+    logits=[1.0, -7.217413438794552e-29, 0.0], temperature=0.3, top_p=0.95
+)  # a tie at the edge
 def test_processed_logprobs_match_slow_reference(
     logits: list[float], temperature: float, top_p: float
 ) -> None:
