@@ -53,6 +53,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("replicas"))  # the same
         elif "judged_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("judged"))  # the same
+        elif "sglang" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("sglang"))  # one import of SGLang for all
         elif "smollm2_policy" in getattr(item, "fixturenames", ()):
             # one conversion of the GGUF file (~30 CPU-s) and one engine for them all
             item.add_marker(pytest.mark.xdist_group("smollm2"))

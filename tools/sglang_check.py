@@ -1,16 +1,19 @@
 """Check Gyre's traffic to SGLang with SGLang itself: run by the SGLang check venv's python.
 
     .tools/sglang-check/bin/python tools/sglang_check.py < job.json > report.json
+    .tools/sglang-check/bin/python tools/sglang_check.py --serve   # a job per line, a report
+                                                                  # per line (one import)
 
 Runs inside the virtual environment `tools/install_sglang_check.sh` makes (the pinned SGLang
 release without its GPU dependencies) and imports only the standard library and SGLang, so
 it judges Gyre by SGLang's code, not by Gyre's. The job (JSON on stdin) holds the requests
 Gyre sent (`{"method", "route", "body"}`), the sglang launch preset's argv (after
-`-m sglang.launch_server`) with the values expected from SGLang's parser, and the
-environment variables Gyre sets. The report (JSON on stdout) has, per request, `errors`
-(empty when SGLang would take it) and, for `/update_weights_from_tensor`, the tensors
-SGLang's own `MultiprocessingSerializer.deserialize` reads from the payload; per launch
-argv, its errors; per environment variable, the SGLang source files that read it.
+`-m sglang.launch_server`) with the values expected from SGLang's parser, the
+environment variables Gyre sets, and request type names. The report (JSON on stdout) has,
+per request, `errors` (empty when SGLang would take it) and, for
+`/update_weights_from_tensor`, the tensors SGLang's own `MultiprocessingSerializer.
+deserialize` reads from the payload; per launch argv, its errors; per environment variable,
+the SGLang source files that read it; per request type, its fields.
 
 A request is checked as SGLang's HTTP server takes it (`sglang/srt/entrypoints/
 http_server.py`, read as source: importing it needs uvloop and the serving stack): the route
@@ -239,24 +242,46 @@ def env_readers(names: typing.Iterable[str], package: Path) -> dict[str, list[st
     return found
 
 
-def main() -> int:
-    job = json.load(sys.stdin)
-    _stub_torchvision()
-    spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.submodule_search_locations
-    package = Path(next(iter(spec.submodule_search_locations)))
+def fields(names: typing.Iterable[str]) -> dict[str, list[str]]:
+    """The fields of each of SGLang's request types (`sglang.srt.managers.io_struct`)."""
+    import msgspec
+    from sglang.srt.managers import io_struct
+
+    return {n: [f.name for f in msgspec.structs.fields(getattr(io_struct, n))] for n in names}
+
+
+def check(job: dict[str, Any], package: Path, table: Any) -> dict[str, Any]:
+    """The report on one job."""
     from sglang.version import __version__
 
-    table = routes(package / "srt" / "entrypoints" / "http_server.py")
-    report = {
+    return {
         "sglang": __version__,
         "requests": [check_request(r, table) for r in job.get("requests", [])],
         "launch": [check_launch(item["argv"], item["expect"]) for item in job.get("launch", [])],
         "env": env_readers(job.get("env", []), package),
+        "fields": fields(job.get("fields", [])),
     }
-    json.dump(report, sys.stdout)
+
+
+def main(argv: list[str]) -> int:
+    """One job on stdin, its report on stdout; with --serve, a job per line, a report per line
+    until stdin closes (SGLang's modules are imported once for them all)."""
+    if argv not in ([], ["--serve"]):
+        print(f"sglang_check: {argv!r}; allowed: no argument, or --serve", file=sys.stderr)
+        return 2
+    _stub_torchvision()
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations
+    package = Path(next(iter(spec.submodule_search_locations)))
+    table = routes(package / "srt" / "entrypoints" / "http_server.py")
+    if argv == ["--serve"]:
+        for line in sys.stdin:
+            if line.strip():
+                print(json.dumps(check(json.loads(line), package, table)), flush=True)
+        return 0
+    json.dump(check(json.load(sys.stdin), package, table), sys.stdout)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -216,23 +216,47 @@ PROBES = [
 ]  # fmt: skip
 
 
-def _check(job: dict[str, Any]) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """`tools/sglang_check.py --serve` in the SGLang check venv: one import of SGLang (~15
+    CPU-s) for every check of this module on this worker (tests/conftest.py puts the tests
+    that ask for it on one worker); `sglang(job)` is the report on `job`."""
     if not SGLANG_PYTHON.exists():
         pytest.fail(
             f"{SGLANG_PYTHON} is missing: run `bash tools/setup.sh --test` "
             "(tools/install_sglang_check.sh installs the pinned SGLang without its GPU stack)"
         )
-    out = subprocess.run(
-        [str(SGLANG_PYTHON), str(REPO / "tools" / "sglang_check.py")],
-        input=json.dumps(job), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    return dict(json.loads(out.stdout))
+    log = tmp_path_factory.mktemp("sglang") / "stderr.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [str(SGLANG_PYTHON), str(REPO / "tools" / "sglang_check.py"), "--serve"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+        )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout = proc.stdin, proc.stdout
+
+    def check(job: dict[str, Any]) -> dict[str, Any]:
+        stdin.write(json.dumps(job) + "\n")
+        stdin.flush()
+        line = stdout.readline()
+        assert line, f"sglang_check ended ({proc.poll()}): {log.read_text()[-3000:]}"
+        return dict(json.loads(line))
+
+    try:
+        yield check
+    finally:
+        stdin.close()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        stdout.close()
 
 
 @pytest.mark.slow
 def test_every_request_and_launch_flag_is_valid_for_sglang(
-    recorder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    recorder, sglang, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from gyre.rollout.protocol import ENGINE_KEY_ENV
     from gyre.runtime.cell.engine_host import EngineHost
@@ -260,7 +284,7 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(
                   "port": int(run_url.rsplit(":", 1)[1]),  # and, the run's calls being seeded:
                   "enable_deterministic_inference": True,
                   "enable_return_routed_experts": True}  # routing replay of an MoE model  # fmt: skip
-    report = _check({
+    report = sglang({
         "requests": seen + PROBES,
         "launch": [{"argv": argv[3:], "expect": LAUNCH_EXPECT},
                    {"argv": bad_launch, "expect": {"skip_tokenizer_init": False}},
@@ -291,7 +315,9 @@ def test_every_request_and_launch_flag_is_valid_for_sglang(
         assert _by_rank(u) == {0: SENT, 1: SENT}
 
 
-def test_a_multi_node_engine_launches_each_node_rank_with_sglangs_own_flags(tmp_path: Path) -> None:
+def test_a_multi_node_engine_launches_each_node_rank_with_sglangs_own_flags(
+    sglang, tmp_path: Path
+) -> None:
     """An engine on 2 nodes of 8 GPUs (`engine.nodes`): every node rank's argv parses in SGLang
     with its tp_size counting both nodes' GPUs, its own node_rank and node rank 0's rendezvous
     address; a single-node engine carries none of those flags (SGLang's defaults)."""
@@ -310,7 +336,7 @@ def test_a_multi_node_engine_launches_each_node_rank_with_sglangs_own_flags(tmp_
     assert "--nnodes" not in single and "--dist-init-addr" not in single
     launch.append({"argv": single[3:], "expect": {"tp_size": 8, "nnodes": 1, "node_rank": 0,
                                                   "dist_init_addr": None}})  # fmt: skip
-    report = _check({"launch": launch})
+    report = sglang({"launch": launch})
     assert report["launch"] == [[], [], []], report["launch"]
 
 
@@ -327,7 +353,9 @@ def _by_rank(tensors: list[list[Any]]) -> dict[int, list[list[Any]]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
-def test_each_tp_rank_gets_a_payload_sglang_reads(recorder, tmp_path: Path, tp: int) -> None:
+def test_each_tp_rank_gets_a_payload_sglang_reads(
+    recorder, sglang, tmp_path: Path, tp: int
+) -> None:
     """SGLang's TP rank r deserializes `serialized_named_tensors[r]` only
     (`TpModelWorker.deserialize_own_rank`): a publication to an engine of `tp` ranks carries
     `tp` payloads, and SGLang's `MultiprocessingSerializer.deserialize` reads each one to the
@@ -339,7 +367,7 @@ def test_each_tp_rank_gets_a_payload_sglang_reads(recorder, tmp_path: Path, tp: 
     host.load_weights(NAMED, 3)
     [update] = [r for r in seen if r["route"] == "/update_weights_from_tensor"]
     assert len(update["body"]["serialized_named_tensors"]) == tp
-    [checked] = _check({"requests": [update]})["requests"]
+    [checked] = sglang({"requests": [update]})["requests"]
     assert checked["errors"] == []
     assert _by_rank(checked["tensors"]) == {rank: SENT for rank in range(tp)}
     if tp == 1:  # the embedded engine is one TP rank: it reads exactly this body
@@ -349,35 +377,19 @@ def test_each_tp_rank_gets_a_payload_sglang_reads(recorder, tmp_path: Path, tp: 
             decode_update(update["body"])
 
 
-_FIELDS = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import sglang_check
-sglang_check._stub_torchvision()
-import msgspec
-from sglang.srt.managers import io_struct
-names = sys.argv[2:]
-fields = {n: [f.name for f in msgspec.structs.fields(getattr(io_struct, n))] for n in names}
-print(json.dumps(fields))
-"""
-
-
 @pytest.mark.slow
-def test_the_embedded_update_group_routes_take_sglangs_request_types(recorder, tmp_path) -> None:
+def test_the_embedded_update_group_routes_take_sglangs_request_types(
+    recorder, sglang, tmp_path
+) -> None:
     """The embedded engine's /init_weights_update_group, /update_weights_from_distributed and
     /destroy_weights_update_group take exactly the fields of SGLang's request types, and
     read the bodies Gyre's clients send (the ones SGLang validates above)."""
     from gyre.rollout import update_group
 
-    if not SGLANG_PYTHON.exists():
-        pytest.fail(f"{SGLANG_PYTHON} is missing: run `bash tools/setup.sh --test`")
     types = {"InitWeightsUpdateGroupReqInput": update_group._INIT,
              "UpdateWeightsFromDistributedReqInput": update_group._UPDATE,
              "DestroyWeightsUpdateGroupReqInput": {"group_name"}}  # fmt: skip
-    out = subprocess.run([str(SGLANG_PYTHON), "-c", _FIELDS, str(REPO / "tools"), *types],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    fields = json.loads(out.stdout.strip().splitlines()[-1])
+    fields = sglang({"fields": list(types)})["fields"]
     for name, ours in types.items():
         assert set(fields[name]) == ours | update_group._COMMON, name
     url, seen = recorder
