@@ -15,7 +15,6 @@ then shuts down in its own `finally`:
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import signal
 
@@ -35,6 +34,8 @@ def die_with_parent(argv: list[str]) -> list[str]:
 async def until_signal() -> None:
     """Return once this process gets SIGINT or SIGTERM (handled on the running event loop,
     from now on: a second signal during the shutdown that follows is ignored)."""
+    import asyncio  # here: the harnesses that import this module for `die_with_parent` need not
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

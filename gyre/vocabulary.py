@@ -25,6 +25,9 @@ from typing import Literal
 
 from gyre.errors import ConfigError
 
+# request headers marking the new user messages of a call as evaluator-authored (the proxy's
+# contract: it records their tokens with EVALUATOR provenance; `gyre.tasks.evaluator`)
+EVALUATOR_HEADERS = {"x-gyre-provenance": "evaluator"}
 ROLE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a call's role label; use fullmatch
 RULE_SOURCES = ("system", "first_user", "last_user", "headers")
 

@@ -42,8 +42,8 @@ from typing import Any, Literal
 
 from gyre.errors import ConfigError
 from gyre.harness.tools import DELEGATE_SCHEMA, TOOL_SCHEMAS, Workspace
-from gyre.tasks.evaluator import EVALUATOR_HEADERS
 from gyre.tasks.suite import ToolLatency
+from gyre.vocabulary import EVALUATOR_HEADERS
 
 ROLE_HEADER = "x-gyre-role"
 MAIN_SYSTEM = (

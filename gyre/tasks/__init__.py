@@ -13,7 +13,6 @@ from gyre.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gyre.tasks.evaluator import (
-        EVALUATOR_HEADERS,
         Assessment,
         AssessmentLog,
         Evaluator,
@@ -24,11 +23,13 @@ if TYPE_CHECKING:
     from gyre.tasks.scoring import RULES, EvaluatorError, Score
     from gyre.tasks.snapshot import freeze, snapshot_id
     from gyre.tasks.suite import Task, TaskSuite, ToolLatency, builtin_suite, load_suite
+    from gyre.vocabulary import EVALUATOR_HEADERS
 
 # imported on first use: a harness process needs only `suite` (its tool latency)
 __getattr__, __dir__ = lazy_exports(globals(), {
-    **dict.fromkeys(("EVALUATOR_HEADERS", "Assessment", "AssessmentLog", "Evaluator", "Validity",
-                     "Verdict", "feedback_text"), "gyre.tasks.evaluator"),
+    **dict.fromkeys(("Assessment", "AssessmentLog", "Evaluator", "Validity", "Verdict",
+                     "feedback_text"), "gyre.tasks.evaluator"),
+    "EVALUATOR_HEADERS": "gyre.vocabulary",
     **dict.fromkeys(("RULES", "EvaluatorError", "Score"), "gyre.tasks.scoring"),
     **dict.fromkeys(("freeze", "snapshot_id"), "gyre.tasks.snapshot"),
     **dict.fromkeys(("Task", "TaskSuite", "ToolLatency", "builtin_suite", "load_suite"),

@@ -45,9 +45,6 @@ from gyre.tasks.snapshot import copy_workspace, freeze
 from gyre.tasks.suite import Task
 from gyre.vocabulary import VerdictStatus
 
-# request headers marking the new user messages of a call as evaluator-authored (proxy contract)
-EVALUATOR_HEADERS = {"x-gyre-provenance": "evaluator"}
-
 
 class Ended(Protocol):
     """A terminated execution, as far as scoring it goes (a harness `Terminated` event)."""
@@ -168,8 +165,8 @@ def feedback_text(assessment: Assessment) -> str:
     """Evaluator-authored feedback on an intermediate assessment, for a harness to read.
 
     A harness that puts this text into a user message must send that request with
-    `EVALUATOR_HEADERS`; the proxy then records those tokens with EVALUATOR provenance, so
-    the critique stays in later calls' inputs but is never a training target.
+    `gyre.vocabulary.EVALUATOR_HEADERS`; the proxy then records those tokens with EVALUATOR
+    provenance, so the critique stays in later calls' inputs but is never a training target.
     """
     if assessment.validity is Validity.VALID:
         return f"Evaluator feedback on state {assessment.state_ref}: {assessment.critique}"
