@@ -25,9 +25,10 @@ from typing import Literal
 
 from gyre.errors import ConfigError
 
-# request headers marking the new user messages of a call as evaluator-authored (the proxy's
-# contract: it records their tokens with EVALUATOR provenance; `gyre.tasks.evaluator`)
-EVALUATOR_HEADERS = {"x-gyre-provenance": "evaluator"}
+# the request header naming who wrote a call's new user messages, and its one allowed value:
+# the proxy records the tokens of an evaluator-authored message with EVALUATOR provenance
+PROVENANCE_HEADER, EVALUATOR_PROVENANCE = "x-gyre-provenance", "evaluator"
+EVALUATOR_HEADERS = {PROVENANCE_HEADER: EVALUATOR_PROVENANCE}  # what a harness sends with them
 ROLE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a call's role label; use fullmatch
 RULE_SOURCES = ("system", "first_user", "last_user", "headers")
 

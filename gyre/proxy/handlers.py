@@ -35,6 +35,7 @@ from gyre.proxy.errors import (
 )
 from gyre.proxy.jsonbody import decode_body
 from gyre.proxy.service import ProxyService, header_lines
+from gyre.vocabulary import PROVENANCE_HEADER
 
 log = logging.getLogger(__name__)
 DISCARD_LIMIT = 1 << 30  # bodies beyond this are cut by the connection itself
@@ -162,7 +163,7 @@ class ApiHandler(JsonErrorHandler):
             ex,
             req,
             role=headers.get("x-gyre-role"),
-            provenance=headers.get("x-gyre-provenance"),
+            provenance=headers.get(PROVENANCE_HEADER),
             headers=header_lines(headers.get_all()),
             respond=lambda reply: self.respond(reply, req),
         )

@@ -44,6 +44,7 @@ from gyre.proxy.toolcalls import ToolFormat, forced_call_grammar, get_format
 from gyre.rollout.protocol import SamplingParams
 from gyre.rollout.routed import node_rows
 from gyre.trajectory.tree import Node, TrajectoryTree
+from gyre.vocabulary import EVALUATOR_PROVENANCE, PROVENANCE_HEADER
 
 log = logging.getLogger(__name__)
 ID_PREFIX = {"openai": "call_", "anthropic": "toolu_", "responses": "call_"}
@@ -217,11 +218,11 @@ class ProxyService:
         if self.closing:
             raise shutting_down()
         self.check_model(req.model)
-        if provenance not in (None, "", "evaluator"):
-            raise invalid(f"x-gyre-provenance: {provenance!r}; allowed: 'evaluator'")
+        if provenance not in (None, "", EVALUATOR_PROVENANCE):
+            raise invalid(f"{PROVENANCE_HEADER}: {provenance!r}; allowed: {EVALUATOR_PROVENANCE!r}")
         conv = req.conversation
         found = ex.match(
-            conv, self.renderer, family=self.family, evaluator=provenance == "evaluator"
+            conv, self.renderer, family=self.family, evaluator=provenance == EVALUATOR_PROVENANCE
         )
         if _new_chars(conv, found.matched_messages) < LONG_TEXT:
             rendered = render(found, conv, self.renderer)
