@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -178,8 +179,12 @@ class TraceWriter:
         meta = _json("run_meta", run_meta).encode()
         if self.path.exists() and not self.config.overwrite:
             raise StoreError(f"{self.path}: already exists (set overwrite to replace it)")
+        # laid out under a side name and moved into place once in SWMR mode: a writer killed
+        # before that leaves no trace that readers cannot open (HDF5 refuses a file whose
+        # superblock says "open for write" without SWMR)
+        creating = self.path.with_name(self.path.name + ".creating")
         try:
-            self._f = h5py.File(self.path, "w", libver="latest")
+            self._f = h5py.File(creating, "w", libver="latest")
         except OSError as e:
             raise StoreError(f"{self.path}: cannot create trace file ({e})") from None
         try:
@@ -191,8 +196,10 @@ class TraceWriter:
                 row_chunk=self.config.row_chunk,
             )
             self._f.swmr_mode = True
+            os.replace(creating, self.path)
         except Exception:
             self._f.close()
+            creating.unlink(missing_ok=True)
             raise
         self._node_dtype, self.stores_routing, self._routing_warned = S.NODE_DTYPE, True, False
         self._ds: dict[str, h5py.Dataset] = {}
@@ -225,7 +232,7 @@ class TraceWriter:
             raise StoreError(f"{self.path}: no trace to continue")
         S.clear_write_flags(str(self.path))
         try:
-            self._f = h5py.File(self.path, "a", libver="latest")
+            self._f = _open_swmr_write(self.path)
         except OSError as e:
             raise StoreError(f"{self.path}: cannot reopen the trace ({e})") from None
         try:
@@ -239,7 +246,6 @@ class TraceWriter:
             self.stores_routing = S.stores_routing(self._f)
             self._routing_warned = False
             self._f[S.RUN_STATE][0] = 0
-            self._f.swmr_mode = True
         except Exception:
             self._f.close()
             raise
@@ -572,6 +578,18 @@ class _WriteGuard:
             and isinstance(exc, OSError | RuntimeError | ValueError | KeyError)
         ):
             raise StoreError(f"{self.what} failed: {exc}") from exc
+
+
+def _open_swmr_write(path: Path) -> h5py.File:
+    """`path` opened for writing in SWMR mode from the first moment. Opened in plain write
+    mode and switched after (`swmr_mode = True`), a writer killed in between (while it
+    repairs a long trace, say) would leave the superblock saying "open for write", which no
+    reader may open until a writer clears it. Nothing is created in a trace once laid out,
+    and SWMR allows cutting datasets back (`_repair`)."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    fid = h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDWR | h5py.h5f.ACC_SWMR_WRITE, fapl)
+    return h5py.File(fid)
 
 
 def _repair(f: h5py.File) -> dict[str, int]:

@@ -356,6 +356,37 @@ def test_a_killed_writers_trace_is_continued_in_place(tmp_path: Path, kill_after
         assert [e["kind"] for e in r.rows("events")] == ["resumed"]
 
 
+def test_a_writer_killed_while_it_opens_the_trace_leaves_it_readable(tmp_path: Path) -> None:
+    """A job killed while its writer creates or reopens the trace (a start-up kill) leaves
+    nothing a reader cannot open: no trace at all, or the last one with every closed
+    execution, which the next writer continues."""
+    path = tmp_path / "run.h5"
+    died = subprocess.run([sys.executable, CHILD, "die-creating", str(path)], timeout=60)
+    assert died.returncode == -signal.SIGKILL
+    with pytest.raises(StoreError, match="no such trace file"):
+        TraceReader(path)
+    w = TraceWriter(path, run_meta={})  # not "already exists": the next job starts afresh
+    trees = [expected_tree(i) for i in range(3)]
+    for t in trees:
+        w.open_execution(t.execution_id, {})
+        w.record_node(t.execution_id, t.nodes[0])
+    for t in trees[:2]:
+        w.close_execution(t.execution_id, t, status="completed")
+    w.close()  # one left open: a resumed run's reopen finds it journaled
+
+    for _ in range(2):  # killed while repairing, then again on a trace it had reopened
+        died = subprocess.run([sys.executable, CHILD, "die-reopening", str(path)], timeout=60)
+        assert died.returncode == -signal.SIGKILL
+        with TraceReader(path) as r:
+            assert {i.execution_id for i in r.executions() if i.closed} == {
+                t.execution_id for t in trees[:2]}
+            for t in trees[:2]:
+                assert r.tree(t.execution_id).diff(t) == []
+    w2 = TraceWriter.reopen(path)
+    assert set(w2.open_executions) == {trees[2].execution_id}
+    w2.close()
+
+
 def test_reopen_cuts_a_torn_tail_back_to_what_is_consistent(tmp_path: Path) -> None:
     """Rows a crash left half-written (references past the data) are dropped on reopen."""
     import h5py

@@ -2,6 +2,8 @@
 
     python trace_child.py write PATH   # journal and close executions forever, report progress
     python trace_child.py read PATH    # SWMR reader: on each stdin line, refresh and report
+    python trace_child.py die-creating PATH   # SIGKILLed once a new trace is laid out
+    python trace_child.py die-reopening PATH  # SIGKILLed once a reopen has repaired the trace
 
 The writer keeps three executions open at a time, journals one node per step round-robin,
 and prints `journaled EID N`, `closed EID`, `opened EID` after each write returned (so
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from trajectory_strategies import make_tree
 
+from gyre.trajectory import store
 from gyre.trajectory.store import TraceReader, TraceWriter
 
 
@@ -69,5 +74,29 @@ def read(path: str) -> None:
     r.close()
 
 
+def _killed_after(module: object, name: str) -> None:
+    """`module.name`, made to SIGKILL this process as soon as it returns (a kill that lands
+    while the writer opens the file, before it would hand it to anyone)."""
+    real = getattr(module, name)
+
+    def then_die(*args: object, **kwargs: object) -> object:
+        real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    setattr(module, name, then_die)
+
+
+def die_creating(path: str) -> None:
+    _killed_after(store.S, "create_layout")
+    TraceWriter(path, run_meta={"config": "child: true\n"})
+
+
+def die_reopening(path: str) -> None:
+    _killed_after(store, "_repair")
+    TraceWriter.reopen(path)
+
+
 if __name__ == "__main__":
-    {"write": write, "read": read}[sys.argv[1]](sys.argv[2])
+    modes = {"write": write, "read": read, "die-creating": die_creating,
+             "die-reopening": die_reopening}  # fmt: skip
+    modes[sys.argv[1]](sys.argv[2])
