@@ -28,7 +28,7 @@ from gyre.tasks.suite import SHIPPED, named_suite
 from .conftest import small_config, write_config
 
 PROBE = r"""
-import json, os, sys, urllib.error, urllib.request
+import concurrent.futures, json, os, sys, urllib.error, urllib.request
 
 HIDDEN, RUN, OWN = sys.argv[1], sys.argv[2], os.environ["GYRE_EXECUTION_ID"]
 found = {}
@@ -91,20 +91,25 @@ def call_engine():  # around the proxy, with every engine key in sight (other pr
         except OSError:
             continue
         ports |= {int(f[1].rsplit(":", 1)[1], 16) for f in map(str.split, lines) if f[3] == "0A"}
-    served = found["engine_ports"] = []  # the ports whose engine answered
-    for port in sorted(ports):
+
+    def serves(port):
         for key in [None, *sorted(k for k in keys if k)]:  # a port that does not answer HTTP
             headers = {"Authorization": "Bearer " + key} if key else {}  # fast is left at once
             try:
                 req = urllib.request.Request(f"http://127.0.0.1:{port}/model_info", headers=headers)
                 if "weight_version" in json.load(urllib.request.urlopen(req, timeout=3)):
-                    served.append(port)
-                    break
+                    return True
             except urllib.error.HTTPError:
                 continue  # an HTTP server: try the next key
             except Exception:
-                break  # not HTTP, or too slow: the next port
-    return served
+                return False  # not HTTP, or too slow: the next port
+        return False
+
+    # every port at once (beside a full suite's servers, one by one took minutes of timeouts)
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        answered = dict(zip(sorted(ports), pool.map(serves, sorted(ports))))
+    found["engine_ports"] = [port for port, ok in answered.items() if ok]
+    return found["engine_ports"]
 
 def own_route():
     req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/models",
@@ -135,9 +140,9 @@ def _probe_run(tmp_path: Path, sandbox: str, suite: Path, checker: Path) -> list
         "suite": str(suite), "tasks": ["notes"], "sandbox": sandbox, "adapter": "probe", "params": {},
         "adapters": {"probe": {"api": "openai",
                                "command": [sys.executable, "probe.py", str(checker), str(out)]}},
-        # the probe tries every listening port of the machine (3 s each that never answers):
-        # beside a full suite's servers that outlasts the template's 40 s harness budget,
-        # and a probe killed before its report proves nothing
+        # the probe tries every listening port of the machine (3 s each that never answers,
+        # all at once): beside a full suite's servers and on a loaded machine that may outlast
+        # the template's 40 s harness budget, and a probe killed before its report proves nothing
         "harness_timeout_s": 200, "overall_timeout_s": 240,
     })  # fmt: skip
     proc = subprocess.run(
