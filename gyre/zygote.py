@@ -494,6 +494,11 @@ ENTERED = "GYRE_ZYGOTE_ENTERED"
 when the zygote has imported what it preloads)."""
 
 
+_PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+              signal.SIGUSR2, signal.SIGCONT, signal.SIGALRM)  # fmt: skip
+"""The signals `enter` passes on to its child (what mpiexec and Slurm send a rank)."""
+
+
 def enter(argv: list[str]) -> None:
     """Run ``python -m MODULE ARGS`` (`argv`: MODULE ARGS; or ``python SCRIPT.py ARGS``)
     forked from the zygote `$GYRE_ZYGOTE` names, as this process: its standard streams and PMI socket (`PMI_FD`, which MPICH's
@@ -506,6 +511,10 @@ def enter(argv: list[str]) -> None:
     if os.environ.get("PMI_FD", "").isdigit():
         fds.append(int(os.environ["PMI_FD"]))
     pid = None
+    # held until the child's pid is known, then passed on: a signal that comes once the
+    # child runs (it may already have written its first line) must reach it, not end this
+    # process by the signal's default action before its handler is in place
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _PASSED_ON)
     if address:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, ENTERED: f"{time.time():.3f}"}
@@ -516,11 +525,12 @@ def enter(argv: list[str]) -> None:
             socket.send_fds(sock, [json.dumps(request).encode()], fds)
             pid = int(json.loads(sock.recv(_MAX_MESSAGE))["pid"])
     if pid is None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         python = [sys.executable] if argv[0].endswith(".py") else [sys.executable, "-m"]
         os.execv(sys.executable, [*python, *argv])
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-                signal.SIGUSR2, signal.SIGCONT, signal.SIGALRM):  # fmt: skip
+    for sig in _PASSED_ON:
         signal.signal(sig, lambda signum, _: os.kill(pid, signum))
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)  # what came meanwhile is passed on now
     while True:
         data = sock.recv(_MAX_MESSAGE)
         message = json.loads(data) if data else {"status": -signal.SIGKILL}  # zygote gone

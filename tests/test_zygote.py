@@ -65,6 +65,10 @@ def _rank(log: str, then: str, how: str) -> int:
 def _child(how: str) -> int:
     """A child: tells what it got, then exits with `how` or sleeps until signalled."""
     comm = Path("/proc/self/comm").read_text().strip()
+    if how == "preempted":  # Slurm's SIGUSR1 reaches the process mpiexec started as we start
+        signal.signal(signal.SIGUSR1, lambda *_: os._exit(75))
+        os.kill(_sharing_stdout(), signal.SIGUSR1)
+        how = "sleep"
     if os.environ.get("PMI_FD", "").isdigit():  # a rank: it speaks to mpiexec on this one
         os.write(int(os.environ["PMI_FD"]), f"cmd=hello from {comm}\n".encode())
     _say(given=os.environ.get("GIVEN"), rank_only=os.environ.get("RANK_ONLY"), name=comm,
@@ -73,6 +77,18 @@ def _child(how: str) -> int:
         signal.signal(signal.SIGUSR1, lambda *_: os._exit(75))  # a preempted rank's status
         time.sleep(600)
     return int(how)
+
+
+def _sharing_stdout() -> int:
+    """The other process writing to this one's stdout: the one that entered the zygote."""
+    mine = os.readlink("/proc/self/fd/1")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(pid) != os.getpid() and os.readlink(f"/proc/{pid}/fd/1") == mine:
+                return int(pid)
+        except OSError:
+            continue
+    raise AssertionError("no other process writes to this one's stdout")
 
 
 def _say(**fields: object) -> None:
@@ -189,14 +205,17 @@ def test_ranks_entered_through_a_rank_zygote_are_its_forks_and_stay_what_mpiexec
         assert pmi.recv(64) == b"cmd=hello from gyre-rank-4\n"  # the PMI socket is the rank's
         assert exits.wait(timeout=30) == 3
 
-        sleepers = {rank: _enter(warm.address, "sleep", rank) for rank in (5, 6, 7)}
+        # rank 5 has its entering process sent SIGUSR1 the moment it starts (before that
+        # process may know its pid): it is passed on all the same
+        sleepers = {rank: _enter(warm.address, how, rank)
+                    for rank, how in ((5, "preempted"), (6, "sleep"), (7, "sleep"))}  # fmt: skip
         ranks = {}
         for rank, (proc, _) in sleepers.items():
             procs.append(proc)
-            assert proc.stdout is not None and json.loads(proc.stdout.readline())
-            ranks[rank] = next(int(p) for p in os.listdir("/proc") if p.isdigit() and
-                               _comm(p) == f"gyre-rank-{rank}")  # fmt: skip
-        sleepers[5][0].send_signal(signal.SIGUSR1)
+            if rank != 5:  # (5 may leave before it says anything)
+                assert proc.stdout is not None and json.loads(proc.stdout.readline())
+                ranks[rank] = next(int(p) for p in os.listdir("/proc") if p.isdigit() and
+                                   _comm(p) == f"gyre-rank-{rank}")  # fmt: skip
         assert sleepers[5][0].wait(timeout=30) == 75  # the rank got it, and said how it left
         sleepers[6][0].send_signal(signal.SIGTERM)
         assert sleepers[6][0].wait(timeout=30) == -signal.SIGTERM  # killed by the same signal

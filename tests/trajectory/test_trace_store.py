@@ -379,7 +379,8 @@ def test_a_writer_killed_while_it_opens_the_trace_leaves_it_readable(tmp_path: P
         assert died.returncode == -signal.SIGKILL
         with TraceReader(path) as r:
             assert {i.execution_id for i in r.executions() if i.closed} == {
-                t.execution_id for t in trees[:2]}
+                t.execution_id for t in trees[:2]
+            }
             for t in trees[:2]:
                 assert r.tree(t.execution_id).diff(t) == []
     w2 = TraceWriter.reopen(path)
