@@ -318,8 +318,9 @@ def closed_in(run_dir: Path) -> dict[str, Closed]:
 
 
 def closed_live(run_dir: Path, known: dict[str, Closed]) -> dict[str, Closed]:
-    """`closed_in` a running job's trace. The writer may hold the file outside SWMR mode for a
-    moment (while it opens it); then what is known from the last segment stands in for it."""
+    """`closed_in` a running job's trace. A reopening writer rewrites the superblock's flags
+    in place (`clear_write_flags`), so an open at that moment may fail: it is tried again,
+    and at worst what is known from the last segment stands in for it."""
     from gyre.errors import StoreError
 
     for _ in range(20):
