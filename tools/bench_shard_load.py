@@ -1,7 +1,7 @@
 """Peak resident memory per rank of building a Megatron cell: one shard per rank.
 
     python tools/bench_shard_load.py [--shape qwen2-0.5b|quarter] [--dtype float32|bfloat16]
-                                     [--runs 3] [--build-only] [--json] [--code DIR]
+                                     [--runs 3] [--build-only] [--resume] [--json] [--code DIR]
 
 Writes a random Qwen2 model of the chosen shape as safetensors (shards of ≤ 512 MB and
 their ``model.safetensors.index.json``, as `save_pretrained` lays out a checkpoint) with
@@ -22,6 +22,9 @@ float32 rank of the larger one would not fit beside other work.
 
 `--code DIR` runs the ranks with another checkout's `gyre` (e.g. `git archive` of an older
 commit), for before/after numbers on the same model files; `--build-only` skips the part.
+`--resume` measures instead what a rank adds to its peak RSS while it resumes a checkpoint
+taken at the other TP size (one AdamW step, so both moments are in it): TP 2's shards at
+TP 1 and TP 1's at TP 2.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
-from peak_rss import mpiexec, peak_mb  # noqa: E402 (the benches' one measurement)
+from peak_rss import mpiexec, peak_bytes, peak_mb, reset_peak, rss_bytes  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2-0.5b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
@@ -91,9 +94,12 @@ def write_model(folder: Path, shape: str, dtype: str = "float32") -> int:
     return total
 
 
-def child(model: str, tp: int, out: str, refresh: bool) -> None:
-    """One rank: build the core cell's shard of `model` at TP `tp`; rank 0 writes every
-    rank's peak RSS and build seconds to `out`."""
+def child(model: str, tp: int, out: str, then: str) -> None:
+    """One rank: build the core cell's shard of `model` at TP `tp`, then `then`: "refresh"
+    (a publication's part), "save=DIR" (one AdamW step, then a checkpoint's shards in DIR,
+    as `checkpoint.save_core` has each core rank write its own) or "restore=DIR" (the
+    resume of DIR's checkpoint: its extra peak RSS over what the rank held before), else
+    nothing; rank 0 writes every rank's peak RSS and build seconds to `out`."""
     from mpi4py import MPI
 
     from gyre.train.backends.megatron import MEGATRON
@@ -108,19 +114,30 @@ def child(model: str, tp: int, out: str, refresh: bool) -> None:
                              device="cpu", comms=comms, host="127.0.0.1")  # fmt: skip
     row = {"rank": world.Get_rank(), "build_s": time.perf_counter() - t0,
            "peak_rss_mb": peak_mb()}  # fmt: skip
-    if refresh:  # what every publication does: a stage's shards gathered to its sender
+    if then == "refresh":  # what every publication does: a stage's shards gathered to its sender
         replica.part(comms.shard)
         row["peak_after_refresh_mb"] = peak_mb()
+    elif then.startswith("save="):
+        import torch
+
+        assert replica.optimizer is not None
+        replica.optimizer.step(torch.randn_like(replica.cell.flat_params))  # moments exist now
+        replica.save(Path(then[5:]), 1, world.Get_rank())
+    elif then.startswith("restore="):
+        before = rss_bytes()
+        reset_peak()
+        replica.restore(Path(then[8:]))
+        row["restore_extra_mb"] = (peak_bytes() - before) / 2**20
     rows = world.gather(row, root=0)
     if rows is not None:
         Path(out).write_text(json.dumps(rows))
 
 
-def run_world(model: Path, tp: int, code: Path, refresh: bool) -> list[dict]:
+def run_world(model: Path, tp: int, code: Path, then: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         cmd = [mpiexec(), "-n", str(tp), sys.executable, __file__, "--child", str(model),
-               str(tp), str(out), str(int(refresh))]  # fmt: skip
+               str(tp), str(out), then]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
         if proc.returncode != 0:
@@ -144,7 +161,7 @@ def bench(shape: str, dtype: str, runs: int, code: Path, refresh: bool) -> dict:
         seen: dict[int, list[list[dict]]] = {1: [], 2: []}
         for _ in range(runs):
             for tp in (1, 2):
-                seen[tp].append(run_world(Path(tmp), tp, code, refresh))
+                seen[tp].append(run_world(Path(tmp), tp, code, "refresh" if refresh else ""))
     report: dict = {"shape": {**SHAPES[shape], "name": shape, "parameters": params},
                     "file_dtype": dtype, "runs": runs, "code": str(code),
                     "machine": f"{os.cpu_count()} CPUs, OMP_NUM_THREADS=1"}  # fmt: skip
@@ -163,6 +180,29 @@ def bench(shape: str, dtype: str, runs: int, code: Path, refresh: bool) -> dict:
     return report
 
 
+def bench_resume(shape: str, runs: int, code: Path) -> dict:
+    """Each rank's extra peak RSS (MB) while it resumes a checkpoint taken at the other TP
+    size (TP 2's shards at TP 1, TP 1's at TP 2: put together in the HF layout, then split),
+    over `runs` worlds each, beside the model's float32 bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model, saved = Path(tmp) / "model", {tp: Path(tmp) / f"saved-tp{tp}" for tp in (1, 2)}
+        model.mkdir()
+        params = write_model(model, shape)
+        for tp, folder in saved.items():
+            folder.mkdir()
+            run_world(model, tp, code, f"save={folder}")
+        seen: dict[int, list[list[dict]]] = {1: [], 2: []}
+        for _ in range(runs):
+            for tp in (1, 2):
+                seen[tp].append(run_world(model, tp, code, f"restore={saved[3 - tp]}"))
+    return {"shape": {**SHAPES[shape], "name": shape, "parameters": params},
+            "model_float32_mb": params * 4 / 2**20, "runs": runs, "code": str(code),
+            **{f"tp{tp}_from_tp{3 - tp}": {f"rank{r}": summary([w[r]["restore_extra_mb"]
+                                                                for w in worlds])
+                                           for r in range(tp)}
+               for tp, worlds in seen.items()}}  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-0.5b")
@@ -176,19 +216,37 @@ def main() -> int:
     ap.add_argument("--code", type=Path, default=ROOT, help="the checkout the ranks import")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--build-only", action="store_true", help="no refresh after the build")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="instead: each rank's extra peak RSS resuming at the other TP size",
+    )
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         from mpi4py import MPI
 
         try:
-            child(args.child[0], int(args.child[1]), args.child[2], args.child[3] == "1")
+            child(args.child[0], int(args.child[1]), args.child[2], args.child[3])
         except BaseException:  # abort the whole world instead of hanging it
             import traceback
 
             traceback.print_exc()
             sys.stderr.flush()
             MPI.COMM_WORLD.Abort(1)
+        return 0
+    if args.resume:
+        found = bench_resume(args.shape, args.runs, args.code.resolve())
+        if args.json:
+            print(json.dumps(found, indent=2))
+            return 0
+        print(f"{found['shape']['name']}: {found['shape']['parameters'] / 1e6:.0f} M parameters "
+              f"({found['model_float32_mb']:.0f} MB in float32); {found['runs']} runs; "
+              f"code {found['code']}")  # fmt: skip
+        print("extra peak RSS MB while resuming at the other TP size, min / median / max")
+        for key in ("tp1_from_tp2", "tp2_from_tp1"):
+            for rank, v in found[key].items():
+                print(f"{key}  {rank}  {v['min']:7.0f} / {v['median']:7.0f} / {v['max']:7.0f}")
         return 0
     report = bench(args.shape, args.dtype, args.runs, args.code.resolve(), not args.build_only)
     if args.json:

@@ -26,10 +26,12 @@ or read.
     size = save(folder, named, optimizer_state, version)
     size = save_shard(folder, shard, {"main": flat, "exp_avg": m, ...}, meta)
     data = load(folder)            # {"version", "named", "optimizer"}, from either form
+    hf = assembled(folder, "main") # one buffer of a sharded one, in the HF layout
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -68,8 +70,6 @@ def _shard_path(folder: Path, shard: int) -> Path:
 def save_shard(folder: Path, shard: int, flats: dict[str, Any], meta: dict[str, Any]) -> int:
     """Rank `shard`'s flat buffers (each a 1-D tensor in its parameter order; `step` a
     scalar) and their JSON description into checkpoint directory `folder`; bytes."""
-    import json
-
     from safetensors.torch import save_file
 
     path = _shard_path(folder, shard)
@@ -81,8 +81,6 @@ def save_shard(folder: Path, shard: int, flats: dict[str, Any], meta: dict[str, 
 
 def shard_meta(folder: Path, shard: int = 0) -> dict[str, Any] | None:
     """Rank `shard`'s description in a sharded checkpoint (None: not a sharded one)."""
-    import json
-
     from safetensors import safe_open
 
     path = _shard_path(folder, shard)
@@ -119,29 +117,60 @@ def views(flat: Any, names: Sequence[Sequence[Any]]) -> dict[str, Any]:
     return out
 
 
-def _assemble(folder: Path) -> dict[str, Any]:
-    """The HF-layout core state of a sharded checkpoint (every shard read)."""
-    import torch
+def shard_keys(folder: Path) -> set[str]:
+    """The flat buffers a sharded checkpoint's files hold (rank 0's: every rank's are alike)."""
+    from safetensors import safe_open
+
+    with safe_open(str(_shard_path(folder, 0)), framework="pt") as f:
+        return set(f.keys())
+
+
+def assembled(folder: Path, key: str) -> dict[str, Any]:
+    """One flat buffer (`key`: "main", "exp_avg", "exp_avg_sq") of every shard of a sharded
+    checkpoint, put together in the HF layout and named as the model names its parameters.
+    Only that buffer is read from each file: a reader that takes the keys one at a time holds
+    one model-sized state at once (and that state's shards while it is put together), not
+    the three a checkpoint holds."""
+    from safetensors import safe_open
 
     from gyre.train.megatron.weights import WeightLayout, module_names, stages_to_hf
 
     first = shard_meta(folder)
-    assert first is not None
-    ranks = [read_shard(folder, s) for s in range(first["tensor"] * first["pipeline"])]
+    if first is None:
+        raise FileNotFoundError(_shard_path(folder, 0))
+    stages = []
+    for shard in range(first["tensor"] * first["pipeline"]):
+        with safe_open(str(_shard_path(folder, shard)), framework="pt") as f:
+            meta = json.loads(f.metadata()[SHARD_KEY])
+            stages.append(views(f.get_tensor(key), meta["names"]))
     layout = WeightLayout(**first["layout"])
+    return module_names(stages_to_hf(stages, layout, tp_size=first["tensor"]), layout)
 
-    def hf(key: str) -> dict[str, torch.Tensor]:  # named as the HF model's parameters are
-        return module_names(stages_to_hf([views(flats[key], meta["names"])
-                                          for flats, meta in ranks], layout,
-                                         tp_size=first["tensor"]), layout)  # fmt: skip
 
+def shard_step(folder: Path) -> Any:
+    """AdamW's step of a sharded checkpoint (every rank's is the same)."""
+    from safetensors import safe_open
+
+    with safe_open(str(_shard_path(folder, 0)), framework="pt") as f:
+        return f.get_tensor("step")
+
+
+def _assemble(folder: Path) -> dict[str, Any]:
+    """The HF-layout core state of a sharded checkpoint (every shard read, a key at a time)."""
+    import torch
+
+    first = shard_meta(folder)
+    assert first is not None
     order = first["hf_order"]
-    main = hf("main")
+    main = assembled(folder, "main")
     optimizer = None
-    if "exp_avg" in ranks[0][0]:
-        moments = {k: torch.cat([t[n].reshape(-1) for n in order])
-                   for k, t in (("exp_avg", hf("exp_avg")), ("exp_avg_sq", hf("exp_avg_sq")))}  # fmt: skip
-        optimizer = {"state": {0: {"step": ranks[0][0]["step"], **moments}},
+    if "exp_avg" in shard_keys(folder):
+        moments = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            hf = assembled(folder, key)
+            moments[key] = torch.cat([hf[n].reshape(-1) for n in order])
+            del hf
+        optimizer = {"state": {0: {"step": shard_step(folder), **moments}},
                      "param_groups": first["param_groups"]}  # fmt: skip
     return {
         "version": first["version"],

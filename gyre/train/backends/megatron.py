@@ -203,6 +203,8 @@ class MegatronReplica(TorchReplica):
             self.dims.expert,
         ):
             return self._restore_own_shard(folder)
+        if first is not None:
+            return self._restore_other_shards(folder, first)
         data = core_file.load(folder)
         self._load_weights(dict(data["named"]))
         state = data["optimizer"]
@@ -214,6 +216,19 @@ class MegatronReplica(TorchReplica):
                     moments[key] = self._shard_flat(moments[key], shapes)
             self.optimizer.opt.load_state_dict(state)
         return int(data["version"])
+
+    def _restore_other_shards(self, folder: Path, first: dict[str, Any]) -> int:
+        """A sharded checkpoint taken at other model-parallel sizes: each of its buffers
+        (weights, then each moment) put together in the HF layout and split to this rank's
+        shard, one at a time, so a rank holds one model-sized state at once, not three."""
+        self._load_weights(core_file.assembled(folder, "main"))
+        if self.optimizer is not None and "exp_avg" in core_file.shard_keys(folder):
+            moments = {k: self._flat(self._mine(core_file.assembled(folder, k))).to(self.cell.device)
+                       for k in MOMENTS}  # fmt: skip
+            self.optimizer.opt.load_state_dict({
+                "state": {0: {"step": core_file.shard_step(folder), **moments}},
+                "param_groups": first["param_groups"]})  # fmt: skip
+        return int(first["version"])
 
     def _restore_own_shard(self, folder: Path) -> int:
         """This rank's shard file of a checkpoint taken at the cell's own model-parallel
