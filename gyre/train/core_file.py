@@ -27,6 +27,7 @@ or read.
     size = save_shard(folder, shard, {"main": flat, "exp_avg": m, ...}, meta)
     data = load(folder)            # {"version", "named", "optimizer"}, from either form
     hf = assembled(folder, "main") # one buffer of a sharded one, in the HF layout
+    named = weights(folder)        # the main weights alone, from either form
 """
 
 from __future__ import annotations
@@ -61,6 +62,20 @@ def load(folder: Path) -> dict[str, Any]:
     if not (folder / CORE).exists() and (folder / SHARDS).is_dir():
         return _assemble(folder)
     return dict(torch.load(folder / CORE, weights_only=True))
+
+
+def weights(folder: Path) -> list[tuple[str, Any]]:
+    """The main weights of checkpoint directory `folder` in the HF layout and order, without
+    its optimizer state (what a standalone engine loads on a resume): a sharded checkpoint's
+    main buffers alone, a core file mapped so that its moments are never read."""
+    import torch
+
+    first = shard_meta(folder) if not (folder / CORE).exists() else None
+    if first is not None:
+        main = assembled(folder, "main")
+        return [(n, main[n]) for n in first["hf_order"]]
+    data = torch.load(folder / CORE, weights_only=True, mmap=True)
+    return [(n, t.clone()) for n, t in data["named"]]  # read now, the file unmapped after
 
 
 def _shard_path(folder: Path, shard: int) -> Path:

@@ -213,6 +213,9 @@ def test_a_checkpoint_of_expert_parallel_shards_reassembles_as_the_model(tmp_pat
     data = core_file.load(tmp_path)
     assert [n for n, _ in data["named"]] == order
     assert all(torch.equal(t, state[n]) for n, t in data["named"])
+    weights = core_file.weights(tmp_path)  # the weights alone: a resumed standalone engine's
+    assert [n for n, _ in weights] == order
+    assert all(torch.equal(t, state[n]) for n, t in weights)
     flat = torch.cat([state[n].reshape(-1) for n in order])
     moments = data["optimizer"]["state"][0]
     assert torch.equal(moments["exp_avg"], 2 * flat)

@@ -324,6 +324,9 @@ def test_a_bfloat16_checkpoint_keeps_float32_state_and_resumes_exactly(
     assert torch.equal(flat, run.optimizer.main.detach())
     moments = data["optimizer"]["state"][0]
     assert moments["exp_avg"].dtype == moments["exp_avg_sq"].dtype == torch.float32
+    weights = core_file.weights(tmp_path)  # what a resumed standalone engine loads
+    assert [n for n, _ in weights] == [n for n, _ in data["named"]]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(weights, data["named"]))
 
     resumed = _replica("bfloat16")
     assert resumed.restore(tmp_path) == 1

@@ -270,9 +270,9 @@ class CellProcess:
         if self.trainer is not None:
             self._reload(self.version)
             return
-        data = checkpoint.load_core(self.run_dir)
-        assert data is not None, "a resumed standalone engine needs a checkpoint"
-        self.engine.load_weights(list(data["named"]), self.version)
+        named = checkpoint.load_weights(self.run_dir)  # no optimizer state read
+        assert named is not None, "a resumed standalone engine needs a checkpoint"
+        self.engine.load_weights(named, self.version)
 
     def save_checkpoint(self, m: msg.SaveCheckpoint) -> None:
         """Core: weights + optimizer state into the checkpoint directory being written."""

@@ -56,7 +56,7 @@ MADE_BY = "gyre checkpoint"  # the marker of a checkpoint directory (gyre.fsafe)
 PREEMPT = threading.Event()  # set by the coordinator's SIGUSR1 handler
 
 __all__ = ["CORE", "EXIT_CHECKPOINTED", "PREEMPT", "STATE", "CheckpointState", "Checkpoints",
-           "begin", "commit", "latest", "load_core", "save_core"]  # fmt: skip
+           "begin", "commit", "latest", "load_core", "load_weights", "save_core"]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,3 +163,10 @@ def load_core(run_dir: Path) -> dict[str, Any] | None:
     """The newest checkpoint's core file (`version`, `named`, `optimizer`), or None."""
     found = latest(run_dir)
     return None if found is None else core_file.load(found[0])
+
+
+def load_weights(run_dir: Path) -> list[tuple[str, Any]] | None:
+    """The newest checkpoint's main weights (HF layout), its optimizer state left unread;
+    None without a checkpoint."""
+    found = latest(run_dir)
+    return None if found is None else core_file.weights(found[0])
