@@ -69,7 +69,8 @@ if [[ -n "$venv" ]]; then
   py="$venv/bin/python"
 fi
 pipq=("$py" -m pip install -q --disable-pip-version-check --root-user-action=ignore)
-if ! "$py" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+# the installed version from its metadata (importing torch to ask it costs ~3 CPU-s a setup)
+if ! "$py" -c 'import importlib.metadata as m, sys; sys.exit(m.version("torch").split("+")[0] != "2.13.0")' 2>/dev/null; then
   log "pip install torch==2.13.0"
   "${pipq[@]}" "torch==2.13.0"
 fi
