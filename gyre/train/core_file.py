@@ -59,9 +59,14 @@ def load(folder: Path) -> dict[str, Any]:
     the HF layout: its core file, or its shards put together."""
     import torch
 
-    if not (folder / CORE).exists() and (folder / SHARDS).is_dir():
+    if _sharded(folder):
         return _assemble(folder)
     return dict(torch.load(folder / CORE, weights_only=True))
+
+
+def _sharded(folder: Path) -> bool:
+    """Whether checkpoint directory `folder` holds a Megatron core's shards (not a core file)."""
+    return not (folder / CORE).exists() and (folder / SHARDS).is_dir()
 
 
 def weights(folder: Path) -> list[tuple[str, Any]]:
@@ -70,9 +75,9 @@ def weights(folder: Path) -> list[tuple[str, Any]]:
     main buffers alone, a core file mapped so that its moments are never read."""
     import torch
 
-    first = shard_meta(folder) if not (folder / CORE).exists() else None
-    if first is not None:
-        main = assembled(folder, "main")
+    if _sharded(folder):
+        main, first = assembled(folder, "main"), shard_meta(folder)
+        assert first is not None
         return [(n, main[n]) for n in first["hf_order"]]
     data = torch.load(folder / CORE, weights_only=True, mmap=True)
     return [(n, t.clone()) for n, t in data["named"]]  # read now, the file unmapped after
