@@ -26,14 +26,13 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import functools
 import re
 import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
-
-import yaml
 
 from gyre.errors import ConfigError
 
@@ -57,6 +56,8 @@ def load_yaml(cls: type[T], file: str | Path, section: str | None = None) -> T:
 def read_mapping(file: str | Path) -> dict[str, Any]:
     """A YAML file whose top level is a non-empty mapping, or a ConfigError (an empty file
     is a mistake, not "all defaults": a run would start a whole default job from it)."""
+    import yaml
+
     p = Path(file)
     try:
         data = yaml.safe_load(p.read_text())
@@ -76,27 +77,34 @@ def read_mapping(file: str | Path) -> dict[str, Any]:
     return data
 
 
-class _OverrideLoader(yaml.SafeLoader):
+@functools.cache
+def _override_loader() -> type:
     """YAML for override values with YAML 1.2 numbers: `3e-4` is a float (YAML 1.1 reads a
-    string) and `2:00:00` a string (YAML 1.1 reads the base-60 integer 7200)."""
+    string) and `2:00:00` a string (YAML 1.1 reads the base-60 integer 7200). Built on first
+    use, so a process that only `load`s (a harness reading its tool latency) never imports
+    YAML."""
+    import yaml
 
+    class OverrideLoader(yaml.SafeLoader):
+        pass
 
-_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
-_OverrideLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_OverrideLoader.add_implicit_resolver(
-    _INT, re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0x[0-9a-fA-F_]+)$"), list("-+0123456789")
-)
-_OverrideLoader.add_implicit_resolver(
-    _FLOAT,
-    re.compile(
-        r"^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+"
-        r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|\.(?:inf|Inf|INF))|\.(?:nan|NaN|NAN))$"
-    ),
-    list("-+0123456789."),
-)
+    int_tag, float_tag = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+    OverrideLoader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in (int_tag, float_tag)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    OverrideLoader.add_implicit_resolver(
+        int_tag, re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0x[0-9a-fA-F_]+)$"), list("-+0123456789")
+    )
+    OverrideLoader.add_implicit_resolver(
+        float_tag,
+        re.compile(
+            r"^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+"
+            r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|\.(?:inf|Inf|INF))|\.(?:nan|NaN|NAN))$"
+        ),
+        list("-+0123456789."),
+    )
+    return OverrideLoader
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -105,8 +113,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if not sep or not all(p.strip() for p in parts):
         raise ConfigError(f"override {text!r}: expected KEY.PATH=VALUE (e.g. train.lr=3e-4)")
+    import yaml
+
     try:
-        value = yaml.load(raw, Loader=_OverrideLoader)  # a SafeLoader subclass
+        value = yaml.load(raw, Loader=_override_loader())  # a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: the value is not valid YAML ({e})") from None
     return [p.strip() for p in parts], value

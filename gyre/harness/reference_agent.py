@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 from gyre.errors import ConfigError
 from gyre.harness.tools import DELEGATE_SCHEMA, TOOL_SCHEMAS, Workspace
-from gyre.tasks.suite import ToolLatency
+from gyre.tasks.latency import ToolLatency
 from gyre.vocabulary import EVALUATOR_HEADERS
 
 ROLE_HEADER = "x-gyre-role"

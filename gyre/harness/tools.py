@@ -25,7 +25,7 @@ from typing import Any
 
 from gyre.errors import HarnessError
 from gyre.lifetime import die_with_parent
-from gyre.tasks.suite import ToolLatency
+from gyre.tasks.latency import ToolLatency
 
 MAX_OUTPUT_CHARS = 4000
 

@@ -33,7 +33,7 @@ from typing import Any
 from gyre import cliargs, fsafe
 from gyre.errors import ConfigError
 from gyre.runtime.shared.checkpoint import EXIT_CHECKPOINTED
-from gyre.runtime.shared.config import DEFAULT_CONFIG
+from gyre.runtime.shared.config import DEFAULT_CONFIG, RunConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -182,10 +182,9 @@ def find_mpiexec() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gyre.runtime.main import default_run_dir, forks_ranks, ranks_config
-    from gyre.runtime.preflight import Where, preflight
+    from gyre.runtime.main import default_run_dir, forks_ranks
     from gyre.runtime.shared.config import dump_run_config, load_run_config
-    from gyre.runtime.shared.startup import environ, table
+    from gyre.runtime.shared.startup import table
 
     config, overrides = _split_overrides(args.config, args.overrides)
     if args.resume is not None:
@@ -195,46 +194,31 @@ def run(args: argparse.Namespace) -> int:
         print(dump_run_config(cfg), end="")
         return 0
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
-    # every check, the run directory's (writable; a run there continued) too, before any write
-    given = None if args.resume is not None else Path(config)  # a resume writes its own
-    for note in preflight(cfg, Where.HERE, run_dir=run_dir, resume=given is None, config=given):
-        print(f"gyre run: warning: {note}", file=sys.stderr)
-    text = dump_run_config(cfg)  # what every rank reads: the file plus the overrides
-    merged = ranks_config(run_dir, text)  # rank 0 keeps it as the run's own config.yaml
-    write = not (merged.is_file() and merged.read_text() == text)
-    forked = forks_ranks(cfg)  # each rank `gyre.zygote`'s fork of one warm process
-    cmd = [find_mpiexec(), "-n", str(cfg.topology.world_size), sys.executable, "-m",
-           *(["gyre.zygote"] if forked else []), "gyre.runtime.main", str(merged),
-           "--run-dir", str(run_dir)]  # fmt: skip
-    if args.dry_run:
-        t = cfg.topology
-        first = f", writing the merged config to {merged} first" if write else ""
-        print(f"gyre run: checks passed; would start {t.world_size} ranks (coordinator, proxy, "
-              f"{t.cells} cells x {t.ranks_per_cell}, {t.standalone_engines} standalone) for "
-              f"{cfg.steps} steps in {run_dir}{first}:\n{shlex.join(cmd)}")  # fmt: skip
-        return 0
-    with fsafe.writing(run_dir):  # a full disk, a read-only file system: one line, exit 2
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if write:
-            merged.write_text(text)
-    # environ(): when gyre run started, which the ranks' start-up phases count from
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "HF_HUB_OFFLINE": "1", **environ()}  # fmt: skip
+           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    forked = forks_ranks(cfg)  # each rank `gyre.zygote`'s fork of one warm process
     warm = None
-    if forked:  # imports what the ranks import while mpiexec starts them
+    if forked and not args.dry_run:  # imports what the ranks do, during the checks and launch
         from gyre import zygote
 
-        # one OpenMP thread while it imports: a fork copies no thread (ranks set their own)
-        warm = zygote.serve_ranks("gyre.runtime.main:preload", str(merged),
-                                  ranks=cfg.topology.world_size,
-                                  env={**env, "OMP_NUM_THREADS": "1"})  # fmt: skip
-        env[zygote.ENV] = warm.address
+        try:  # one OpenMP thread while it imports: a fork copies no thread (ranks set theirs)
+            warm = zygote.serve_ranks("gyre.runtime.main:preload", cfg.train.backend,
+                                      ranks=cfg.topology.world_size,
+                                      env={**env, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        except OSError:  # no room for its socket (a full disk): the ranks start as new
+            forked = False  # interpreters, and the run directory's own write says what is wrong
+        else:
+            env[zygote.ENV] = warm.address
     try:
-        rc, summary, tail = _supervise(cmd, env, run_dir, quiet=args.quiet,
-                                       limit=cfg.timeouts.run_s)  # fmt: skip
-    finally:
+        rc, summary, tail = _checked_run(args, cfg, config, run_dir, env, forked)
+    except BaseException:  # a refused check (or an interrupt): the zygote at once, mid-import
         if warm is not None:
-            warm.close()  # what is left of the ranks, and the zygote reaped
+            warm.close(timeout=0)
+        raise
+    if warm is not None:
+        warm.close()  # what is left of the ranks, and the zygote reaped
+    if rc is None:  # --dry-run
+        return 0
     if rc == EXIT_CHECKPOINTED and summary is not None:
         print(f"gyre run: checkpointed after {summary['steps_done']} steps; resume with "
               f"gyre run --resume {run_dir}")  # fmt: skip
@@ -254,6 +238,43 @@ def run(args: argparse.Namespace) -> int:
         print("gyre run: start-up, seconds from gyre run's start\n" + table([summary["startup"]]))
     print(json.dumps(summary))
     return 0
+
+
+def _checked_run(
+    args: argparse.Namespace, cfg: RunConfig, config: str, run_dir: Path,
+    env: dict[str, str], forked: bool,
+) -> tuple[int | None, dict[str, Any] | None, deque[str]]:  # fmt: skip
+    """`gyre run`'s checks, then the MPI job (`_supervise`); rc None after `--dry-run`.
+    `forked`: the ranks are forks of the rank zygote `run` started before the checks."""
+    from gyre.runtime.main import ranks_config
+    from gyre.runtime.preflight import Where, preflight
+    from gyre.runtime.shared.config import dump_run_config
+    from gyre.runtime.shared.startup import environ
+
+    # every check, the run directory's (writable; a run there continued) too, before any write
+    given = None if args.resume is not None else Path(config)  # a resume writes its own
+    for note in preflight(cfg, Where.HERE, run_dir=run_dir, resume=given is None, config=given):
+        print(f"gyre run: warning: {note}", file=sys.stderr)
+    text = dump_run_config(cfg)  # what every rank reads: the file plus the overrides
+    merged = ranks_config(run_dir, text)  # rank 0 keeps it as the run's own config.yaml
+    write = not (merged.is_file() and merged.read_text() == text)
+    cmd = [find_mpiexec(), "-n", str(cfg.topology.world_size), sys.executable, "-m",
+           *(["gyre.zygote"] if forked else []), "gyre.runtime.main", str(merged),
+           "--run-dir", str(run_dir)]  # fmt: skip
+    if args.dry_run:
+        t = cfg.topology
+        first = f", writing the merged config to {merged} first" if write else ""
+        print(f"gyre run: checks passed; would start {t.world_size} ranks (coordinator, proxy, "
+              f"{t.cells} cells x {t.ranks_per_cell}, {t.standalone_engines} standalone) for "
+              f"{cfg.steps} steps in {run_dir}{first}:\n{shlex.join(cmd)}")  # fmt: skip
+        return None, None, deque()
+    with fsafe.writing(run_dir):  # a full disk, a read-only file system: one line, exit 2
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if write:
+            merged.write_text(text)
+    # environ(): when gyre run started and spawns them, which the ranks' phases count from
+    env = {**env, **environ()}
+    return _supervise(cmd, env, run_dir, quiet=args.quiet, limit=cfg.timeouts.run_s)
 
 
 def _resumable(run_dir: Path, other: str | None, config: str) -> str:

@@ -118,19 +118,18 @@ def fork_engine_zygote(cfg: RunConfig, me: Component) -> bool:
     return True
 
 
-def preload(config: str) -> None:
-    """Import what the ranks of `config` import, once, in `gyre run`'s rank zygote
-    (`gyre.zygote`): mpiexec's ranks are then forked from it rather than each importing torch,
-    transformers, tornado, h5py (and megatron-core) as a new interpreter. Not MPI itself:
-    each rank initialises its own, after the fork."""
+def preload(backend: str) -> None:
+    """Import what the ranks of a run with training backend `backend` import, once, in `gyre
+    run`'s rank zygote (`gyre.zygote`): mpiexec's ranks are then forked from it rather than
+    each importing torch, transformers, tornado, h5py (and megatron-core) as a new
+    interpreter. Not MPI itself: each rank initialises its own, after the fork."""
     import importlib
 
-    cfg = load_run_config(config)
     modules = ["gyre.runtime.roles", "gyre.runtime.coordinator.coordinator",
                "gyre.runtime.proxy_node.node", "gyre.runtime.cell.engine_host",
                "gyre.runtime.cell.leader", "gyre.runtime.cell.follower",
                "gyre.runtime.shared.wire", "gyre.train.comm", "gyre.train.transfer"]  # fmt: skip
-    if cfg.train.backend == "megatron":
+    if backend == "megatron":
         modules += ["torch.distributed", "megatron.core.parallel_state",
                     "gyre.train.megatron.model", "gyre.train.megatron.weights",
                     "gyre.train.megatron.shard_files"]  # fmt: skip

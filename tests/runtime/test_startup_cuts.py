@@ -4,6 +4,9 @@
   rank's imports compete with the cells' model build, the start's critical path (torch is
   ~1.1 CPU-s a process). The coordinator (it computes the execution gates,
   `gyre.train.scalars`) and the proxy node build their roles without it.
+* A harness agent (a dozen start at once in a default run's first group) imports neither
+  YAML nor the suite code: the tool latency it applies is `gyre.tasks.latency`, the same
+  class the suite loads.
 * `gyre run`'s model check of a shipped tiny model under Megatron (transformers and torch
   imported before any rank starts) is remembered once passed, keyed by all it depends on;
   a refusal is never remembered.
@@ -29,6 +32,22 @@ def test_a_rank_that_moves_no_tensors_does_not_import_torch(module: str) -> None
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", f"{module} imports torch: {out.stdout}"
+
+
+def test_a_harness_agent_imports_neither_yaml_nor_the_suite() -> None:
+    code = ("import sys, gyre.harness.reference_agent; "
+            "print(sorted(m for m in sys.modules if m.startswith(('yaml', 'gyre.tasks.suite'))))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"the reference agent imports {out.stdout}"
+
+
+def test_the_suite_and_the_agent_apply_one_tool_latency() -> None:
+    from gyre.harness import reference_agent, tools
+    from gyre.tasks import latency, suite
+
+    assert suite.ToolLatency is latency.ToolLatency is tools.ToolLatency
+    assert reference_agent.ToolLatency is latency.ToolLatency
 
 
 def test_the_objective_still_offers_the_execution_scalars() -> None:
