@@ -201,10 +201,12 @@ def run(args: argparse.Namespace) -> int:
     if forked and not args.dry_run:  # imports what the ranks do, during the checks and launch
         from gyre import zygote
 
-        try:  # one OpenMP thread while it imports: a fork copies no thread (ranks set theirs)
+        # one OpenMP thread while it imports (a fork copies no thread; ranks set theirs), and
+        # labelled with its run as engines are: its forks, the ranks, show its environment
+        label = {"OMP_NUM_THREADS": "1", "GYRE_RUN_DIR": str(run_dir.resolve())}
+        try:
             warm = zygote.serve_ranks("gyre.runtime.main:preload", cfg.train.backend,
-                                      ranks=cfg.topology.world_size,
-                                      env={**env, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                                      ranks=cfg.topology.world_size, env={**env, **label})  # fmt: skip
         except OSError:  # no room for its socket (a full disk): the ranks start as new
             forked = False  # interpreters, and the run directory's own write says what is wrong
         else:
