@@ -182,7 +182,8 @@ def bench(shape: str, dtype: str, runs: int, code: Path, refresh: bool) -> dict:
 
 def bench_resume(shape: str, runs: int, code: Path) -> dict:
     """Each rank's extra peak RSS (MB) while it resumes a checkpoint taken at the other TP
-    size (TP 2's shards at TP 1, TP 1's at TP 2: put together in the HF layout, then split),
+    size (TP 2's shards at TP 1, TP 1's at TP 2: each rank's shard split from the files a
+    layer at a time, `core_file.source`),
     over `runs` worlds each, beside the model's float32 bytes."""
     with tempfile.TemporaryDirectory() as tmp:
         model, saved = Path(tmp) / "model", {tp: Path(tmp) / f"saved-tp{tp}" for tp in (1, 2)}

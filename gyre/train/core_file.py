@@ -16,9 +16,9 @@ A Megatron core's ranks each write their own shard, in parallel, nothing gathere
 sizes, the weight layout (`gyre.train.megatron.weights.WeightLayout`, the expert-parallel
 size included) and the optimizer's
 hyperparameters; rank 0's also the Hugging Face parameter order. A resume at the same sizes
-reads one file per rank (`read_shard`); `load` reassembles the HF layout from every shard
-(`stages_to_hf`) for any other reader: a Megatron core at other sizes, a torch core, `gyre
-eval`. So a checkpoint taken with either backend resumes with the other, at any tensor /
+reads one file per rank (`read_shard`); a Megatron core at other sizes splits its shard
+from the files a layer at a time (`source`); `load` reassembles the whole HF layout from
+every shard (`stages_to_hf`) for a reader that needs it: a torch core, `gyre eval`. So a checkpoint taken with either backend resumes with the other, at any tensor /
 pipeline sizes and either `train.dtype`: it holds the optimizer's main weights, not the bf16
 parameters, so a resume continues bit for bit. Torch is imported only when a file is written
 or read.
@@ -27,6 +27,7 @@ or read.
     size = save_shard(folder, shard, {"main": flat, "exp_avg": m, ...}, meta)
     data = load(folder)            # {"version", "named", "optimizer"}, from either form
     hf = assembled(folder, "main") # one buffer of a sharded one, in the HF layout
+    src = source(folder, "main")   # the same, read a layer at a time (a TensorSource)
     named = weights(folder)        # the main weights alone, from either form
 """
 
@@ -165,6 +166,44 @@ def assembled(folder: Path, key: str) -> dict[str, Any]:
             stages.append(views(f.get_tensor(key), meta["names"]))
     layout = WeightLayout(**first["layout"])
     return module_names(stages_to_hf(stages, layout, tp_size=first["tensor"]), layout)
+
+
+def source(folder: Path, key: str) -> Any:
+    """One flat buffer (`key`) of a sharded checkpoint as a `TensorSource` of HF tensors
+    (`gyre.train.megatron.weights.ShardedSource`), put together a layer at a time from only
+    that layer's ranges of the files that hold it: what a Megatron rank resuming at other
+    sizes splits to its own shard, never holding the whole model's buffer."""
+    import math
+
+    from safetensors import safe_open
+
+    from gyre.train.megatron.weights import ShardedSource, WeightLayout
+
+    first = shard_meta(folder)
+    if first is None:
+        raise FileNotFoundError(_shard_path(folder, 0))
+    shards = first["tensor"] * first["pipeline"]
+    where: list[dict[str, tuple[int, list[int]]]] = []  # per shard: name -> (offset, shape)
+    for shard in range(shards):
+        meta, off, at = shard_meta(folder, shard), 0, {}
+        assert meta is not None
+        for name, shape in meta["names"]:
+            at[name] = (off, shape)
+            off += math.prod(shape)
+        where.append(at)
+
+    def read(shard: int, names: Sequence[str]) -> dict[str, Any]:
+        with safe_open(str(_shard_path(folder, shard)), framework="pt") as f:
+            flat = f.get_slice(key)
+            out = {}
+            for name in names:
+                off, shape = where[shard][name]
+                out[name] = flat[off : off + math.prod(shape)].view(shape)
+            return out
+
+    return ShardedSource(WeightLayout(**first["layout"]), tp_size=first["tensor"],
+                         stages=first["pipeline"], names=[list(at) for at in where],
+                         read=read)  # fmt: skip
 
 
 def shard_step(folder: Path) -> Any:

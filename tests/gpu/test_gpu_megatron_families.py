@@ -222,6 +222,66 @@ def test_a_checkpoint_of_expert_parallel_shards_reassembles_as_the_model(tmp_pat
     assert torch.equal(moments["exp_avg_sq"], flat.square())
 
 
+def _save_cell(folder: Path, model: torch.nn.Module, lay: WeightLayout, tp: int, pp: int) -> None:
+    """`model` as the per-rank checkpoint files of a TP `tp` x PP `pp` cell (moments 2x and
+    the square of the weights)."""
+    import dataclasses
+
+    from gyre.train import core_file
+
+    state = dict(model.state_dict())
+    order = [n for n, _ in model.named_parameters()]
+    for rank in range(tp * pp):
+        shard = stage_to_mcore(state, lay, tp_rank=rank % tp, tp_size=tp, stage=rank // tp,
+                               stages=pp)  # fmt: skip
+        flat = torch.cat([t.reshape(-1) for t in shard.values()])
+        meta = {"version": 3, "shard": rank, "tensor": tp, "pipeline": pp,
+                "names": [[n, list(t.shape)] for n, t in shard.items()],
+                "layout": dataclasses.asdict(lay), "param_groups": [], "hf_order": order}  # fmt: skip
+        core_file.save_shard(folder, rank, {"main": flat, "exp_avg": 2 * flat,
+                                            "exp_avg_sq": flat.square(),
+                                            "step": torch.tensor(3.0)}, meta)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "tp", "pp", "ep"),
+    [("qwen3", 2, 2, 1), ("qwen3_tied", 1, 2, 1), ("qwen3_moe", 2, 1, 2), ("qwen2_moe", 1, 2, 1)],
+)
+def test_a_resume_at_other_sizes_reads_a_layer_at_a_time_what_the_whole_model_gives(
+    tmp_path: Path, family: str, tp: int, pp: int, ep: int
+) -> None:
+    """A Megatron rank resuming a checkpoint taken at other sizes splits each buffer to its
+    shard from `core_file.source` (the files' ranges of one layer at a time): every rank of
+    every other layout gets bit for bit the shard it would cut from the whole model put
+    together (`core_file.assembled`), for the weights and each moment, while the source held
+    at most one layer's tensors (the embedding's group, the largest here) — never the model."""
+    import dataclasses
+
+    from gyre.train import core_file
+
+    model = tiny_family(family)
+    lay = WeightLayout.from_hf_config(model.config.to_dict(), expert_parallel=ep)
+    _save_cell(tmp_path, model, lay, tp, pp)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if "layers" not in n
+    )
+    targets = [(t, p) for t in (1, 2) for p in (1, 2) if (t, p) != (tp, pp)]
+    for key in ("main", "exp_avg", "exp_avg_sq"):
+        hf = core_file.assembled(tmp_path, key)
+        for t, p in targets:
+            target = dataclasses.replace(lay, expert_parallel=1)
+            for rank in range(t * p):
+                where = {"tp_rank": rank % t, "tp_size": t, "stage": rank // t, "stages": p}
+                src = core_file.source(tmp_path, key)
+                got = stage_to_mcore(src, target, **where)
+                want = stage_to_mcore(hf, target, **where)
+                assert list(got) == list(want), (key, t, p, rank)
+                assert all(torch.equal(got[n], want[n]) for n in want), (key, t, p, rank)
+                assert 0 < src.peak_bytes <= max(largest, whole // lay.num_layers), src.peak_bytes
+                assert src.peak_bytes < whole / 2
+
+
 # --- against transformers, through Megatron's GPTModel --------------------------------------
 
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     from gyre.train.comm import Communicators
     from gyre.train.config import TrainConfig
+    from gyre.train.megatron.weights import Source
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -219,11 +220,12 @@ class MegatronReplica(TorchReplica):
 
     def _restore_other_shards(self, folder: Path, first: dict[str, Any]) -> int:
         """A sharded checkpoint taken at other model-parallel sizes: each of its buffers
-        (weights, then each moment) put together in the HF layout and split to this rank's
-        shard, one at a time, so a rank holds one model-sized state at once, not three."""
-        self._load_weights(core_file.assembled(folder, "main"))
+        (weights, then each moment) split to this rank's shard, read a layer at a time from
+        the ranges of the files that hold it (`core_file.source`), so a rank holds one layer
+        of the model beside its own shard, never a model-sized buffer."""
+        self._load_weights(core_file.source(folder, "main"))
         if self.optimizer is not None and "exp_avg" in core_file.shard_keys(folder):
-            moments = {k: self._flat(self._mine(core_file.assembled(folder, k))).to(self.cell.device)
+            moments = {k: self._flat(self._mine(core_file.source(folder, k))).to(self.cell.device)
                        for k in MOMENTS}  # fmt: skip
             self.optimizer.opt.load_state_dict({
                 "state": {0: {"step": core_file.shard_step(folder), **moments}},
@@ -247,7 +249,7 @@ class MegatronReplica(TorchReplica):
                     "param_groups": meta["param_groups"]})  # fmt: skip
         return int(meta["version"])
 
-    def _mine(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _mine(self, hf: Source) -> dict[str, torch.Tensor]:
         """This rank's Megatron tensors of full HF-layout tensors."""
         from megatron.core import parallel_state as ps
 

@@ -47,7 +47,7 @@ files (`gyre.train.megatron.shard_files`), the same bytes either way.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -222,6 +222,81 @@ def stage_to_hf(tp_shards: Sequence[Mapping[str, torch.Tensor]], layout: WeightL
     output layer) on the last. What a stage's sender publishes; `stages_to_hf` of a cell."""
     return mcore_to_hf(tp_shards, layout, layers=stage_layers(layout, stage, stages),
                        first_stage=stage == 0, last_stage=stage == stages - 1)  # fmt: skip
+
+
+class ShardedSource:
+    """The shards of a TP x PP cell (shard s: TP rank s % tp_size of stage s // tp_size) as
+    a `TensorSource` of HF tensors, put together one group at a time — a layer, the
+    embedding, or the final norm with an untied output layer — from only that group's
+    tensors of the shards that hold it: `read(s, names)` returns those of shard s's
+    Megatron tensors (`names[s]` lists each shard's). A reader that asks group by group, as
+    `hf_to_mcore` does, holds one layer of the whole model at once beside what it keeps
+    (a resume at other sizes: the rank's own shard), never the model; `peak_bytes` is the
+    most it held."""
+
+    def __init__(self, layout: WeightLayout, *, tp_size: int, stages: int,
+                 names: Sequence[Sequence[str]],
+                 read: Callable[[int, Sequence[str]], Mapping[str, torch.Tensor]]) -> None:  # fmt: skip
+        self.layout, self.tp_size, self.stages = layout, tp_size, stages
+        self.names = [list(n) for n in names]
+        self.read = read
+        self.peak_bytes = 0
+        self._group: tuple[str, int] | None = None
+        self._tensors: Tensors = {}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._take(name).shape)
+
+    def chunk(self, name: str, dim: int, rank: int, size: int) -> torch.Tensor:
+        return self._take(name).chunk(size, dim=dim)[rank].clone()
+
+    def _take(self, name: str) -> torch.Tensor:
+        group = _group_of(name)
+        if group != self._group:
+            self._group, self._tensors = None, {}  # the last group goes before the next comes
+            self._tensors, self._group = self._load(group), group
+            held = sum(t.numel() * t.element_size() for t in self._tensors.values())
+            self.peak_bytes = max(self.peak_bytes, held)
+        if name not in self._tensors:
+            stacked = _from_stacked_experts(self._tensors, name)
+            if stacked is None:
+                raise TrainingError(f"hf weights: {name!r} missing")
+            return stacked
+        return self._tensors[name]
+
+    def _stage(self, stage: int, names: Callable[[str], str | None]) -> list[Tensors]:
+        """Stage `stage`'s TP shards, each only the tensors `names` renames (None: not read)."""
+        out = []
+        for s in range(stage * self.tp_size, (stage + 1) * self.tp_size):
+            wanted = {n: new for n in self.names[s] if (new := names(n)) is not None}
+            out.append({wanted[n]: t for n, t in self.read(s, list(wanted)).items()})
+        return out
+
+    def _load(self, group: tuple[str, int]) -> Tensors:
+        kind, i = group
+        if kind == "layer":
+            per = self.layout.num_layers // self.stages
+            prefix = f"decoder.layers.{i % per}."
+            shards = self._stage(i // per, lambda n: "decoder.layers.0." + n[len(prefix):]
+                                 if n.startswith(prefix) else None)  # fmt: skip
+            return dict(_layer_to_hf(shards, self.layout, 0, i))
+        if kind == "first":
+            name = "embedding.word_embeddings.weight"
+            shards = self._stage(0, lambda n: n if n == name else None)
+            return {"model.embed_tokens.weight": _cat(shards, name, 0)}
+        last = ("decoder.final_layernorm.weight", "output_layer.weight")
+        shards = self._stage(self.stages - 1, lambda n: n if n in last else None)
+        out = {"model.norm.weight": shards[0][last[0]]}
+        if not self.layout.tied:
+            out["lm_head.weight"] = _cat(shards, last[1], 0)
+        return out
+
+
+def _group_of(name: str) -> tuple[str, int]:
+    """The `ShardedSource` group an HF tensor belongs to."""
+    if name.startswith("model.layers."):
+        return "layer", int(name.split(".")[2])
+    return ("first", 0) if name == "model.embed_tokens.weight" else ("last", 0)
 
 
 def _norm_names(layout: WeightLayout, i: int) -> tuple[str, str]:
