@@ -224,7 +224,7 @@ def stage_to_hf(tp_shards: Sequence[Mapping[str, torch.Tensor]], layout: WeightL
                        first_stage=stage == 0, last_stage=stage == stages - 1)  # fmt: skip
 
 
-class ShardedSource:
+class ShardedSource(InMemory):
     """The shards of a TP x PP cell (shard s: TP rank s % tp_size of stage s // tp_size) as
     a `TensorSource` of HF tensors, put together one group at a time — a layer, the
     embedding, or the final norm with an untied output layer — from only that group's
@@ -242,27 +242,16 @@ class ShardedSource:
         self.read = read
         self.peak_bytes = 0
         self._group: tuple[str, int] | None = None
-        self._tensors: Tensors = {}
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._take(name).shape)
-
-    def chunk(self, name: str, dim: int, rank: int, size: int) -> torch.Tensor:
-        return self._take(name).chunk(size, dim=dim)[rank].clone()
+        super().__init__({})  # `tensors`: the group held
 
     def _take(self, name: str) -> torch.Tensor:
         group = _group_of(name)
         if group != self._group:
-            self._group, self._tensors = None, {}  # the last group goes before the next comes
-            self._tensors, self._group = self._load(group), group
-            held = sum(t.numel() * t.element_size() for t in self._tensors.values())
+            self._group, self.tensors = None, {}  # the last group goes before the next comes
+            self.tensors, self._group = self._load(group), group
+            held = sum(t.numel() * t.element_size() for t in self.tensors.values())
             self.peak_bytes = max(self.peak_bytes, held)
-        if name not in self._tensors:
-            stacked = _from_stacked_experts(self._tensors, name)
-            if stacked is None:
-                raise TrainingError(f"hf weights: {name!r} missing")
-            return stacked
-        return self._tensors[name]
+        return super()._take(name)
 
     def _stage(self, stage: int, names: Callable[[str], str | None]) -> list[Tensors]:
         """Stage `stage`'s TP shards, each only the tensors `names` renames (None: not read)."""
