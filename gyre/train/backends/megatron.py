@@ -175,8 +175,7 @@ class MegatronReplica(TorchReplica):
             return 0
         if self.optimizer is None:
             raise TrainingError("megatron replica: only a core rank writes a checkpoint shard")
-        names = [[n, list(p.shape)] for n, p in self.cell.model.named_parameters()
-                 if p.requires_grad]  # fmt: skip
+        names = self._names()
         state = self.optimizer.opt.state_dict()
         flats = {
             "main": self.optimizer.main.detach(),
@@ -220,17 +219,57 @@ class MegatronReplica(TorchReplica):
 
     def _restore_other_shards(self, folder: Path, first: dict[str, Any]) -> int:
         """A sharded checkpoint taken at other model-parallel sizes: each of its buffers
-        (weights, then each moment) split to this rank's shard, read a layer at a time from
-        the ranges of the files that hold it (`core_file.source`), so a rank holds one layer
-        of the model beside its own shard, never a model-sized buffer."""
-        self._load_weights(core_file.source(folder, "main"))
-        if self.optimizer is not None and "exp_avg" in core_file.shard_keys(folder):
-            moments = {k: self._flat(self._mine(core_file.source(folder, k))).to(self.cell.device)
-                       for k in MOMENTS}  # fmt: skip
-            self.optimizer.opt.load_state_dict({
-                "state": {0: {"step": core_file.shard_step(folder), **moments}},
-                "param_groups": first["param_groups"]})  # fmt: skip
+        (weights, then each moment) split to this rank's flat shard, read a layer at a time
+        from the ranges of the files that hold it (`core_file.source`) and copied into the
+        flat buffer a tensor at a time, so a rank holds one layer of the model beside the
+        buffers it keeps, never a model-sized buffer or its shard twice."""
+        from gyre.rollout.weights import load_named_tensors
+
+        main = self._flat_of(core_file.source(folder, "main"))
+        load_named_tensors(self.cell.model, sorted(core_file.views(main, self._names()).items()))
+        if self.optimizer is not None:
+            self.optimizer.load_main(main)
+            del main
+            if "exp_avg" in core_file.shard_keys(folder):
+                moments = {k: self._flat_of(core_file.source(folder, k)).to(self.cell.device)
+                           for k in MOMENTS}  # fmt: skip
+                self.optimizer.opt.load_state_dict({
+                    "state": {0: {"step": core_file.shard_step(folder), **moments}},
+                    "param_groups": first["param_groups"]})  # fmt: skip
         return int(first["version"])
+
+    def _names(self) -> list[list[Any]]:
+        """Each trainable parameter's name and shape, in the order of the flat buffers."""
+        return [[n, list(p.shape)] for n, p in self.cell.model.named_parameters()
+                if p.requires_grad]  # fmt: skip
+
+    def _flat_of(self, hf: Source) -> torch.Tensor:
+        """This rank's float32 flat buffer of HF-layout tensors (the order of `_names`), each
+        of its tensors cut from `hf` and copied in as it comes (`iter_stage_to_mcore`)."""
+        import math
+
+        import torch
+        from megatron.core import parallel_state as ps
+
+        from gyre.train.megatron.weights import iter_stage_to_mcore
+
+        at, off = {}, 0
+        for name, shape in self._names():
+            at[name] = (off, math.prod(shape))
+            off += at[name][1]
+        flat = torch.empty(off, dtype=torch.float32)
+        for name, t in iter_stage_to_mcore(hf, self.layout,
+                                           tp_rank=ps.get_tensor_model_parallel_rank(),
+                                           tp_size=self.dims.tensor,
+                                           stage=ps.get_pipeline_model_parallel_rank(),
+                                           stages=self.dims.pipeline):  # fmt: skip
+            if name not in at:
+                raise TrainingError(f"checkpoint: {name!r} is no trainable parameter of this rank")
+            start, n = at.pop(name)
+            flat[start : start + n].copy_(t.reshape(-1))
+        if at:
+            raise TrainingError(f"checkpoint: no tensor for {sorted(at)[:3]} of this rank")
+        return flat
 
     def _restore_own_shard(self, folder: Path) -> int:
         """This rank's shard file of a checkpoint taken at the cell's own model-parallel
