@@ -111,10 +111,9 @@ class TorchReplica:
         return torch.cat([mine[n].reshape(-1) for n, p in self.cell.model.named_parameters()
                           if p.requires_grad])  # fmt: skip
 
-    def _load_weights(self, hf: Any) -> None:
-        """A checkpoint's weights (whole HF-layout tensors by name; a Megatron rank also
-        takes a `TensorSource`, `_mine`) into this rank's model (rounded to its dtype) and,
-        on a core rank, exactly into its optimizer's main weights."""
+    def _load_weights(self, hf: dict[str, torch.Tensor]) -> None:
+        """A checkpoint's weights into this rank's model (rounded to its dtype) and, on a
+        core rank, exactly into its optimizer's main weights."""
         from gyre.rollout.weights import load_named_tensors
 
         mine = self._mine(hf)
