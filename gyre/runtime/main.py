@@ -130,6 +130,9 @@ def preload(backend: str) -> None:
                "gyre.runtime.cell.leader", "gyre.runtime.cell.follower",
                "gyre.runtime.shared.wire", "gyre.train.comm", "gyre.train.transfer"]  # fmt: skip
     if backend == "megatron":
+        from gyre.train.megatron.model import import_megatron
+
+        import_megatron()  # before any megatron module: as a Megatron rank imports it
         modules += ["torch.distributed", "megatron.core.parallel_state",
                     "gyre.train.megatron.model", "gyre.train.megatron.weights",
                     "gyre.train.megatron.shard_files"]  # fmt: skip

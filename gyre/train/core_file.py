@@ -126,16 +126,21 @@ def expert(meta: dict[str, Any]) -> int:
     return int(meta["layout"].get("expert_parallel", 1))
 
 
-def views(flat: Any, names: Sequence[Sequence[Any]]) -> dict[str, Any]:
-    """A flat buffer's slice of each (name, shape) of `names`, in order, by name."""
+def offsets(names: Sequence[Sequence[Any]]) -> dict[str, tuple[int, int, list[int]]]:
+    """Where each (name, shape) of `names` lies in their flat buffer, laid end to end in
+    order: name -> (start, stop, shape)."""
     import math
 
     out, off = {}, 0
     for name, shape in names:
-        n = math.prod(shape)
-        out[name] = flat[off : off + n].view(shape)
-        off += n
+        out[name] = (off, off + math.prod(shape), list(shape))
+        off += math.prod(shape)
     return out
+
+
+def views(flat: Any, names: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """A flat buffer's slice of each (name, shape) of `names`, in order, by name."""
+    return {name: flat[a:b].view(shape) for name, (a, b, shape) in offsets(names).items()}
 
 
 def shard_keys(folder: Path) -> set[str]:
@@ -173,8 +178,6 @@ def source(folder: Path, key: str) -> Any:
     (`gyre.train.megatron.weights.ShardedSource`), put together a layer at a time from only
     that layer's ranges of the files that hold it: what a Megatron rank resuming at other
     sizes splits to its own shard, never holding the whole model's buffer."""
-    import math
-
     from safetensors import safe_open
 
     from gyre.train.megatron.weights import ShardedSource, WeightLayout
@@ -183,22 +186,19 @@ def source(folder: Path, key: str) -> Any:
     if first is None:
         raise FileNotFoundError(_shard_path(folder, 0))
     shards = first["tensor"] * first["pipeline"]
-    where: list[dict[str, tuple[int, list[int]]]] = []  # per shard: name -> (offset, shape)
+    where = []  # per shard: name -> (start, stop, shape) in its flat buffers
     for shard in range(shards):
-        meta, off, at = shard_meta(folder, shard), 0, {}
+        meta = shard_meta(folder, shard)
         assert meta is not None
-        for name, shape in meta["names"]:
-            at[name] = (off, shape)
-            off += math.prod(shape)
-        where.append(at)
+        where.append(offsets(meta["names"]))
 
     def read(shard: int, names: Sequence[str]) -> dict[str, Any]:
         with safe_open(str(_shard_path(folder, shard)), framework="pt") as f:
             flat = f.get_slice(key)
             out = {}
             for name in names:
-                off, shape = where[shard][name]
-                out[name] = flat[off : off + math.prod(shape)].view(shape)
+                a, b, shape = where[shard][name]
+                out[name] = flat[a:b].view(shape)
             return out
 
     return ShardedSource(WeightLayout(**first["layout"]), tp_size=first["tensor"],

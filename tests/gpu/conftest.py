@@ -4,12 +4,14 @@
 `megatron_world` initializes a one-rank gloo world with Megatron's parallel_state (TP = PP = 1)
 for the test module and tears it down afterwards. `workers` starts the processes of the
 multi-rank worlds (gloo or mpiexec) as forks of one process per test process that has
-imported torch, megatron-core and Gyre's Megatron model — a rank zygote, as `gyre run`'s ranks
-are forked (`gyre.zygote`) — instead of new interpreters that import them again.
+imported what `gyre run`'s rank zygote imports for Megatron cells (`gyre.runtime.main.preload`:
+torch, megatron-core as Gyre imports it, Gyre's Megatron model) — a rank zygote, as `gyre
+run`'s ranks are forked (`gyre.zygote`) — instead of new interpreters that import them again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -20,6 +22,10 @@ import pytest
 import torch
 
 from gyre import zygote
+from gyre.train.megatron.model import import_megatron
+
+with contextlib.suppress(ImportError):  # not installed: the fixtures below say so
+    import_megatron()  # before any test module here imports megatron-core: as a rank does
 
 
 @pytest.fixture
@@ -55,13 +61,6 @@ def megatron_world() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-WORKER_IMPORTS = ("torch.distributed", "megatron.core.parallel_state",
-                  "megatron.core.tensor_parallel", "gyre.train.megatron.model",
-                  "gyre.train.megatron.weights", "gyre.train.megatron.pipeline", "gyre.models",
-                  "gyre.rollout.server")  # fmt: skip
-"""What a worker of a Megatron world imports (what it imports besides is imported there)."""
-
-
 @dataclass(frozen=True)
 class Workers:
     """How a test starts a worker: `command(SCRIPT, *args)` with `env()` (a new interpreter
@@ -79,7 +78,8 @@ class Workers:
 @pytest.fixture(scope="session")
 def workers() -> Iterator[Workers]:
     pytest.importorskip("megatron.core", reason="megatron-core not installed (extra gyre[gpu])")
-    warm = zygote.serve_ranks("gyre.zygote:imports", *WORKER_IMPORTS, ranks=1 << 30,
+    # what `gyre run`'s rank zygote imports for Megatron cells, as it imports it
+    warm = zygote.serve_ranks("gyre.runtime.main:preload", "megatron", ranks=1 << 30,
                               env=dict(os.environ))  # fmt: skip
     try:
         yield Workers(warm.address)

@@ -7,6 +7,8 @@
 * A harness agent (a dozen start at once in a default run's first group) imports neither
   YAML nor the suite code: the tool latency it applies is `gyre.tasks.latency`, the same
   class the suite loads.
+* A Megatron rank imports megatron-core without wandb and, on a CPU-only torch, without the
+  `torch.compile` machinery its fused functions would import (~1.2 CPU-s a rank zygote).
 * `gyre run`'s model check of a shipped tiny model under Megatron (transformers and torch
   imported before any rank starts) is remembered once passed, keyed by all it depends on;
   a refusal is never remembered.
@@ -55,6 +57,24 @@ def test_the_objective_still_offers_the_execution_scalars() -> None:
 
     assert objective.execution_scalars is scalars.execution_scalars
     assert objective.ExecutionScalar is scalars.ExecutionScalar
+
+
+def test_a_megatron_rank_zygote_imports_neither_wandb_nor_torch_compile_machinery() -> None:
+    """`gyre run`'s rank zygote for Megatron cells, on this CPU-only torch: megatron-core
+    imported as a rank imports it (`import_megatron`), its fused functions eager, wandb
+    importable afterwards."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (gyre[gpu])")
+    code = ("import sys, torch, gyre.runtime.main as m; m.preload('megatron'); "
+            "from megatron.core.transformer import utils; "
+            "print(sorted(n for n in sys.modules if n.startswith(('wandb', 'torch._inductor.compile_fx')))[:3]); "
+            "print(hasattr(utils.gelu_impl, '_torchdynamo_orig_callable'), torch.compile.__module__); "
+            "import wandb")  # fmt: skip
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    imported, fused = out.stdout.strip().splitlines()
+    assert imported == "[]", f"the Megatron rank zygote imports {imported}"
+    assert fused == "False torch", fused  # a fused function eager; torch.compile torch's own
 
 
 def _megatron(ranks: int):  # type: ignore[no-untyped-def]

@@ -98,12 +98,7 @@ class MegatronReplica(TorchReplica):
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The flat buffer's slice of every trainable parameter, by Megatron name."""
-        out, off = {}, 0
-        for name, p in self.cell.model.named_parameters():
-            if p.requires_grad:
-                out[name] = flat[off : off + p.numel()].view_as(p)
-                off += p.numel()
-        return out
+        return core_file.views(flat, self._names())
 
     def part(self, shard: int) -> list[tuple[str, torch.Tensor]] | None:
         """A publication's part (collective over the cell), sent from the ranks that hold
@@ -246,18 +241,13 @@ class MegatronReplica(TorchReplica):
     def _flat_of(self, hf: Source) -> torch.Tensor:
         """This rank's float32 flat buffer of HF-layout tensors (the order of `_names`), each
         of its tensors cut from `hf` and copied in as it comes (`iter_stage_to_mcore`)."""
-        import math
-
         import torch
         from megatron.core import parallel_state as ps
 
         from gyre.train.megatron.weights import iter_stage_to_mcore
 
-        at, off = {}, 0
-        for name, shape in self._names():
-            at[name] = (off, math.prod(shape))
-            off += at[name][1]
-        flat = torch.empty(off, dtype=torch.float32)
+        at = core_file.offsets(self._names())
+        flat = torch.empty(max((b for _, b, _ in at.values()), default=0), dtype=torch.float32)
         for name, t in iter_stage_to_mcore(hf, self.layout,
                                            tp_rank=ps.get_tensor_model_parallel_rank(),
                                            tp_size=self.dims.tensor,
@@ -265,8 +255,8 @@ class MegatronReplica(TorchReplica):
                                            stages=self.dims.pipeline):  # fmt: skip
             if name not in at:
                 raise TrainingError(f"checkpoint: {name!r} is no trainable parameter of this rank")
-            start, n = at.pop(name)
-            flat[start : start + n].copy_(t.reshape(-1))
+            a, b, _ = at.pop(name)
+            flat[a:b].copy_(t.reshape(-1))
         if at:
             raise TrainingError(f"checkpoint: no tensor for {sorted(at)[:3]} of this rank")
         return flat

@@ -62,11 +62,7 @@ class TorchReplica:
         hf = self.hf_flat(flat)
         if hf is None:
             return None
-        named, off = [], 0
-        for name, shape in self.hf_shapes():
-            named.append((name, hf[off : off + shape.numel()].view(shape)))
-            off += shape.numel()
-        return named
+        return list(core_file.views(hf, self.hf_shapes()).items())
 
     def hf_shapes(self) -> list[tuple[str, torch.Size]]:
         """The HF model's trainable parameters' names and shapes in its flat order."""

@@ -71,7 +71,7 @@ def init_model_parallel(cfg: MegatronConfig, device: str | torch.device) -> None
     (Gyre never reduces over it: it sums a cell's replicas over `comms.replicas`, then the
     cells over the prefix communicators, `gyre.runtime.cell.trainer`).
     """
-    _import_megatron()
+    import_megatron()
     from megatron.core import parallel_state, tensor_parallel
 
     from gyre.train.megatron import cpu
@@ -111,24 +111,50 @@ def _bind(device: str | torch.device) -> torch.device:
     return torch.device(torch.cuda.current_device())
 
 
-def _import_megatron() -> None:
-    """Import megatron-core, without the wandb it imports for logging Gyre never asks of it.
+def import_megatron() -> None:
+    """Import megatron-core as Gyre's processes do: without what it imports that Gyre never
+    uses. Every Megatron rank calls it before its first `megatron` import (`gyre run`'s rank
+    zygote too, `gyre.runtime.main.preload`); where megatron-core is already imported it
+    changes nothing.
 
-    megatron-core imports wandb at module level where it is installed (its timers and
-    inference contexts could log to it): ~0.7 CPU-s on every Megatron rank of a start, and
-    wandb is installed for the coordinator's tracker. A `None` entry in `sys.modules` makes
-    that import fail as if wandb were absent, which megatron-core handles; the entry is
-    removed afterwards, so wandb stays importable in this process. Where wandb or megatron-core
-    is already imported this changes nothing.
+    - Without wandb: megatron-core imports it at module level where it is installed (its
+      timers and inference contexts could log to it), ~0.35 CPU-s, and wandb is installed for
+      the coordinator's tracker. A `None` entry in `sys.modules` makes that import fail as if
+      wandb were absent, which megatron-core handles; the entry is removed afterwards, so
+      wandb stays importable in this process.
+    - On a torch built without CUDA, without its `torch.compile` fusions: megatron-core's
+      `jit_fuser` is `torch.compile`, bound as its modules are imported, and decorating its
+      ~20 fused functions imports `torch._dynamo` and `torch._inductor` (~1 CPU-s) for kernels
+      made for GPUs. Here `torch.compile` is a no-op while megatron-core imports, so its fused
+      functions run eagerly, as its own `megatron.core.jit.disable_jit_fuser()` makes them
+      (which it cannot do before they are decorated); Gyre's configs call none of them
+      (`bias_activation_fusion` off, no expert bias, no output gate). A CUDA build keeps
+      megatron-core's default.
     """
-    if "megatron.core" in sys.modules or "wandb" in sys.modules:
+    if "megatron.core" in sys.modules:
         return
-    sys.modules["wandb"] = None  # type: ignore[assignment]
+    blocked = "wandb" not in sys.modules
+    if blocked:
+        sys.modules["wandb"] = None  # type: ignore[assignment]
+    compile_ = torch.compile
+    if not torch.backends.cuda.is_built():
+        torch.compile = _eager  # type: ignore[assignment]
     try:
         import megatron.core  # noqa: F401
+        from megatron.core import jit
+
+        if not torch.backends.cuda.is_built():
+            jit.disable_jit_fuser()  # for its modules imported later
     finally:
-        if sys.modules.get("wandb", "") is None:
+        torch.compile = compile_  # type: ignore[assignment]
+        if blocked and sys.modules.get("wandb", "") is None:
             del sys.modules["wandb"]
+
+
+def _eager(model: Any = None, **_options: Any) -> Any:
+    """`torch.compile`'s stand-in while megatron-core imports on a CPU-only torch: the
+    function itself, as a call or as a decorator factory."""
+    return model if model is not None else (lambda fn: fn)
 
 
 def build_gpt_model(
@@ -137,7 +163,7 @@ def build_gpt_model(
     """This rank's GPTModel (its TP shard of its pipeline stage) on `device`, its weights
     allocated but not initialized (`perform_initialization=False`): the caller loads them
     next (`build_rank_model`). `init_model_parallel(cfg, device)` first."""
-    _import_megatron()
+    import_megatron()
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
