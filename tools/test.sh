@@ -4,7 +4,7 @@
 #   bash tools/test.sh [pytest args...]
 #   bash tools/test.sh --fast [pytest args...]   # the developer's loop: the pure and
 #                                                # single-process tests (no MPI world, no Slurm,
-#                                                # no SmolLM2, nothing marked slow), ~3.5 minutes
+#                                                # no SmolLM2, nothing marked slow), ~2 minutes
 #
 # CI runs everything (no --fast).
 # ruff and mypy run beside pytest (they take a core for a minute while the suite mostly waits
@@ -24,7 +24,10 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFF
 # hundred, each compiling Gyre's modules without it, and pytest's collection rewrites every
 # test module's asserts again (13 s of a worker's 21 s collection, once cached)
 unset PYTHONDONTWRITEBYTECODE
-workers="${GYRE_TEST_WORKERS:-2}"
+# one worker more than cores: on the 2-core CI machine 2 workers leave CPU unused while tests
+# wait (Slurm's scheduler, process teardown, timers): pytest 1,010 s; with 3 the two cores were
+# busy all run (3% idle, /proc/stat every 5 s): 827 s (2026-12-07); more only share them
+workers="${GYRE_TEST_WORKERS:-$(($(nproc) + 1))}"
 
 lint_log=$(mktemp)
 trap 'rm -f "$lint_log"' EXIT
