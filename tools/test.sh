@@ -4,7 +4,7 @@
 #   bash tools/test.sh [pytest args...]
 #   bash tools/test.sh --fast [pytest args...]   # the developer's loop: the pure and
 #                                                # single-process tests (no MPI world, no Slurm,
-#                                                # no SmolLM2, nothing marked slow), ~2 minutes
+#                                                # no SmolLM2, nothing marked slow), 2-3.5 minutes
 #
 # CI runs everything (no --fast).
 # ruff and mypy run beside pytest (they take a core for a minute while the suite mostly waits

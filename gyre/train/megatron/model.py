@@ -136,14 +136,14 @@ def import_megatron() -> None:
     blocked = "wandb" not in sys.modules
     if blocked:
         sys.modules["wandb"] = None  # type: ignore[assignment]
-    compile_ = torch.compile
-    if not torch.backends.cuda.is_built():
+    compile_, eager = torch.compile, not torch.backends.cuda.is_built()
+    if eager:
         torch.compile = _eager  # type: ignore[assignment]
     try:
         import megatron.core  # noqa: F401
         from megatron.core import jit
 
-        if not torch.backends.cuda.is_built():
+        if eager:
             jit.disable_jit_fuser()  # for its modules imported later
     finally:
         torch.compile = compile_  # type: ignore[assignment]
