@@ -214,18 +214,22 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type
         cpu0, wall0 = item.stash[_START]
         item.user_properties.append(("cpu_s", _cpu_s() - cpu0))
         item.user_properties.append(("wall_s", time.monotonic() - wall0))
+        item.user_properties.append(("start_s", wall0 - _T0))
+        item.user_properties.append(("worker", os.environ.get("PYTEST_XDIST_WORKER", "")))
     yield
 
 
 _START = pytest.StashKey[tuple[float, float]]()
-_timings: dict[str, tuple[float, float]] = {}
+_T0 = time.monotonic()  # this process's start
+_timings: dict[str, tuple[float, float, float, str]] = {}
 _bad_skips: list[str] = []
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     props = dict(report.user_properties)
     if report.when == "teardown" and "cpu_s" in props:
-        _timings[report.nodeid] = (float(props["wall_s"]), float(props["cpu_s"]))
+        wall, cpu, start = (float(props[k]) for k in ("wall_s", "cpu_s", "start_s"))
+        _timings[report.nodeid] = (wall, cpu, start, str(props["worker"]))
     if report.skipped and os.environ.get("GYRE_NO_SKIP") == "1":
         reason = (
             str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
@@ -239,16 +243,14 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
         tr = terminalreporter
         tr.section(f"slowest {TOP} tests: wall s, CPU s (own + reaped children)")
         rows = sorted(_timings.items(), key=lambda kv: -kv[1][0])[:TOP]
-        for nodeid, (wall, cpu) in rows:
+        for nodeid, (wall, cpu, _, _) in rows:
             tr.write_line(f"{wall:8.1f} {cpu:8.1f}  {nodeid}")
-        total_cpu = sum(c for _, c in _timings.values())
+        total_cpu = sum(c for _, c, _, _ in _timings.values())
         tr.write_line(f"all {len(_timings)} tests: {total_cpu:.0f} CPU s")
         if path := os.environ.get("GYRE_TEST_TIMINGS"):  # every test's, for a profile
-            Path(path).write_text(
-                json.dumps(
-                    {k: {"wall_s": w, "cpu_s": c} for k, (w, c) in _timings.items()}, indent=1
-                )
-            )
+            keys = ("wall_s", "cpu_s", "start_s", "worker")  # start_s: from the worker's start
+            every = {nodeid: dict(zip(keys, t, strict=True)) for nodeid, t in _timings.items()}
+            Path(path).write_text(json.dumps(every, indent=1))
     if _bad_skips:
         terminalreporter.section("skips that are not allowed (GYRE_NO_SKIP=1)", red=True)
         for line in _bad_skips:
