@@ -193,20 +193,36 @@ def _root(path: Path, system: bool, deny: Sequence[Path]) -> list[Mount]:
 
 
 def _carve(root: Path, deny: Sequence[Path], system: bool) -> Iterator[Mount]:
-    """`root` as mounts that leave out every denied path strictly inside it."""
+    """`root` as mounts that leave out every denied path strictly inside it: each child of
+    `root` whole, but a denied one left out, a symlink kept as one, and one that holds denied
+    paths carved in turn (a runner builds this list per execution: /etc alone has ~140
+    children, so each is looked at once, from its directory entry)."""
     inside = [d for d in deny if d != root and d.is_relative_to(root)]
     if not inside:
         yield Mount(root, "ro", "", system)
         return
     if not root.is_dir():
         return
-    for child in sorted(root.iterdir()):
-        if child in inside:
-            continue
-        if child.is_symlink():
-            yield Mount(child, "symlink", os.readlink(child), system)
+    denied_here: set[str] = set()
+    below: dict[str, list[Path]] = {}  # child name -> the denied paths strictly under it
+    for d in inside:
+        first, *rest = d.relative_to(root).parts
+        if rest:
+            below.setdefault(first, []).append(d)
         else:
-            yield from _carve(child, inside, system)
+            denied_here.add(first)
+    with os.scandir(root) as entries:
+        children = sorted(entries, key=lambda e: e.name)
+    for entry in children:
+        child = root / entry.name
+        if entry.name in denied_here:
+            continue
+        if entry.is_symlink():
+            yield Mount(child, "symlink", os.readlink(child), system)
+        elif entry.name in below:
+            yield from _carve(child, below[entry.name], system)
+        else:
+            yield Mount(child, "ro", "", system)
 
 
 def _ordered(mounts: list[Mount]) -> list[Mount]:
@@ -217,7 +233,8 @@ def _ordered(mounts: list[Mount]) -> list[Mount]:
     bound = {m.path for m in mounts if m.kind != "symlink"}
     system = {m.path for m in mounts if m.system}
     unique = {m.path: replace(m, system=m.path in system) for m in mounts}.values()
-    kept = [m for m in unique if not _inside(m.path.parent.resolve(), bound)]
+    resolved = {p: p.resolve() for p in {m.path.parent for m in unique}}  # ~140 share /etc
+    kept = [m for m in unique if not _inside(resolved[m.path.parent], bound)]
     return sorted(kept, key=lambda m: (len(m.path.parts), str(m.path)))
 
 

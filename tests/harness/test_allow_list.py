@@ -12,9 +12,12 @@ import asyncio
 import os
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gyre.errors import ConfigError
 from gyre.harness import Adapter, HarnessRunner
@@ -29,6 +32,58 @@ def seen(path: Path, mounts: list[sb.Mount]) -> bool:
     """Whether the harness sees `path` through a bound folder or file (not a symlink entry)."""
     p = path.resolve()
     return any(m.kind != "symlink" and (p == m.path or p.is_relative_to(m.path)) for m in mounts)
+
+
+# one step of building a tree: (index of an earlier directory to create it in, kind, which
+# symlink target); the name is the step's number
+TREE = st.lists(
+    st.tuples(st.integers(0, 30), st.sampled_from(["dir", "file", "link"]), st.integers(0, 3)),
+    max_size=24,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(steps=TREE, picks=st.lists(st.integers(0, 30), max_size=5))
+def test_carving_binds_exactly_what_is_not_denied(steps, picks) -> None:
+    """Every path of a tree is shown, by one bind or symlink entry, unless a denied path is it
+    or holds it; a folder that holds a denied path is never bound (its other children are); a
+    symlink is kept as a link; no entry lies inside another bound one. Checked against a walk
+    of the whole tree."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp).resolve()
+        dirs, made = [root], []
+        for i, (where, kind, target) in enumerate(steps):
+            path = dirs[where % len(dirs)] / f"n{i}"
+            if kind == "dir":
+                path.mkdir()
+                dirs.append(path)
+            elif kind == "file":
+                path.write_text("x")
+            else:
+                path.symlink_to(["..", "/etc", "nowhere", path.name][target])
+            made.append(path)
+        deny = [made[k % len(made)] for k in picks if made] + [root / "absent" / "n0"]
+        mounts = list(sb._carve(root, deny, False))
+
+        def shown(path: Path) -> bool:
+            return any(m.path == path or (m.kind == "ro" and m.path in path.parents)
+                       for m in mounts)  # fmt: skip
+
+        for path in made:  # every path of the tree, by name (symlinks not followed)
+            hidden = any(path == d or d in path.parents for d in deny)
+            holds_denied = any(path in d.parents for d in deny)
+            if holds_denied:
+                assert not any(m.path == path for m in mounts), (path, mounts)
+            else:
+                assert shown(path) == (not hidden), (path, deny, mounts)
+            if path.is_symlink():  # an entry of its own keeps the link: a bind shows its target
+                assert all(m.kind == "symlink" for m in mounts if m.path == path), (path, mounts)
+        for m in mounts:
+            assert os.path.lexists(m.path) and not any(
+                o.kind == "ro" and o.path in m.path.parents for o in mounts
+            ), (m, mounts)
+            if m.kind == "symlink":
+                assert m.target == os.readlink(m.path)
 
 
 @pytest.fixture
