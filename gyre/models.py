@@ -21,9 +21,10 @@ see ``gyre.proxy.toolcalls``). Models are returned in fp32, in eval mode.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -309,25 +310,27 @@ def smollm2_gguf_path() -> Path:
 
 
 def _load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """De-quantizing the GGUF file takes ~30 CPU-s a process (a run loads it in every cell
-    and engine), so its float32 result is kept as a Hugging Face directory in the cache and
-    later loads read that (~4 s in a fresh process, imports included); both give the
-    same tensors."""
+    """De-quantizing the GGUF file takes ~20 CPU-s (a run loads the model in every cell and
+    engine), so its float32 result is kept as a Hugging Face directory in the cache and later
+    loads read that (~4 s in a fresh process, imports included); both give the same tensors.
+    One process converts: the others of a run starting on an empty cache wait for its
+    result (`_one_converts`) instead of each converting the same file at once."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = smollm2_gguf_path()
     cache = _cache_root() / f"smollm2-135m-model-{path.stat().st_size}"
-    if (cache / "config.json").is_file():
-        return _load_dir(cache)
-    tok = _smollm2_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, local_files_only=True, dtype=torch.float32
-    )
-    model.generation_config.eos_token_id = tok.eos_token_id
-    plain = _serializable(model)
-    _keep(cache, lambda tmp: (plain.save_pretrained(tmp), tok.save_pretrained(tmp)))
-    return plain, tok
+    with _one_converts(cache):
+        if (cache / "config.json").is_file():
+            return _load_dir(cache)
+        tok = _smollm2_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, local_files_only=True, dtype=torch.float32
+        )
+        model.generation_config.eos_token_id = tok.eos_token_id
+        plain = _serializable(model)
+        _keep(cache, lambda tmp: (plain.save_pretrained(tmp), tok.save_pretrained(tmp)))
+        return plain, tok
 
 
 def _serializable(model: PreTrainedModel) -> PreTrainedModel:
@@ -346,13 +349,34 @@ def _smollm2_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     cache = _cache_root() / f"smollm2-135m-tokenizer-{path.stat().st_size}"
-    if (cache / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(cache, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    if tok.eos_token != "<|im_end|>":
-        tok.eos_token = "<|im_end|>"
-    _keep(cache, tok.save_pretrained)
-    return tok
+    with _one_converts(cache):
+        if (cache / "tokenizer.json").exists():
+            return AutoTokenizer.from_pretrained(cache, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        if tok.eos_token != "<|im_end|>":
+            tok.eos_token = "<|im_end|>"
+        _keep(cache, tok.save_pretrained)
+        return tok
+
+
+@contextlib.contextmanager
+def _one_converts(cache: Path) -> Iterator[None]:
+    """Hold `cache`'s lock file (`CACHE.lock`, an flock: released when its holder dies) while
+    checking for the cache and filling it, so concurrent processes convert once. Where the
+    lock cannot be taken (a read-only cache folder), each process goes on alone."""
+    from filelock import FileLock
+
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(f"{cache}.lock")
+        lock.acquire()
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _cache_root() -> Path:
