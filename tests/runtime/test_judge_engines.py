@@ -31,11 +31,14 @@ def _judged_config(tmp_path: Path, judges: int, endpoint: str | None = None) -> 
     rubric = tmp_path / "hidden" / "rubric.md"
     rubric.parent.mkdir()
     rubric.write_text("1 if the directory holds one markdown bullet file per note, else 0.\n")
+    # max_tokens 600: the tiny judge's critique, a random string, outran 200 tokens in ~2 of
+    # 3 verdicts, each then asked again after a back-off of up to 5 s (the judged run took
+    # 45-80 s, its 6 steps ~60 s of it; with 600, 11-15 s)
     suite = {"name": "judged", "tasks": [{
         "name": "notes", "instruction": "Take notes on bugs: one file per note.",
         "workspace": str(notes / "workspace"),
         "scoring": {"rule": "judge", "rubric": str(rubric), "timeout_s": 30,
-                    "judge": {"max_tokens": 200, "temperature": 1.0, "max_input_chars": 2000}},
+                    "judge": {"max_tokens": 600, "temperature": 1.0, "max_input_chars": 2000}},
     }]}  # fmt: skip
     if endpoint:
         suite["tasks"][0]["scoring"]["judge"].update(endpoint=endpoint, model="judge")
