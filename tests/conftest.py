@@ -17,6 +17,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -221,15 +222,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type
 
 _START = pytest.StashKey[tuple[float, float]]()
 _T0 = time.monotonic()  # this process's start
-_timings: dict[str, tuple[float, float, float, str]] = {}
+# nodeid -> wall_s, cpu_s, start_s (from its worker's start), worker (pytest-xdist's name)
+_timings: dict[str, dict[str, Any]] = {}
 _bad_skips: list[str] = []
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     props = dict(report.user_properties)
     if report.when == "teardown" and "cpu_s" in props:
-        wall, cpu, start = (float(props[k]) for k in ("wall_s", "cpu_s", "start_s"))
-        _timings[report.nodeid] = (wall, cpu, start, str(props["worker"]))
+        _timings[report.nodeid] = {k: props[k] for k in ("wall_s", "cpu_s", "start_s", "worker")}
     if report.skipped and os.environ.get("GYRE_NO_SKIP") == "1":
         reason = (
             str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
@@ -242,15 +243,13 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
     if _timings:
         tr = terminalreporter
         tr.section(f"slowest {TOP} tests: wall s, CPU s (own + reaped children)")
-        rows = sorted(_timings.items(), key=lambda kv: -kv[1][0])[:TOP]
-        for nodeid, (wall, cpu, _, _) in rows:
-            tr.write_line(f"{wall:8.1f} {cpu:8.1f}  {nodeid}")
-        total_cpu = sum(c for _, c, _, _ in _timings.values())
+        rows = sorted(_timings.items(), key=lambda kv: -kv[1]["wall_s"])[:TOP]
+        for nodeid, t in rows:
+            tr.write_line(f"{t['wall_s']:8.1f} {t['cpu_s']:8.1f}  {nodeid}")
+        total_cpu = sum(t["cpu_s"] for t in _timings.values())
         tr.write_line(f"all {len(_timings)} tests: {total_cpu:.0f} CPU s")
         if path := os.environ.get("GYRE_TEST_TIMINGS"):  # every test's, for a profile
-            keys = ("wall_s", "cpu_s", "start_s", "worker")  # start_s: from the worker's start
-            every = {nodeid: dict(zip(keys, t, strict=True)) for nodeid, t in _timings.items()}
-            Path(path).write_text(json.dumps(every, indent=1))
+            Path(path).write_text(json.dumps(_timings, indent=1))
     if _bad_skips:
         terminalreporter.section("skips that are not allowed (GYRE_NO_SKIP=1)", red=True)
         for line in _bad_skips:
