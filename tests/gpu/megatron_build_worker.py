@@ -27,7 +27,7 @@ def main(model_dir: str, out: str) -> None:
     from mpi4py import MPI
 
     from gyre.train.backends.megatron import MEGATRON
-    from gyre.train.comm import build_communicators
+    from gyre.train.comm import arrive, build_communicators
     from gyre.train.config import ParallelDims, TrainConfig
     from gyre.train.megatron.weights import tensor_state
 
@@ -47,7 +47,7 @@ def main(model_dir: str, out: str) -> None:
             if gathered is not None:
                 record["gathered"] = {k: v.clone() for k, v in gathered.items()}
             torch.save(record, Path(out) / f"tp{tp}pp{pp}-{name}-rank{rank}.pt")
-            world.Barrier()
+            arrive(world)
         parallel_state.destroy_model_parallel()
 
 
@@ -60,5 +60,7 @@ if __name__ == "__main__":
         import traceback
 
         traceback.print_exc()
-        sys.stderr.flush()
+        sys.stderr.flush()  # the world's abort may cut mpiexec's forwarding: keep it on disk too
+        error = Path(sys.argv[-1]) / f"rank{MPI.COMM_WORLD.Get_rank()}.error"
+        error.write_text(traceback.format_exc())
         MPI.COMM_WORLD.Abort(1)

@@ -61,7 +61,7 @@ def main(watched: str, engine_url: str, out: str) -> None:
     from gyre.runtime.shared.config import EngineConfig
     from gyre.runtime.shared.policies import save_parts
     from gyre.train.backends.megatron import MEGATRON
-    from gyre.train.comm import build_communicators
+    from gyre.train.comm import arrive, build_communicators
     from gyre.train.config import ParallelDims, TrainConfig
 
     world = MPI.COMM_WORLD
@@ -97,7 +97,7 @@ def main(watched: str, engine_url: str, out: str) -> None:
                 record["published"][how] = _completion(engine_url, f"pub-{version}")
                 push_weights(engine_url, sorted(reference.items()), 100 + version, tp_size=1)
                 record["reference"][how] = _completion(engine_url, f"ref-{version}")
-            world.Barrier()
+            arrive(world)
         # the policy directory, each stage's file written by its sender (`save_parts`)
         config, generation = replica.policy_configs()
         name = f"tp{tp}pp{pp}d{data}"
@@ -108,7 +108,7 @@ def main(watched: str, engine_url: str, out: str) -> None:
         if rank == 0:
             record["policy"], record["gathered"] = str(saved), gathered
         torch.save(record, Path(out) / f"tp{tp}pp{pp}d{data}-rank{rank}.pt")
-        world.Barrier()
+        arrive(world)
         parallel_state.destroy_model_parallel()
 
 
@@ -121,5 +121,7 @@ if __name__ == "__main__":
         import traceback
 
         traceback.print_exc()
-        sys.stderr.flush()
+        sys.stderr.flush()  # the world's abort may cut mpiexec's forwarding: keep it on disk too
+        error = Path(sys.argv[-1]) / f"rank{MPI.COMM_WORLD.Get_rank()}.error"
+        error.write_text(traceback.format_exc())
         MPI.COMM_WORLD.Abort(1)

@@ -58,7 +58,8 @@ def test_each_stage_publishes_its_own_weights_from_its_own_ranks(
                                *workers.command(WORKER, watched, url, tmp_path)],
                               env=workers.env(), capture_output=True, text=True,
                               timeout=900)  # fmt: skip
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        errors = "".join(p.read_text() for p in sorted(tmp_path.glob("rank*.error")))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + errors
     for layout, senders in (("tp2pp2d1", {0: 0, 2: 1}), ("tp1pp2d2", {0: 0, 1: 1})):
         records = [torch.load(tmp_path / f"{layout}-rank{r}.pt", weights_only=False)
                    for r in range(4)]  # fmt: skip

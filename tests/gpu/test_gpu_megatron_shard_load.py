@@ -41,7 +41,8 @@ def test_each_rank_of_a_built_cell_holds_exactly_its_slice(tmp_path: Path) -> No
     out.mkdir()
     proc = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(WORKER), str(model_dir),
                            str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = "".join(p.read_text() for p in sorted(out.glob("rank*.error")))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + errors
     full = {k: v.detach() for k, v in hf.state_dict().items()}
     layout = WeightLayout.from_hf_config(hf.config.to_dict())
     for tp, pp in ((2, 1), (1, 2)):
