@@ -163,7 +163,10 @@ class Zygote:
         ready, _, _ = select.select([self.sock], [], [], timeout)
         if not ready:
             return None
-        data = self.sock.recv(_MAX_MESSAGE)
+        try:
+            data = self.sock.recv(_MAX_MESSAGE)
+        except ConnectionResetError:  # it died with our request unread
+            data = b""
         if not data:  # the zygote died: its children got SIGKILL with it (PDEATHSIG)
             self.alive = False
             for pid in self.children - self.exits.keys():
@@ -177,6 +180,7 @@ class Zygote:
         return message
 
 
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 _zygote: Zygote | None = None
 _on_demand: str | None = None  # the preload of a zygote to spawn at the first engine
 _spawning = threading.Lock()
@@ -239,6 +243,10 @@ def _spawn(preload: str, args: tuple[str, ...], listen: int, env: dict[str, str]
         listener.bind(address)
         listener.listen(listen)
         fds.append(listener.fileno())
+    # one thread pool thread while it imports: a BLAS that sizes its pool to the machine (numpy's
+    # OpenBLAS on >1 core) starts its threads when loaded, and a zygote forks with one thread;
+    # its children set their own (`request["env"]`, `torch.set_num_threads`)
+    env = {**(os.environ if env is None else env), **_ONE_THREAD}
     with theirs:
         argv = [sys.executable, "-m", __name__, "--serve", str(os.getpid()),
                 str(listener.fileno()) if listener else "-", str(listen), str(theirs.fileno()),

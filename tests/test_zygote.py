@@ -237,6 +237,28 @@ def test_ranks_entered_through_a_rank_zygote_are_its_forks_and_stay_what_mpiexec
     assert not Path(f"/proc/{warm.pid}").exists() and not Path(warm.address).exists()
 
 
+def test_an_engine_zygote_forks_from_a_shell_without_thread_settings(tmp_path: Path) -> None:
+    """`gyre eval RUN --initial` from a plain shell (no OMP_NUM_THREADS): its engine zygote
+    imports what engines import, numpy's OpenBLAS among it, which starts a thread per further
+    core as it loads, and a zygote with threads refuses to fork (seen: the evaluation ended in
+    a traceback). The zygote imports with one thread; its children still get what they are
+    launched with."""
+    assert (os.cpu_count() or 1) > 1, "OpenBLAS starts no thread of its own on one core"
+    plain = {k: v for k, v in os.environ.items()
+             if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}  # fmt: skip
+    warm = zygote.serve_ranks("gyre.rollout.server:preload", ranks=0, env=plain)
+    try:
+        with open(tmp_path / "child.log", "wb") as err:
+            env = {"GIVEN": "yes", "PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
+            child = warm.launch([*CHILD, "3"], env=env, stdout=zygote.PIPE, stderr=err.fileno(),
+                                name="gyre-t-blas")  # fmt: skip
+            assert child.stdout is not None
+            assert json.loads(child.stdout.readline())["given"] == "yes"
+            assert child.wait(timeout=60) == 3
+    finally:
+        warm.close()
+
+
 def _comm(pid: str) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()

@@ -201,9 +201,8 @@ def run(args: argparse.Namespace) -> int:
     if forked and not args.dry_run:  # imports what the ranks do, during the checks and launch
         from gyre import zygote
 
-        # one OpenMP thread while it imports (a fork copies no thread; ranks set theirs), and
         # labelled with its run as engines are: its forks, the ranks, show its environment
-        label = {"OMP_NUM_THREADS": "1", "GYRE_RUN_DIR": str(run_dir.resolve())}
+        label = {"GYRE_RUN_DIR": str(run_dir.resolve())}
         try:
             warm = zygote.serve_ranks("gyre.runtime.main:preload", cfg.train.backend,
                                       ranks=cfg.topology.world_size, env={**env, **label})  # fmt: skip
