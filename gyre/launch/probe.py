@@ -125,6 +125,17 @@ def _summary(
     }
 
 
+def _work(comm: Any, seconds: float) -> None:
+    """A step's work: `seconds` of sleep that keeps this rank's MPI progressing. A netmod
+    without asynchronous progress (MPICH's OFI over tcp, across nodes) moves a rank's queued
+    messages only while it is inside MPI: a plain sleep right after the broadcast held the
+    others in it for the root's sleep (a 0.5 s step took 1.5 s under Slurm)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        comm.Iprobe()
+        time.sleep(min(left, 0.01))
+
+
 def _steps(comm: Any, run_dir: Path, steps: int, pause: float, flag: _StopFlag) -> int:
     ckpt = run_dir / "probe-checkpoint.json"
     start = 0
@@ -140,7 +151,7 @@ def _steps(comm: Any, run_dir: Path, steps: int, pause: float, flag: _StopFlag) 
                 print(f"[probe] {stop}: checkpointed after step {step - 1}", flush=True)
             comm.Barrier()
             return EXIT_CHECKPOINTED if comm.Get_rank() == 0 else 0
-        time.sleep(pause)
+        _work(comm, pause)
         comm.allreduce(step)
         if comm.Get_rank() == 0:
             _append_step(run_dir, step)
