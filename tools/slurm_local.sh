@@ -66,7 +66,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 # a requeued job waits cred_expire seconds before it may start again (default 120)
-AuthInfo=cred_expire=15
+AuthInfo=cred_expire=10
 # the controller pings nodes every SlurmdTimeout/3 s (at most 100). Backfill, the only scheduler
 # that starts a het job, runs when something changed: a requeued het job whose begin time passed
 # started only at the next ping (~100 s later by default; at most 5 s here)

@@ -99,7 +99,7 @@ def test_sigusr1_checkpoints_requeues_and_resumes(
         assert time.monotonic() < deadline, tail(log)
         time.sleep(0.3)
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", job)
-    # requeued jobs wait AuthInfo cred_expire (15 s in slurm_local.sh) before starting again
+    # requeued jobs wait AuthInfo cred_expire (10 s in slurm_local.sh) before starting again
     assert slurm_cluster.wait_state(job, ("COMPLETED",), 120, log) == "COMPLETED", tail(log)
     rows = [json.loads(line) for line in step_log.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # none lost, none repeated
