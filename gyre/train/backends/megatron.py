@@ -25,7 +25,6 @@ Torch and megatron-core are imported when a replica is built, not with this modu
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import threading
@@ -365,23 +364,30 @@ def init_backend_world(comms: Communicators, host: str, backend: str) -> None:
     the first cell rank's `host`; ranks numbered cell by cell, as Megatron's tensor-parallel
     groups need (a cell's ranks contiguous)."""
     import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
 
     if dist.is_initialized():
         return
-    me = comms.cells.Get_rank()
-    port = None
-    if me == 0:
-        with socket.socket() as s:  # a free port on the rendezvous host
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-    addr, port = comms.cells.bcast((host, port) if me == 0 else None, root=0)
+    me, size = comms.cells.Get_rank(), comms.cells.Get_size()
+    store = None
+    if me == 0:  # the store binds a free port itself: no other process can take it between
+        # a port being chosen and bound (as one probed with a socket and closed could be)
+        store = dist.TCPStore(host, 0, size, True, timeout=default_pg_timeout,
+                              wait_for_workers=False)  # fmt: skip
+    addr, port = comms.cells.bcast((host, store.port) if store is not None else None, root=0)
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
         # gloo binds the interface its host name resolves to: nodes that share a host name
         # (namespaces, containers) would all pick the same, often loopback, one
         os.environ["GLOO_SOCKET_IFNAME"] = interface_of(host)
-    init = functools.partial(dist.init_process_group, backend, rank=me,
-                             init_method=f"tcp://{addr}:{port}",
-                             world_size=comms.cells.Get_size())  # fmt: skip
+
+    def init() -> None:
+        joined = (
+            store
+            if store is not None
+            else dist.TCPStore(addr, port, size, False, timeout=default_pg_timeout)
+        )
+        dist.init_process_group(backend, rank=me, world_size=size, store=joined)
+
     while_in_mpi(comms.cells, init)
 
 
