@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import stat
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,56 @@ def test_the_allow_list_shows_the_program_and_none_of_the_secrets(execution, tmp
     assert depths == sorted(depths) and len({m.path for m in mounts}) == len(mounts)
 
 
+def _tree(top: Path) -> dict[str, tuple[object, ...]]:
+    """Every path under `top` (symlinks not followed), relative, with what a harness sees of
+    it: its kind, owner, mode, mtime, and a link's target or a readable file's bytes."""
+    out: dict[str, tuple[object, ...]] = {}
+    for folder, dirs, files in os.walk(top):
+        for name in dirs + files:
+            path = Path(folder) / name
+            st = path.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                what: object = os.readlink(path)
+            elif stat.S_ISREG(st.st_mode) and os.access(path, os.R_OK):
+                what = path.read_bytes()
+            else:
+                what = stat.S_IFMT(st.st_mode)
+            out[str(path.relative_to(top))] = (st.st_uid, st.st_mode, st.st_mtime_ns, what)
+    return out
+
+
+def test_bwrap_binds_the_carved_etc_as_one_snapshot_of_it(execution):
+    """/etc reaches the harness as one read-only bind of a copy of its allowed entries: each
+    path of /etc the allow-list shows is in the copy as it is on the host (kind, owner, mode,
+    time, link target, bytes), and nothing else — no secret (checked against a walk of /etc)."""
+    ex, task, run = execution
+    mounts = sb.allow_list(
+        ex, program=sys.executable, binds=[], hidden=task.hidden_paths, hide=[run],
+        workspace_root=run / "workspaces",
+    )  # fmt: skip
+    with ThreadPoolExecutor(4) as pool:  # a runner's first executions, built at once
+        argvs = list(pool.map(lambda _: sb.bwrap_argv(mounts, ex), range(4)))
+    assert len(list((run / "workspaces").glob(".sandbox-etc-*"))) == 1  # one copy per process
+    argv = argvs[0]
+    assert all(a == argv for a in argvs)
+    targets = [argv[i + 2] for i, a in enumerate(argv) if a in ("--ro-bind", "--bind", "--symlink")]
+    assert not [t for t in targets if t.startswith("/etc/")]
+    bind = argv.index("/etc") - 2
+    assert argv[bind] == "--ro-bind" and targets.count("/etc") == 1
+    snapshot = Path(argv[bind + 1])
+    assert snapshot.parent.parent == run / "workspaces" and snapshot.parent.name.startswith(".")
+    secrets = [Path(p) for p in sb.SYSTEM_SECRETS]
+    host = {p: what for p, what in _tree(Path("/etc")).items()
+            if not any(s == Path("/etc", p) or s in Path("/etc", p).parents for s in secrets)}  # fmt: skip
+    assert any(Path("/etc", p).exists() for p in sb.SYSTEM_SECRETS)  # there is one to leave out
+    assert _tree(snapshot) == host
+    assert (snapshot.stat().st_mode, snapshot.stat().st_uid) == (
+        Path("/etc").stat().st_mode, Path("/etc").stat().st_uid)  # fmt: skip
+    shutil.rmtree(snapshot.parent)  # a workspace root emptied under a live runner: copied again
+    again = Path(sb.bwrap_argv(mounts, ex)[bind + 1])
+    assert again != snapshot and _tree(again) == host
+
+
 def test_a_program_installed_under_a_denied_folder_is_shown_without_the_rest(execution, tmp_path):
     """A harness installed under HOME or the checkout (npm prefix, a venv): its symlink,
     file, `#!` interpreter and installation prefix are bound, nothing else of that folder."""
@@ -198,11 +250,11 @@ def test_the_apptainer_argv_binds_the_same_allow_list(execution, tmp_path, monke
     assert outer["APPTAINERENV_OPENAI_API_KEY"] == "key-e0"
     assert outer["APPTAINERENV_PATH"] == "/usr/bin:/bin" and "APPTAINERENV_HOME" not in outer
     assert "OPENAI_API_KEY" not in outer
-    # bwrap renders the very same list
+    # bwrap renders the very same list (/etc's parts as one copy of them: the test above)
     bw = sb.bwrap_argv(mounts, ex) if sb.bwrap_available() else None
     if bw is not None:
         for m in mounts:
-            assert str(m.path) in bw
+            assert str(m.path) in bw or m.path.is_relative_to("/etc"), m
 
 
 def test_a_runner_with_the_apptainer_sandbox_starts_the_harness_through_apptainer(
