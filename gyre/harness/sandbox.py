@@ -27,11 +27,11 @@ instead of its parent, so the list is only additive binds and symlinks: bwrap an
 render the same list (`bwrap_argv`, `apptainer_argv`); `describe` prints it.
 
 bwrap shows the carved /etc (~140 entries around the secrets) as one read-only bind of a copy
-of those entries (`etc_snapshot`), made once per runner process in the workspace root: each
-bind costs the kernel ~0.35 ms of CPU, charged to no process, and a sandbox of ~190 binds took
-62 ms of the machine's CPU to start, against 12 ms with /etc as one
-(`tools/bench_process_start.py`). A secret is never in the copy, nor an entry made after it;
-an allowed file changed after it is seen as it was.
+of those entries (`etc_snapshot`, kept in Gyre's cache per state of /etc): each bind costs the
+kernel ~0.35 ms of CPU, charged to no process, and a sandbox of ~190 binds took 62 ms of the
+machine's CPU to start, against 12 ms with /etc as one (`tools/bench_process_start.py`). A
+secret is never in the copy; an allowed file changed during a process's life is seen as it
+was when that process first looked.
 """
 
 from __future__ import annotations
@@ -312,13 +312,13 @@ def bwrap_argv(mounts: Sequence[Mount], ex: ExecutionDir) -> list[str]:
     snapshot = None
     if etc and all(m.system for m in etc):  # the carved /etc, not /etc bound whole
         with _SNAPSHOTTING:  # runners build argvs in threads: the first ones would each copy
-            snapshot = etc_snapshot(tuple(etc), ex.root.parent)
-            if not snapshot.is_dir():  # removed since, with its workspace root
+            snapshot = etc_snapshot(tuple(etc))
+            if snapshot is not None and not snapshot.is_dir():  # removed since
                 etc_snapshot.cache_clear()
-                snapshot = etc_snapshot(tuple(etc), ex.root.parent)
+                snapshot = etc_snapshot(tuple(etc))
     parts = set(etc)
     for m in mounts:
-        if snapshot is not None and m in parts:  # the snapshot, where its first part would go
+        if snapshot is not None and m in parts:  # the copy, where its first part would go
             if m == etc[0]:
                 argv += ["--ro-bind", str(snapshot), str(ETC)]
         elif m.kind == "symlink":
@@ -330,26 +330,59 @@ def bwrap_argv(mounts: Sequence[Mount], ex: ExecutionDir) -> list[str]:
 
 
 @functools.lru_cache(maxsize=4)
-def etc_snapshot(parts: tuple[Mount, ...], root: Path) -> Path:
+def etc_snapshot(parts: tuple[Mount, ...]) -> Path | None:
     """A copy of the carved /etc's `parts` (folders, regular files, symlinks as links; owners,
-    modes and times kept), made once per process in a new folder under `root` (the workspace
-    root, under a name no execution id can take) and bound read-only at /etc by `bwrap_argv`.
-    What this process cannot read, and special files, are left out: the harness could not
-    read them either."""
+    modes and times kept), bound read-only at /etc by `bwrap_argv`; None where it cannot be
+    kept (`bwrap_argv` then binds the parts one by one). What this process cannot read, and
+    special files, are left out: the harness could not read them either.
+
+    Kept in ``$GYRE_CACHE_DIR/sandbox-etc/KEY`` (default ``~/.cache/gyre``, out of every
+    harness's sight), KEY a hash of what each part shows (path, kind, owner, mode, size, time,
+    link target): a process looks /etc over once, a copy is made once per state of /etc and
+    user, and a changed /etc gets a copy of its own. Written under a temporary name and
+    renamed into place, so a process sees a whole copy or none."""
+    import hashlib
     import tempfile
 
-    into = Path(tempfile.mkdtemp(prefix=".sandbox-etc-", dir=root)) / "etc"  # in a 0700 folder
-    into.mkdir()
-    for m in sorted(parts, key=lambda m: len(m.path.parts)):  # parents before children
-        dest = into / m.path.relative_to(ETC)
-        dest.parent.mkdir(parents=True, exist_ok=True)  # a folder the carve went into
-        if m.kind == "symlink":
-            dest.symlink_to(m.target)
-        else:
-            _copy(m.path, dest)
-    for path in [into, *into.rglob("*")]:
-        _same_stat(ETC / path.relative_to(into), path)
-    return into
+    key = hashlib.sha256()
+    for m in parts:
+        for path in [m.path, *(_below(m.path) if m.kind == "ro" else [])]:
+            st = path.lstat()
+            link = os.readlink(path) if stat.S_ISLNK(st.st_mode) else ""
+            key.update(f"{path}\0{st.st_mode}\0{st.st_uid}\0{st.st_gid}\0{st.st_size}\0"
+                       f"{st.st_mtime_ns}\0{link}\0{m.kind}\0{m.target}\n".encode())  # fmt: skip
+    cache = Path(os.environ.get("GYRE_CACHE_DIR", Path.home() / ".cache" / "gyre"))
+    keep = cache / "sandbox-etc" / key.hexdigest()[:32]
+    if keep.is_dir():
+        return keep
+    tmp = None
+    try:
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{keep.name}-", dir=keep.parent))  # 0700
+        for m in sorted(parts, key=lambda m: len(m.path.parts)):  # parents before children
+            dest = tmp / m.path.relative_to(ETC)
+            dest.parent.mkdir(parents=True, exist_ok=True)  # a folder the carve went into
+            if m.kind == "symlink":
+                dest.symlink_to(m.target)
+            else:
+                _copy(m.path, dest)
+        for path in [tmp, *tmp.rglob("*")]:
+            _same_stat(ETC / path.relative_to(tmp), path)
+        tmp.rename(keep)
+        return keep
+    except OSError:
+        if tmp is not None:  # half written, or another process kept its copy first
+            shutil.rmtree(tmp, ignore_errors=True)
+        return keep if keep.is_dir() else None
+
+
+def _below(folder: Path) -> list[Path]:
+    """Every path under `folder`, symlinks not followed; none where it cannot be listed."""
+    out: list[Path] = []
+    for parent, dirs, files in os.walk(folder):
+        out += [Path(parent, name) for name in sorted(dirs + files)]
+        dirs.sort()
+    return out
 
 
 def _copy(src: Path, dest: Path) -> None:

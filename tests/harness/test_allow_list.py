@@ -155,18 +155,23 @@ def _tree(top: Path) -> dict[str, tuple[object, ...]]:
     return out
 
 
-def test_bwrap_binds_the_carved_etc_as_one_snapshot_of_it(execution):
-    """/etc reaches the harness as one read-only bind of a copy of its allowed entries: each
-    path of /etc the allow-list shows is in the copy as it is on the host (kind, owner, mode,
-    time, link target, bytes), and nothing else — no secret (checked against a walk of /etc)."""
+def test_bwrap_binds_the_carved_etc_as_one_snapshot_of_it(execution, tmp_path, monkeypatch):
+    """/etc reaches the harness as one read-only bind of a copy of its allowed entries, kept in
+    Gyre's cache: each path of /etc the allow-list shows is in the copy as it is on the host
+    (kind, owner, mode, time, link target, bytes), and nothing else — no secret (checked
+    against a walk of /etc). One copy however many argvs are built at once, reused by a later
+    process, made again if removed; where the cache cannot be written, the parts one by one."""
     ex, task, run = execution
+    monkeypatch.setenv("GYRE_CACHE_DIR", str(tmp_path / "cache"))
+    sb.etc_snapshot.cache_clear()  # this process may have kept one in another cache
     mounts = sb.allow_list(
         ex, program=sys.executable, binds=[], hidden=task.hidden_paths, hide=[run],
         workspace_root=run / "workspaces",
     )  # fmt: skip
     with ThreadPoolExecutor(4) as pool:  # a runner's first executions, built at once
         argvs = list(pool.map(lambda _: sb.bwrap_argv(mounts, ex), range(4)))
-    assert len(list((run / "workspaces").glob(".sandbox-etc-*"))) == 1  # one copy per process
+    kept = tmp_path / "cache" / "sandbox-etc"
+    assert len(list(kept.iterdir())) == 1  # one copy, no half-written one left
     argv = argvs[0]
     assert all(a == argv for a in argvs)
     targets = [argv[i + 2] for i, a in enumerate(argv) if a in ("--ro-bind", "--bind", "--symlink")]
@@ -174,7 +179,7 @@ def test_bwrap_binds_the_carved_etc_as_one_snapshot_of_it(execution):
     bind = argv.index("/etc") - 2
     assert argv[bind] == "--ro-bind" and targets.count("/etc") == 1
     snapshot = Path(argv[bind + 1])
-    assert snapshot.parent.parent == run / "workspaces" and snapshot.parent.name.startswith(".")
+    assert snapshot.parent == kept
     secrets = [Path(p) for p in sb.SYSTEM_SECRETS]
     host = {p: what for p, what in _tree(Path("/etc")).items()
             if not any(s == Path("/etc", p) or s in Path("/etc", p).parents for s in secrets)}  # fmt: skip
@@ -182,9 +187,17 @@ def test_bwrap_binds_the_carved_etc_as_one_snapshot_of_it(execution):
     assert _tree(snapshot) == host
     assert (snapshot.stat().st_mode, snapshot.stat().st_uid) == (
         Path("/etc").stat().st_mode, Path("/etc").stat().st_uid)  # fmt: skip
-    shutil.rmtree(snapshot.parent)  # a workspace root emptied under a live runner: copied again
-    again = Path(sb.bwrap_argv(mounts, ex)[bind + 1])
-    assert again != snapshot and _tree(again) == host
+    sb.etc_snapshot.cache_clear()  # a later process: the same copy, not a new one
+    inode = snapshot.stat().st_ino
+    assert sb.bwrap_argv(mounts, ex)[bind + 1] == str(snapshot) and snapshot.stat().st_ino == inode
+    shutil.rmtree(snapshot)  # removed under a live runner: copied again
+    assert sb.bwrap_argv(mounts, ex)[bind + 1] == str(snapshot) and _tree(snapshot) == host
+    monkeypatch.setenv("GYRE_CACHE_DIR", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")  # no cache can be kept under it
+    sb.etc_snapshot.cache_clear()
+    argv = sb.bwrap_argv(mounts, ex)
+    assert "/etc" not in argv and "/etc/passwd" in argv and "/etc/shadow" not in argv
+    sb.etc_snapshot.cache_clear()
 
 
 def test_a_program_installed_under_a_denied_folder_is_shown_without_the_rest(execution, tmp_path):
