@@ -15,10 +15,10 @@ child (mean and standard deviation):
   transformers' Qwen2, the tiny model, the tokenizer), then SIGTERM;
 * `bwrap sandbox` (where bubblewrap runs) — `/bin/true` in the sandbox of one execution of the
   `learn` suite, as the runner builds it (`sandbox.allow_list`, `bwrap_argv`; the copy of
-  /etc it binds found or made before the first start), and `bwrap sandbox, /etc carved` with /etc's ~140
-  entries bound one by one instead. The kernel's work on a sandbox's mounts is charged to no
-  process, so these two rows count the whole machine's busy CPU (/proc/stat) while they run:
-  run them on an idle machine.
+  /etc it binds found or made before the first start), and `bwrap sandbox, /etc carved`
+  with /etc's ~140 entries bound one by one instead. The kernel's work on a sandbox's mounts
+  is charged to no process, so these two rows count the whole machine's busy CPU
+  (/proc/stat) while they run: run them on an idle machine.
 """
 
 from __future__ import annotations
