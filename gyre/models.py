@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gyre import fsafe
+from gyre import cache as gyre_cache
 from gyre.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -319,7 +318,7 @@ def _load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM
 
     path = smollm2_gguf_path()
-    cache = _cache_root() / f"smollm2-135m-model-{path.stat().st_size}"
+    cache = gyre_cache.root() / f"smollm2-135m-model-{path.stat().st_size}"
     with _one_converts(cache):
         if (cache / "config.json").is_file():
             return _load_dir(cache)
@@ -329,7 +328,7 @@ def _load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         )
         model.generation_config.eos_token_id = tok.eos_token_id
         plain = _serializable(model)
-        _keep(cache, lambda tmp: (plain.save_pretrained(tmp), tok.save_pretrained(tmp)))
+        gyre_cache.keep(cache, lambda tmp: (plain.save_pretrained(tmp), tok.save_pretrained(tmp)))
         return plain, tok
 
 
@@ -348,14 +347,14 @@ def _smollm2_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     """Converting the GGUF vocabulary takes ~10-20 s, so the result is cached on disk too."""
     from transformers import AutoTokenizer
 
-    cache = _cache_root() / f"smollm2-135m-tokenizer-{path.stat().st_size}"
+    cache = gyre_cache.root() / f"smollm2-135m-tokenizer-{path.stat().st_size}"
     with _one_converts(cache):
         if (cache / "tokenizer.json").exists():
             return AutoTokenizer.from_pretrained(cache, local_files_only=True)
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         if tok.eos_token != "<|im_end|>":
             tok.eos_token = "<|im_end|>"
-        _keep(cache, tok.save_pretrained)
+        gyre_cache.keep(cache, tok.save_pretrained)
         return tok
 
 
@@ -377,27 +376,6 @@ def _one_converts(cache: Path) -> Iterator[None]:
         yield
     finally:
         lock.release()
-
-
-def _cache_root() -> Path:
-    """Where converted models are kept: ``$GYRE_CACHE_DIR``, else ``~/.cache/gyre``; keys
-    carry the source file's size."""
-    return Path(os.environ.get("GYRE_CACHE_DIR", Path.home() / ".cache" / "gyre"))
-
-
-def _keep(cache: Path, write: Callable[[Path], object]) -> None:
-    """Write a cache directory with `write(tmp)` and rename it into place (atomic: a
-    concurrent loader sees all or nothing). The cache is an optimisation only: a failure to
-    write it is ignored."""
-    tmp = None
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = fsafe.make_temp_dir(cache.name, cache.parent)
-        write(tmp)
-        tmp.rename(cache)
-    except OSError:
-        if tmp is not None:  # half written, or another process kept its copy first
-            fsafe.remove_tree(tmp, ignore_errors=True)
 
 
 def _load_dir(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

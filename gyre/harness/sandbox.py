@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from gyre import cache
 from gyre.errors import HarnessError
 from gyre.harness.workspace import SYSTEM_PATH, ExecutionDir
 
@@ -342,7 +343,6 @@ def etc_snapshot(parts: tuple[Mount, ...]) -> Path | None:
     user, and a changed /etc gets a copy of its own. Written under a temporary name and
     renamed into place, so a process sees a whole copy or none."""
     import hashlib
-    import tempfile
 
     key = hashlib.sha256()
     for m in parts:
@@ -351,29 +351,23 @@ def etc_snapshot(parts: tuple[Mount, ...]) -> Path | None:
             link = os.readlink(path) if stat.S_ISLNK(st.st_mode) else ""
             key.update(f"{path}\0{st.st_mode}\0{st.st_uid}\0{st.st_gid}\0{st.st_size}\0"
                        f"{st.st_mtime_ns}\0{link}\0{m.kind}\0{m.target}\n".encode())  # fmt: skip
-    cache = Path(os.environ.get("GYRE_CACHE_DIR", Path.home() / ".cache" / "gyre"))
-    keep = cache / "sandbox-etc" / key.hexdigest()[:32]
-    if keep.is_dir():
-        return keep
-    tmp = None
-    try:
-        keep.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{keep.name}-", dir=keep.parent))  # 0700
-        for m in sorted(parts, key=lambda m: len(m.path.parts)):  # parents before children
-            dest = tmp / m.path.relative_to(ETC)
-            dest.parent.mkdir(parents=True, exist_ok=True)  # a folder the carve went into
-            if m.kind == "symlink":
-                dest.symlink_to(m.target)
-            else:
-                _copy(m.path, dest)
-        for path in [tmp, *tmp.rglob("*")]:
-            _same_stat(ETC / path.relative_to(tmp), path)
-        tmp.rename(keep)
-        return keep
-    except OSError:
-        if tmp is not None:  # half written, or another process kept its copy first
-            shutil.rmtree(tmp, ignore_errors=True)
-        return keep if keep.is_dir() else None
+    entry = cache.root() / "sandbox-etc" / key.hexdigest()[:32]
+    if not entry.is_dir():
+        cache.keep(entry, lambda tmp: _copy_parts(parts, tmp))
+    return entry if entry.is_dir() else None
+
+
+def _copy_parts(parts: tuple[Mount, ...], into: Path) -> None:
+    """The carved /etc's `parts` copied into the folder `into`, which stands for /etc."""
+    for m in sorted(parts, key=lambda m: len(m.path.parts)):  # parents before children
+        dest = into / m.path.relative_to(ETC)
+        dest.parent.mkdir(parents=True, exist_ok=True)  # a folder the carve went into
+        if m.kind == "symlink":
+            dest.symlink_to(m.target)
+        else:
+            _copy(m.path, dest)
+    for path in [into, *into.rglob("*")]:
+        _same_stat(ETC / path.relative_to(into), path)
 
 
 def _below(folder: Path) -> list[Path]:

@@ -46,11 +46,11 @@ Returns the notes to print (the config's warnings, what could not be checked whe
 from __future__ import annotations
 
 import hashlib
-import os
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gyre import cache
 from gyre.errors import ConfigError
 from gyre.runtime.shared import harness, memory, placement, run_directory
 from gyre.runtime.shared.checks import RUNS_HERE, Check, Site, Where
@@ -186,7 +186,7 @@ def _check_routing_replay(cfg: RunConfig, hf: dict[str, Any]) -> None:
 def passed_dir() -> Path:
     """Where passed model checks are remembered: `$GYRE_CACHE_DIR/checks` (default
     `~/.cache/gyre/checks`)."""
-    return Path(os.environ.get("GYRE_CACHE_DIR", Path.home() / ".cache" / "gyre")) / "checks"
+    return cache.root() / "checks"
 
 
 def _stamp(cfg: RunConfig) -> Path:

@@ -38,7 +38,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre import fsafe
+from gyre import cache, fsafe
 from gyre.errors import ConfigError
 from gyre.lifetime import die_with_parent
 
@@ -74,7 +74,7 @@ class RepositoryConfig:
 
 def cache_root() -> Path:
     """Where checkouts are cached: `$GYRE_CACHE_DIR/repos` (default `~/.cache/gyre/repos`)."""
-    return Path(os.environ.get("GYRE_CACHE_DIR", Path.home() / ".cache" / "gyre")) / "repos"
+    return cache.root() / "repos"
 
 
 def source_path(cfg: RepositoryConfig, base: Path) -> Path:
