@@ -19,8 +19,8 @@ and any package on a lower floor):
 * ground: `gyre.config`, `gyre.errors`, `gyre.vocabulary` (the shared enums and ids),
   `gyre.models`, `gyre.lazy`, `gyre.lifetime`, `gyre.zygote` (processes forked from one that
   has imported what they need), `gyre.tracking`, `gyre.cliargs` (the command
-  line's parser class and argument types), `gyre.fsafe` (what may be deleted and written)
-  and the root `gyre`.
+  line's parser class and argument types), `gyre.fsafe` (what may be deleted and written),
+  `gyre.cache` (where results kept between runs live) and the root `gyre`.
 
 A new top-level package or module has to be placed on a floor here first.
 """
@@ -41,7 +41,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("gyre.rollout", "gyre.train", "gyre.sim", "gyre.tasks"),
     ("gyre.schedule", "gyre.trajectory"),
     ("gyre.config", "gyre.errors", "gyre.vocabulary", "gyre.models", "gyre.lazy",
-     "gyre.lifetime", "gyre.zygote", "gyre.tracking", "gyre.cliargs", "gyre.fsafe", "gyre"),
+     "gyre.lifetime", "gyre.zygote", "gyre.tracking", "gyre.cliargs", "gyre.fsafe", "gyre.cache", "gyre"),
 ]  # fmt: skip
 FLOOR = {unit: level for level, units in enumerate(FLOORS) for unit in units}
 
