@@ -88,10 +88,13 @@ def sandboxes(repeat: int) -> dict[str, list[float]]:
         ex = prepare(root, "e0", task)
         mounts = sandbox.allow_list(ex, program="/bin/true", binds=[], hidden=task.hidden_paths,
                                     hide=[Path(tmp)], workspace_root=root)  # fmt: skip
-        snapshot = [*sandbox.bwrap_argv(mounts, ex), "/bin/true"]
+        snapshot = [*sandbox.bwrap_argv(mounts, ex.workspace), "/bin/true"]
         # the same list with /etc's parts not marked as the system's: bwrap_argv binds them
         # one by one, as before the snapshot
-        carved = [*sandbox.bwrap_argv([replace(m, system=False) for m in mounts], ex), "/bin/true"]
+        carved = [
+            *sandbox.bwrap_argv([replace(m, system=False) for m in mounts], ex.workspace),
+            "/bin/true",
+        ]
         out: dict[str, list[float]] = {"bwrap sandbox": [], "bwrap sandbox, /etc carved": []}
         for _ in range(repeat):
             for name, argv in (("bwrap sandbox", snapshot), ("bwrap sandbox, /etc carved", carved)):

@@ -241,9 +241,11 @@ class HarnessRunner:
             hide=[Path(d) for d in self.config.hide], workspace_root=self.root,
         )  # fmt: skip
         if self.sandbox == "apptainer":
-            prefix, env = sandbox.apptainer_argv(mounts, ex, self.config.apptainer_image, env)
+            prefix, env = sandbox.apptainer_argv(
+                mounts, ex.workspace, self.config.apptainer_image, env, home=ex.home
+            )
             return prefix + argv, env
-        return sandbox.bwrap_argv(mounts, ex) + argv, env
+        return sandbox.bwrap_argv(mounts, ex.workspace) + argv, env
 
     @staticmethod
     async def _spawn(

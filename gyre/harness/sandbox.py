@@ -26,6 +26,11 @@ but never what that folder holds besides it. Carving binds the siblings of each 
 instead of its parent, so the list is only additive binds and symlinks: bwrap and Apptainer
 render the same list (`bwrap_argv`, `apptainer_argv`); `describe` prints it.
 
+A scorer runs the policy's code as well (hidden tests import the work): `ScorerSandbox`
+confines each scoring process with `scorer_allow_list` (the system, the interpreter and the
+gyre package as above, its task's own directory and hidden files read-only, the scratch copy
+and result folder read-write, the same carve-outs) and no network at all.
+
 bwrap shows the carved /etc (~140 entries around the secrets) as one read-only bind of a copy
 of those entries (`etc_snapshot`, kept in Gyre's cache per state of /etc): each bind costs the
 kernel ~0.35 ms of CPU, charged to no process, and a sandbox of ~190 binds took 62 ms of the
@@ -48,11 +53,14 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from gyre import cache
 from gyre.errors import HarnessError
 from gyre.harness.workspace import SYSTEM_PATH, ExecutionDir
+
+if TYPE_CHECKING:
+    from gyre.tasks.suite import Task
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 """The host's operating system, read-only (bwrap; an Apptainer image brings its own)."""
@@ -86,19 +94,77 @@ def allow_list(
     hide: Iterable[Path], workspace_root: Path,
 ) -> list[Mount]:  # fmt: skip
     """Everything one execution's harness sees (module docstring), parents before children."""
+    deny = _deny(hidden, hide, workspace_root)
+    extra = [*map(Path, binds), *program_roots(Path(program))]
+    own = [Mount(ex.workspace.resolve(), "rw")]
+    own += [Mount(p.resolve()) for p in (ex.instruction_file, ex.feedback_file)]
+    return _ordered(_system_view(extra, deny)) + own
+
+
+def scorer_allow_list(
+    task: Task, writable: Sequence[Path], *, hide: Iterable[Path], workspace_root: Path
+) -> list[Mount]:  # fmt: skip
+    """Everything a scoring process sees (`ScorerSandbox`): the system, the interpreter, the
+    gyre package (its runner scripts), the task's own directory and hidden files and the
+    files its scoring command names read-only, `writable` (the scratch copy, the result
+    folder) read-write; every other task's hidden files, the run, its workspaces and `hide`
+    carved out as from a harness's view."""
+    own = task.own_hidden_paths
+    deny = _deny([p for p in task.hidden_paths if p not in own], hide, workspace_root)
+    named = [Path(a.partition("=")[2] or a) for a in task.scoring.command]
+    task_files = [*([task.directory] if task.directory is not None else []), *own]
+    task_files += [p for p in named if p.is_absolute() and p.exists()]
+    mounts = _system_view([], deny)  # (own files inside the directory: `_ordered` drops them)
+    mounts += [m for p in task_files for m in _root(Path(p), False, deny)]
+    return _ordered(mounts) + [Mount(Path(p).resolve(), "rw") for p in writable]
+
+
+@dataclass(frozen=True, slots=True)
+class ScorerSandbox:
+    """Confines each scoring process (`gyre.tasks.scoring.Confine`) as a harness is confined.
+
+    Scoring runs the policy's code: hidden tests import it, a command or a reward function
+    may run it. Confined, that code sees `scorer_allow_list` and no network at all, so it
+    cannot rewrite its task's hidden tests, reach into the run (its trace, its other
+    workspaces), read other tasks' answers or call out. What it can still do is lie about
+    its own tests from inside the process that runs them (docs/tasks.md).
+    """
+
+    kind: Literal["bwrap", "apptainer"]
+    workspace_root: Path  # the run's workspaces: every execution's, carved out
+    hide: tuple[Path, ...] = ()  # the run directory and the folder of runs beside it
+    apptainer_image: str = ""
+
+    def __call__(
+        self, argv: list[str], cwd: Path, task: Task, writable: Sequence[Path],
+        env: dict[str, str],
+    ) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+        mounts = scorer_allow_list(
+            task, writable, hide=self.hide, workspace_root=self.workspace_root
+        )
+        if self.kind == "apptainer":
+            prefix, outer = apptainer_argv(
+                mounts, cwd, self.apptainer_image, env, home=cwd, network=False
+            )
+            return prefix + argv, outer
+        return bwrap_argv(mounts, cwd, network=False) + argv, env
+
+
+def _deny(hidden: Iterable[Path], hide: Iterable[Path], workspace_root: Path) -> list[Path]:
+    """`denied` and the shipped suites' folders inside every gyre package."""
     packages = gyre_packages()
-    deny = [*denied(hidden, hide, workspace_root), *(d for g in packages for d in _suite_dirs(g))]
+    return [*denied(hidden, hide, workspace_root), *(d for g in packages for d in _suite_dirs(g))]
+
+
+def _system_view(extra: Sequence[Path], deny: Sequence[Path]) -> list[Mount]:
+    """The system folders, the interpreter, the gyre package and `extra`, carved by `deny`."""
     roots = [
         *((Path(p), True) for p in SYSTEM_DIRS),
         *((p, False) for p in python_roots()),
-        *((g, False) for g in packages),
-        *((Path(b), False) for b in binds),
-        *((p, False) for p in program_roots(Path(program))),
+        *((g, False) for g in gyre_packages()),
+        *((p, False) for p in extra),
     ]
-    mounts = [m for path, system in roots for m in _root(path, system, deny)]
-    own = [Mount(ex.workspace.resolve(), "rw")]
-    own += [Mount(p.resolve()) for p in (ex.instruction_file, ex.feedback_file)]
-    return _ordered(mounts) + own
+    return [m for path, system in roots for m in _root(path, system, deny)]
 
 
 def denied(hidden: Iterable[Path], hide: Iterable[Path], workspace_root: Path) -> list[Path]:
@@ -299,14 +365,17 @@ def _probe(argv: list[str], timeout: float) -> tuple[bool, str | None]:
     return True, None
 
 
-def bwrap_argv(mounts: Sequence[Mount], ex: ExecutionDir) -> list[str]:
-    """bubblewrap argv (before the harness's own) that shows the harness only `mounts`."""
+def bwrap_argv(mounts: Sequence[Mount], cwd: Path, *, network: bool = True) -> list[str]:
+    """bubblewrap argv (before the program's own) that shows the program only `mounts`, run
+    in `cwd`; `network=False`: in a network namespace of its own (no interface but an
+    unconnected loopback)."""
     bwrap = shutil.which("bwrap", path=os.pathsep.join(SYSTEM_PATH))
     if bwrap is None:
         raise HarnessError(
             "sandbox 'bwrap' requested but bubblewrap is not installed (apt-get install bubblewrap)"
         )
     argv = [bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
+    argv += [] if network else ["--unshare-net"]
     argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     flag = {"ro": "--ro-bind", "rw": "--bind"}
     etc = [m for m in mounts if m.path.is_relative_to(ETC) and m.path != ETC]
@@ -326,7 +395,7 @@ def bwrap_argv(mounts: Sequence[Mount], ex: ExecutionDir) -> list[str]:
             argv += ["--symlink", m.target, str(m.path)]
         else:
             argv += [flag[m.kind], str(m.path), str(m.path)]
-    argv += ["--remount-ro", "/", "--chdir", str(ex.workspace), "--"]
+    argv += ["--remount-ro", "/", "--chdir", str(cwd), "--"]
     return argv
 
 
@@ -440,20 +509,24 @@ def apptainer_works(image: str) -> str | None:
 
 
 def apptainer_argv(
-    mounts: Sequence[Mount], ex: ExecutionDir, image: str, env: dict[str, str]
-) -> tuple[list[str], dict[str, str]]:
-    """(argv before the harness's own, environment of the apptainer process).
+    mounts: Sequence[Mount], cwd: Path, image: str, env: dict[str, str], *, home: Path,
+    network: bool = True,
+) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+    """(argv before the program's own, environment of the apptainer process).
 
     The image brings the operating system (the `system` entries are left out); every other
     entry is bound at its own path. --containall gives a private /tmp, /dev, PID and IPC
-    namespace and a clean environment: the harness's variables travel as APPTAINERENV_*
-    (APPTAINERENV_PATH sets PATH inside); HOME is the workspace's via --home.
+    namespace and a clean environment: the program's variables travel as APPTAINERENV_*
+    (APPTAINERENV_PATH sets PATH inside); HOME is `home` via --home, the program runs in
+    `cwd`. `network=False`: `--net --network none`, a network namespace with only a
+    loopback (the one network Apptainer lets an unprivileged user ask for).
     """
     apptainer = apptainer_program()
     if apptainer is None:
         raise HarnessError("sandbox 'apptainer' requested but apptainer is not on PATH")
     argv = [apptainer, "exec", "--containall", "--no-mount", APPTAINER_NO_MOUNT]
-    argv += ["--home", str(ex.home), "--pwd", str(ex.workspace)]
+    argv += [] if network else ["--net", "--network", "none"]
+    argv += ["--home", str(home), "--pwd", str(cwd)]
     for m in mounts:
         if m.system or m.kind == "symlink":
             continue

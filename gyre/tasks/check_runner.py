@@ -9,7 +9,9 @@ scratch copy of the preserved workspace, outside the harness's reach:
 Each top-level `def test_*()` in each `test_*.py` is one check; partial credit is the
 fraction that pass. Tests are counted from the source (AST) before anything runs, so a
 workspace whose code fails to import scores 0 of N (a valid zero), and code under test
-cannot inflate the count. Each test runs under a SIGALRM timer.
+cannot inflate the count. Each test runs under a SIGALRM timer. The process ends as soon
+as the result is written (`leave`): code under test that left an atexit hook or a thread
+behind to rewrite it never gets to run.
 """
 
 from __future__ import annotations
@@ -105,9 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def leave(rc: int) -> None:
+    """Exit at once with `rc`: no atexit hook or thread of the code under test runs after
+    the result is written (one that rewrote it would forge the verdict)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        leave(main())
     except Exception:
         traceback.print_exc()
-        sys.exit(3)
+        leave(3)

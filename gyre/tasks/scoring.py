@@ -2,7 +2,8 @@
 
 A rule is an async callable `score(state_dir, task) -> Score`; it always runs against a
 scratch copy of a frozen snapshot, in a subprocess with a timeout, so nothing it does can
-change the assessed state. A rule raises `EvaluatorError` when it cannot produce a score
+change the assessed state. `rules(confine)` wraps each of those subprocesses in `confine`
+(a job's: its harness sandbox's `ScorerSandbox`), for the code it runs is the policy's. A rule raises `EvaluatorError` when it cannot produce a score
 (crash, timeout, unreadable output): that is an *unresolved* assessment, never a zero.
 Failing tests are not an evaluator failure: they are a valid, low score.
 
@@ -41,8 +42,10 @@ import signal
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gyre import fsafe
 from gyre.lifetime import die_with_parent
@@ -73,26 +76,47 @@ def scoring_env(home: Path) -> dict[str, str]:
         "LANG": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONHASHSEED": "0",
+        # HOME is the scratch copy: its .local/lib/python*/site-packages is the work's own,
+        # and a usercustomize.py there would run inside every `python3` the rule starts
+        "PYTHONNOUSERSITE": "1",
     }
 
 
-async def run_limited(argv: list[str], cwd: Path, timeout_s: float) -> tuple[int, str, str]:
+class Confine(Protocol):
+    """Wraps a scoring process so that the code it runs sees only what it must
+    (`gyre.harness.sandbox.ScorerSandbox`): (argv, cwd, task, writable folders, environment)
+    -> (argv, environment) to start instead."""
+
+    def __call__(
+        self, argv: list[str], cwd: Path, task: Task, writable: Sequence[Path],
+        env: dict[str, str],
+    ) -> tuple[list[str], dict[str, str]]: ...  # fmt: skip
+
+
+async def run_limited(
+    argv: list[str], cwd: Path, timeout_s: float, task: Task, confine: Confine | None = None,
+    writable: Sequence[Path] = (),
+) -> tuple[int, str, str]:  # fmt: skip
     """Run argv in its own process group; kill the whole group on timeout or cancellation.
+    `confine`: in the sandbox it makes, `cwd` and `writable` the only folders it may change.
 
     Output goes to temporary files, not pipes, so a killed scorer leaves nothing open.
     """
+    name, env = argv[0], scoring_env(cwd)
+    if confine is not None:
+        argv, env = confine(argv, cwd, task, [cwd, *writable], env)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
             proc = await asyncio.create_subprocess_exec(
-                *die_with_parent(argv), cwd=cwd, env=scoring_env(cwd), stdin=asyncio.subprocess.DEVNULL,
+                *die_with_parent(argv), cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
                 stdout=out, stderr=err, start_new_session=True,
             )  # fmt: skip
         except OSError as e:
-            raise EvaluatorError(f"cannot start scorer {argv[0]!r}: {e.strerror or e}") from None
+            raise EvaluatorError(f"cannot start scorer {name!r}: {e.strerror or e}") from None
         try:
             rc = await asyncio.wait_for(proc.wait(), timeout_s)
         except TimeoutError:
-            raise EvaluatorError(f"scorer {argv[0]!r} timed out after {timeout_s:.1f}s") from None
+            raise EvaluatorError(f"scorer {name!r} timed out after {timeout_s:.1f}s") from None
         finally:  # also on cancellation: no scorer process outlives its attempt
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -105,7 +129,7 @@ async def run_limited(argv: list[str], cwd: Path, timeout_s: float) -> tuple[int
 
 async def run_runner(
     runner: Path, args: list[str], state_dir: Path, task: Task, what: str,
-    inputs: dict[str, str] | None = None,
+    inputs: dict[str, str] | None = None, confine: Confine | None = None,
 ) -> Any:  # fmt: skip
     """Run a standalone runner script (`python -I RUNNER ARGS --result FILE`) in the scratch
     copy under the task's timeout; the JSON it wrote, or an EvaluatorError if it wrote none.
@@ -116,14 +140,19 @@ async def run_runner(
         for name, text in (inputs or {}).items():
             (Path(tmp) / f"{name}.json").write_text(text)
             argv += [f"--{name}", str(Path(tmp) / f"{name}.json")]
-        rc, _out, err = await run_limited(argv, state_dir, task.scoring.timeout_s)
+        rc, _out, err = await run_limited(
+            argv, state_dir, task.scoring.timeout_s, task, confine, writable=[Path(tmp)]
+        )
         try:
             return json.loads(result.read_text())
         except (OSError, ValueError):
             raise EvaluatorError(f"{what} exited {rc} without a result: {err[-500:]}") from None
 
 
-async def hidden_tests(state_dir: Path, task: Task, transcript: Transcript | None = None) -> Score:
+async def hidden_tests(
+    state_dir: Path, task: Task, transcript: Transcript | None = None,
+    confine: Confine | None = None,
+) -> Score:  # fmt: skip
     """Fraction of the task's hidden test functions that pass against state_dir."""
     from gyre.tasks.check_runner import count_tests, test_files
 
@@ -136,7 +165,7 @@ async def hidden_tests(state_dir: Path, task: Task, transcript: Transcript | Non
         raise EvaluatorError(f"hidden tests {str(tests)!r} define no test_* functions")
     args = ["--tests", str(tests), "--workspace", str(state_dir),
             "--per-test-timeout", str(task.scoring.per_test_timeout_s)]  # fmt: skip
-    payload = await run_runner(CHECK_RUNNER, args, state_dir, task, "check runner")
+    payload = await run_runner(CHECK_RUNNER, args, state_dir, task, "check runner", confine=confine)
     results = payload.get("results", {})
     if set(results) != expected:
         raise EvaluatorError("check runner result does not match the hidden tests")
@@ -152,9 +181,13 @@ async def hidden_tests(state_dir: Path, task: Task, transcript: Transcript | Non
     )
 
 
-async def command(state_dir: Path, task: Task, transcript: Transcript | None = None) -> Score:
+async def command(
+    state_dir: Path, task: Task, transcript: Transcript | None = None,
+    confine: Confine | None = None,
+) -> Score:  # fmt: skip
     """Score printed (last stdout line) by the task's scoring command."""
-    rc, out, err = await run_limited(list(task.scoring.command), state_dir, task.scoring.timeout_s)
+    cfg = task.scoring
+    rc, out, err = await run_limited(list(cfg.command), state_dir, cfg.timeout_s, task, confine)
     if rc != 0:
         raise EvaluatorError(f"scoring command exited {rc}: {err.strip()[-500:]}")
     lines = out.strip().splitlines()
@@ -169,7 +202,10 @@ async def command(state_dir: Path, task: Task, transcript: Transcript | None = N
     return Score(value=value, detail={"stdout_tail": out[-500:]})
 
 
-async def python(state_dir: Path, task: Task, transcript: Transcript | None = None) -> Score:
+async def python(
+    state_dir: Path, task: Task, transcript: Transcript | None = None,
+    confine: Confine | None = None,
+) -> Score:  # fmt: skip
     """Score returned by the task's reward function `fn(workspace, data)`, or
     `fn(workspace, data, transcript)` where the task asks for the transcript."""
     spec = task.scoring.function
@@ -179,7 +215,9 @@ async def python(state_dir: Path, task: Task, transcript: Transcript | None = No
         if transcript is None:
             raise EvaluatorError("the task's rule reads the transcript; no transcript was passed")
         inputs["transcript"] = json.dumps(dict(transcript))
-    payload = await run_runner(PYTHON_RUNNER, args, state_dir, task, "reward runner", inputs)
+    payload = await run_runner(
+        PYTHON_RUNNER, args, state_dir, task, "reward runner", inputs, confine
+    )
     file, _, fn = spec.rpartition(":")
     name = f"{Path(file).name}:{fn}"
     if not isinstance(payload, dict) or "returned" not in payload:
@@ -203,7 +241,10 @@ def returned_score(returned: Any, name: str) -> Score:
     return Score(value=float(value), detail=dict(detail or {}), critique=critique or "")
 
 
-async def tests(state_dir: Path, task: Task, transcript: Transcript | None = None) -> Score:
+async def tests(
+    state_dir: Path, task: Task, transcript: Transcript | None = None,
+    confine: Confine | None = None,
+) -> Score:  # fmt: skip
     """Fraction of the task's FAIL_TO_PASS and PASS_TO_PASS pytest tests that pass."""
     cfg = task.scoring
     listed = [*cfg.fail_to_pass, *cfg.pass_to_pass]
@@ -219,7 +260,9 @@ async def tests(state_dir: Path, task: Task, transcript: Transcript | None = Non
             sys.executable, "-I", str(PYTEST_RUNNER), "--junitxml", str(report),
             "--per-test-timeout", str(cfg.per_test_timeout_s), *present,
         ]  # fmt: skip
-        rc, out, err = await run_limited(argv, state_dir, cfg.timeout_s)
+        rc, out, err = await run_limited(
+            argv, state_dir, cfg.timeout_s, task, confine, writable=[Path(tmp)]
+        )
         if rc == NO_PYTEST:
             raise EvaluatorError(err.strip()[-500:])
         outcomes = junit_outcomes(report, rc, out + err)
@@ -368,11 +411,19 @@ def outcome_of(junit: str | None) -> TestOutcome:
     return "not_reported"
 
 
-RULES: dict[str, ScoringRule] = {
-    "hidden_tests": hidden_tests,
-    "command": command,
-    "python": python,
-    "tests": tests,
-    "judge": Judge(),  # a task's own judge.endpoint; a job puts Judge(its engines) in place
-}
+def rules(confine: Confine | None = None) -> dict[str, ScoringRule]:
+    """Every rule by name, each scoring process wrapped by `confine` (a job passes its
+    harness sandbox's `ScorerSandbox`); `judge` asks a task's own judge.endpoint (a job puts
+    `Judge(its engines)` in its place)."""
+    return {
+        "hidden_tests": partial(hidden_tests, confine=confine),
+        "command": partial(command, confine=confine),
+        "python": partial(python, confine=confine),
+        "tests": partial(tests, confine=confine),
+        "judge": Judge(),
+    }
+
+
+RULES = rules()
+"""The rules with unconfined scoring processes (a library user's `Evaluator()`)."""
 assert tuple(RULES) == RULE_NAMES, "every rule a task may name has exactly one implementation"

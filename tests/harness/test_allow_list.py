@@ -169,7 +169,7 @@ def test_bwrap_binds_the_carved_etc_as_one_snapshot_of_it(execution, tmp_path, m
         workspace_root=run / "workspaces",
     )  # fmt: skip
     with ThreadPoolExecutor(4) as pool:  # a runner's first executions, built at once
-        argvs = list(pool.map(lambda _: sb.bwrap_argv(mounts, ex), range(4)))
+        argvs = list(pool.map(lambda _: sb.bwrap_argv(mounts, ex.workspace), range(4)))
     kept = tmp_path / "cache" / "sandbox-etc"
     assert len(list(kept.iterdir())) == 1  # one copy, no half-written one left
     argv = argvs[0]
@@ -189,13 +189,18 @@ def test_bwrap_binds_the_carved_etc_as_one_snapshot_of_it(execution, tmp_path, m
         Path("/etc").stat().st_mode, Path("/etc").stat().st_uid)  # fmt: skip
     sb.etc_snapshot.cache_clear()  # a later process: the same copy, not a new one
     inode = snapshot.stat().st_ino
-    assert sb.bwrap_argv(mounts, ex)[bind + 1] == str(snapshot) and snapshot.stat().st_ino == inode
+    assert (
+        sb.bwrap_argv(mounts, ex.workspace)[bind + 1] == str(snapshot)
+        and snapshot.stat().st_ino == inode
+    )
     shutil.rmtree(snapshot)  # removed under a live runner: copied again
-    assert sb.bwrap_argv(mounts, ex)[bind + 1] == str(snapshot) and _tree(snapshot) == host
+    assert (
+        sb.bwrap_argv(mounts, ex.workspace)[bind + 1] == str(snapshot) and _tree(snapshot) == host
+    )
     monkeypatch.setenv("GYRE_CACHE_DIR", str(tmp_path / "a-file"))
     (tmp_path / "a-file").write_text("")  # no cache can be kept under it
     sb.etc_snapshot.cache_clear()
-    argv = sb.bwrap_argv(mounts, ex)
+    argv = sb.bwrap_argv(mounts, ex.workspace)
     assert "/etc" not in argv and "/etc/passwd" in argv and "/etc/shadow" not in argv
     sb.etc_snapshot.cache_clear()
 
@@ -246,7 +251,7 @@ def test_the_apptainer_argv_binds_the_same_allow_list(execution, tmp_path, monke
         workspace_root=run / "workspaces",
     )  # fmt: skip
     env = {"HOME": str(ex.home), "PATH": "/usr/bin:/bin", "OPENAI_API_KEY": "key-e0"}
-    argv, outer = sb.apptainer_argv(mounts, ex, "/images/gyre.sif", env)
+    argv, outer = sb.apptainer_argv(mounts, ex.workspace, "/images/gyre.sif", env, home=ex.home)
     assert argv[:9] == [
         str(tmp_path / "bin" / "apptainer"), "exec", "--containall", "--no-mount",
         "hostfs,bind-paths", "--home", str(ex.home), "--pwd", str(ex.workspace),
@@ -264,10 +269,46 @@ def test_the_apptainer_argv_binds_the_same_allow_list(execution, tmp_path, monke
     assert outer["APPTAINERENV_PATH"] == "/usr/bin:/bin" and "APPTAINERENV_HOME" not in outer
     assert "OPENAI_API_KEY" not in outer
     # bwrap renders the very same list (/etc's parts as one copy of them: the test above)
-    bw = sb.bwrap_argv(mounts, ex) if sb.bwrap_available() else None
+    bw = sb.bwrap_argv(mounts, ex.workspace) if sb.bwrap_available() else None
     if bw is not None:
         for m in mounts:
             assert str(m.path) in bw or m.path.is_relative_to("/etc"), m
+
+
+def test_a_scorer_sees_its_own_task_and_scratch_copy_and_no_network(
+    execution, tmp_path, monkeypatch
+):
+    """The scorer's list: its task's directory and hidden tests (read-only), the scratch copy
+    and result folder (read-write), none of another task's hidden files, the run or another
+    execution; bwrap and Apptainer both start it in a network namespace of its own."""
+    ex, task, run = execution
+    scratch, result = tmp_path / "scratch", tmp_path / "result"
+    scratch.mkdir(), result.mkdir()
+    confine = sb.ScorerSandbox("bwrap", workspace_root=run / "workspaces", hide=(run,))
+    mounts = sb.scorer_allow_list(task, [scratch, result], hide=[run],
+                                  workspace_root=run / "workspaces")  # fmt: skip
+    assert task.directory is not None and seen(task.directory / "task.yaml", mounts)
+    assert seen(Path(task.scoring.tests), mounts)
+    assert seen(Path(sb.__file__).resolve().parents[1] / "tasks" / "check_runner.py", mounts)
+    assert [(m.path, m.kind) for m in mounts[-2:]] == [(scratch, "rw"), (result, "rw")]
+    assert [m for m in mounts if m.kind == "rw"] == mounts[-2:]
+    others = [h for h in task.hidden_paths if h not in task.own_hidden_paths]
+    assert others and not [h for h in others if seen(h, mounts)]
+    assert not seen(ex.workspace, mounts) and not seen(run / "workspaces" / "g0-e1", mounts)
+    env = {"HOME": str(scratch), "PATH": "/usr/bin:/bin"}
+    if sb.bwrap_available():
+        argv, _ = confine(["python3", "x.py"], scratch, task, [scratch, result], env)
+        assert "--unshare-net" in argv and argv[-2:] == ["python3", "x.py"]
+        assert argv[argv.index("--chdir") + 1] == str(scratch)
+    fake_apptainer(tmp_path, monkeypatch)
+    boxed = sb.ScorerSandbox("apptainer", workspace_root=run / "workspaces", hide=(run,),
+                             apptainer_image="/images/gyre.sif")  # fmt: skip
+    argv, outer = boxed(["python3", "x.py"], scratch, task, [scratch, result], env)
+    assert outer["APPTAINERENV_PATH"] == "/usr/bin:/bin" and "APPTAINERENV_HOME" not in outer
+    assert argv[4:13] == ["hostfs,bind-paths", "--net", "--network", "none", "--home",
+                          str(scratch), "--pwd", str(scratch), "--bind"]  # fmt: skip
+    assert f"{scratch}:{scratch}" in argv and f"{result}:{result}" in argv
+    assert argv[-3:] == ["/images/gyre.sif", "python3", "x.py"]
 
 
 def test_a_runner_with_the_apptainer_sandbox_starts_the_harness_through_apptainer(

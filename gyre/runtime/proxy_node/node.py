@@ -32,6 +32,7 @@ from typing import Any
 
 from gyre.harness import ExecutionSpec, HarnessRunner, Terminated
 from gyre.harness.judge import HarnessJudge
+from gyre.harness.sandbox import ScorerSandbox
 from gyre.proxy.app import ProxyApp
 from gyre.proxy.config import Config as ProxyConfig
 from gyre.rollout.protocol import engine_key
@@ -43,7 +44,7 @@ from gyre.runtime.shared.heldout import EVAL_ID, heldout, is_evaluation, run_hel
 from gyre.runtime.shared.layout import COORDINATOR_RANK
 from gyre.tasks import AssessmentLog, Evaluator
 from gyre.tasks.judge import Judge
-from gyre.tasks.scoring import RULES, Transcript
+from gyre.tasks.scoring import Transcript, rules
 from gyre.tasks.suite import Task, TaskSuite
 from gyre.trajectory.transcript import transcript
 from gyre.trajectory.tree import TrajectoryTree
@@ -97,9 +98,15 @@ class ExecutionHost:
         )  # fmt: skip
         # the judge rule: a task's own endpoint, else the run's judge engines (`SetJudges`)
         self.judge = Judge(api_key=engine_key(), agent=agent)
+        # scoring runs the policy's code: confined as its harness was, and offline
+        kind = "bwrap" if h.sandbox == "auto" else h.sandbox
+        confine = None if kind == "none" else ScorerSandbox(
+            kind, workspace_root=run_dir / "workspaces", apptainer_image=h.apptainer_image,
+            hide=tuple(Path(d) for d in (run_dir, run_dir.resolve().parent, *hide)),
+        )  # fmt: skip
         self.evaluator = Evaluator(
             Evaluator.Config(max_attempts=h.eval_attempts), log=AssessmentLog(),
-            rules={**RULES, "judge": self.judge},
+            rules={**rules(confine), "judge": self.judge},
         )  # fmt: skip
         self.app: ProxyApp | None = None
         self.url = ""
