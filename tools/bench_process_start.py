@@ -17,8 +17,11 @@ child (mean and standard deviation):
   `learn` suite, as the runner builds it (`sandbox.allow_list`, `bwrap_argv`; the copy of
   /etc it binds found or made before the first start), and `bwrap sandbox, /etc carved`
   with /etc's ~140 entries bound one by one instead. The kernel's work on a sandbox's mounts
-  is charged to no process, so these two rows count the whole machine's busy CPU
-  (/proc/stat) while they run: run them on an idle machine.
+  is charged to no process, so these rows count the whole machine's busy CPU
+  (/proc/stat) while they run: run them on an idle machine;
+* `scorer sandbox` — `/bin/true` in the sandbox a job scores that execution in, its argv
+  built for each start as the evaluator builds it (`ScorerSandbox`: `scorer_allow_list`,
+  no network), the building counted.
 """
 
 from __future__ import annotations
@@ -95,13 +98,20 @@ def sandboxes(repeat: int) -> dict[str, list[float]]:
             *sandbox.bwrap_argv([replace(m, system=False) for m in mounts], ex.workspace),
             "/bin/true",
         ]
-        out: dict[str, list[float]] = {"bwrap sandbox": [], "bwrap sandbox, /etc carved": []}
+        confine = sandbox.ScorerSandbox("bwrap", workspace_root=root, hide=(Path(tmp),))
+
+        def scorer() -> list[str]:
+            return confine(["/bin/true"], ex.workspace, task, [ex.workspace], {})[0]
+
+        out: dict[str, list[float]] = {}
         for _ in range(repeat):
-            for name, argv in (("bwrap sandbox", snapshot), ("bwrap sandbox, /etc carved", carved)):
+            for name, argv in (("bwrap sandbox", lambda: snapshot),
+                               ("bwrap sandbox, /etc carved", lambda: carved),
+                               ("scorer sandbox", scorer)):  # fmt: skip
                 before = _busy_s()
                 for _ in range(20):
-                    subprocess.run(argv, check=True)
-                out[name].append((_busy_s() - before) / 20)
+                    subprocess.run(argv(), check=True)
+                out.setdefault(name, []).append((_busy_s() - before) / 20)
     return out
 
 
