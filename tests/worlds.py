@@ -597,8 +597,10 @@ def megatron_world(base: Path) -> Chain:
     # the satellite joins whenever passes are left (the count check alone): the tiny model's
     # batch trains in 1-2 s, and the cost-aware check, weighing that against the satellite's
     # measured round trip of switches, often (and since reloads leave from the stages, in
-    # every batch of a run) kept it out, so nothing was split
-    cfg["schedule"]["join_payback"] = 0
+    # every batch of a run) kept it out, so nothing was split; and whenever a pass is left
+    # (`join_min_microsteps` 1, not 16): on a loaded machine the core had taken all but a few
+    # before the satellite's join came up (a full suite, 2026-12-07: "only cells {0} trained")
+    cfg["schedule"].update({"join_payback": 0, "join_min_microsteps": 1})
     cfg["checkpoint"] = {"every_steps": 1, "keep": 2}
     config = write_config(base, cfg)
     run_dir = base / "run"

@@ -31,7 +31,9 @@ same pieces (`preempt`, `kill_during`, `resume`, each a `Segment` record).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -82,10 +84,10 @@ def _slow_scoring_suite(tmp_path: Path, run_dir: Path) -> Path:
 
     notes = LEARN_DIR / "notes"
     slow = tmp_path / "slow_score.py"
-    slow.write_text(
+    slow.write_text(  # the checker is named on the command line: the scorer's sandbox shows it
         "import runpy, sys, time\n"
         "time.sleep(1.5)\n"
-        f"sys.argv = [{str(notes / 'hidden' / 'check_notes.py')!r}, *sys.argv[2:]]\n"
+        "sys.argv = sys.argv[2:]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     suite = {"name": "slow", "tasks": [{
@@ -93,7 +95,8 @@ def _slow_scoring_suite(tmp_path: Path, run_dir: Path) -> Path:
         "workspace": str(notes / "workspace"),
         # the run directory rides along as an argument: the scorer is findable by it
         "scoring": {"rule": "command", "timeout_s": 30, "command": [
-            "python3", str(slow), str(run_dir.resolve()), "--initial", str(notes / "workspace")]},
+            "python3", str(slow), str(run_dir.resolve()), str(notes / "hidden" / "check_notes.py"),
+            "--initial", str(notes / "workspace")]},
     }]}  # fmt: skip
     path = tmp_path / "slow.yaml"
     path.write_text(yaml.safe_dump(suite))
@@ -111,6 +114,15 @@ def _fresh_scorers(run_dir: Path, exclude: list[int], timeout: float = 240) -> l
             return fresh
         time.sleep(0.05)
     raise AssertionError(f"no scorer started within {timeout}s")
+
+
+def _sessions(procs: list[Proc]) -> set[int]:
+    """The sessions `procs` belong to (a scoring process starts one, `run_limited`)."""
+    out = set()
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            out.add(os.getsid(p.pid))
+    return out
 
 
 @pytest.mark.mpi
@@ -136,8 +148,9 @@ def test_engine_harness_and_scorer_kills_are_absorbed(tmp_path: Path) -> None:
             harnesses.append(wait_for(run_dir, "harness", exclude=killed))
             killed += kill(harnesses[-1:])
             scorers = _fresh_scorers(run_dir, exclude=killed)
+            attempts = _sessions(scorers)  # one scoring: its sandbox's processes and the checker
             killed += kill(scorers)
-            scorers_killed += len(scorers)
+            scorers_killed += len(attempts)
             assert gone([p.pid for p in scorers]), "a killed scorer is still alive"
         rc, out = finish(proc)
     finally:

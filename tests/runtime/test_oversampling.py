@@ -132,8 +132,10 @@ def _run(tmp_path: Path) -> Path:
     cfg["schedule"].update(
         group_size=N, oversample=K, batch_groups=B, phi=0.0, mu=1, concurrency_per_cell=1
     )
+    # sandbox none: the crash-once scorer keeps its marker across scorings, outside the
+    # scratch copy, which a confined scorer cannot write (docs/tasks.md "Scoring rules")
     cfg["harness"].update(suite=str(crash_once_suite(tmp_path)), tasks=["notes"],
-                          eval_attempts=1)  # fmt: skip
+                          eval_attempts=1, sandbox="none")  # fmt: skip
     cfg["harness"]["params"].update({"max_turns": "2", "max_tokens": "96"})
     return run_to_end(tmp_path, cfg, timeout=240)
 
