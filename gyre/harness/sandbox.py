@@ -113,7 +113,7 @@ def scorer_allow_list(
     deny = _deny([p for p in task.hidden_paths if p not in own], hide, workspace_root)
     named = [Path(a.partition("=")[2] or a) for a in task.scoring.command]
     task_files = [*([task.directory] if task.directory is not None else []), *own]
-    task_files += [p for p in named if p.is_absolute() and p.exists()]
+    task_files += [p for p in named if p.is_absolute() and p != Path("/") and p.exists()]
     mounts = _system_view([], deny)  # (own files inside the directory: `_ordered` drops them)
     mounts += [m for p in task_files for m in _root(Path(p), False, deny)]
     return _ordered(mounts) + [Mount(Path(p).resolve(), "rw") for p in writable]

@@ -15,6 +15,7 @@ import stat
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -295,6 +296,16 @@ def test_a_scorer_sees_its_own_task_and_scratch_copy_and_no_network(
     others = [h for h in task.hidden_paths if h not in task.own_hidden_paths]
     assert others and not [h for h in others if seen(h, mounts)]
     assert not seen(ex.workspace, mounts) and not seen(run / "workspaces" / "g0-e1", mounts)
+    # a scoring command's files are its own wherever they lie; "/" never opens the machine
+    checker = tmp_path / "checkers" / "check.py"
+    checker.parent.mkdir()
+    checker.write_text("print(1)\n")
+    (tmp_path / "checkers" / "other.py").write_text("")
+    scoring = replace(task.scoring, rule="command", command=["python3", str(checker), "/"])
+    named = sb.scorer_allow_list(replace(task, scoring=scoring), [scratch], hide=[run],
+                                 workspace_root=run / "workspaces")  # fmt: skip
+    assert seen(checker, named) and not seen(tmp_path / "checkers" / "other.py", named)
+    assert not seen(Path.home(), named) and not seen(tmp_path / "other-run", named)
     env = {"HOME": str(scratch), "PATH": "/usr/bin:/bin"}
     if sb.bwrap_available():
         argv, _ = confine(["python3", "x.py"], scratch, task, [scratch, result], env)
