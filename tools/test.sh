@@ -8,9 +8,12 @@
 #
 # CI runs everything (no --fast).
 # ruff and mypy run beside pytest (they take a core for a minute while the suite mostly waits
-# on its subprocesses); pytest runs on pytest-xdist workers (`--dist loadgroup`: the Slurm tests
-# share one worker, tests/conftest.py). Every skip except the CUDA-only ones fails the run
-# (GYRE_NO_SKIP=1). The exit status is non-zero if any of the three failed.
+# on its subprocesses); pytest runs on pytest-xdist workers (`--dist loadgroup`, tests/conftest.py).
+# The whole suite (no arguments) runs the Slurm tests as a lane of their own beside the
+# workers (GYRE_TEST_SLURM_LANE=0: on a worker, as with arguments): they mostly wait on the
+# local cluster (a requeue, slurmctld's scheduling), ~200 s of one worker for a fraction of a
+# core. Every skip except the CUDA-only ones fails the run (GYRE_NO_SKIP=1). The exit status is
+# non-zero if any of them failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 select=()
@@ -39,13 +42,32 @@ trap 'rm -f "$lint_log"' EXIT
 ) >"$lint_log" 2>&1 &
 lint=$!
 
-echo "== $(date -u +%T) pytest ($workers workers)"
+lane=""
+if ((${#select[@]} == 0 && $# == 0)) && [[ "${GYRE_TEST_SLURM_LANE:-1}" == 1 ]]; then
+  lane_log=$(mktemp)
+  trap 'rm -f "$lint_log" "$lane_log"' EXIT
+  (
+    export GYRE_TEST_TIMINGS="${GYRE_TEST_TIMINGS:+$GYRE_TEST_TIMINGS.slurm}"
+    python3 -m pytest -q -m slurm --durations=10
+  ) >"$lane_log" 2>&1 &
+  lane=$!
+  select=(-m "not slurm")
+fi
+
+echo "== $(date -u +%T) pytest ($workers workers${lane:+, and the Slurm tests beside them})"
 status=0
 python3 -m pytest -q -n "$workers" --dist loadgroup --durations=20 "${select[@]}" "$@" || status=$?
 
+lane_status=0
+if [[ -n "$lane" ]]; then
+  wait "$lane" || lane_status=$?
+  echo "== $(date -u +%T) the Slurm tests"
+  cat "$lane_log"
+fi
 lint_status=0
 wait "$lint" || lint_status=$?
 cat "$lint_log"
 if ((lint_status)); then echo "== lint / type-check FAILED (exit $lint_status)"; fi
+if ((lane_status)); then echo "== pytest of the Slurm tests FAILED (exit $lane_status)"; fi
 if ((status)); then echo "== pytest FAILED (exit $status)"; fi
-exit $((status || lint_status))
+exit $((status || lane_status || lint_status))
