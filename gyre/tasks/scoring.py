@@ -3,8 +3,9 @@
 A rule is an async callable `score(state_dir, task) -> Score`; it always runs against a
 scratch copy of a frozen snapshot, in a subprocess with a timeout, so nothing it does can
 change the assessed state. `rules(confine)` wraps each of those subprocesses in `confine`
-(a job's: its harness sandbox's `ScorerSandbox`), for the code it runs is the policy's. A rule raises `EvaluatorError` when it cannot produce a score
-(crash, timeout, unreadable output): that is an *unresolved* assessment, never a zero.
+(a job's: its harness sandbox's `ScorerSandbox`), for the code it runs is the policy's. A
+rule raises `EvaluatorError` when it cannot produce a score (crash, timeout, unreadable
+output): that is an *unresolved* assessment, never a zero.
 Failing tests are not an evaluator failure: they are a valid, low score.
 
 Rules (name -> class in `RULES`):

@@ -258,8 +258,8 @@ def test_the_work_cannot_customize_the_python_a_scorer_starts(tmp_path: Path) ->
     from gyre.tasks.suite import load_suite
 
     python = str(Path(sys.base_prefix) / "bin" / "python3")  # not a venv's: it reads the user site
-    site = Path(subprocess.check_output([python, "-c", "import site; print(site.USER_SITE)"],
-                                        env={"HOME": str(tmp_path)}, text=True).strip())  # fmt: skip
+    ask = [python, "-c", "import site; print(site.USER_SITE)"]
+    site = Path(subprocess.check_output(ask, env={"HOME": str(tmp_path)}, text=True).strip())
     site.mkdir(parents=True)
     (site / "usercustomize.py").write_text("print('customized')\n")
     argv = [python, "-c", "print('scored')"]
