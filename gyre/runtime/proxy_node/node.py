@@ -79,6 +79,9 @@ class ExecutionHost:
         self.suite, self.task_names = load_tasks(cfg)  # the run's one load of its suite
         self.adapter = cfg.harness.adapter_object()
         h = cfg.harness
+        # harnesses, the agentic judge and scorers: one sandbox, one list of what it hides
+        kind = "bwrap" if h.sandbox == "auto" else h.sandbox
+        hidden = [str(d) for d in (run_dir, run_dir.resolve().parent, *hide)]
         self.runner = HarnessRunner(
             HarnessRunner.Config(
                 workspace_root=str(run_dir / "workspaces"),
@@ -86,23 +89,21 @@ class ExecutionHost:
                 overall_timeout_s=h.overall_timeout_s,
                 kill_grace_s=h.kill_grace_s,
                 keep_env=["OMP_NUM_THREADS", "HF_HUB_OFFLINE"],
-                sandbox="bwrap" if h.sandbox == "auto" else h.sandbox,
+                sandbox=kind,
                 apptainer_image=h.apptainer_image,
-                hide=[str(d) for d in (run_dir, run_dir.resolve().parent, *hide)],
+                hide=hidden,
             )
         )
         agent = HarnessJudge(
-            "bwrap" if h.sandbox == "auto" else h.sandbox, apptainer_image=h.apptainer_image,
-            keep_env=["OMP_NUM_THREADS", "HF_HUB_OFFLINE"],
-            hide=[str(d) for d in (run_dir, run_dir.resolve().parent, *hide)],
+            kind, apptainer_image=h.apptainer_image,
+            keep_env=["OMP_NUM_THREADS", "HF_HUB_OFFLINE"], hide=hidden,
         )  # fmt: skip
         # the judge rule: a task's own endpoint, else the run's judge engines (`SetJudges`)
         self.judge = Judge(api_key=engine_key(), agent=agent)
         # scoring runs the policy's code: confined as its harness was, and offline
-        kind = "bwrap" if h.sandbox == "auto" else h.sandbox
         confine = None if kind == "none" else ScorerSandbox(
             kind, workspace_root=run_dir / "workspaces", apptainer_image=h.apptainer_image,
-            hide=tuple(Path(d) for d in (run_dir, run_dir.resolve().parent, *hide)),
+            hide=tuple(map(Path, hidden)),
         )  # fmt: skip
         self.evaluator = Evaluator(
             Evaluator.Config(max_attempts=h.eval_attempts), log=AssessmentLog(),
