@@ -12,6 +12,7 @@ checks by pid that it is really gone.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -143,3 +144,10 @@ def gone(pids: list[int], timeout: float = 30) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def rendezvous(folder: Path) -> str:
+    """The init URL of a test's own torch.distributed world: a file store in a new folder under
+    `folder`. No port is picked and then bound later, so no other process on the machine can
+    take it in between (EADDRINUSE on a busy machine)."""
+    return f"file://{tempfile.mkdtemp(prefix='rendezvous-', dir=folder)}/store"

@@ -145,14 +145,12 @@ def run_batch(cell: Any, steps: list, info: Any) -> dict[str, Any]:
 def megatron_world(device: str) -> None:
     import torch.distributed as dist
 
-    from gyre.rollout.serving.process import free_port
     from gyre.train.megatron.config import MegatronConfig
     from gyre.train.megatron.model import init_model_parallel
 
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # a world of one: an in-process store, no port
         backend = "nccl" if device.startswith("cuda") else "gloo"
-        url = f"tcp://127.0.0.1:{free_port()}"
-        dist.init_process_group(backend, init_method=url, rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     init_model_parallel(MegatronConfig(), device)
 
 
@@ -482,22 +480,21 @@ def section_megatron_tp2(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.multiprocessing as mp
 
-    from gyre.rollout.serving.process import free_port
-
     cuda = args.device.startswith("cuda")
     if cuda and torch.cuda.device_count() < 2:
         return {"status": "skipped",
                 "reason": f"needs 2 GPUs (NCCL, one per TP rank); {torch.cuda.device_count()} "
                           "visible"}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(tp2_rank, args=(args.device, args.size, free_port(), tmp), nprocs=2, join=True)
+        mp.spawn(tp2_rank, args=(args.device, args.size, tmp), nprocs=2, join=True)
         out: dict[str, Any] = json.loads((Path(tmp) / "result.json").read_text())
     out["status"] = "ok"
     return out
 
 
-def tp2_rank(rank: int, device: str, size: str, port: int, tmp: str) -> None:
-    """One TP rank of `section_megatron_tp2` (rank 0 also runs the torch reference)."""
+def tp2_rank(rank: int, device: str, size: str, tmp: str) -> None:
+    """One TP rank of `section_megatron_tp2` (rank 0 also runs the torch reference); the two
+    meet at a file store in `tmp` (no port to pick and lose to another process)."""
     import torch
     import torch.distributed as dist
 
@@ -514,7 +511,7 @@ def tp2_rank(rank: int, device: str, size: str, port: int, tmp: str) -> None:
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{tmp}/store",
                             rank=rank, world_size=2)  # fmt: skip
     try:
         cfg = MegatronConfig(tensor_parallel=2, dtype="float32")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,12 +34,6 @@ def cuda() -> str:
     return "cuda"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def megatron_world() -> Iterator[None]:
     pytest.importorskip("megatron.core", reason="megatron-core not installed (extra gyre[gpu])")
@@ -50,9 +43,7 @@ def megatron_world() -> Iterator[None]:
     from gyre.train.megatron.config import MegatronConfig
     from gyre.train.megatron.model import init_model_parallel
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     init_model_parallel(MegatronConfig(dtype="float32"), "cpu")
     try:
         yield

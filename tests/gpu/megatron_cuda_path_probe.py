@@ -22,7 +22,6 @@ Writes {"cuda": {attention: result}, "patches": {...}, "cpu_on_gpu_machine": res
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import warnings
 from typing import Any
@@ -54,12 +53,6 @@ def stand_in_cuda() -> None:
         module.get_rng_state = _get_rng_state  # type: ignore[attr-defined]
         module.set_rng_state = _set_rng_state  # type: ignore[attr-defined]
         module.manual_seed = _manual_seed  # type: ignore[attr-defined]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _step() -> Any:
@@ -133,8 +126,7 @@ def main(out: str) -> None:
 
     from gyre.models import load_model
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                            world_size=1)  # fmt: skip
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     hf, _ = load_model("tiny")
     result: dict[str, Any] = {"cuda": {a: first_pass(hf, a, "cuda:0") for a in ("sdpa", "local")}}
     result["patches"] = patches()

@@ -1,7 +1,7 @@
 """One rank of a tensor-parallel Megatron world on CPU (gloo) running a tiny random model of one
 family, for test_gpu_megatron_families.py.
 
-    python megatron_family_worker.py RANK WORLD PORT OUT_DIR FAMILY \
+    python megatron_family_worker.py RANK WORLD INIT OUT_DIR FAMILY \
         [ATTENTION [PIPELINE [SEQUENCE [EXPERT]]]]
 
 FAMILY is a key of `FAMILIES` (Qwen3 dense, Qwen3-MoE with and without renormalized top-k,
@@ -72,7 +72,7 @@ def tiny_family(family: str, experts: int = 4) -> torch.nn.Module:
 def main(
     rank: int,
     world: int,
-    port: int,
+    init: str,
     out: str,
     family: str,
     attention: str,
@@ -82,7 +82,7 @@ def main(
 ) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=world)  # fmt: skip
     from gyre.train.megatron.config import MegatronConfig
     from gyre.train.megatron.model import MegatronCell, build_rank_model, pad_to_multiple
@@ -124,7 +124,7 @@ if __name__ == "__main__":
     main(
         int(sys.argv[1]),
         int(sys.argv[2]),
-        int(sys.argv[3]),
+        sys.argv[3],
         sys.argv[4],
         sys.argv[5],
         sys.argv[6] if len(sys.argv) > 6 else "sdpa",

@@ -1,7 +1,7 @@
 """One rank of a tensor- and pipeline-parallel Megatron world on CPU (gloo), for
 test_gpu_megatron_cpu.py.
 
-    python megatron_tp_worker.py RANK WORLD PORT OUT_DIR [PIPELINE [DTYPE [ATTENTION [SEQUENCE]]]]
+    python megatron_tp_worker.py RANK WORLD INIT OUT_DIR [PIPELINE [DTYPE [ATTENTION [SEQUENCE]]]]
 
 Builds Gyre's GPTModel of the tiny Qwen2 (`stage_to_mcore` + `build_rank_model`: this rank's
 TP shard of its pipeline stage; TP = WORLD / PIPELINE) in DTYPE (float32, or bfloat16 with the
@@ -23,7 +23,7 @@ import torch.distributed as dist
 def main(
     rank: int,
     world: int,
-    port: int,
+    init: str,
     out: str,
     pipeline: int = 1,
     dtype: str = "float32",
@@ -32,7 +32,7 @@ def main(
 ) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=world)  # fmt: skip
     from gyre.models import load_model
     from gyre.train.megatron import cpu
@@ -68,7 +68,7 @@ if __name__ == "__main__":
     main(
         int(sys.argv[1]),
         int(sys.argv[2]),
-        int(sys.argv[3]),
+        sys.argv[3],
         sys.argv[4],
         pipeline,
         dtype,

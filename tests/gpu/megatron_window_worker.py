@@ -1,7 +1,7 @@
 """One rank of a TP x PP Megatron world on CPU (gloo) running a window of micro-steps both
 ways, for test_gpu_megatron_window.py.
 
-    python megatron_window_worker.py RANK WORLD PORT OUT_DIR PIPELINE MICROSTEPS [ORDER]
+    python megatron_window_worker.py RANK WORLD INIT OUT_DIR PIPELINE MICROSTEPS [ORDER]
 
 Builds the tiny Qwen2's `MegatronCell` (this rank's TP shard of its stage), then runs the
 same MICROSTEPS micro-steps (rows of different widths, an execution spread over two of
@@ -44,11 +44,11 @@ def window(count: int) -> list:
     return steps
 
 
-def main(rank: int, world: int, port: int, out: str, pipeline: int, count: int,
+def main(rank: int, world: int, init: str, out: str, pipeline: int, count: int,
          order: str = "same") -> None:  # fmt: skip
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=world)  # fmt: skip
     from gyre.models import load_model
     from gyre.train.megatron.config import MegatronConfig
@@ -85,4 +85,4 @@ def main(rank: int, world: int, port: int, out: str, pipeline: int, count: int,
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(int(a[0]), int(a[1]), int(a[2]), a[3], int(a[4]), int(a[5]), *a[6:7])
+    main(int(a[0]), int(a[1]), a[2], a[3], int(a[4]), int(a[5]), *a[6:7])

@@ -167,17 +167,16 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_prefix_groups_reduce_and_broadcast_between_processes():
+def test_prefix_groups_reduce_and_broadcast_between_processes(tmp_path):
     """Six real ranks (3 cells x 2 shards) build the groups with gloo; the core's ranks get
     the per-shard sums over the prefix and satellites get the core's values."""
     import json
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    from processes import rendezvous
+
+    url = rendezvous(tmp_path)
     procs = [subprocess.Popen([sys.executable, "-c", GROUP_WORKER, url, str(r)],
                               stdout=subprocess.PIPE, text=True) for r in range(6)]  # fmt: skip
     try:

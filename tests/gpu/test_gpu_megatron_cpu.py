@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from processes import rendezvous
 
 from gyre.train.packing import MicroStep
 
@@ -52,12 +52,6 @@ def _hf_reference(step: MicroStep) -> tuple[torch.Tensor, dict[str, torch.Tensor
     return logp.detach(), {n: p.grad.clone() for n, p in hf.named_parameters()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_world(
     workers: Any,
     tmp_path: Path,
@@ -70,8 +64,8 @@ def _run_world(
 ) -> list[dict]:
     """Every rank's results of one micro-step through a TP x PP world of gloo processes."""
     torch.save(step, tmp_path / "step.pt")
-    port, world = _free_port(), tp * pp
-    procs = [subprocess.Popen(workers.command(WORKER, r, world, port, tmp_path, pp, dtype,
+    init, world = rendezvous(tmp_path), tp * pp
+    procs = [subprocess.Popen(workers.command(WORKER, r, world, init, tmp_path, pp, dtype,
                                               attention, sequence),
                               env=workers.env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)

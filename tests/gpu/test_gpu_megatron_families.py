@@ -16,7 +16,6 @@ error for a family the mapping does not know.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from processes import rendezvous
 
 from gyre.errors import ConfigError
 from gyre.train.megatron.config import (
@@ -289,12 +289,6 @@ def _step(vocab: int) -> MicroStep:  # an odd width: sequence parallelism pads i
     return random_step(np.random.default_rng(0), (13, 7, 9), vocab=vocab)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_world(
     workers: Any,
     tmp_path: Path,
@@ -307,8 +301,8 @@ def _run_world(
     ep: int = 1,
 ) -> list:
     torch.save(step, tmp_path / "step.pt")
-    port = _free_port()
-    procs = [subprocess.Popen(workers.command(WORKER, r, tp * pp, port, tmp_path, family,
+    init = rendezvous(tmp_path)
+    procs = [subprocess.Popen(workers.command(WORKER, r, tp * pp, init, tmp_path, family,
                                               attention, pp, sequence, ep),
                               env=workers.env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)

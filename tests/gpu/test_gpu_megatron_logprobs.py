@@ -37,8 +37,8 @@ def test_vocab_parallel_logprobs_match_reference(megatron_world, dtype, rows):
 _RANK = """
 import sys, torch, torch.distributed as dist
 from gyre.train.objective import VocabShard, target_logprobs
-rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+rank, init, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
 ops = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
 case = torch.load(f"{out}/case.pt")
 results = {}
@@ -60,9 +60,10 @@ def test_chunked_logprobs_over_a_vocabulary_split_in_two(tmp_path) -> None:
     per row): both ranks get the whole vocabulary's log-probs, and the two shards' gradients
     put side by side are the full logits' gradient, against `target_logprobs` on the whole
     logits; float32 and bfloat16 (targets in both halves)."""
-    import socket
     import subprocess
     import sys
+
+    from processes import rendezvous
 
     gen = torch.Generator().manual_seed(0)
     base = 3 * torch.randn(3, 11, 40, generator=gen)
@@ -71,10 +72,8 @@ def test_chunked_logprobs_over_a_vocabulary_split_in_two(tmp_path) -> None:
             "weights": torch.randn(3, 11, generator=gen)}  # fmt: skip
     assert (case["ids"] < 20).any() and (case["ids"] >= 20).any()
     torch.save(case, tmp_path / "case.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), port, str(tmp_path)],
+    init = rendezvous(tmp_path)
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), init, str(tmp_path)],
                               stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
     for p in procs:
         _, err = p.communicate(timeout=120)

@@ -13,13 +13,13 @@ stages, the vocab-parallel log-probs and the TP sums inside a window).
 from __future__ import annotations
 
 import importlib.util
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from processes import rendezvous
 
 # each test starts a world of 2-4 Megatron worker processes (16-31 s here): not the --fast loop
 pytestmark = pytest.mark.slow
@@ -30,15 +30,9 @@ WORKER = Path(__file__).with_name("megatron_window_worker.py")
 MICROSTEPS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(workers: Any, tmp_path: Path, tp: int, pp: int, order: str = "same") -> list[dict]:
-    port, world = _free_port(), tp * pp
-    procs = [subprocess.Popen(workers.command(WORKER, r, world, port, tmp_path, pp, MICROSTEPS,
+    init, world = rendezvous(tmp_path), tp * pp
+    procs = [subprocess.Popen(workers.command(WORKER, r, world, init, tmp_path, pp, MICROSTEPS,
                                               order),
                               env=workers.env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)

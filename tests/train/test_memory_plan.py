@@ -161,7 +161,7 @@ from gyre.train.megatron.config import MegatronConfig
 from gyre.train.megatron.model import build_gpt_model, init_model_parallel
 sys.path.insert(0, sys.argv[1])
 from test_memory_plan import saved_bytes
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)
+dist.init_process_group("gloo", init_method=sys.argv[2], rank=0, world_size=1)
 out = []
 for config, dtype, attention, tokens in json.loads(sys.argv[3]):
     cfg = MegatronConfig(dtype=dtype, attention=attention)
@@ -176,10 +176,10 @@ print(json.dumps(out))
 """
 
 
-def test_megatron_activations_are_what_autograd_saves() -> None:
+def test_megatron_activations_are_what_autograd_saves(tmp_path: Path) -> None:
     """Megatron's layer (TP 1, in a subprocess: its own gloo world), sdpa and local."""
     pytest.importorskip("megatron.core")
-    import socket
+    from processes import rendezvous
 
     cases = [(hf(**c), d, a, 128) for c in ({}, {"intermediate_size": 384},
                                             {"hidden_size": 128}, {"num_attention_heads": 8},
@@ -187,12 +187,9 @@ def test_megatron_activations_are_what_autograd_saves() -> None:
              for d in ("float32", "bfloat16") for a in ("sdpa", "local")]  # fmt: skip
     cases += [({**QWEN3_MOE, **c}, d, "sdpa", 128) for d in ("float32", "bfloat16")
               for c in ({"num_experts_per_tok": 4}, {"moe_intermediate_size": 96})]  # fmt: skip
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", MEGATRON_CHILD, str(Path(__file__).parent),
-                           str(port), json.dumps(cases)], capture_output=True, text=True,
+                           rendezvous(tmp_path), json.dumps(cases)], capture_output=True, text=True,
                           env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     counted = json.loads(proc.stdout.strip().splitlines()[-1])
