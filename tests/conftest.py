@@ -32,6 +32,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the only skips a CPU machine may report: tests that need a CUDA device
 ALLOWED_SKIPS = ("needs a CUDA device",)
 TOP = 20
+SLURM_TESTS = Path(__file__).parent / "launch"
+"""Where every test marked `slurm` lives: tools/test.sh's Slurm lane collects only this folder."""
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -41,6 +43,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     short ones fill the gaps instead of leaving one long test alone at the end."""
     for item in items:
         if item.get_closest_marker("slurm"):
+            if not item.path.is_relative_to(SLURM_TESTS):
+                raise pytest.UsageError(
+                    f"{item.nodeid}: a Slurm test lives in tests/launch, the "
+                    "only folder tools/test.sh's Slurm lane collects"
+                )
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif "e2e_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("e2e"))  # one shared world, run once
