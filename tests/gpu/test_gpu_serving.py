@@ -30,7 +30,7 @@ from gyre.rollout.protocol import (
 )
 from gyre.rollout.serving.config import ServerConfig
 from gyre.rollout.serving.nccl import rank_offsets
-from gyre.rollout.serving.process import EngineProcess, free_port
+from gyre.rollout.serving.process import EngineProcess
 
 
 def test_launch_commands_from_config():
@@ -207,29 +207,36 @@ with or without destroy_process_group, 0 of 30 with os._exit — which failed a 
 
 
 def test_core_side_update_group_broadcasts_in_order():
-    """The core opens its side while two 'engine ranks' join; tensors arrive in order."""
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), str(r)],
-                              stdout=subprocess.PIPE, text=True) for r in (1, 2)]  # fmt: skip
+    """The core listens (`listen`: the port its bind picked, as a publication does) and opens
+    its side on that store while two 'engine ranks' join at the port; tensors arrive in order."""
+    code = textwrap.dedent(
+        """
+        import os, sys, torch
+        from gyre.rollout.protocol import UpdateGroup
+        from gyre.rollout.serving.nccl import broadcast_tensors, listen, open_update_group
+        store = listen("127.0.0.1", 3, 60)
+        print(store.port, flush=True)
+        g = UpdateGroup(master_address="127.0.0.1", master_port=store.port, world_size=3,
+                        group_name="gyre_test", backend="gloo")
+        pg = open_update_group(g, timeout=60, store=store)
+        broadcast_tensors(pg, [torch.ones(3, 2), torch.arange(5, dtype=torch.float64)])
+        import torch.distributed as dist
+        dist.barrier(group=pg)
+        os._exit(0)  # see EXIT
+        """
+    )
+    core = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    procs: list[subprocess.Popen[str]] = []
     try:
-        code = textwrap.dedent(
-            f"""
-            import torch
-            from gyre.rollout.protocol import UpdateGroup
-            from gyre.rollout.serving.nccl import open_update_group, broadcast_tensors
-            g = UpdateGroup(master_address="127.0.0.1", master_port={port}, world_size=3,
-                            group_name="gyre_test", backend="gloo")
-            pg = open_update_group(g, rank=0, timeout=60)
-            broadcast_tensors(pg, [torch.ones(3, 2), torch.arange(5, dtype=torch.float64)])
-            import os, torch.distributed as dist
-            dist.barrier(group=pg)
-            os._exit(0)  # see EXIT
-            """
-        )
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+        assert core.stdout is not None
+        port = core.stdout.readline().strip()
+        assert port.isdigit(), f"the core printed no port (exit {core.wait(timeout=60)})"
+        procs = [subprocess.Popen([sys.executable, "-c", RECEIVER, port, str(r)],
+                                  stdout=subprocess.PIPE, text=True) for r in (1, 2)]  # fmt: skip
         outs = [p.communicate(timeout=60)[0].split() for p in procs]
+        assert core.wait(timeout=60) == 0
     finally:
-        for p in procs:
+        for p in [core, *procs]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
