@@ -7,6 +7,8 @@ engines carry GYRE_RUN_DIR / GYRE_ENGINE_INDEX, or, forked by their rank's zygot
 command line and environment they keep), the name ``gyre-engine-<index>``; harnesses and scorers carry the run's
 workspace paths on their command line. A kill test finds its victim here and, afterwards,
 checks by pid that it is really gone.
+
+Also where a test's own torch.distributed world meets (`rendezvous`).
 """
 
 from __future__ import annotations
